@@ -1,0 +1,281 @@
+"""The NVFP4 array type and jittable quantization recipes (bit-exact with ``oracle.quantize``).
+
+``NVFP4Array`` is a JAX pytree holding
+
+* ``codes``        uint8 [..., K/2]: E2M1 codes, element 2j in the low nibble;
+* ``scales``       float8_e4m3fn: one UE4M3 scale per 16 values; ``[..., K/16]`` in the
+                   ``linear`` layout, or flat ``[..., Mp*Kp]`` per matrix in ``swizzled_128x4``
+                   / ``swizzled_8x4`` (``oracle.layouts`` defines them);
+* ``decode_scale`` float32, shape ``()`` or ``shape[:-2]`` (one per matrix of a stack, e.g. per
+                   expert): ModelOpt's ``weight_scale_2`` / ``input_scale`` (amax/2688);
+
+and static metadata ``shape`` (logical ``[..., K]``) and ``layout``.
+``x ~= e2m1(code) * e4m3(scale) * decode_scale``.
+
+Recipes here: ``trtllm`` (TensorRT-LLM exact / fast-math-disabled variant), ``modelopt``,
+``jax`` and ``b12x`` (direct division); see ``oracle.quantize`` for the arithmetic of each.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import formats as F
+from .layouts import LAYOUTS, padded_shape, swizzle, unswizzle
+
+BLOCK = 16
+JAX_RECIPES = ("trtllm", "modelopt", "jax", "b12x")
+_FLT_MAX = float(np.finfo(np.float32).max)
+
+
+@jax.tree_util.register_pytree_node_class
+@dataclasses.dataclass(frozen=True)
+class NVFP4Array:
+    """NVFP4 tensor (see module docstring). Build with :func:`quantize` or :meth:`from_parts`."""
+
+    codes: Any
+    scales: Any
+    decode_scale: Any
+    shape: tuple[int, ...]
+    layout: str = "linear"
+
+    # -- pytree ---------------------------------------------------------------------------
+    def tree_flatten(self):
+        return (self.codes, self.scales, self.decode_scale), (self.shape, self.layout)
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        obj = object.__new__(cls)
+        for name, val in zip(("codes", "scales", "decode_scale"), children):
+            object.__setattr__(obj, name, val)
+        object.__setattr__(obj, "shape", aux[0])
+        object.__setattr__(obj, "layout", aux[1])
+        return obj
+
+    # -- construction and validation ------------------------------------------------------
+    @classmethod
+    def from_parts(
+        cls,
+        codes,
+        scales,
+        decode_scale,
+        *,
+        layout: str = "linear",
+        shape: tuple[int, ...] | None = None,
+    ) -> "NVFP4Array":
+        """Wrap existing arrays, validating dtypes, shapes and layout.
+
+        ``scales`` must be ``float8_e4m3fn``: raw uint8 bytes are rejected rather than guessed
+        (a numeric cast of the bytes would be garbage; view them with
+        ``jax.lax.bitcast_convert_type(s, jnp.float8_e4m3fn)``).
+        """
+        codes = jnp.asarray(codes)
+        scales = jnp.asarray(scales)
+        decode_scale = jnp.asarray(decode_scale)
+        if shape is None:
+            shape = tuple(codes.shape[:-1]) + (2 * codes.shape[-1],)
+        obj = cls(codes, scales, decode_scale, tuple(int(s) for s in shape), layout)
+        obj.validate()
+        return obj
+
+    def validate(self) -> "NVFP4Array":
+        """Raise ValueError/TypeError naming the field if anything is inconsistent."""
+        shape, layout = self.shape, self.layout
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout: expected one of {LAYOUTS}, got {layout!r}")
+        if len(shape) < 1 or shape[-1] % BLOCK:
+            raise ValueError(f"shape: last dimension K must be a multiple of {BLOCK}, got {shape}")
+        if self.codes.dtype != jnp.uint8:
+            raise TypeError(f"codes: expected uint8 (two E2M1 codes per byte), got {self.codes.dtype}")
+        want = shape[:-1] + (shape[-1] // 2,)
+        if tuple(self.codes.shape) != want:
+            raise ValueError(f"codes: expected shape {want} for logical shape {shape}, got {self.codes.shape}")
+        if self.scales.dtype != jnp.float8_e4m3fn:
+            hint = (
+                " (raw bytes? view them with lax.bitcast_convert_type(s, jnp.float8_e4m3fn); "
+                "a numeric cast would reinterpret them)" if self.scales.dtype == jnp.uint8 else ""
+            )
+            raise TypeError(f"scales: expected float8_e4m3fn, got {self.scales.dtype}{hint}")
+        rows = int(np.prod(shape[-2:-1])) if len(shape) >= 2 else 1
+        kv = shape[-1] // BLOCK
+        if layout == "linear":
+            want_s = shape[:-1] + (kv,)
+        else:
+            if len(shape) < 2:
+                raise ValueError(f"layout: {layout} needs a matrix (rank >= 2), got shape {shape}")
+            mp, kp = padded_shape(rows, kv, layout)
+            want_s = shape[:-2] + (mp * kp,)
+        if tuple(self.scales.shape) != want_s:
+            raise ValueError(
+                f"scales: expected shape {want_s} for layout {layout!r} and logical shape "
+                f"{shape}, got {self.scales.shape}"
+            )
+        ds = tuple(self.decode_scale.shape)
+        if ds not in ((), shape[:-2]):
+            raise ValueError(f"decode_scale: expected shape () or {shape[:-2]}, got {ds}")
+        if self.decode_scale.dtype != jnp.float32:
+            raise TypeError(f"decode_scale: expected float32, got {self.decode_scale.dtype}")
+        return self
+
+    # -- conveniences ----------------------------------------------------------------------
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def linear_scales(self) -> jax.Array:
+        """Scales in the linear layout ``[..., K/16]`` (float8_e4m3fn)."""
+        if self.layout == "linear":
+            return self.scales
+        rows = self.shape[-2]
+        return unswizzle(self.scales, rows, self.shape[-1] // BLOCK, self.layout)
+
+    def with_layout(self, layout: str) -> "NVFP4Array":
+        """The same tensor with its scales in ``layout`` (padding written as zero scales)."""
+        if layout == self.layout:
+            return self
+        s = self.linear_scales()
+        if layout != "linear":
+            s = swizzle(s, layout)
+        return NVFP4Array.from_parts(self.codes, s, self.decode_scale, layout=layout, shape=self.shape)
+
+    def __repr__(self) -> str:
+        return f"NVFP4Array(shape={self.shape}, layout={self.layout!r})"
+
+
+# ---------------------------------------------------------------------------------------
+# recipes (each: xb [..., nb, 16] f32, vmax [..., nb] f32, g f32 -> (scale f32 values, codes))
+# ---------------------------------------------------------------------------------------
+
+def _trtllm(xb, vmax, G):
+    c6 = jnp.float32(1.0 / 6.0)
+    sf = jnp.where(vmax == 0, 0.0, vmax * (G * c6))
+    s = F.e4m3_round(sf, "saturate")
+    den = s * (jnp.float32(1.0) / G)
+    out_scale = jnp.minimum(jnp.float32(1.0) / den, _FLT_MAX)
+    y = xb * out_scale[..., None]
+    return s, F.e2m1_encode(y)
+
+
+def _modelopt(xb, vmax, D):
+    sf = vmax / (jnp.float32(6.0) * D)
+    sf = jnp.where(sf == 0, 1.0, sf)
+    sf = jnp.clip(sf, 2.0**-9, 448.0)
+    s = F.e4m3_round(sf, "saturate")
+    y = xb / (s * D)[..., None]
+    code = F.e2m1_encode(jnp.abs(y)) | ((xb < 0).astype(jnp.uint8) << 3)
+    return s, code
+
+
+def _jax(xb, vmax, D):
+    x2 = xb / D
+    amax = jnp.max(jnp.abs(x2), axis=-1)
+    s = F.e4m3_round(jnp.clip(amax / jnp.float32(6.0), 0.0, 448.0), "nan")
+    y = jnp.clip(x2 / s[..., None], -6.0, 6.0)
+    return s, F.e2m1_encode(y, nan_code=8)
+
+
+def _b12x(xb, vmax, G):
+    sf = jnp.minimum((vmax * G) / jnp.float32(6.0), 448.0)
+    s = F.e4m3_round(sf, "saturate")
+    den = jnp.maximum(s / G, jnp.float32(1e-30))
+    y = xb / den[..., None]
+    return s, F.e2m1_encode(y, negative_zero="never")
+
+
+_FNS = {"trtllm": (_trtllm, "encode"), "modelopt": (_modelopt, "decode"),
+        "jax": (_jax, "decode"), "b12x": (_b12x, "encode")}
+
+
+def _scalar(name: str, v) -> jax.Array:
+    a = jnp.asarray(v, jnp.float32)
+    if a.ndim != 0:
+        raise ValueError(f"{name}: expected a scalar float32 global scale, got shape {a.shape}")
+    return a
+
+
+def quantize(
+    x: jax.Array,
+    recipe: str = "trtllm",
+    *,
+    encode_scale=None,
+    decode_scale=None,
+    layout: str = "linear",
+) -> NVFP4Array:
+    """Quantize ``x[..., K]`` (bf16/fp16/fp32; K a multiple of 16) to an :class:`NVFP4Array`.
+
+    Exactly one of ``encode_scale`` (G = 2688/amax, what TensorRT-LLM kernels take) and
+    ``decode_scale`` (D = amax/2688, what ModelOpt checkpoints store) may be given; the other
+    is derived with one fp32 reciprocal. With neither, it follows from ``max|x|``
+    (``fp32(amax/2688)`` or ``fp32(2688/amax)`` in the recipe's native convention). Jittable;
+    bit-exact with ``oracle.quantize(x, recipe, ...)``.
+    """
+    if recipe not in _FNS:
+        raise ValueError(f"recipe: expected one of {JAX_RECIPES} (the oracle has more), got {recipe!r}")
+    x = jnp.asarray(x)
+    if x.dtype not in (jnp.bfloat16, jnp.float16, jnp.float32):
+        raise TypeError(f"x: expected bfloat16, float16 or float32, got {x.dtype}")
+    if x.ndim < 1 or x.shape[-1] % BLOCK:
+        raise ValueError(f"x: last dimension must be a multiple of {BLOCK}, got shape {x.shape}")
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout: expected one of {LAYOUTS}, got {layout!r}")
+    if layout != "linear" and x.ndim < 2:
+        raise ValueError(f"layout: {layout} needs x of rank >= 2, got shape {x.shape}")
+    fn, native = _FNS[recipe]
+    xf = x.astype(jnp.float32)
+    if encode_scale is not None and decode_scale is not None:
+        raise ValueError("pass only one of encode_scale (G = 2688/amax) and decode_scale (D = amax/2688)")
+    if encode_scale is None and decode_scale is None:
+        amax = jnp.max(jnp.abs(xf))
+        if native == "decode":
+            decode_scale = amax / jnp.float32(2688.0)
+        else:
+            encode_scale = jnp.float32(2688.0) / amax
+    if encode_scale is not None:
+        G = _scalar("encode_scale", encode_scale)
+        D = jnp.float32(1.0) / G
+    else:
+        D = _scalar("decode_scale", decode_scale)
+        G = jnp.float32(1.0) / D
+    g = G if native == "encode" else D
+    xb = xf.reshape(x.shape[:-1] + (x.shape[-1] // BLOCK, BLOCK))
+    vmax = jnp.max(jnp.abs(xb), axis=-1)
+    s, codes = fn(xb, vmax, g)
+    codes = F.pack_nibbles(codes.reshape(x.shape))
+    scales = s.astype(jnp.float8_e4m3fn)  # exact: s is already an E4M3 value
+    if layout != "linear":
+        scales = swizzle(scales, layout)
+    return NVFP4Array(codes, scales, D, tuple(x.shape), layout)
+
+
+def dequantize(a: NVFP4Array, dtype=jnp.float32, *, include_decode_scale: bool = True) -> jax.Array:
+    """``e2m1 * e4m3 [* decode_scale]`` as ``dtype`` [..., K].
+
+    Without the decode scale, the values are exact in bf16 (<= 6 significant bits)."""
+    vals = F.e2m1_decode(F.unpack_nibbles(a.codes))
+    sc = F.e4m3_to_f32(a.linear_scales())
+    out = (vals.reshape(vals.shape[:-1] + (-1, BLOCK)) * sc[..., None]).reshape(vals.shape)
+    if include_decode_scale:
+        d = jnp.asarray(a.decode_scale, jnp.float32)
+        out = out * d.reshape(d.shape + (1,) * (out.ndim - d.ndim))
+    return out.astype(dtype)
+
+
+def from_oracle(t, layout: str = "linear") -> NVFP4Array:
+    """An :class:`NVFP4Array` holding the bytes of an ``oracle.NVFP4``."""
+    codes = jnp.asarray(t.codes)
+    scales = jax.lax.bitcast_convert_type(jnp.asarray(t.scales), jnp.float8_e4m3fn)
+    a = NVFP4Array.from_parts(codes, scales, jnp.asarray(t.decode_scale, jnp.float32))
+    return a.with_layout(layout)
+
+
+def to_oracle(a: NVFP4Array):
+    """The ``oracle.NVFP4`` holding the bytes of ``a`` (linear layout)."""
+    import oracle
+
+    s = np.asarray(F.e4m3_bytes(a.linear_scales()))
+    return oracle.NVFP4(np.asarray(a.codes), s, np.asarray(a.decode_scale, np.float64))

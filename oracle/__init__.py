@@ -18,6 +18,7 @@ from .formats import (
 )
 from .gemm import exact_dot_int, gemm_error_bound, gemm_w4a4, gemm_w4a16, scaled_integers
 from .layouts import LAYOUTS, padded_shape, swizzle, unswizzle
+from .moe import MOE_MODES, MoETrace, moe, moe_scales, moe_trace
 from .quantize import (
     NVFP4,
     RECIPES,
@@ -35,3 +36,4 @@ __all__ = [
     "gemm_error_bound", "gemm_w4a4", "gemm_w4a16", "pack_nibbles", "padded_shape", "quantize",
     "scaled_integers", "swizzle", "unpack_nibbles", "unswizzle",
 ]
+__all__ += ["MOE_MODES", "MoETrace", "moe", "moe_scales", "moe_trace"]

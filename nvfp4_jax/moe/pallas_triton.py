@@ -1,0 +1,273 @@
+"""Routed NVFP4 MoE as two Pallas-Triton grouped GEMMs (H200 now, SM12x later).
+
+Dataflow (shapes: T tokens, k routes each, N = T*k, E experts, H hidden, I intermediate,
+R = I or 2I, EM = BM * max_blocks sorted rows, see routing.py):
+
+1. XLA: ``block_routing`` (routes sorted by expert, padded to BM-row blocks, one expert per
+   block); FC1 input quantized with the mode's recipe as ``q * sf`` bf16 values (exact),
+   gathered into sorted order and split into even/odd K columns ``x_even, x_odd [EM, H/2]``.
+2. ``_fc1_kernel``, grid ``(NB, cdiv(I, BN))``: program (b, n) exits at once when
+   ``b >= num_blocks``; else expert ``e = block_expert[b]``, swap-AB accumulators
+   ``[BN, BM]`` over K = H: weight codes ``[BN, BK/16, 8]`` + E4M3 scales are decoded in
+   registers (``gemm/decode.py``; the products e2m1*e4m3 are exact bf16) and multiplied with
+   the even/odd activation halves (bf16 MMA, fp32 accumulate). For swiglu the program holds
+   both the up and the gate tile of the same output columns. Epilogue, all in registers:
+   ``* alpha1[e]`` (-> bf16 in trtllm_cutlass), activation in fp32, -> bf16 (``h``),
+   requantization of ``h`` with the mode's recipe and ``G2[e]`` (16-column blocks of the
+   tile), store ``q * sf`` as even/odd bf16 ``[EM, I/2]`` (the FC2 operand layout).
+3. ``_fc2_kernel``, grid ``(NB, cdiv(H, BN))``: the same grouped GEMM over K = I, epilogue
+   ``* alpha2[e]`` (-> bf16 in trtllm_cutlass) ``* router_weight`` (fp32), store fp32
+   ``[EM, H]`` rows.
+4. XLA: gather each route's row, sum over the k routes in fp32, cast to bf16.
+
+Each block reads its expert's weights once per N tile; blocks of one expert are adjacent in
+the grid's fastest axis so they share weight tiles through L2. Divisions in the
+requantization use ``div.rn.f32`` (IEEE, inline PTX) on the GPU: Triton lowers ``/`` to the
+approximate ``div.full.f32``, which would flip FP4 codes at ties.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from ..gemm.decode import decode_block
+from ..quantize import NVFP4Array
+from .configs import Config, MoEConfig, default_config
+from .routing import block_routing
+from .xla import moe_scales, quantized_values, recipe_of
+
+_FLT_MAX = 3.4028234663852886e38
+_DIMS = (((1,), (1,)), ((), ()))
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _div_rn(a, b, exact_asm: bool):
+    """IEEE round-to-nearest fp32 division (Triton's ``/`` is approximate on NVIDIA GPUs)."""
+    a, b = jnp.broadcast_arrays(jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32))
+    if not exact_asm:
+        return a / b
+    return plgpu.elementwise_inline_asm(
+        "div.rn.f32 $0, $1, $2;", args=[a, b], constraints="=r,r,r", pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(a.shape, jnp.float32)])[0]
+
+
+def _e4m3(v):
+    """fp32 -> nearest E4M3 value (RNE, subnormals), saturating (the clamp makes it so everywhere)."""
+    return jnp.minimum(v, 448.0).astype(jnp.float8_e4m3fn).astype(jnp.float32)
+
+
+def _e2m1_magnitude(a):
+    """|y| -> nearest E2M1 magnitude, ties to even (0.25->0, 0.75->1, 1.25->1, 1.75->2, 2.5->2, 3.5->4, 5->4), saturating."""
+    f = lambda c: c.astype(jnp.float32)  # noqa: E731
+    half = f(a > 0.25) + f(a >= 0.75) + f(a > 1.25) + f(a >= 1.75)
+    return 0.5 * half + f(a > 2.5) + f(a >= 3.5) + 2.0 * f(a > 5.0)
+
+
+def _requantize(hb, g, rg, recipe: str, exact_asm: bool):
+    """hb fp32 [BM, nb, 16] (bf16 values), encode scale g, rg = IEEE 1/g -> q*sf fp32 [BM, nb, 16].
+
+    The recipes' fp32 op order (oracle.quantize): trtllm ``sf = vmax*(G*fp32(1/6))``,
+    ``y = x * min(1/(sf8*(1/G)), FLT_MAX)``; b12x ``sf = (vmax*G)/6``, ``y = x / max(sf8/G, 1e-30)``.
+    """
+    vmax = jnp.max(jnp.abs(hb), axis=-1)
+    if recipe == "trtllm":
+        sf = jnp.where(vmax == 0, 0.0, vmax * (g * jnp.float32(1.0 / 6.0)))
+        s = _e4m3(sf)
+        out_scale = jnp.minimum(_div_rn(1.0, s * rg, exact_asm), _FLT_MAX)
+        y = hb * out_scale[..., None]
+    else:
+        s = _e4m3(jnp.minimum(_div_rn(vmax * g, 6.0, exact_asm), 448.0))
+        den = jnp.maximum(_div_rn(s, g, exact_asm), 1e-30)
+        y = _div_rn(hb, jnp.broadcast_to(den[..., None], hb.shape), exact_asm)
+    mag = _e2m1_magnitude(jnp.abs(y))
+    return jnp.where(y < 0, -mag, mag) * s[..., None]
+
+
+def _grouped_tiles(xe_ref, xo_ref, c_ref, s_ref, e, m0, row0s, n_valid, K: int, cfg: Config):
+    """sum_k W[e, row0 + i, k] * x[m0 + j, k] for each row0 in row0s -> list of fp32 [BN, BM]."""
+    BM, BN, BK = cfg.block_m, cfg.block_n, cfg.block_k
+    BKB, BK2 = BK // 16, BK // 2
+    KB = K // 16
+    n_mask = jnp.arange(BN) < n_valid
+
+    def body(i, accs):
+        kb0 = i * BKB
+        kb_mask = (kb0 + jnp.arange(BKB)) < KB
+        x_mask = ((kb0 * 8 + jnp.arange(BK2)) < K // 2)[None, :]
+        xe = plgpu.load(xe_ref.at[pl.ds(m0, BM), pl.ds(kb0 * 8, BK2)], mask=x_mask, other=0)
+        xo = plgpu.load(xo_ref.at[pl.ds(m0, BM), pl.ds(kb0 * 8, BK2)], mask=x_mask, other=0)
+        w_mask = n_mask[:, None] & kb_mask[None, :]
+        out = []
+        for acc, row0 in zip(accs, row0s):
+            codes = plgpu.load(c_ref.at[e, pl.ds(row0, BN), pl.ds(kb0, BKB), :],
+                               mask=w_mask[:, :, None], other=0)
+            scales = plgpu.load(s_ref.at[e, pl.ds(row0, BN), pl.ds(kb0, BKB)], mask=w_mask, other=0)
+            w_even, w_odd = decode_block(codes, scales, cfg.decode)
+            acc = acc + lax.dot_general(w_even.reshape(BN, BK2), xe, _DIMS,
+                                        preferred_element_type=jnp.float32)
+            acc = acc + lax.dot_general(w_odd.reshape(BN, BK2), xo, _DIMS,
+                                        preferred_element_type=jnp.float32)
+            out.append(acc)
+        return tuple(out)
+
+    zero = tuple(jnp.zeros((BN, BM), jnp.float32) for _ in row0s)
+    return lax.fori_loop(0, _cdiv(K, BK), body, zero)
+
+
+def _fc1_kernel(be_ref, nb_ref, xe_ref, xo_ref, c_ref, s_ref, a1_ref, g2_ref, rg2_ref,
+                he_ref, ho_ref, *h_ref, cfg: Config, H: int, I: int, activation: str,
+                gate_up_order: str, mode: str, exact_asm: bool):
+    BM, BN = cfg.block_m, cfg.block_n
+    b, n = pl.program_id(0), pl.program_id(1)
+
+    @pl.when(b < nb_ref[0])
+    def _():
+        e = be_ref[b]
+        m0, n0 = b * BM, n * BN
+        n_valid = I - n0
+        if activation == "swiglu":
+            first, second = _grouped_tiles(xe_ref, xo_ref, c_ref, s_ref, e, m0, (n0, I + n0),
+                                           n_valid, H, cfg)
+        else:
+            (first,) = _grouped_tiles(xe_ref, xo_ref, c_ref, s_ref, e, m0, (n0,), n_valid, H, cfg)
+        alpha = a1_ref[e]
+
+        def scaled(acc):
+            u = acc * alpha
+            if mode == "trtllm_cutlass":  # GEMM1 output buffer is bf16 in TRT-LLM CUTLASS
+                u = u.astype(jnp.bfloat16).astype(jnp.float32)
+            return u
+
+        if activation == "relu2":
+            r = jnp.maximum(scaled(first), 0.0)
+            h = r * r
+        else:
+            up, gate = (first, second) if gate_up_order == "up_gate" else (second, first)
+            up, gate = scaled(up), scaled(gate)
+            h = gate / (1.0 + jnp.exp(-gate)) * up
+        h = h.astype(jnp.bfloat16)                            # [BN, BM]
+        col_mask = (n0 + jnp.arange(BN)) < I
+        if h_ref:
+            plgpu.store(h_ref[0].at[pl.ds(m0, BM), pl.ds(n0, BN)], h.T, mask=col_mask[None, :])
+        hb = h.T.astype(jnp.float32).reshape(BM, BN // 16, 16)
+        q = _requantize(hb, g2_ref[e], rg2_ref[e], recipe_of(mode), exact_asm)
+        ev, od = jnp.split(q.reshape(BM, BN // 2, 2), 2, axis=-1)
+        half_mask = ((n0 // 2 + jnp.arange(BN // 2)) < I // 2)[None, :]
+        plgpu.store(he_ref.at[pl.ds(m0, BM), pl.ds(n0 // 2, BN // 2)],
+                    ev.reshape(BM, BN // 2).astype(jnp.bfloat16), mask=half_mask)
+        plgpu.store(ho_ref.at[pl.ds(m0, BM), pl.ds(n0 // 2, BN // 2)],
+                    od.reshape(BM, BN // 2).astype(jnp.bfloat16), mask=half_mask)
+
+
+def _fc2_kernel(be_ref, nb_ref, xe_ref, xo_ref, c_ref, s_ref, a2_ref, w_ref, o_ref, *,
+                cfg: Config, H: int, I: int, mode: str):
+    BM, BN = cfg.block_m, cfg.block_n
+    b, n = pl.program_id(0), pl.program_id(1)
+
+    @pl.when(b < nb_ref[0])
+    def _():
+        e = be_ref[b]
+        m0, n0 = b * BM, n * BN
+        (acc,) = _grouped_tiles(xe_ref, xo_ref, c_ref, s_ref, e, m0, (n0,), H - n0, I, cfg)
+        d = acc * a2_ref[e]
+        if mode == "trtllm_cutlass":  # GEMM2 output is bf16 in TRT-LLM CUTLASS
+            d = d.astype(jnp.bfloat16).astype(jnp.float32)
+        wt = w_ref[pl.ds(m0, BM)]
+        contrib = d * wt[None, :]
+        col_mask = (n0 + jnp.arange(BN)) < H
+        plgpu.store(o_ref.at[pl.ds(m0, BM), pl.ds(n0, BN)], contrib.T, mask=col_mask[None, :])
+
+
+def moe_pallas(
+    hidden: jax.Array,
+    topk_ids: jax.Array,
+    topk_weights: jax.Array,
+    fc1: NVFP4Array,
+    fc2: NVFP4Array,
+    fc1_input_scale: jax.Array,
+    fc2_input_scale: jax.Array,
+    *,
+    activation: str,
+    gate_up_order: str,
+    mode: str,
+    activation_scale: str,
+    config: MoEConfig | None = None,
+    interpret: bool = False,
+    return_intermediates: bool = False,
+):
+    """Pallas-Triton MoE -> bf16 [T, H] (and per-route ``h`` [T*k, I] with ``return_intermediates``).
+
+    Arguments as :func:`nvfp4_jax.moe` (validated there); fc1/fc2 scales in the linear layout.
+    """
+    t, k = topk_ids.shape
+    e, r, h_dim = fc1.shape
+    inter = fc2.shape[2]
+    n_routes = t * k
+    if config is None:
+        config = default_config(n_routes, e)
+        if interpret:
+            config = config.with_decode("bits")
+    c1, c2 = config.fc1, config.fc2
+    bm = c1.block_m
+    exact_asm = not interpret
+    recipe = recipe_of(mode)
+
+    g1, g2, a1, a2 = moe_scales(fc1.decode_scale, fc2.decode_scale, fc1_input_scale,
+                                fc2_input_scale, mode, activation_scale)
+    rg2 = jnp.float32(1.0) / g2  # IEEE in XLA
+    br = block_routing(topk_ids, e, bm)
+    em = br.sorted_route.shape[0]
+    nb = em // bm
+    valid = br.sorted_route < n_routes
+    route = jnp.where(valid, br.sorted_route, 0)
+    tok = route // k
+    if activation_scale == "scalar":
+        xv = quantized_values(hidden, g1[0], recipe)[tok]
+    else:
+        row_expert = jnp.repeat(br.block_expert, bm)
+        xv = quantized_values(hidden[tok], g1[row_expert], recipe)
+    xv = jnp.where(valid[:, None], xv, jnp.zeros((), xv.dtype))
+    xe, xo = xv[:, 0::2], xv[:, 1::2]
+    wt = jnp.where(valid, topk_weights.reshape(-1).astype(jnp.float32)[route], 0.0)
+
+    def stack(w: NVFP4Array):
+        return w.codes.reshape(w.shape[0], w.shape[1], w.shape[2] // 16, 8), w.linear_scales()
+
+    c1c, c1s = stack(fc1)
+    c2c, c2s = stack(fc2)
+    meta = (br.block_expert, br.num_blocks)
+
+    out1 = [jax.ShapeDtypeStruct((em, inter // 2), jnp.bfloat16)] * 2
+    if return_intermediates:
+        out1.append(jax.ShapeDtypeStruct((em, inter), jnp.bfloat16))
+    he_ho = pl.pallas_call(
+        functools.partial(_fc1_kernel, cfg=c1, H=h_dim, I=inter, activation=activation,
+                          gate_up_order=gate_up_order, mode=mode, exact_asm=exact_asm),
+        out_shape=tuple(out1),
+        grid=(nb, _cdiv(inter, c1.block_n)),
+        compiler_params=plgpu.CompilerParams(num_warps=c1.num_warps, num_stages=c1.num_stages),
+        interpret=interpret,
+        name="nvfp4_moe_fc1",
+    )(*meta, xe, xo, c1c, c1s, a1, g2, rg2)
+    he, ho = he_ho[0], he_ho[1]
+    contrib = pl.pallas_call(
+        functools.partial(_fc2_kernel, cfg=c2, H=h_dim, I=inter, mode=mode),
+        out_shape=jax.ShapeDtypeStruct((em, h_dim), jnp.float32),
+        grid=(nb, _cdiv(h_dim, c2.block_n)),
+        compiler_params=plgpu.CompilerParams(num_warps=c2.num_warps, num_stages=c2.num_stages),
+        interpret=interpret,
+        name="nvfp4_moe_fc2",
+    )(*meta, he, ho, c2c, c2s, a2, wt)
+    out = contrib[br.route_pos].reshape(t, k, h_dim).sum(axis=1).astype(jnp.bfloat16)
+    if return_intermediates:
+        return out, {"h": he_ho[2][br.route_pos]}
+    return out

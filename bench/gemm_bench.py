@@ -1,0 +1,403 @@
+"""NVFP4 GEMM benchmark on one GPU: ours (W4A16, W4A4) vs bf16 jnp.dot, scaled_matmul, XLA.
+
+Usage (on the GPU machine):
+    python bench/gemm_bench.py --out DIR                 # records -> DIR/gemm-h200.json + .png
+    python bench/gemm_bench.py --tune --out DIR          # config sweep -> DIR/gemm-tune-h200.json
+    python bench/gemm_bench.py --check --out DIR         # quick correctness on the GPU
+
+Timing is in-graph: one jitted program runs ``R`` iterations of a ``fori_loop`` whose body
+calls the implementation once per weight copy (``C`` distinct copies, together > 4x the 60 MB
+L2, so every call streams its weights from HBM). The per-call time is
+``(T(R2) - T(R1)) / ((R2 - R1) * C)``, host time of whole programs (medians of 3), so dispatch
+and compile are excluded and back-to-back launch gaps are included, as in a real model.
+Each iteration's activation depends on the previous iteration's output (``x + 0*out[0]``), so
+XLA can neither hoist nor merge the calls.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+import nvfp4_jax  # noqa: E402
+from nvfp4_jax.gemm import configs  # noqa: E402
+from nvfp4_jax.gemm.pallas_triton import Config, matmul_pallas  # noqa: E402
+
+SHAPES = [(4096, 4096), (14336, 4096), (4096, 14336), (28672, 8192)]
+MS = [1, 16, 64, 256, 1024, 4096]
+L2_BYTES = 60e6
+PEAK_TBPS = 4.8
+PEAK_TFLOPS = 990.0
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+# --------------------------------------------------------------------------- timing
+
+def time_per_call(fn, x, ws, *, target_s: float = 0.03, per_call_x: bool = False) -> float:
+    """Median per-call device time (s) of ``fn(x, w)`` over the weight copies ``ws``.
+
+    ``per_call_x``: give each call its own activation (so XLA cannot share work done on x,
+    e.g. the W4A4 activation quantization, between calls; the perturbation fuses into it).
+    """
+
+    def prog(x, ws, r):
+        def body(i, outs):
+            # data dependency on the previous iteration (a float "* 0" is not folded by XLA)
+            dep = outs[0].reshape(-1)[0].astype(jnp.float32) * 0.0
+            if per_call_x:
+                return tuple(fn(x + (dep * (c + 1)).astype(x.dtype), w) for c, w in enumerate(ws))
+            xd = x + dep.astype(x.dtype)
+            return tuple(fn(xd, w) for w in ws)
+        init = tuple(jax.eval_shape(fn, x, w) for w in ws)
+        init = tuple(jnp.zeros(s.shape, s.dtype) for s in init)
+        return jax.lax.fori_loop(0, r, body, init)
+
+    f = jax.jit(prog)
+
+    def run(r):
+        ts = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            jax.block_until_ready(f(x, ws, r))
+            ts.append(time.perf_counter() - t0)
+        return float(np.median(ts))
+
+    jax.block_until_ready(f(x, ws, 1))  # compile + warm
+    t1 = run(1)
+    n = int(min(60, max(2, math.ceil(target_s / max(t1, 1e-6)))))
+    t2 = run(1 + n)
+    return max(t2 - t1, 1e-9) / (n * len(ws))
+
+
+def n_copies(bytes_per_copy: float) -> int:
+    return int(min(64, max(2, math.ceil(4 * L2_BYTES / bytes_per_copy))))
+
+
+# --------------------------------------------------------------------------- data
+
+def make_weights(n, k, copies, seed=0):
+    """``copies`` distinct NVFP4 weights [N, K] (random bytes, scales spread over 2^-9..2^2)."""
+    key = jax.random.PRNGKey(seed)
+    out = []
+    for c in range(copies):
+        k1, k2, key = jax.random.split(key, 3)
+        codes = jax.random.randint(k1, (n, k // 2), 0, 256, jnp.int32).astype(jnp.uint8)
+        # E4M3 bytes 0x08..0x47 (2^-6..2^1 normal range plus a few subnormal-edge values)
+        sb = jax.random.randint(k2, (n, k // 16), 0x04, 0x48, jnp.int32).astype(jnp.uint8)
+        scales = jax.lax.bitcast_convert_type(sb, jnp.float8_e4m3fn)
+        out.append(nvfp4_jax.NVFP4Array(codes, scales, jnp.float32(1.0 / 2688), (n, k), "linear"))
+    return out
+
+
+def make_x(m, k, seed=1):
+    return jax.random.normal(jax.random.PRNGKey(seed), (m, k), jnp.float32).astype(jnp.bfloat16)
+
+
+# --------------------------------------------------------------------------- impls
+
+def impl_ours_w4a16(cfg=None):
+    def fn(x, w):
+        return nvfp4_jax.gemm.matmul(x, w, backend="pallas", config=cfg)
+    return fn
+
+
+def impl_ours_w4a4(cfg=None):
+    def fn(x, w):
+        return nvfp4_jax.gemm.matmul(x, w, input_scale=jnp.float32(0.01), backend="pallas",
+                                     config=cfg)
+    return fn
+
+
+def impl_xla_dequant_dot(x, w):
+    wd = nvfp4_jax.dequantize(w, jnp.bfloat16)  # LUT decode, fused by XLA
+    return jnp.dot(x, wd.T, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+
+
+def impl_bf16_dot(x, wb):
+    return jnp.dot(x, wb.T, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+
+
+def impl_scaled_matmul(x, xq_and_w, w):
+    xq, xs = xq_and_w
+    wq, ws = w
+    # tie the (pre-quantized) activation to the loop counter carried in x: a tiny op on scales
+    xs = (xs.astype(jnp.float32) + x[0, 0].astype(jnp.float32) * 0).astype(xs.dtype)
+    out = jax.nn.scaled_matmul(xq[None], wq[None], xs[None], ws[None],
+                               preferred_element_type=jnp.bfloat16)
+    return out[0]
+
+
+def nvfp4_bytes(n, k):
+    return n * k * 0.5625
+
+
+def record(impl, n, k, m, t, wbytes, extra=None):
+    xbytes = m * k * 2
+    obytes = m * n * 2
+    rec = dict(impl=impl, N=n, K=k, M=m, median_us=t * 1e6,
+               tbps=(wbytes + xbytes + obytes) / t / 1e12,
+               weight_tbps=wbytes / t / 1e12,
+               tflops=2.0 * m * n * k / t / 1e12)
+    if extra:
+        rec.update(extra)
+    return rec
+
+
+# --------------------------------------------------------------------------- correctness
+
+def check(out_dir):
+    """GPU correctness smoke test: exhaustive decode and ragged GEMMs vs the oracle."""
+    import oracle
+    from nvfp4_jax.gemm.pallas_triton import dequantize_pallas
+
+    res = {}
+    rng = np.random.default_rng(0)
+    # every byte value x every scale byte (incl. subnormal scales), asm and bits
+    codes = np.tile(np.arange(256, dtype=np.uint8), (128, 1))  # [128, 256] -> K = 512
+    sb = np.arange(1, 127, dtype=np.uint8)  # all finite positive E4M3 (skip 0x7F NaN)
+    scales = np.resize(sb, (128, 32)).astype(np.uint8)
+    t = oracle.NVFP4(codes, scales, np.float64(1.0))
+    ref = oracle.dequantize(t, include_decode_scale=False)
+    for mode in ("asm", "bits"):
+        wd = dequantize_pallas(jnp.asarray(codes), jnp.asarray(scales), config=Config(decode=mode))
+        res[f"dequant_exhaustive_{mode}"] = bool(np.array_equal(np.asarray(wd, np.float64), ref))
+    for (m, n, k) in [(1, 200, 528), (37, 130, 4112), (300, 333, 1040), (16, 4096, 4096)]:
+        x = (rng.standard_normal((m, k)) * rng.choice([1e-3, 1.0, 30.0])).astype(np.float32)
+        xb = jnp.asarray(x).astype(jnp.bfloat16)
+        wf = rng.standard_normal((n, k)) * np.exp(rng.uniform(-4, 4, (n, k // 16))).repeat(16, 1)
+        wo = oracle.quantize(wf.astype(np.float32), "trtllm")
+        ref = oracle.gemm_w4a16(np.asarray(xb, np.float64), wo)
+        bound = oracle.gemm_error_bound(np.abs(np.asarray(xb, np.float64)),
+                                        np.abs(oracle.dequantize(wo, include_decode_scale=False)),
+                                        float(wo.decode_scale), ref, out_u=2.0**-24, splits=8)
+        for cfg in [Config(block_k=256, split_k=4), Config(block_m=32, block_n=128, block_k=128),
+                    Config(block_m=64, block_n=64, block_k=64, decode="bits", split_k=2)]:
+            out = matmul_pallas(xb, jnp.asarray(wo.codes), jnp.asarray(wo.scales),
+                                np.float32(wo.decode_scale), out_dtype=jnp.float32, config=cfg)
+            out = np.asarray(out, np.float64)
+            ok = bool(np.all(np.isfinite(out)) and np.all(np.abs(out - ref) <= bound))
+            res[f"gemm_{m}x{n}x{k}_{cfg.block_m}_{cfg.block_n}_{cfg.block_k}_{cfg.decode}"] = ok
+    log(json.dumps(res, indent=1))
+    with open(os.path.join(out_dir, "gemm-check-h200.json"), "w") as f:
+        json.dump(res, f, indent=1)
+    return all(res.values())
+
+
+# --------------------------------------------------------------------------- tuning
+
+def split_for(n, k, bn, bk, target_ctas=264):
+    tiles = -(-n // bn)
+    kt = -(-k // bk)
+    s = 1
+    while tiles * s < target_ctas and s * 2 <= kt // 2:
+        s *= 2
+    return s
+
+
+def candidates(m, n, k):
+    c = []
+    if m <= 16:
+        for bn, bk, w, st in [(64, 256, 4, 3), (64, 256, 4, 4), (128, 256, 8, 3), (64, 512, 4, 3),
+                              (128, 128, 4, 4), (32, 256, 4, 4)]:
+            s = split_for(n, k, bn, bk)
+            c.append(Config(16, bn, bk, s, w, st))
+        c.append(Config(16, 64, 256, split_for(n, k, 64, 256), 4, 4, decode="bits"))
+        c.append(Config(16, 64, 256, max(1, split_for(n, k, 64, 256) * 2), 4, 4))
+    elif m <= 64:
+        for bm, bn, bk, w, st in [(64, 64, 128, 4, 4), (64, 64, 256, 4, 3), (64, 128, 128, 8, 3),
+                                  (32, 64, 256, 4, 3), (64, 128, 256, 8, 3)]:
+            s = split_for(n, k, bn, bk, 132)
+            c.append(Config(bm, bn, bk, s, w, st))
+    elif m <= 256:
+        for bm, bn, bk, w, st in [(64, 128, 128, 8, 3), (128, 128, 64, 8, 3), (128, 128, 128, 8, 3),
+                                  (64, 64, 128, 4, 4), (128, 64, 128, 4, 3)]:
+            c.append(Config(bm, bn, bk, 1, w, st))
+    else:
+        for bm, bn, bk, w, st in [(128, 128, 64, 8, 3), (128, 128, 128, 8, 3), (128, 256, 64, 8, 3),
+                                  (64, 128, 128, 4, 3)]:
+            c.append(Config(bm, bn, bk, 1, w, st))
+        c.append(Config(128, 128, 64, 1, 8, 3, algo="dequant_dot"))
+    return c
+
+
+def tune(out_dir, shapes, ms, budget_s):
+    t_start = time.time()
+    rows = []
+    path = os.path.join(out_dir, "gemm-tune-h200.json")
+    for (n, k) in shapes:
+        copies = n_copies(nvfp4_bytes(n, k))
+        ws = make_weights(n, k, copies)
+        for m in ms:
+            x = make_x(m, k)
+            for cfg in candidates(m, n, k):
+                if time.time() - t_start > budget_s:
+                    log("tune: budget exhausted")
+                    break
+                try:
+                    t = time_per_call(impl_ours_w4a16(cfg), x, ws)
+                    row = dict(N=n, K=k, M=m, config=cfg.__dict__, median_us=t * 1e6,
+                               weight_tbps=nvfp4_bytes(n, k) / t / 1e12)
+                except Exception as e:  # noqa: BLE001 - record and continue the sweep
+                    row = dict(N=n, K=k, M=m, config=cfg.__dict__, error=repr(e)[:300])
+                rows.append(row)
+                log(json.dumps(row))
+                with open(path, "w") as f:
+                    json.dump(rows, f)
+            del x
+        del ws
+    return rows
+
+
+# --------------------------------------------------------------------------- benchmark
+
+def bench(out_dir, shapes, ms, budget_s):
+    t_start = time.time()
+    records = []
+    for (n, k) in shapes:
+        c4 = n_copies(nvfp4_bytes(n, k))
+        ws = make_weights(n, k, c4)
+        cb = n_copies(2 * n * k)
+        wb = [nvfp4_jax.dequantize(w, jnp.bfloat16) for w in ws[:cb]]
+        wb += [wb[i % len(wb)] * jnp.bfloat16(1 + i) for i in range(len(wb), cb)]
+        # scaled_matmul operands: NVFP4 as (float4_e2m1fn values, e4m3 scales [*, K/16])
+        has_f4 = hasattr(jnp, "float4_e2m1fn")
+        for m in ms:
+            if time.time() - t_start > budget_s:
+                log("bench: budget exhausted")
+                break
+            x = make_x(m, k)
+            impls = [("nvfp4_w4a16", impl_ours_w4a16(), x, ws, nvfp4_bytes(n, k)),
+                     ("nvfp4_w4a4", impl_ours_w4a4(), x, ws, nvfp4_bytes(n, k)),
+                     ("bf16_dot", impl_bf16_dot, x, wb, 2 * n * k),
+                     ("xla_dequant_dot", impl_xla_dequant_dot, x, ws[:max(2, c4 // 2)],
+                      nvfp4_bytes(n, k))]
+            if has_f4:
+                xq = nvfp4_jax.quantize(x, "trtllm")
+                xv = nvfp4_jax.dequantize(xq, jnp.float32, include_decode_scale=False)
+                xf4 = (xv / jnp.repeat(xq.scales.astype(jnp.float32), 16, -1)).astype(jnp.float4_e2m1fn)
+                wsm = []
+                for w in ws[: max(2, c4 // 2)]:
+                    wv = nvfp4_jax.dequantize(w, jnp.float32, include_decode_scale=False)
+                    s = w.scales.astype(jnp.float32)
+                    wf4 = jnp.where(s[..., None] > 0, wv.reshape(n, k // 16, 16) / s[..., None], 0)
+                    wsm.append((wf4.reshape(n, k).astype(jnp.float4_e2m1fn), w.scales))
+                impls.append(("scaled_matmul", lambda xx, w, _xq=(xf4, xq.scales):
+                              impl_scaled_matmul(xx, _xq, w), x, wsm, nvfp4_bytes(n, k)))
+            for name, fn, xx, wlist, wbytes in impls:
+                try:
+                    t = time_per_call(fn, xx, wlist, per_call_x=(name == "nvfp4_w4a4"))
+                    extra = None
+                    if name.startswith("nvfp4"):
+                        extra = dict(config=configs.get_config(m, n, k).__dict__)
+                    rec = record(name, n, k, m, t, wbytes, extra)
+                except Exception as e:  # noqa: BLE001
+                    rec = dict(impl=name, N=n, K=k, M=m, error=repr(e)[:300])
+                records.append(rec)
+                log(json.dumps(rec))
+            del x
+        del ws, wb
+    return records
+
+
+def plot(records, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shapes = sorted({(r["N"], r["K"]) for r in records})
+    impls = sorted({r["impl"] for r in records})
+    fig, axes = plt.subplots(2, len(shapes), figsize=(5 * len(shapes), 8), squeeze=False)
+    for j, (n, k) in enumerate(shapes):
+        for impl in impls:
+            rs = sorted([r for r in records if r["impl"] == impl and (r["N"], r["K"]) == (n, k)
+                         and "median_us" in r], key=lambda r: r["M"])
+            if not rs:
+                continue
+            axes[0, j].plot([r["M"] for r in rs], [r["tbps"] for r in rs], "o-", label=impl)
+            axes[1, j].plot([r["M"] for r in rs], [r["tflops"] for r in rs], "o-", label=impl)
+        axes[0, j].axhline(PEAK_TBPS, color="k", ls="--", label="HBM 4.8 TB/s")
+        axes[1, j].axhline(PEAK_TFLOPS, color="k", ls="--", label="bf16 990 TFLOP/s")
+        mm = np.array(MS, float)
+        axes[1, j].plot(mm, np.minimum(PEAK_TFLOPS, 2 * mm * n * k * PEAK_TBPS * 1e12
+                                       / (nvfp4_bytes(n, k) + 2 * mm * (n + k)) / 1e12),
+                        "k:", label="NVFP4 roofline")
+        for i in range(2):
+            axes[i, j].set_xscale("log", base=2)
+            axes[i, j].set_xlabel("M")
+            axes[i, j].set_title(f"N={n} K={k}")
+        axes[1, j].set_yscale("log")
+        axes[0, j].set_ylabel("achieved TB/s (bytes moved / time)")
+        axes[1, j].set_ylabel("TFLOP/s")
+    axes[0, 0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default="bench/results")
+    p.add_argument("--tune", action="store_true")
+    p.add_argument("--check", action="store_true")
+    p.add_argument("--budget-s", type=float, default=200)
+    p.add_argument("--shapes", default="")
+    p.add_argument("--ms", default="")
+    a = p.parse_args()
+    os.makedirs(a.out, exist_ok=True)
+    shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",") if s] or SHAPES
+    ms = [int(v) for v in a.ms.split(",") if v] or MS
+    dev = jax.devices()[0]
+    log("device:", dev.device_kind, "jax", jax.__version__)
+    if a.check:
+        check(a.out)
+    if a.tune:
+        tune(a.out, shapes, ms, a.budget_s)
+        return
+    if a.check:
+        return
+    records = bench(a.out, shapes, ms, a.budget_s)
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                                cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+    except OSError:
+        commit = ""
+    import jaxlib
+
+    doc = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(), commit=commit,
+               gpu=dev.device_kind, jax=jax.__version__, jaxlib=jaxlib.__version__,
+               timing="in-graph fori_loop over distinct weight copies, (T(R2)-T(R1))/calls",
+               records=records)
+    with open(os.path.join(a.out, "gemm-h200.json"), "w") as f:
+        json.dump(doc, f, indent=1)
+    plot(records, os.path.join(a.out, "gemm-h200.png"))
+    # short table last: ratio vs bf16 per shape / M
+    by = {(r["impl"], r["N"], r["K"], r["M"]): r.get("median_us") for r in records}
+    log("N K M | w4a16 us | w4a4 us | bf16 us | x bf16 (w4a16) | scaled_mm us | xla us")
+    for (n, k) in shapes:
+        for m in ms:
+            b = by.get(("bf16_dot", n, k, m))
+            o = by.get(("nvfp4_w4a16", n, k, m))
+            log(n, k, m, o and round(o, 1), by.get(("nvfp4_w4a4", n, k, m)) and
+                round(by[("nvfp4_w4a4", n, k, m)], 1), b and round(b, 1),
+                (b and o) and round(b / o, 2), by.get(("scaled_matmul", n, k, m)),
+                by.get(("xla_dequant_dot", n, k, m)))
+
+
+if __name__ == "__main__":
+    main()

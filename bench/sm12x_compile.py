@@ -1,0 +1,206 @@
+"""Compile the NVFP4 GEMM kernel's Triton IR for SM 12.x (RTX 50xx / RTX PRO, GB10) on any
+CUDA machine and check that the SASS uses tensor-core MMA (HMMA).
+
+Nothing here runs on an SM12x GPU: the kernel is lowered by JAX on the local GPU (TTIR is
+architecture-neutral), then compiled, not run, for sm_120a and sm_121a (and sm_90a for
+reference) two ways:
+
+* ``jaxlib``: the Triton bundled in jaxlib (``jax._src.lib.triton.compile``), which is what
+  Pallas uses at run time on jaxlib > 0.10.2, gives PTX; ``ptxas -arch=sm_XXXa`` makes a cubin;
+* ``pip``: the pip ``triton`` package (``triton.compile`` on the TTIR text, ``GPUTarget``).
+
+SASS comes from ``cuobjdump -sass``; we count HMMA (mma.sync), HGMMA (wgmma, sm_90a only) and
+the FP8/FP4 MMAs (QMMA/OMMA). Usage: ``python bench/sm12x_compile.py --out DIR`` ->
+``DIR/gemm-sm12x-compile.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+ARCHS = (90, 120, 121)
+
+
+def capture_ttir(m=16, n=4096, k=4096, config=None):
+    """Lower one ``matmul_pallas`` call and return [(ttir_text, bytecode, num_warps, num_stages)]."""
+    from jax._src.pallas.triton import lowering
+
+    from nvfp4_jax.gemm.pallas_triton import Config, matmul_pallas
+
+    cfg = config or Config(block_m=16, block_n=64, block_k=256, split_k=1, num_warps=4,
+                           num_stages=3)
+    got = []
+    orig = lowering.lower_jaxpr_to_triton_module
+
+    def spy(*a, **kw):
+        res = orig(*a, **kw)
+        import io
+
+        buf = io.BytesIO()
+        res.module.operation.write_bytecode(buf)
+        got.append((res.module.operation.get_asm(), buf.getvalue()))
+        return res
+
+    lowering.lower_jaxpr_to_triton_module = spy
+    try:
+        x = jnp.zeros((m, k), jnp.bfloat16)
+        codes = jnp.zeros((n, k // 2), jnp.uint8)
+        scales = jnp.zeros((n, k // 16), jnp.float8_e4m3fn)
+        jax.jit(lambda x, c, s: matmul_pallas(x, c, s, 1.0, config=cfg)).lower(x, codes, scales)
+    finally:
+        lowering.lower_jaxpr_to_triton_module = orig
+    return [(t, b, cfg.num_warps, cfg.num_stages) for t, b in got]
+
+
+def _tool(name):
+    for cand in [shutil.which(name), f"/usr/local/cuda/bin/{name}"]:
+        if cand and os.path.exists(cand):
+            return cand
+    try:
+        import triton
+
+        p = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+        if os.path.exists(p):
+            return p
+    except ImportError:
+        pass
+    return None
+
+
+def sass_stats(cubin: bytes, workdir: str, tag: str) -> dict:
+    path = os.path.join(workdir, f"{tag}.cubin")
+    with open(path, "wb") as f:
+        f.write(cubin)
+    cuobjdump = _tool("cuobjdump")
+    if cuobjdump is None:
+        return dict(error="cuobjdump not found")
+    r = subprocess.run([cuobjdump, "-sass", path], capture_output=True, text=True)
+    sass = r.stdout
+    if r.returncode != 0 or not sass:
+        return dict(error=f"cuobjdump failed: {r.stderr[-300:]}")
+    ops = re.findall(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)(?:\.[\w.]+)?",
+                     sass, re.M)
+    count = lambda pfx: sum(1 for o in ops if o == pfx)  # noqa: E731
+    arch = re.search(r"arch = (sm_\w+)", sass)
+    return dict(arch=arch.group(1) if arch else None, n_instructions=len(ops),
+                HMMA=count("HMMA"), HGMMA=count("HGMMA"), QMMA=count("QMMA"), OMMA=count("OMMA"),
+                PRMT=count("PRMT"), LOP3=count("LOP3"), sass_head=sass[:0])
+
+
+def compile_jaxlib(bytecode, num_warps, num_stages, cc, workdir) -> dict:
+    try:
+        from jax._src.lib import triton as jt
+    except ImportError as e:
+        return dict(error=f"jaxlib triton unavailable: {e}")
+    arch = f"{cc // 10}.{cc % 10}"
+    try:
+        res = jt.compile("cuda", bytecode, arch, num_warps=num_warps, num_ctas=1,
+                         num_stages=num_stages)
+    except Exception as e:  # noqa: BLE001
+        return dict(error=f"jaxlib triton.compile({arch}) failed: {repr(e)[:400]}")
+    ptx = res.asm if isinstance(res.asm, str) else res.asm.decode()
+    target = re.search(r"\.target\s+(\S+)", ptx)
+    out = dict(ptx_target=target.group(1) if target else None, ptx_mma_sync=ptx.count("mma.sync"),
+               ptx_wgmma=ptx.count("wgmma.mma_async"), smem_bytes=getattr(res, "smem_bytes", None))
+    ptxas = _tool("ptxas")
+    if ptxas is None:
+        out["error"] = "ptxas not found"
+        return out
+    ptx_path = os.path.join(workdir, f"jaxlib_sm{cc}.ptx")
+    with open(ptx_path, "w") as f:
+        # ptxas needs the arch-specific target for wgmma / sm_12x features
+        f.write(re.sub(r"\.target\s+sm_(\d+)\b(?!a)", r".target sm_\1a", ptx))
+    cubin_path = ptx_path[:-4] + ".cubin"
+    r = subprocess.run([ptxas, f"-arch=sm_{cc}a", "-o", cubin_path, ptx_path],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        out["error"] = f"ptxas sm_{cc}a failed: {r.stderr[-400:]}"
+        return out
+    with open(cubin_path, "rb") as f:
+        out.update(sass_stats(f.read(), workdir, f"jaxlib_sm{cc}"))
+    out["ptxas"] = subprocess.run([ptxas, "--version"], capture_output=True,
+                                  text=True).stdout.strip().splitlines()[-1:]
+    return out
+
+
+def compile_pip(ttir_text, num_warps, num_stages, cc, workdir) -> dict:
+    try:
+        import triton
+        from triton.backends.compiler import GPUTarget
+    except ImportError as e:
+        return dict(error=f"pip triton unavailable: {e}")
+    path = os.path.join(workdir, f"kernel_sm{cc}.ttir")
+    with open(path, "w") as f:
+        f.write(ttir_text)
+    try:
+        ck = triton.compile(path, target=GPUTarget("cuda", cc, 32),
+                            options=dict(num_warps=num_warps, num_stages=num_stages))
+    except Exception as e:  # noqa: BLE001
+        return dict(error=f"triton {triton.__version__} compile sm_{cc} failed: {repr(e)[:600]}")
+    out = dict(triton=triton.__version__)
+    ptx = ck.asm.get("ptx", "")
+    target = re.search(r"\.target\s+(\S+)", ptx)
+    out.update(ptx_target=target.group(1) if target else None, ptx_mma_sync=ptx.count("mma.sync"),
+               ptx_wgmma=ptx.count("wgmma.mma_async"))
+    out.update(sass_stats(ck.asm["cubin"], workdir, f"pip_sm{cc}"))
+    return out
+
+
+def run(out_dir: str) -> dict:
+    os.makedirs(out_dir, exist_ok=True)
+    summary = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, kernels=[])
+    try:
+        import triton
+
+        summary["pip_triton"] = triton.__version__
+    except ImportError:
+        summary["pip_triton"] = None
+    from nvfp4_jax.gemm.pallas_triton import Config
+
+    kernels = {
+        "w4a16_small_m": Config(16, 64, 256, 1, 4, 3),
+        "w4a16_large_m": Config(128, 128, 64, 1, 8, 3),
+    }
+    with tempfile.TemporaryDirectory() as wd:
+        for name, cfg in kernels.items():
+            for decode in ("asm", "bits"):
+                c = Config(**{**cfg.__dict__, "decode": decode})
+                [(ttir, bc, nw, ns)] = capture_ttir(config=c)
+                entry = dict(kernel=name, decode=decode, config=c.__dict__,
+                             ttir_ops=sorted(set(re.findall(r"\btt\.\w+", ttir))))
+                if name == "w4a16_small_m" and decode == "asm":
+                    with open(os.path.join(out_dir, "gemm-w4a16-small-m.ttir"), "w") as f:
+                        f.write(ttir)
+                for cc in ARCHS:
+                    entry[f"jaxlib_sm{cc}"] = compile_jaxlib(bc, nw, ns, cc, wd)
+                    entry[f"pip_sm{cc}"] = compile_pip(ttir, nw, ns, cc, wd)
+                summary["kernels"].append(entry)
+                print(json.dumps(entry), flush=True)
+    ok = [k for k in summary["kernels"]
+          if all(k.get(f"{p}_sm{cc}", {}).get("HMMA", 0) > 0 for cc in (120, 121)
+                 for p in ("jaxlib",))
+          or all(k.get(f"pip_sm{cc}", {}).get("HMMA", 0) > 0 for cc in (120, 121))]
+    summary["sm12x_hmma_ok"] = bool(ok)
+    with open(os.path.join(out_dir, "gemm-sm12x-compile.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+    return summary
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default="bench/results")
+    a = p.parse_args()
+    s = run(a.out)
+    print("sm12x_hmma_ok", s["sm12x_hmma_ok"])

@@ -1,0 +1,189 @@
+"""Public NVFP4 GEMM: ``matmul(x, w)`` = ``x @ dequantize(w)^T``, W4A16 or W4A4.
+
+Backends (``backend=``):
+
+* ``"pallas"``: the Pallas-Triton kernel (pallas_triton.py) on an NVIDIA GPU with compute
+  capability >= 8.9 (the kernel converts E4M3 scales in registers); on CPU it runs in Pallas
+  interpret mode (slow, for tests);
+* ``"xla"``: exact dequantize, then ``jnp.dot`` with fp32 accumulation (xla.py), any device;
+* ``"auto"``: ``"pallas"`` on a supported NVIDIA GPU, else ``"xla"``; the choice is logged.
+
+W4A4 numerics (TensorRT-LLM ``nvfp4_gemm``): x is quantized with the ``trtllm`` recipe and
+encode scale ``G = fp32(1/input_scale)``; ``alpha = fp32(input_scale * weight_scale_2)``. The
+dequantized activation ``e2m1 * e4m3`` is exact in bf16, so feeding it to the W4A16 kernel with
+fp32 accumulation gives the same numbers as an FP4 x FP4 MMA with fp32 accumulation.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import jax
+import jax.numpy as jnp
+
+from ..quantize import NVFP4Array, dequantize, quantize
+from . import configs
+from .pallas_triton import Config, matmul_pallas
+from .xla import matmul_xla
+
+log = logging.getLogger(__name__)
+
+BACKENDS = ("auto", "pallas", "xla")
+_MIN_CC = 89  # float8_e4m3fn -> f32 conversion in Triton needs sm_89+
+
+
+def _gpu_compute_capability() -> int | None:
+    """Compute capability of the default device as an int (90 for 9.0), None if not NVIDIA."""
+    try:
+        dev = jax.devices()[0]
+    except RuntimeError:
+        return None
+    if dev.platform != "gpu":
+        return None
+    cc = getattr(dev, "compute_capability", None)
+    if cc is None or "cuda" not in str(getattr(dev.client, "platform_version", "")).lower():
+        return None
+    major, _, minor = str(cc).partition(".")
+    return int(major) * 10 + int(minor or 0)
+
+
+def register_sm12x_device_kinds(device_kind: str | None = None, compute_capability: int | None = None) -> bool:
+    """Teach JAX >= 0.11's Pallas-Triton GPU table about GeForce RTX 50xx (SM 12.0).
+
+    ``jax._src.pallas.triton.gpu_info`` maps ``device_kind`` strings to a compute capability
+    and has no entry for "NVIDIA GeForce RTX 50xx", so lowering fails with "No supported GPU
+    devices found". Registers the kind (only when that module exists and the kind is unknown).
+    Returns True when an entry was added.
+    """
+    try:
+        from jax._src.pallas.triton import gpu_info  # jax >= 0.11 only
+    except ImportError:
+        return False
+    registry = getattr(gpu_info, "registry", None)
+    info_cls = getattr(gpu_info, "GpuInfo", None)
+    if registry is None or info_cls is None:
+        return False
+    if device_kind is None:
+        try:
+            dev = jax.devices()[0]
+        except RuntimeError:
+            return False
+        if dev.platform != "gpu":
+            return False
+        device_kind = dev.device_kind
+    if "RTX 50" not in device_kind:
+        return False
+    known = device_kind in registry
+    lookup = getattr(gpu_info, "gpu_version_from_device_kind", None)
+    if lookup is not None:
+        try:
+            known = known or lookup(device_kind) is not None
+        except Exception:  # noqa: BLE001 - an unknown kind may raise instead of returning None
+            pass
+    if known:
+        return False
+    cc = compute_capability or 120
+    arch = f"{cc // 10}.{cc % 10}"
+    registry[device_kind] = lambda: info_cls(gpu_version=None, arch_name=arch,
+                                             compute_capability=cc)
+    log.info("nvfp4_jax.gemm: registered %r as compute capability %s for Pallas-Triton",
+             device_kind, arch)
+    return True
+
+
+def resolve_backend(backend: str) -> str:
+    """Map ``backend`` to "pallas" or "xla" (logging the choice of "auto")."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+    if backend != "auto":
+        return backend
+    cc = _gpu_compute_capability()
+    if cc is not None and cc >= _MIN_CC:
+        register_sm12x_device_kinds()
+        log.info("nvfp4_jax.matmul: backend auto -> pallas (NVIDIA GPU, sm_%d)", cc)
+        return "pallas"
+    log.info("nvfp4_jax.matmul: backend auto -> xla (%s)",
+             "no NVIDIA GPU" if cc is None else f"sm_{cc} < sm_{_MIN_CC}")
+    return "xla"
+
+
+def _check_weight(w) -> None:
+    if not isinstance(w, NVFP4Array):
+        raise ValueError(f"w: expected an NVFP4Array [N, K], got {type(w).__name__}")
+    if len(w.shape) != 2:
+        raise ValueError(f"w: expected a 2-D NVFP4Array [N, K], got shape {w.shape}")
+    if w.codes.dtype != jnp.uint8:
+        raise ValueError(f"w.codes: expected uint8, got {w.codes.dtype}")
+    if w.scales.dtype not in (jnp.float8_e4m3fn, jnp.uint8):
+        raise ValueError(f"w.scales: expected float8_e4m3fn, got {w.scales.dtype}")
+    if jnp.ndim(w.decode_scale) != 0:
+        raise ValueError(f"w.decode_scale: expected a scalar, got shape {jnp.shape(w.decode_scale)}")
+
+
+def matmul(
+    x,
+    w: NVFP4Array,
+    *,
+    input_scale=None,
+    out_dtype=jnp.bfloat16,
+    backend: str = "auto",
+    config: Config | None = None,
+) -> jax.Array:
+    """NVFP4 GEMM ``out[..., N] = x[..., K] @ W[N, K]^T`` with fp32 accumulation.
+
+    x: bf16/fp16 ``[..., K]`` (W4A16, or W4A4 when ``input_scale`` is given), or an
+    :class:`NVFP4Array` ``[..., K]`` (W4A4, alpha = x.decode_scale * w.decode_scale).
+    w: NVFP4Array ``[N, K]`` (swizzled scales are unswizzled first).
+    input_scale: ModelOpt ``input_scale`` (decode form, amax/2688, fp32 scalar) -> W4A4.
+    out_dtype: bf16 (default), fp16 or fp32. Returns out_dtype ``[..., N]``. Jittable.
+    """
+    _check_weight(w)
+    n, k = w.shape
+    if k % 16:
+        raise ValueError(f"w: K must be a multiple of 16, got shape {w.shape}")
+    if jnp.dtype(out_dtype) not in (jnp.bfloat16, jnp.float16, jnp.float32):
+        raise ValueError(f"out_dtype: expected bfloat16, float16 or float32, got {out_dtype}")
+    impl = resolve_backend(backend)
+    w_scales = w.linear_scales() if w.layout != "linear" else w.scales
+    w_decode = jnp.asarray(w.decode_scale, jnp.float32)
+
+    if isinstance(x, NVFP4Array):  # W4A4 with a pre-quantized activation
+        if input_scale is not None:
+            raise ValueError("input_scale: must be None when x is already an NVFP4Array")
+        if x.shape[-1] != k:
+            raise ValueError(f"x: K mismatch, x has K={x.shape[-1]}, w has K={k}")
+        if jnp.ndim(x.decode_scale) != 0:
+            raise ValueError("x.decode_scale: expected a scalar (one per activation tensor)")
+        x_op = dequantize(x, jnp.bfloat16, include_decode_scale=False)  # exact
+        alpha = jnp.asarray(x.decode_scale, jnp.float32) * w_decode
+    else:
+        x = jnp.asarray(x)
+        if x.dtype not in (jnp.bfloat16, jnp.float16):
+            raise ValueError(f"x: expected bfloat16 or float16 (or an NVFP4Array), got {x.dtype}")
+        if x.ndim < 1 or x.shape[-1] != k:
+            raise ValueError(f"x: K mismatch, x has shape {x.shape}, w has K={k}")
+        if input_scale is None:
+            x_op, alpha = x, w_decode
+        else:
+            s_in = jnp.asarray(input_scale, jnp.float32)
+            if s_in.ndim != 0:
+                raise ValueError(f"input_scale: expected an fp32 scalar, got shape {s_in.shape}")
+            xq = quantize(x, "trtllm", encode_scale=jnp.float32(1.0) / s_in)
+            x_op = dequantize(xq, jnp.bfloat16, include_decode_scale=False)  # exact
+            alpha = s_in * w_decode
+
+    lead = x_op.shape[:-1]
+    x2 = x_op.reshape(-1, k)
+    m = x2.shape[0]
+    if m == 0:
+        return jnp.zeros(lead + (n,), out_dtype)
+    if impl == "xla":
+        out = matmul_xla(x2, w.codes, w_scales, alpha, out_dtype=out_dtype)
+    else:
+        cfg = config or configs.get_config(m, n, k)
+        interpret = jax.devices()[0].platform != "gpu"
+        if interpret:
+            cfg = Config(**{**cfg.__dict__, "decode": "bits"})
+        out = matmul_pallas(x2, w.codes, w_scales, alpha, out_dtype=out_dtype, config=cfg,
+                            interpret=interpret)
+    return out.reshape(lead + (n,))

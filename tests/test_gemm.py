@@ -211,3 +211,16 @@ def test_nan_input_never_passes_bound():
     ref, bound = _w4a16_ref(np.nan_to_num(np.asarray(x, np.float32)), wo, jnp.bfloat16)
     with pytest.raises(AssertionError):
         _assert_within(out, ref, bound)
+
+
+def test_poisoned_output_is_fully_written_interpret():
+    rng = np.random.default_rng(18)
+    wo = _weights(rng, 40, 80)
+    x = _x(rng, 19, 80)
+    for cfg in (Config(block_m=16, block_n=16, block_k=32, decode="bits"),
+                Config(block_m=16, block_n=32, block_k=32, split_k=2, decode="bits")):
+        out = matmul_pallas(jnp.asarray(x), jnp.asarray(wo.codes), jnp.asarray(wo.scales),
+                            np.float32(wo.decode_scale), out_dtype=jnp.float32, config=cfg,
+                            interpret=True, poison=True)
+        ref, bound = _w4a16_ref(x, wo, jnp.float32, splits=cfg.split_k)
+        _assert_within(out, ref, bound)

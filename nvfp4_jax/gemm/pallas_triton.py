@@ -54,6 +54,7 @@ class Config:
     group_m: int = 8
     decode: str = "asm"
     algo: str = "fused"
+    load2d: bool = False  # load codes as a 2-D [BN, BK/2] tile (wider vector loads), then reshape
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "block_k", "split_k", "num_warps", "group_m"):
@@ -72,8 +73,9 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _gemm_kernel(xe_ref, xo_ref, c_ref, s_ref, alpha_ref, o_ref, *, cfg: Config, M: int,
+def _gemm_kernel(xe_ref, xo_ref, c_ref, s_ref, alpha_ref, *refs, cfg: Config, M: int,
                  N: int, K: int, tiles_per_split: int, partial: bool):
+    o_ref = refs[-1]  # refs = (o_ref,) or (poisoned_out_alias, o_ref)
     BM, BN, BK = cfg.block_m, cfg.block_n, cfg.block_k
     BKB, BK2 = BK // 16, BK // 2
     KB, K2 = K // 16, K // 2
@@ -98,8 +100,13 @@ def _gemm_kernel(xe_ref, xo_ref, c_ref, s_ref, alpha_ref, o_ref, *, cfg: Config,
         kb0 = (pid_k * tiles_per_split + i) * BKB
         kb_mask = (kb0 + jnp.arange(BKB)) < KB
         w_mask = n_mask[:, None] & kb_mask[None, :]
-        codes = plgpu.load(c_ref.at[pl.ds(n0, BN), pl.ds(kb0, BKB), :],
-                           mask=w_mask[:, :, None], other=0)
+        if cfg.load2d:
+            k2_mask = n_mask[:, None] & ((kb0 * 8 + jnp.arange(BK2)) < K2)[None, :]
+            codes = plgpu.load(c_ref.at[pl.ds(n0, BN), pl.ds(kb0 * 8, BK2)], mask=k2_mask,
+                               other=0).reshape(BN, BKB, 8)
+        else:
+            codes = plgpu.load(c_ref.at[pl.ds(n0, BN), pl.ds(kb0, BKB), :],
+                               mask=w_mask[:, :, None], other=0)
         scales = plgpu.load(s_ref.at[pl.ds(n0, BN), pl.ds(kb0, BKB)], mask=w_mask, other=0)
         w_even, w_odd = decode_block(codes, scales, cfg.decode, xe_ref.dtype)
         x_mask = m_mask[:, None] & ((kb0 * 8 + jnp.arange(BK2)) < K2)[None, :]
@@ -136,6 +143,7 @@ def matmul_pallas(
     config: Config = Config(),
     interpret: bool = False,
     x_even_odd: tuple[jax.Array, jax.Array] | None = None,
+    poison: bool = False,
 ) -> jax.Array:
     """``alpha * x @ W^T`` with fp32 accumulation.
 
@@ -143,6 +151,8 @@ def matmul_pallas(
     w_codes: uint8 [N, K/2] (element 2j in the low nibble). w_scales: E4M3 [N, K/16], as
     float8_e4m3fn or raw uint8 bytes, linear layout. alpha: fp32 scalar (weight_scale_2, or
     input_scale * weight_scale_2 for W4A4). Returns out_dtype [M, N].
+    poison: tests only: the kernel writes into a NaN-filled buffer (input_output_aliases), so
+    any tile it fails to write shows up as NaN.
     """
     if x_even_odd is None:
         xe, xo = split_even_odd(x)
@@ -155,7 +165,7 @@ def matmul_pallas(
         raise ValueError(f"w: codes {w_codes.shape} / scales {w_scales.shape} do not match K={K}")
     if w_scales.dtype != jnp.uint8:
         w_scales = lax.bitcast_convert_type(w_scales, jnp.uint8)
-    codes3 = w_codes.reshape(N, K // 16, 8)
+    codes3 = w_codes if config.load2d else w_codes.reshape(N, K // 16, 8)
     alpha_arr = jnp.asarray(alpha, jnp.float32).reshape(1)
     cfg = config
     if cfg.algo == "dequant_dot":
@@ -175,14 +185,20 @@ def matmul_pallas(
                                tiles_per_split=tiles_per_split, partial=partial)
     grid = (_cdiv(M, cfg.block_m) * _cdiv(N, cfg.block_n), split)
     op_dtype = jnp.float16 if xe.dtype == jnp.float16 else jnp.bfloat16
+    args = [xe.astype(op_dtype), xo.astype(op_dtype), codes3, w_scales, alpha_arr]
+    aliases = {}
+    if poison:
+        args.append(jnp.full(out_shape.shape, jnp.nan, out_shape.dtype))
+        aliases = {len(args) - 1: 0}
     out = pl.pallas_call(
         kernel,
         out_shape=out_shape,
         grid=grid,
+        input_output_aliases=aliases,
         compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
         interpret=interpret,
         name="nvfp4_gemm",
-    )(xe.astype(op_dtype), xo.astype(op_dtype), codes3, w_scales, alpha_arr)
+    )(*args)
     if partial:
         out = (out.sum(axis=0) * alpha_arr[0]).astype(out_dtype)
     return out

@@ -216,13 +216,13 @@ def candidates(m, n, k):
         for bn in (16, 32, 64, 128):
             for bk in (256, 512):
                 for split in sorted({1, split_for(n, k, bn, bk)}):
-                    for st in (3, 4):
-                        c.append(Config(16, bn, bk, split, 4, st))
+                    c.append(Config(16, bn, bk, split, 4, 4))
         s64 = split_for(n, k, 64, 256)
         c.append(Config(16, 64, 256, s64, 4, 4, decode="bits"))
         c.append(Config(16, 64, 256, s64, 4, 4, load2d=True))
         c.append(Config(16, 32, 256, 1, 4, 4, load2d=True))
         c.append(Config(16, 128, 256, split_for(n, k, 128, 256), 8, 3))
+        c.append(Config(16, 64, 256, s64, 4, 3))
         c.append(Config(16, 64, 256, s64, 2, 4))
     elif m <= 64:
         for bm, bn, bk, w, st in [(64, 64, 128, 4, 4), (64, 64, 256, 4, 3), (64, 128, 128, 8, 3),

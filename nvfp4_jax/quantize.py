@@ -151,39 +151,62 @@ class NVFP4Array:
 # recipes (each: xb [..., nb, 16] f32, vmax [..., nb] f32, g f32 -> (scale f32 values, codes))
 # ---------------------------------------------------------------------------------------
 
+def _div(a, b):
+    """IEEE fp32 ``a / b`` with numpy broadcasting, as the oracle computes it.
+
+    XLA's algebraic simplifier rewrites a division by a broadcast (``x / s[..., None]``,
+    ``v / 6``) into a multiply by an fp32 reciprocal, which differs in the last bit (and so
+    in FP4 codes at E2M1 midpoints). Materialising the divisor behind an optimization
+    barrier keeps the true division.
+    """
+    a = jnp.asarray(a, jnp.float32)
+    b = jnp.asarray(b, jnp.float32)
+    shape = jnp.broadcast_shapes(a.shape, b.shape)
+    a = jnp.broadcast_to(a, shape)
+    b = jax.lax.optimization_barrier(jnp.broadcast_to(b, shape))
+    return jax.lax.div(a, b)
+
+
+def _rcp(b):
+    """Correctly rounded fp32 ``1 / b`` (a true division, never rewritten)."""
+    return _div(jnp.float32(1.0), b)
+
+
 def _trtllm(xb, vmax, G):
     c6 = jnp.float32(1.0 / 6.0)
     sf = jnp.where(vmax == 0, 0.0, vmax * (G * c6))
     s = F.e4m3_round(sf, "saturate")
-    den = s * (jnp.float32(1.0) / G)
-    out_scale = jnp.minimum(jnp.float32(1.0) / den, _FLT_MAX)
+    den = s * _rcp(G)
+    out_scale = jnp.minimum(_rcp(den), _FLT_MAX)
     y = xb * out_scale[..., None]
     return s, F.e2m1_encode(y)
 
 
 def _modelopt(xb, vmax, D):
-    sf = vmax / (jnp.float32(6.0) * D)
+    sf = _div(vmax, jnp.float32(6.0) * D)
     sf = jnp.where(sf == 0, 1.0, sf)
     sf = jnp.clip(sf, 2.0**-9, 448.0)
     s = F.e4m3_round(sf, "saturate")
-    y = xb / (s * D)[..., None]
-    code = F.e2m1_encode(jnp.abs(y)) | ((xb < 0).astype(jnp.uint8) << 3)
+    y = _div(xb, (s * D)[..., None])
+    # ModelOpt _cast_fp4: sign from the scaled value (y < 0), so -0.0 -> code 0
+    code = F.e2m1_encode(jnp.abs(y)) | ((y < 0).astype(jnp.uint8) << 3)
     return s, code
 
 
 def _jax(xb, vmax, D):
-    x2 = xb / D
+    # what XLA runs for jax's quantize: each division by a broadcast is a reciprocal-multiply
+    x2 = xb * _rcp(D)
     amax = jnp.max(jnp.abs(x2), axis=-1)
-    s = F.e4m3_round(jnp.clip(amax / jnp.float32(6.0), 0.0, 448.0), "nan")
-    y = jnp.clip(x2 / s[..., None], -6.0, 6.0)
+    s = F.e4m3_round(jnp.clip(amax * _rcp(jnp.float32(6.0)), 0.0, 448.0), "nan")
+    y = jnp.clip(x2 * _rcp(s)[..., None], -6.0, 6.0)
     return s, F.e2m1_encode(y, nan_code=8)
 
 
 def _b12x(xb, vmax, G):
-    sf = jnp.minimum((vmax * G) / jnp.float32(6.0), 448.0)
+    sf = jnp.minimum(_div(vmax * G, jnp.float32(6.0)), 448.0)
     s = F.e4m3_round(sf, "saturate")
-    den = jnp.maximum(s / G, jnp.float32(1e-30))
-    y = xb / den[..., None]
+    den = jnp.maximum(_div(s, G), jnp.float32(1e-30))
+    y = _div(xb, den[..., None])
     return s, F.e2m1_encode(y, negative_zero="never")
 
 
@@ -232,15 +255,15 @@ def quantize(
     if encode_scale is None and decode_scale is None:
         amax = jnp.max(jnp.abs(xf))
         if native == "decode":
-            decode_scale = amax / jnp.float32(2688.0)
+            decode_scale = _div(amax, jnp.float32(2688.0))
         else:
-            encode_scale = jnp.float32(2688.0) / amax
+            encode_scale = _div(jnp.float32(2688.0), amax)
     if encode_scale is not None:
         G = _scalar("encode_scale", encode_scale)
-        D = jnp.float32(1.0) / G
+        D = _rcp(G)
     else:
         D = _scalar("decode_scale", decode_scale)
-        G = jnp.float32(1.0) / D
+        G = _rcp(D)
     g = G if native == "encode" else D
     xb = xf.reshape(x.shape[:-1] + (x.shape[-1] // BLOCK, BLOCK))
     vmax = jnp.max(jnp.abs(xb), axis=-1)

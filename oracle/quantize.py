@@ -38,12 +38,15 @@ Recipes (sources: ../shared/docs/nvfp4-semantics.md and the peers' code):
     turns into code 0 here (documented assumption; its dequantized value is 0 either way).
 ``modelopt``
     ModelOpt 0.47 ``NVFP4QTensor``: ``sf = vmax / (6 * D)``, zero -> 1.0, clamp to
-    [2^-9, 448], E4M3; ``y = x / (SFn * D)``; E2M1 RNE with the sign from ``x < 0`` (so -0.0
-    gives code 0, tiny negatives code 8).
+    [2^-9, 448], E4M3; ``y = x / (SFn * D)``; E2M1 RNE with the sign from ``y < 0`` (so -0.0
+    gives code 0, tiny negatives code 8 unless the fp32 quotient underflows to -0.0).
 ``jax``
-    ``jax._src.cudnn.scaled_matmul_stablehlo.quantize`` (mode nvfp4): ``x' = x / D``,
-    ``s = E4M3(clip(max|x'| / 6, 0, 448))``, ``y = x' / s``, clip to [-6, 6], ml_dtypes E2M1
-    (NaN -> code 8). A zero-scale block gives codes +-6 (x/0) or 8 (0/0): dequantizes to 0.
+    ``jax._src.cudnn.scaled_matmul_stablehlo.quantize`` (mode nvfp4) as XLA executes it: the
+    source reads ``x' = x / D``, ``s = E4M3(clip(max|x'| / 6, 0, 448))``, ``y = x' / s``, but
+    XLA rewrites each division by a broadcast into a multiply by an fp32 reciprocal, so
+    ``x' = x * (1/D)``, ``s = E4M3(clip(max|x'| * (1/6), 0, 448))``, ``y = x' * (1/s)``;
+    clip to [-6, 6], XLA E2M1 convert (NaN -> code 8). A zero-scale block gives codes +-6
+    (x * inf) or 8 (0 * inf): dequantizes to 0.
 ``torchao``
     torchao 0.18 ``nvfp4_quantize`` (two-level): ``bs = vmax / 6``,
     ``s = E4M3(clamp(bs / D, 2^-6, 448))`` (never subnormal), ``y = x * ((1/D) / s)``.
@@ -51,6 +54,10 @@ Recipes (sources: ../shared/docs/nvfp4-semantics.md and the peers' code):
     b12x's reference ``_quantize_vec_to_fp4_dequant`` in ``direct_division`` mode:
     ``sf = E4M3(min((vmax * G) / 6, 448))``, ``y = x / max(sf / G, 1e-30)``; negatives that
     round to 0 are stored as +0 (b12x packers).
+``b12x_grouped``
+    b12x 1.5.1's pure-torch activation quantizer ``quantize_grouped_nvfp4_torch``:
+    ``s = E4M3(G * (vmax / 6))`` (saturating cast, no clamp), ``outScale = 1 / (s * (1/G))``
+    with 1/0 -> 0, ``y = clip(x * outScale, +-6)``, RNE; negatives that round to 0 -> +0.
 ``flashinfer_reference``
     FlashInfer's pure-torch trace reference ``_nvfp4_quantize_reference``:
     ``s = E4M3((vmax / 6) * G)`` (saturating cast, torch >= 2.12), zero scale -> 1 for the
@@ -59,7 +66,8 @@ Recipes (sources: ../shared/docs/nvfp4-semantics.md and the peers' code):
 ``compressed_tensors``
     compressed-tensors 0.20: ``s = G * (vmax / 6)`` clamped to +-448, E4M3, a zero scale
     stored as 0.125 (0x20); ``y = x / (s / G)`` (the stored 0.125 for zero-scale blocks);
-    E2M1 RNE; -0.0 stored as +0.
+    E2M1 RNE; the sign bit is set iff ``y < 0`` (``round(|y|) * torch.sign(y)``): -0.0 is
+    stored as +0, negatives that round to 0 as -0 (code 8).
 ``exact``
     Float64 throughout, no intermediate fp32 rounding: ``s = E4M3(vmax / (6 * D))``
     saturating, ``y = x / (s * D)``, E2M1 RNE; zero-scale blocks get code 0; the sign bit is
@@ -181,17 +189,23 @@ def _modelopt(xb, vmax, D):
     sf = np.clip(sf, 2.0**-9, E4M3_MAX)
     s8 = e4m3_encode(sf, "saturate")
     y = f32_div(xb, f32_mul(e4m3_decode(s8), D)[..., None])
-    code = e2m1_encode(np.abs(y)) | ((xb < 0).astype(np.uint8) << 3)
+    # _cast_fp4 takes the sign from the scaled value (``weight < 0`` after the division):
+    # -0.0 and negatives whose quotient underflows to -0.0 give code 0
+    code = e2m1_encode(np.abs(y)) | ((y < 0).astype(np.uint8) << 3)
     return s8, code
 
 
 def _jax(xb, vmax, D):
-    x2 = f32_div(xb, D)
-    amax = np.max(np.abs(x2), axis=-1)
-    s = np.clip(f32_div(amax, 6.0), 0.0, E4M3_MAX)
-    s8 = e4m3_encode(s, "nan")
-    with np.errstate(divide="ignore", invalid="ignore"):
-        y = f32_div(x2, e4m3_decode(s8)[..., None])
+    # The source divides (x / gs, amax / 6, x / s), but every divisor is a broadcast, and
+    # XLA's algebraic simplifier rewrites ``a / broadcast(b)`` into ``a * broadcast(1 / b)``
+    # (seen in the compiled HLO of jax 0.10.2 on CPU). What runs is three fp32
+    # reciprocal-multiplies; 1/0 = inf, so x * inf = +-inf and 0 * inf = NaN as with division.
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        x2 = f32_mul(xb, f32_rcp(D))
+        amax = np.max(np.abs(x2), axis=-1)
+        s = np.clip(f32_mul(amax, f32_rcp(6.0)), 0.0, E4M3_MAX)
+        s8 = e4m3_encode(s, "nan")
+        y = f32_mul(x2, f32_rcp(e4m3_decode(s8))[..., None])
     y = np.clip(y, -6.0, 6.0)  # NaN stays NaN
     return s8, e2m1_encode(y, nan="neg_zero")
 
@@ -213,15 +227,29 @@ def _b12x(xb, vmax, G):
     return s8, e2m1_encode(y, negative_zero="never")
 
 
+def _b12x_grouped(xb, vmax, G):
+    sf = f32_mul(G, f32_div(vmax, 6.0))
+    s8 = e4m3_encode(sf, "saturate")  # no clamp in b12x: relies on torch >= 2.12 saturating
+    den = f32_mul(e4m3_decode(s8), f32_rcp(G))
+    with np.errstate(divide="ignore", over="ignore"):
+        out_scale = np.where(den == 0, 0.0, f32_rcp(den))  # _reciprocal_or_zero_torch
+        y = np.clip(f32_mul(xb, out_scale[..., None]), -6.0, 6.0)
+    return s8, e2m1_encode(y, negative_zero="never")
+
+
 def _flashinfer_reference(xb, vmax, G):
     s = f32_mul(f32_div(vmax, 6.0), G)
     s8 = e4m3_encode(s, "saturate")
     sd = e4m3_decode(s8)
     sd = np.where(sd == 0, 1.0, sd)
-    y = f32_div(f32_mul(xb, G), sd[..., None])
-    mag = np.minimum(np.abs(y), 6.0)
-    # nearest table value, ties to the smaller magnitude (argmin picks the first)
-    idx = np.argmin(np.abs(mag[..., None] - E2M1_MAGNITUDES), axis=-1).astype(np.uint8)
+    with np.errstate(over="ignore", invalid="ignore"):
+        y = f32_div(f32_mul(xb, G), sd[..., None])
+        mag = np.abs(y)
+        # nearest table value by fp32 |mag - v| (no clamp), ties to the smaller magnitude
+        # (argmin picks the first). For |y| >= 2^27 or inf every difference rounds to the
+        # same value and the code becomes 0, as in torch.
+        diffs = np.abs(f32(mag[..., None] - E2M1_MAGNITUDES))
+    idx = np.argmin(diffs, axis=-1).astype(np.uint8)
     return s8, idx | ((y < 0).astype(np.uint8) << 3)
 
 
@@ -230,7 +258,9 @@ def _compressed_tensors(xb, vmax, G):
     s8 = e4m3_encode(s, "saturate")
     s8 = np.where(s8 == 0, np.uint8(0x20), s8).astype(np.uint8)  # zero scale -> 0.125
     y = np.clip(f32_div(xb, f32_div(e4m3_decode(s8), G)[..., None]), -6.0, 6.0)
-    return s8, e2m1_encode(y, negative_zero="never")
+    # cast_to_fp4 (CPU) returns round(|y|) * torch.sign(y) and the packer takes signbit:
+    # negatives that round to 0 give -0.0 (code 8); -0.0 itself has sign(-0.0) = +0 (code 0)
+    return s8, e2m1_encode(np.abs(y)) | ((y < 0).astype(np.uint8) << 3)
 
 
 def _exact(xb, vmax, D):
@@ -255,6 +285,7 @@ RECIPES: dict[str, Recipe] = {
         Recipe("jax", "decode", _jax),
         Recipe("torchao", "decode", _torchao),
         Recipe("b12x", "encode", _b12x),
+        Recipe("b12x_grouped", "encode", _b12x_grouped),
         Recipe("flashinfer_reference", "encode", _flashinfer_reference),
         Recipe("compressed_tensors", "encode", _compressed_tensors),
         Recipe("exact", "decode", _exact, needs_f32_input=False),

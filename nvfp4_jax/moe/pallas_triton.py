@@ -61,8 +61,20 @@ def _div_rn(a, b, exact_asm: bool):
 
 
 def _e4m3(v):
-    """fp32 -> nearest E4M3 value (RNE, subnormals), saturating (the clamp makes it so everywhere)."""
-    return jnp.minimum(v, 448.0).astype(jnp.float8_e4m3fn).astype(jnp.float32)
+    """fp32 v >= 0 -> nearest E4M3 value (RNE, subnormals down to 2^-9), saturating at 448.
+
+    Integer/float arithmetic only (Pallas-Triton has no int->f8 cast and the f32->f8 cast's
+    rounding is the backend's): the quantum at v's exponent (clamped to E4M3's minimum normal
+    exponent -6) is 2^(e-3); v / quantum < 16, so adding and subtracting 2^23 rounds it to an
+    integer, ties to even, exactly.
+    """
+    v = jnp.minimum(v, 448.0)
+    e = ((lax.bitcast_convert_type(v, jnp.uint32) >> 23) & 0xFF).astype(jnp.int32) - 127
+    q = jnp.maximum(e, -6) - 3
+    quantum = lax.bitcast_convert_type(((q + 127) << 23).astype(jnp.uint32), jnp.float32)
+    inv = lax.bitcast_convert_type(((127 - q) << 23).astype(jnp.uint32), jnp.float32)
+    magic = jnp.float32(2.0**23)
+    return ((v * inv + magic) - magic) * quantum
 
 
 def _e2m1_magnitude(a):
@@ -110,7 +122,9 @@ def _grouped_tiles(xe_ref, xo_ref, c_ref, s_ref, e, m0, row0s, n_valid, K: int, 
         for acc, row0 in zip(accs, row0s):
             codes = plgpu.load(c_ref.at[e, pl.ds(row0, BN), pl.ds(kb0, BKB), :],
                                mask=w_mask[:, :, None], other=0)
-            scales = plgpu.load(s_ref.at[e, pl.ds(row0, BN), pl.ds(kb0, BKB)], mask=w_mask, other=0)
+            scales = lax.bitcast_convert_type(  # uint8 bytes: a masked f8 load cannot take other=0
+                plgpu.load(s_ref.at[e, pl.ds(row0, BN), pl.ds(kb0, BKB)], mask=w_mask, other=0),
+                jnp.float8_e4m3fn)
             w_even, w_odd = decode_block(codes, scales, cfg.decode)
             acc = acc + lax.dot_general(w_even.reshape(BN, BK2), xe, _DIMS,
                                         preferred_element_type=jnp.float32)
@@ -240,7 +254,8 @@ def moe_pallas(
     wt = jnp.where(valid, topk_weights.reshape(-1).astype(jnp.float32)[route], 0.0)
 
     def stack(w: NVFP4Array):
-        return w.codes.reshape(w.shape[0], w.shape[1], w.shape[2] // 16, 8), w.linear_scales()
+        return (w.codes.reshape(w.shape[0], w.shape[1], w.shape[2] // 16, 8),
+                lax.bitcast_convert_type(w.linear_scales(), jnp.uint8))
 
     c1c, c1s = stack(fc1)
     c2c, c2s = stack(fc2)

@@ -65,16 +65,20 @@ def _e4m3(v):
 
     Integer/float arithmetic only (Pallas-Triton has no int->f8 cast and the f32->f8 cast's
     rounding is the backend's): the quantum at v's exponent (clamped to E4M3's minimum normal
-    exponent -6) is 2^(e-3); v / quantum < 16, so adding and subtracting 2^23 rounds it to an
-    integer, ties to even, exactly.
+    exponent -6) is 2^(e-3); y = v / quantum < 16 is exact and is rounded to an integer, ties
+    to even, with integer ops (an ``(y + 2^23) - 2^23`` trick would be folded away by XLA in
+    interpret mode).
     """
     v = jnp.minimum(v, 448.0)
     e = ((lax.bitcast_convert_type(v, jnp.uint32) >> 23) & 0xFF).astype(jnp.int32) - 127
     q = jnp.maximum(e, -6) - 3
     quantum = lax.bitcast_convert_type(((q + 127) << 23).astype(jnp.uint32), jnp.float32)
     inv = lax.bitcast_convert_type(((127 - q) << 23).astype(jnp.uint32), jnp.float32)
-    magic = jnp.float32(2.0**23)
-    return ((v * inv + magic) - magic) * quantum
+    y = v * inv
+    n = y.astype(jnp.int32)  # truncation; y >= 0
+    frac = y - n.astype(jnp.float32)
+    up = (frac > 0.5) | ((frac == 0.5) & ((n & 1) == 1))
+    return (n + up.astype(jnp.int32)).astype(jnp.float32) * quantum
 
 
 def _e2m1_magnitude(a):

@@ -211,37 +211,29 @@ def split_for(n, k, bn, bk, target_ctas=264):
 
 
 def candidates(m, n, k):
-    c = []
+    """Sweep space per M bucket (second round, after bench/NOTES-gemm.md round 1)."""
+    C = Config
     if m <= 16:
-        for bn in (16, 32, 64, 128):
-            for bk in (256, 512):
-                for split in sorted({1, split_for(n, k, bn, bk)}):
-                    c.append(Config(16, bn, bk, split, 4, 4))
-        s64 = split_for(n, k, 64, 256)
-        c.append(Config(16, 64, 256, s64, 4, 4, decode="bits"))
-        c.append(Config(16, 64, 256, s64, 4, 4, load2d=True))
-        c.append(Config(16, 32, 256, 1, 4, 4, load2d=True))
-        c.append(Config(16, 128, 256, split_for(n, k, 128, 256), 8, 3))
-        c.append(Config(16, 64, 256, s64, 4, 3))
-        c.append(Config(16, 64, 256, s64, 2, 4))
-    elif m <= 64:
-        for bm, bn, bk, w, st in [(64, 64, 128, 4, 4), (64, 64, 256, 4, 3), (64, 128, 128, 8, 3),
-                                  (32, 64, 256, 4, 3), (64, 128, 256, 8, 3), (64, 32, 256, 4, 4),
-                                  (32, 32, 256, 4, 4), (64, 64, 256, 4, 4)]:
-            for split in sorted({1, split_for(n, k, bn, bk, 132)}):
-                c.append(Config(bm, bn, bk, split, w, st))
-        c.append(Config(64, 64, 256, 1, 4, 4, load2d=True))
-    elif m <= 256:
-        for bm, bn, bk, w, st in [(64, 128, 128, 8, 3), (128, 128, 64, 8, 3), (128, 128, 128, 8, 3),
-                                  (64, 64, 128, 4, 4), (128, 64, 128, 4, 3), (64, 128, 256, 8, 3),
-                                  (128, 64, 256, 8, 3)]:
-            c.append(Config(bm, bn, bk, 1, w, st))
-    else:
-        for bm, bn, bk, w, st in [(128, 128, 64, 8, 3), (128, 128, 128, 8, 3), (128, 256, 64, 8, 3),
-                                  (64, 128, 128, 4, 3), (128, 128, 64, 4, 4), (256, 128, 64, 8, 3)]:
-            c.append(Config(bm, bn, bk, 1, w, st))
-        c.append(Config(128, 128, 64, 1, 8, 3, algo="dequant_dot"))
-    return c
+        c = [C(16, 64, 256, 1, 4, 4, decode="asm16", load2d=True)]
+        for bn, bk, w, st in [(64, 256, 4, 4), (128, 256, 4, 4), (128, 256, 8, 4), (64, 512, 4, 4),
+                              (64, 128, 4, 4), (32, 256, 4, 4), (64, 256, 4, 3), (128, 128, 4, 4),
+                              (256, 128, 8, 3)]:
+            for split in sorted({1, split_for(n, k, bn, bk)}):
+                c.append(C(16, bn, bk, split, w, st, load2d=True))
+        c.append(C(16, 64, 256, 1, 4, 4, scale_gather=True))
+        c.append(C(16, 128, 256, 1, 4, 4, scale_gather=True))
+        return c
+    if m <= 64:
+        return [C(64, 64, 256, 1, 4, 4, load2d=True), C(64, 128, 256, 1, 8, 3, load2d=True),
+                C(64, 64, 128, 1, 4, 4, load2d=True), C(32, 64, 256, 1, 4, 4, load2d=True),
+                C(64, 128, 128, 1, 4, 4, load2d=True), C(64, 64, 256, 1, 4, 4, scale_gather=True),
+                C(64, 128, 256, 1, 8, 4, load2d=True)]
+    if m <= 256:
+        return [C(128, 64, 128, 1, 4, 3, load2d=True), C(128, 128, 64, 1, 8, 3, load2d=True),
+                C(64, 128, 128, 1, 4, 3, load2d=True), C(128, 128, 128, 1, 8, 3, load2d=True),
+                C(128, 128, 64, 1, 8, 3, algo="dequant_dot")]
+    return [C(128, 128, 64, 1, 8, 3, load2d=True), C(128, 256, 64, 1, 8, 3, load2d=True),
+            C(128, 128, 64, 1, 8, 3, algo="dequant_dot")]
 
 
 def tune(out_dir, shapes, ms, budget_s, prev_rows=()):

@@ -33,7 +33,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from .decode import DECODE_MODES, decode_block
+from .decode import DECODE_MODES, decode_block, post_scale
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +55,7 @@ class Config:
     decode: str = "asm"
     algo: str = "fused"
     load2d: bool = False  # load codes as a 2-D [BN, BK/2] tile (wider vector loads), then reshape
+    scale_gather: bool = False  # gather one scale per code byte (2-D, all-elementwise decode)
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "block_k", "split_k", "num_warps", "group_m"):
@@ -100,15 +101,22 @@ def _gemm_kernel(xe_ref, xo_ref, c_ref, s_ref, alpha_ref, *refs, cfg: Config, M:
         kb0 = (pid_k * tiles_per_split + i) * BKB
         kb_mask = (kb0 + jnp.arange(BKB)) < KB
         w_mask = n_mask[:, None] & kb_mask[None, :]
-        if cfg.load2d:
-            k2_mask = n_mask[:, None] & ((kb0 * 8 + jnp.arange(BK2)) < K2)[None, :]
+        k2_mask = n_mask[:, None] & ((kb0 * 8 + jnp.arange(BK2)) < K2)[None, :]
+        if cfg.scale_gather:
             codes = plgpu.load(c_ref.at[pl.ds(n0, BN), pl.ds(kb0 * 8, BK2)], mask=k2_mask,
-                               other=0).reshape(BN, BKB, 8)
+                               other=0)
+            rows = jnp.minimum(n0 + jnp.arange(BN), N - 1)[:, None]
+            cols = jnp.minimum(kb0 + jnp.arange(BK2) // 8, KB - 1)[None, :]
+            scales = plgpu.load(s_ref.at[rows, cols], mask=k2_mask, other=0)  # [BN, BK/2]
         else:
-            codes = plgpu.load(c_ref.at[pl.ds(n0, BN), pl.ds(kb0, BKB), :],
-                               mask=w_mask[:, :, None], other=0)
-        scales = plgpu.load(s_ref.at[pl.ds(n0, BN), pl.ds(kb0, BKB)], mask=w_mask, other=0)
-        w_even, w_odd = decode_block(codes, scales, cfg.decode, xe_ref.dtype)
+            if cfg.load2d:
+                codes = plgpu.load(c_ref.at[pl.ds(n0, BN), pl.ds(kb0 * 8, BK2)], mask=k2_mask,
+                                   other=0).reshape(BN, BKB, 8)
+            else:
+                codes = plgpu.load(c_ref.at[pl.ds(n0, BN), pl.ds(kb0, BKB), :],
+                                   mask=w_mask[:, :, None], other=0)
+            scales = plgpu.load(s_ref.at[pl.ds(n0, BN), pl.ds(kb0, BKB)], mask=w_mask, other=0)
+        w_even, w_odd, _ = decode_block(codes, scales, cfg.decode, xe_ref.dtype)
         x_mask = m_mask[:, None] & ((kb0 * 8 + jnp.arange(BK2)) < K2)[None, :]
         xe = plgpu.load(xe_ref.at[pl.ds(m0, BM), pl.ds(kb0 * 8, BK2)], mask=x_mask, other=0)
         xo = plgpu.load(xo_ref.at[pl.ds(m0, BM), pl.ds(kb0 * 8, BK2)], mask=x_mask, other=0)
@@ -165,12 +173,14 @@ def matmul_pallas(
         raise ValueError(f"w: codes {w_codes.shape} / scales {w_scales.shape} do not match K={K}")
     if w_scales.dtype != jnp.uint8:
         w_scales = lax.bitcast_convert_type(w_scales, jnp.uint8)
-    codes3 = w_codes if config.load2d else w_codes.reshape(N, K // 16, 8)
-    alpha_arr = jnp.asarray(alpha, jnp.float32).reshape(1)
     cfg = config
+    codes3 = w_codes if (cfg.load2d or cfg.scale_gather) else w_codes.reshape(N, K // 16, 8)
+    op_dtype = jnp.float16 if (x if x is not None else xe).dtype == jnp.float16 else jnp.bfloat16
+    # the decode may hand the MMA e2m1*e4m3 / 2^j (decode.py); fold 2^j into alpha (exact)
+    alpha_arr = (jnp.asarray(alpha, jnp.float32) * post_scale(cfg.decode, op_dtype)).reshape(1)
     if cfg.algo == "dequant_dot":
         x_full = x if x is not None else jnp.stack([xe, xo], -1).reshape(M, K)
-        op_dtype = jnp.float16 if x_full.dtype == jnp.float16 else jnp.bfloat16
+        alpha_arr = jnp.asarray(alpha, jnp.float32).reshape(1)
         w = dequantize_pallas(w_codes, w_scales, config=cfg, interpret=interpret, dtype=op_dtype)
         acc = jnp.dot(x_full.astype(op_dtype), w.T, preferred_element_type=jnp.float32)
         return (acc * alpha_arr[0]).astype(out_dtype)
@@ -184,7 +194,6 @@ def matmul_pallas(
     kernel = functools.partial(_gemm_kernel, cfg=cfg, M=M, N=N, K=K,
                                tiles_per_split=tiles_per_split, partial=partial)
     grid = (_cdiv(M, cfg.block_m) * _cdiv(N, cfg.block_n), split)
-    op_dtype = jnp.float16 if xe.dtype == jnp.float16 else jnp.bfloat16
     args = [xe.astype(op_dtype), xo.astype(op_dtype), codes3, w_scales, alpha_arr]
     aliases = {}
     if poison:
@@ -211,7 +220,10 @@ def _dequant_kernel(c_ref, s_ref, o_ref, *, N: int, K: int, bn: int, bk: int, de
     mask = ((n0 + jnp.arange(bn)) < N)[:, None] & ((kb0 + jnp.arange(BKB)) < K // 16)[None, :]
     codes = plgpu.load(c_ref.at[pl.ds(n0, bn), pl.ds(kb0, BKB), :], mask=mask[:, :, None], other=0)
     scales = plgpu.load(s_ref.at[pl.ds(n0, bn), pl.ds(kb0, BKB)], mask=mask, other=0)
-    even, odd = decode_block(codes, scales, decode, o_ref.dtype)
+    even, odd, post = decode_block(codes, scales, decode, o_ref.dtype)
+    if post != 1.0:  # exact power-of-two rescale back to e2m1 * e4m3
+        even = (even.astype(jnp.float32) * post).astype(o_ref.dtype)
+        odd = (odd.astype(jnp.float32) * post).astype(o_ref.dtype)
     w = jnp.stack([even, odd], axis=-1).reshape(bn, bk)  # tt.join: element 2j, 2j+1
     out_mask = ((n0 + jnp.arange(bn)) < N)[:, None] & ((kb0 * 16 + jnp.arange(bk)) < K)[None, :]
     plgpu.store(o_ref.at[pl.ds(n0, bn), pl.ds(kb0 * 16, bk)], w, mask=out_mask)

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from .decode import F16_PLACEMENT_SCALE, nibbles_to_f16, scaled
+from .decode import decode_block
 
 
 def dequantize_xla(w_codes: jax.Array, w_scales: jax.Array, dtype=jnp.bfloat16) -> jax.Array:
@@ -22,9 +22,8 @@ def dequantize_xla(w_codes: jax.Array, w_scales: jax.Array, dtype=jnp.bfloat16) 
     lead = w_codes.shape[:-1]
     k2 = w_codes.shape[-1]
     codes = w_codes.reshape(lead + (k2 // 8, 8))
-    even, odd = nibbles_to_f16(codes, "bits")
-    s = w_scales.astype(jnp.float32) * F16_PLACEMENT_SCALE
-    w = jnp.stack([scaled(even, s, jnp.float32), scaled(odd, s, jnp.float32)], axis=-1)
+    even, odd, _ = decode_block(codes, w_scales, "bits", jnp.float32)
+    w = jnp.stack([even, odd], axis=-1)
     return w.reshape(lead + (2 * k2,)).astype(dtype)
 
 

@@ -104,7 +104,8 @@ def test_gemm_w4a16_matches_fractions():
         for j in range(3):
             exact = Fraction(2.0**-3) * sum(Fraction(float(a)) * b for a, b in zip(x[i], wv[j]))
             # float64 summation of exact products: relative error <= K * 2^-53 of sum|.|
-            bound = 32 * 2.0**-52 * float(sum(abs(Fraction(float(a)) * b) for a, b in zip(x[i], wv[j]))) * 2.0**-3
+            mags = sum(abs(Fraction(float(a)) * b) for a, b in zip(x[i], wv[j]))
+            bound = 32 * 2.0**-52 * float(mags) * 2.0**-3
             assert abs(got[i, j] - float(exact)) <= bound
 
 

@@ -7,15 +7,11 @@ shown with the oracle recipes themselves (the recipe named after the peer vs ano
 
 from __future__ import annotations
 
-import warnings
-
 import numpy as np
 import pytest
 from conftest import nvfp4_blocks
 
 import oracle
-
-warnings.filterwarnings("ignore")
 
 MAGNITUDES = [2.0**-20, 3.7e-4, 0.02, 1.0, 7.3, 900.0, 2.0**18]
 
@@ -50,8 +46,8 @@ def _modelopt(x, D):
     torch = pytest.importorskip("torch")
     nv = pytest.importorskip("modelopt.torch.quantization.qtensor.nvfp4_tensor",
                              reason="nvidia-modelopt not installed")
-    q, s, _ = nv.NVFP4QTensor.quantize(torch.from_numpy(x.copy()), 16,
-                                       weights_scaling_factor_2=torch.tensor(D, dtype=torch.float32))
+    d = torch.tensor(D, dtype=torch.float32)
+    q, s, _ = nv.NVFP4QTensor.quantize(torch.from_numpy(x.copy()), 16, weights_scaling_factor_2=d)
     return q._quantized_data.numpy(), _u8(s)
 
 
@@ -128,7 +124,8 @@ def test_oracle_recipe_matches_peer(peer, mag):
         x = _data(seed * 31 + int(np.log2(mag) + 40), d if form == "decode" else 1 / g,
                   bf16=bool(seed % 2))
         pq, ps = fn(x, d if form == "decode" else g)
-        ref = oracle.quantize(x.astype(np.float64), recipe, **{f"{form}_scale": d if form == "decode" else g})
+        scale = d if form == "decode" else g
+        ref = oracle.quantize(x.astype(np.float64), recipe, **{f"{form}_scale": scale})
         _assert_same(peer, x, pq, ps, ref)
 
 
@@ -413,7 +410,8 @@ def _b12x_grouped(x, G):
     intr = pytest.importorskip("b12x._lib.intrinsics", reason="b12x (and cutlass) not installed")
     rows, cols = x.shape
     packed, view = intr.quantize_grouped_nvfp4_torch(
-        torch.from_numpy(x[None].copy()), torch.tensor([rows]), torch.tensor(G, dtype=torch.float32))
+        torch.from_numpy(x[None].copy()), torch.tensor([rows]),
+        torch.tensor(G, dtype=torch.float32))
     codes = packed.permute(2, 0, 1).contiguous().numpy()[0]
     # the scale view is (32, 4, R/128, 4, Kp/4, groups) over 128x4 bytes: undo the permutation
     buf = view.permute(5, 2, 4, 0, 1, 3).contiguous().view(torch.uint8).reshape(1, -1).numpy()

@@ -115,3 +115,21 @@ def test_sm12x_compile_has_tensor_core_mma(tmp_path):
 
     summary = sm12x_compile.run(str(tmp_path))
     assert summary["sm12x_hmma_ok"], summary
+
+
+def test_register_rtx50_device_kind():
+    """The RTX 50xx entry is added (JAX >= 0.11 only) and resolves to compute capability 12.0."""
+    from nvfp4_jax.gemm import register_sm12x_device_kinds
+
+    try:
+        from jax._src.pallas.triton import gpu_info
+    except ImportError:
+        pytest.skip("this JAX has no jax._src.pallas.triton.gpu_info (JAX < 0.11)")
+    kind = "NVIDIA GeForce RTX 5090 (test)"
+    assert register_sm12x_device_kinds(kind)
+    try:
+        info = gpu_info.registry[kind]()
+        assert info.compute_capability == 120
+        assert not register_sm12x_device_kinds(kind)  # already known: no second entry
+    finally:
+        gpu_info.registry.pop(kind, None)

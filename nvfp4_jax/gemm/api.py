@@ -61,7 +61,8 @@ def register_sm12x_device_kinds(device_kind: str | None = None, compute_capabili
         return False
     registry = getattr(gpu_info, "registry", None)
     info_cls = getattr(gpu_info, "GpuInfo", None)
-    if registry is None or info_cls is None:
+    custom_cls = getattr(gpu_info, "CustomGpuTargetConfig", None)  # some 0.11.x snapshots
+    if registry is None or (info_cls is None and custom_cls is None):
         return False
     if device_kind is None:
         try:
@@ -84,8 +85,11 @@ def register_sm12x_device_kinds(device_kind: str | None = None, compute_capabili
         return False
     cc = compute_capability or 120
     arch = f"{cc // 10}.{cc % 10}"
-    registry[device_kind] = lambda: info_cls(gpu_version=None, arch_name=arch,
-                                             compute_capability=cc)
+    if info_cls is not None:
+        registry[device_kind] = lambda: info_cls(gpu_version=None, arch_name=arch,
+                                                 compute_capability=cc)
+    else:
+        registry[device_kind] = lambda: custom_cls("CUDA", device_kind, arch, cc, 0, 0)
     log.info("nvfp4_jax.gemm: registered %r as compute capability %s for Pallas-Triton",
              device_kind, arch)
     return True

@@ -353,3 +353,33 @@ def test_jax_quantize_layouts_match_oracle_swizzle(recipe):
         got = np.asarray(F.e4m3_bytes(a.scales))
         np.testing.assert_array_equal(got, oracle.swizzle(ref.scales, layout))
         np.testing.assert_array_equal(np.asarray(a.codes), ref.codes)
+
+
+# ---------------------------------------------------------------------------------------
+# XLA facts the bit-exact port depends on (FINDINGS.md section 3)
+# ---------------------------------------------------------------------------------------
+
+def test_xla_rewrites_division_by_broadcast():
+    """XLA compiles ``a / b[..., None]`` to ``a * (1 / b)``: plain jnp division is not the
+    IEEE quotient, which is why nvfp4_jax.quantize divides through ``_div``."""
+    hlo = jax.jit(lambda a, b: a / b).lower(jnp.ones((4, 16)), jnp.ones((4, 1))).compile()
+    text = hlo.as_text()
+    assert "multiply(" in text
+    # and it changes results: find a case where x / s != x * (1/s) in fp32
+    rng = np.random.default_rng(0)
+    a = rng.uniform(1, 2, (64, 16)).astype(np.float32)
+    b = rng.uniform(1, 2, (64, 1)).astype(np.float32)
+    plain = np.asarray(jax.jit(lambda a, b: a / b)(a, b))
+    assert not np.array_equal(plain, a / b)
+    np.testing.assert_array_equal(plain, a * (np.float32(1) / b))
+    from nvfp4_jax.quantize import _div
+
+    np.testing.assert_array_equal(np.asarray(jax.jit(_div)(a, b)), a / b)
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU flush-to-zero behaviour")
+def test_xla_cpu_flushes_fp32_subnormals():
+    """Why the JAX == oracle property uses normal fp32 inputs: XLA:CPU is FTZ/DAZ."""
+    tiny = np.float32(2.0**-140)
+    assert np.asarray(jax.jit(lambda a: a * 1.5)(jnp.asarray(tiny))) == 0
+    assert tiny * np.float32(1.5) != 0

@@ -86,7 +86,7 @@ def time_per_call(fn, x, ws, *, target_s: float = 0.03, per_call_x: bool = False
 
 
 def n_copies(bytes_per_copy: float) -> int:
-    return int(min(64, max(2, math.ceil(4 * L2_BYTES / bytes_per_copy))))
+    return int(min(16, max(2, math.ceil(4 * L2_BYTES / bytes_per_copy))))
 
 
 # --------------------------------------------------------------------------- data
@@ -174,7 +174,7 @@ def check(out_dir):
     scales = np.resize(sb, (128, 32)).astype(np.uint8)
     t = oracle.NVFP4(codes, scales, np.float64(1.0))
     ref = oracle.dequantize(t, include_decode_scale=False)
-    for mode in ("asm", "bits"):
+    for mode in ("asm", "asm16", "bits"):
         wd = dequantize_pallas(jnp.asarray(codes), jnp.asarray(scales), config=Config(decode=mode))
         res[f"dequant_exhaustive_{mode}"] = bool(np.array_equal(np.asarray(wd, np.float64), ref))
     for (m, n, k) in [(1, 200, 528), (37, 130, 4112), (300, 333, 1040)]:
@@ -186,13 +186,17 @@ def check(out_dir):
         bound = oracle.gemm_error_bound(np.abs(np.asarray(xb, np.float64)),
                                         np.abs(oracle.dequantize(wo, include_decode_scale=False)),
                                         float(wo.decode_scale), ref, out_u=2.0**-24, splits=8)
-        for cfg in [Config(block_k=256, split_k=4), Config(block_m=32, block_n=128, block_k=128),
-                    Config(block_m=64, block_n=64, block_k=64, decode="bits", split_k=2)]:
+        for cfg in [Config(block_k=256, split_k=4),
+                    Config(block_m=32, block_n=128, block_k=128, load2d=True),
+                    Config(block_m=64, block_n=64, block_k=64, decode="bits", split_k=2),
+                    Config(block_m=16, block_n=64, block_k=256, scale_gather=True),
+                    Config(block_m=16, block_n=64, block_k=256, decode="asm16", load2d=True)]:
             out = matmul_pallas(xb, jnp.asarray(wo.codes), jnp.asarray(wo.scales),
                                 np.float32(wo.decode_scale), out_dtype=jnp.float32, config=cfg)
             out = np.asarray(out, np.float64)
             ok = bool(np.all(np.isfinite(out)) and np.all(np.abs(out - ref) <= bound))
-            res[f"gemm_{m}x{n}x{k}_{cfg.block_m}_{cfg.block_n}_{cfg.block_k}_{cfg.decode}"] = ok
+            res[f"gemm_{m}x{n}x{k}_{cfg.block_m}_{cfg.block_n}_{cfg.block_k}_{cfg.decode}"
+                f"_{int(cfg.load2d)}{int(cfg.scale_gather)}"] = ok
     log(json.dumps(res, indent=1))
     with open(os.path.join(out_dir, "gemm-check-h200.json"), "w") as f:
         json.dump(res, f, indent=1)
@@ -360,6 +364,9 @@ def main():
     p.add_argument("--shapes", default="")
     p.add_argument("--ms", default="")
     p.add_argument("--plan", default="", help="tune plan 'NxK:m1,m2;NxK:m3' (overrides shapes/ms)")
+    p.add_argument("--then-bench", action="store_true",
+                   help="after --tune, put the best configs into configs.TUNED and run the bench")
+    p.add_argument("--bench-budget-s", type=float, default=150)
     a = p.parse_args()
     os.makedirs(a.out, exist_ok=True)
     shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",") if s] or SHAPES
@@ -378,8 +385,19 @@ def main():
                 rows += tune(a.out, [tuple(int(v) for v in shp.split("x"))],
                              [int(v) for v in mss.split(",")], left, rows)
         else:
-            tune(a.out, shapes, ms, a.budget_s)
-        return
+            rows = tune(a.out, shapes, ms, a.budget_s)
+        if not a.then_bench:
+            return
+        best = {}
+        for r in rows:
+            if "median_us" not in r:
+                continue
+            key = (configs.m_bucket(r["M"]), r["N"], r["K"])
+            if key not in best or r["median_us"] < best[key][0]:
+                best[key] = (r["median_us"], Config(**r["config"]))
+        configs.TUNED.update({k: v[1] for k, v in best.items()})
+        log("TUNED =", {k: v[1] for k, v in best.items()})
+        a.budget_s = a.bench_budget_s
     if a.check:
         return
     records = bench(a.out, shapes, ms, a.budget_s)

@@ -1,7 +1,8 @@
 """Tile configurations of the NVFP4 GEMM, per shape bucket: data, autotuned on one H200.
 
-Key: (M bucket, N, K). M buckets are the powers of two up to 4096 (M is rounded up to the next
-bucket); (N, K) falls back to the nearest tuned shape by weight size, then to ``DEFAULT``.
+Key: (M bucket, N, K). M is rounded up to the next bucket (16, 64, 256, 1024, 4096; M <= 16
+share one: the MMA pads tokens to 16 anyway). Lookup falls back to the nearest tuned (N, K) by
+weight size in the same bucket, then to the nearest tuned bucket, then to ``heuristic``.
 Numbers that justify each entry are in bench/results/gemm-h200.json and bench/NOTES-gemm.md.
 """
 
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 from .pallas_triton import Config
 
-M_BUCKETS = (1, 16, 64, 256, 1024, 4096)
+M_BUCKETS = (16, 64, 256, 1024, 4096)
 
 # Filled from the H200 sweep (bench/gemm_bench.py --tune); until then heuristics below.
 TUNED: dict[tuple[int, int, int], Config] = {}
@@ -35,7 +36,9 @@ def heuristic(m: int, n: int, k: int) -> Config:
         return Config(block_m=64, block_n=64, block_k=128, split_k=2, num_warps=4, num_stages=4)
     if m <= 256:
         return Config(block_m=64, block_n=128, block_k=128, split_k=1, num_warps=8, num_stages=3)
-    return Config(block_m=128, block_n=128, block_k=64, split_k=1, num_warps=8, num_stages=3)
+    # large M: dequantize once, then cuBLAS (measured 1.0x bf16 at M=4096, NOTES-gemm.md)
+    return Config(block_m=128, block_n=128, block_k=64, split_k=1, num_warps=8, num_stages=3,
+                  algo="dequant_dot")
 
 
 def get_config(m: int, n: int, k: int) -> Config:
@@ -43,7 +46,9 @@ def get_config(m: int, n: int, k: int) -> Config:
     b = m_bucket(m)
     if (b, n, k) in TUNED:
         return TUNED[(b, n, k)]
-    same_m = [(abs(nn * kk - n * k), (bb, nn, kk)) for (bb, nn, kk) in TUNED if bb == b]
-    if same_m:
-        return TUNED[min(same_m)[1]]
-    return heuristic(m, n, k)
+    if not TUNED:
+        return heuristic(m, n, k)
+    i = M_BUCKETS.index(b)
+    nearest_b = min({bb for (bb, _, _) in TUNED}, key=lambda bb: abs(M_BUCKETS.index(bb) - i))
+    same_m = [(abs(nn * kk - n * k), (bb, nn, kk)) for (bb, nn, kk) in TUNED if bb == nearest_b]
+    return TUNED[min(same_m)[1]]

@@ -1,0 +1,19 @@
+"""Other systems' NVFP4 conventions and arithmetic, and live bridges where they are importable.
+
+* :mod:`~nvfp4_jax.interop.trtllm`: TensorRT-LLM's quantizer, GEMM and fused-MoE weight
+  pipelines (CUTLASS, CUTEDSL-b12x with scale folding, and the FlashInfer ``input_global_scale``
+  fix) re-enacted in torch on CPU; live ``torch.ops.trtllm`` calls on SM 10.x / 12.x GPUs.
+* :mod:`~nvfp4_jax.interop.flashinfer`: FlashInfer's pure-torch trace references (CPU) and its
+  GPU ops.
+* :mod:`~nvfp4_jax.interop.b12x`: b12x's pure-torch MoE reference (CPU).
+* :mod:`~nvfp4_jax.interop.modelopt`: ModelOpt checkpoint conventions and ModelOpt's own
+  quantizer (CPU).
+
+Every live entry point reports ``(available, reason)`` first and raises
+:class:`~nvfp4_jax.interop.trtllm.LiveUnavailable` with that reason instead of pretending to
+have run. Importing this package needs torch.
+"""
+
+from .trtllm import LiveUnavailable
+
+__all__ = ["LiveUnavailable"]

@@ -383,3 +383,19 @@ def test_xla_cpu_flushes_fp32_subnormals():
     tiny = np.float32(2.0**-140)
     assert np.asarray(jax.jit(lambda a: a * 1.5)(jnp.asarray(tiny))) == 0
     assert tiny * np.float32(1.5) != 0
+
+
+def test_xla_rewrites_reciprocal_of_quotient():
+    """XLA compiles ``1 / (c / a)`` to ``a * (1/c)``: the plain double reciprocal of an
+    amax-derived encode scale is not fp32(1 / fp32(c / a))."""
+    f = jax.jit(lambda a: jnp.float32(1.0) / (jnp.float32(2688.0) / a))
+    text = f.lower(jnp.float32(3)).compile().as_text()
+    assert "multiply(" in text and "divide(" not in text
+    rng = np.random.default_rng(1)
+    a = rng.uniform(0.1, 100, 4096).astype(np.float32)
+    ieee = np.float32(1) / (np.float32(2688) / a)
+    got = np.asarray(jax.jit(jax.vmap(f))(a))
+    assert not np.array_equal(got, ieee)
+    from nvfp4_jax.quantize import _div, _rcp
+
+    np.testing.assert_array_equal(np.asarray(jax.jit(lambda v: _rcp(_div(2688.0, v)))(a)), ieee)

@@ -182,6 +182,9 @@ def main():
                     except Exception as exc:  # noqa: BLE001 - record and keep going
                         print(f"{sname} T={t} {kind} {impl}: FAILED {type(exc).__name__}: {str(exc)[:300]}",
                               flush=True)
+                        records.append(dict(impl=impl, shape=sname, routing=kind, T=t,
+                                            error=f"{type(exc).__name__}: {str(exc)[:200]}"))
+                        save(records, args.out)
                         continue
                     bpw = 0.5625 if impl != "bf16_ragged_dot" else 2.0
                     tb = touched * (r * h + h * i) * bpw
@@ -203,8 +206,8 @@ def save(records, out):
     try:
         commit = subprocess.check_output(["git", "rev-parse", "HEAD"], text=True,
                                          stderr=subprocess.DEVNULL).strip()
-    except Exception:  # noqa: BLE001
-        commit = "unknown"
+    except Exception:  # noqa: BLE001 - the device copy has no .git; the caller may pass it
+        commit = os.environ.get("NVFP4_COMMIT", "unknown")
     import jaxlib
     doc = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(), commit=commit,
                gpu=jax.devices()[0].device_kind, jax=jax.__version__, jaxlib=jaxlib.__version__,
@@ -225,7 +228,7 @@ def plot(records, path):
         for impl, style in (("nvfp4_moe", "o-"), ("bf16_ragged_dot", "s--"), ("dequant_ragged_dot", "^:")):
             for kind in ROUTINGS:
                 rs = sorted((r for r in records if r.get("shape") == sname and r["impl"] == impl
-                             and r["routing"] == kind), key=lambda r: r["T"])
+                             and r["routing"] == kind and "error" not in r), key=lambda r: r["T"])
                 if rs:
                     ax.plot([r["T"] for r in rs], [r["median_us"] for r in rs], style,
                             label=f"{impl} ({kind})", alpha=1.0 if kind == "random" else 0.5)
@@ -246,10 +249,10 @@ def summary(records):
     print(f"{'shape':9s} {'T':>5s} {'routing':7s} {'nvfp4 us':>9s} {'TB/s':>6s} {'%copy':>6s} "
           f"{'TFLOP/s':>8s} {'bf16 us':>9s} {'x bf16':>7s} {'deq us':>9s}")
     for r in records:
-        if r["impl"] != "nvfp4_moe":
+        if r["impl"] != "nvfp4_moe" or "error" in r:
             continue
         def other(impl):
-            return next((o["median_us"] for o in records if o["impl"] == impl and o["shape"] == r["shape"]
+            return next((o["median_us"] for o in records if o["impl"] == impl and "error" not in o and o["shape"] == r["shape"]
                          and o["T"] == r["T"] and o["routing"] == r["routing"]), float("nan"))
         b, d = other("bf16_ragged_dot"), other("dequant_ragged_dot")
         print(f"{r['shape']:9s} {r['T']:5d} {r['routing']:7s} {r['median_us']:9.1f} {r['tbps']:6.3f} "

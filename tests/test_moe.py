@@ -168,3 +168,24 @@ def test_moe_errors_name_arguments():
         moe(hidden, activation_scale="per_expert", **base)
     with pytest.raises(TypeError, match="fc1"):
         moe(hidden, **{**base, "fc1": "weights"})
+
+
+@pytest.mark.parametrize("recipe", ["trtllm", "b12x"])
+def test_in_kernel_requantization_is_the_recipe(recipe):
+    """The FC1 epilogue's requantization (pallas_triton._requantize, jnp ops as interpret mode
+    runs them) equals oracle.quantize bit for bit, E2M1 ties and subnormal/zero scales included."""
+    import oracle
+    from nvfp4_jax.moe.pallas_triton import _requantize
+    from oracle.formats import bf16_round
+
+    rng = np.random.default_rng(0)
+    x = bf16_round(rng.standard_normal((64, 64)) * np.exp2(rng.integers(-12, 6, (64, 1))))
+    x[0] = 0.0
+    # values on E2M1 midpoints after scaling: multiples of 0.25 of a power of two
+    x[1:9] = bf16_round(rng.integers(-24, 25, (8, 64)) * 0.25)
+    for g in (np.float32(2688 / 3.0), np.float32(7.3), np.float32(1e4)):
+        want = oracle.dequantize(oracle.quantize(x, recipe, encode_scale=float(g)), include_decode_scale=False)
+        rg = jnp.float32(1.0) / jnp.float32(g)
+        got = jax.jit(lambda h, g, rg: _requantize(h.reshape(64, 4, 16), g, rg, recipe, False))(
+            jnp.asarray(x, jnp.float32), jnp.float32(g), rg)
+        np.testing.assert_array_equal(np.asarray(got, np.float64).reshape(64, 64), want)

@@ -36,8 +36,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from ..gemm import decode as _decode
 from ..gemm.decode import decode_block
 from ..quantize import NVFP4Array
+from ..quantize import _div as _ieee_div
 from .configs import Config, MoEConfig, default_config
 from .routing import block_routing
 from .xla import moe_scales, quantized_values, recipe_of
@@ -53,8 +55,8 @@ def _cdiv(a: int, b: int) -> int:
 def _div_rn(a, b, exact_asm: bool):
     """IEEE round-to-nearest fp32 division (Triton's ``/`` is approximate on NVIDIA GPUs)."""
     a, b = jnp.broadcast_arrays(jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32))
-    if not exact_asm:
-        return a / b
+    if not exact_asm:  # interpret mode: XLA would turn a division by a broadcast into a * (1/b)
+        return _ieee_div(a, b)
     return plgpu.elementwise_inline_asm(
         "div.rn.f32 $0, $1, $2;", args=[a, b], constraints="=r,r,r", pack=1,
         result_shape_dtypes=[jax.ShapeDtypeStruct(a.shape, jnp.float32)])[0]
@@ -129,7 +131,7 @@ def _grouped_tiles(xe_ref, xo_ref, c_ref, s_ref, e, m0, row0s, n_valid, K: int, 
             scales = lax.bitcast_convert_type(  # uint8 bytes: a masked f8 load cannot take other=0
                 plgpu.load(s_ref.at[e, pl.ds(row0, BN), pl.ds(kb0, BKB)], mask=w_mask, other=0),
                 jnp.float8_e4m3fn)
-            w_even, w_odd = decode_block(codes, scales, cfg.decode)
+            w_even, w_odd = decode_block(codes, scales, cfg.decode)[:2]
             acc = acc + lax.dot_general(w_even.reshape(BN, BK2), xe, _DIMS,
                                         preferred_element_type=jnp.float32)
             acc = acc + lax.dot_general(w_odd.reshape(BN, BK2), xo, _DIMS,
@@ -138,7 +140,15 @@ def _grouped_tiles(xe_ref, xo_ref, c_ref, s_ref, e, m0, row0s, n_valid, K: int, 
         return tuple(out)
 
     zero = tuple(jnp.zeros((BN, BM), jnp.float32) for _ in row0s)
-    return lax.fori_loop(0, _cdiv(K, BK), body, zero)
+    accs = lax.fori_loop(0, _cdiv(K, BK), body, zero)
+    post = _post_scale(cfg.decode)
+    return tuple(a * post for a in accs) if post != 1.0 else accs
+
+
+def _post_scale(decode: str) -> float:
+    """Power of two the decode leaves out of the bf16 weights (exact; gemm/decode.py)."""
+    fn = getattr(_decode, "post_scale", None)
+    return float(fn(decode, jnp.bfloat16)) if fn is not None else 1.0
 
 
 def _fc1_kernel(be_ref, nb_ref, xe_ref, xo_ref, c_ref, s_ref, a1_ref, g2_ref, rg2_ref,
@@ -241,7 +251,7 @@ def moe_pallas(
 
     g1, g2, a1, a2 = moe_scales(fc1.decode_scale, fc2.decode_scale, fc1_input_scale,
                                 fc2_input_scale, mode, activation_scale)
-    rg2 = jnp.float32(1.0) / g2  # IEEE in XLA
+    rg2 = _ieee_div(1.0, g2)  # the trtllm recipe's 1/G, IEEE
     br = block_routing(topk_ids, e, bm)
     em = br.sorted_route.shape[0]
     nb = em // bm

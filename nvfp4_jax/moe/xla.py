@@ -19,6 +19,7 @@ from jax import lax
 from .. import formats as F
 from ..quantize import _FNS as _RECIPE_FNS  # the recipes' fp32 op order, bit-exact with the oracle
 from ..quantize import NVFP4Array, dequantize
+from ..quantize import _div  # IEEE division (XLA rewrites x / broadcast(b) into x * (1/b))
 
 MODES = ("trtllm_cutlass", "b12x")
 ACTIVATIONS = ("relu2", "swiglu")
@@ -37,16 +38,15 @@ def moe_scales(fc1_weight_scale_2, fc2_weight_scale_2, fc1_input_scale, fc2_inpu
     trtllm_cutlass: ``G = 1/max_e input_scale``, ``alpha = 1/(G * (1/weight_scale_2))``;
     b12x: ``G = 1/input_scale[e]`` (or the scalar), ``alpha = weight_scale_2 / G``.
     """
-    one = jnp.float32(1.0)
     out = []
     for ws2, s_in in ((fc1_weight_scale_2, fc1_input_scale), (fc2_weight_scale_2, fc2_input_scale)):
         ws2 = jnp.asarray(ws2, jnp.float32)
         s_in = jnp.broadcast_to(jnp.asarray(s_in, jnp.float32), ws2.shape)
         if activation_scale == "scalar":
-            g = jnp.broadcast_to(one / jnp.max(s_in), ws2.shape)
+            g = jnp.broadcast_to(_div(1.0, jnp.max(s_in)), ws2.shape)
         else:
-            g = one / s_in
-        alpha = one / (g * (one / ws2)) if mode == "trtllm_cutlass" else ws2 / g
+            g = _div(1.0, s_in)
+        alpha = _div(1.0, g * _div(1.0, ws2)) if mode == "trtllm_cutlass" else _div(ws2, g)
         out.append((g, alpha))
     (g1, a1), (g2, a2) = out
     return g1, g2, a1, a2
@@ -97,7 +97,6 @@ def moe_xla(
     """XLA MoE -> bf16 [T, H] (and, with ``return_intermediates``, per-route ``h`` [T*k, I])."""
     t, k = topk_ids.shape
     e = fc1.shape[0]
-    n = t * k
     recipe = recipe_of(mode)
     g1, g2, a1, a2 = moe_scales(fc1.decode_scale, fc2.decode_scale, fc1_input_scale,
                                 fc2_input_scale, mode, activation_scale)

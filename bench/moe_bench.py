@@ -176,9 +176,15 @@ def main():
                 for impl in impls:
                     if impl == "dequant_ragged_dot" and kind == "skewed":
                         continue  # dominated by the full dequantization; routing barely matters
+                    dense_gb = e * t * k * r * 2 / 1e9  # XLA's GPU ragged_dot materializes [E, M, N]
+                    if impl != "nvfp4_moe" and dense_gb > 100:
+                        records.append(dict(impl=impl, shape=sname, routing=kind, T=t, error=(
+                            f"skipped: XLA's ragged_dot lowering asks for ~{dense_gb:.0f} GB "
+                            "(E x rows x N bf16; measured failure in round 1)")))
+                        continue
                     try:
                         us, n = measure(runs[impl], hidden, ids_d, wts_d, layers[impl][1],
-                                        budget_s=0.3 if args.quick else 0.6)
+                                        budget_s=0.15 if args.quick else 0.3)
                     except Exception as exc:  # noqa: BLE001 - record and keep going
                         print(f"{sname} T={t} {kind} {impl}: FAILED {type(exc).__name__}: {str(exc)[:300]}",
                               flush=True)

@@ -189,3 +189,24 @@ def test_in_kernel_requantization_is_the_recipe(recipe):
         got = jax.jit(lambda h, g, rg: _requantize(h.reshape(64, 4, 16), g, rg, recipe, False))(
             jnp.asarray(x, jnp.float32), jnp.float32(g), rg)
         np.testing.assert_array_equal(np.asarray(got, np.float64).reshape(64, 64), want)
+
+
+@pytest.mark.parametrize("backend,mode,activation", [("pallas", "trtllm_cutlass", "swiglu"), ("xla", "b12x", "relu2")])
+def test_moe_end_to_end_within_public_bound(backend, mode, activation):
+    """End to end (no kernel intermediates): nvfp4_jax.testing.assert_moe_close's interval."""
+    from nvfp4_jax.testing import assert_moe_close
+
+    case = make_case(np.random.default_rng(21), t=13, h=64, inter=32, e=5, k=2, activation=activation)
+    out, _ = run_backend(backend, case, mode=mode, activation=activation)
+    assert_moe_close(out, *case, activation=activation, mode=mode, label=f"moe[{backend}]")
+
+
+def test_moe_pallas_3d_code_loads():
+    """The load2d=False variant (codes loaded as [BN, BK/16, 8]) computes the same thing."""
+    cfg = MoEConfig(Config(16, 32, 32, decode="bits", load2d=False), Config(16, 32, 64, decode="bits", load2d=False))
+    case = make_case(np.random.default_rng(4), t=7, h=64, inter=64, e=3, k=2, activation="relu2")
+    out, h = run_backend("pallas", case, mode="trtllm_cutlass", activation="relu2", config=cfg)
+    out2, h2 = run_backend("pallas", case, mode="trtllm_cutlass", activation="relu2")
+    np.testing.assert_array_equal(out, out2)
+    np.testing.assert_array_equal(h, h2)
+    check_against_oracle(case, out, h, mode="trtllm_cutlass", activation="relu2")

@@ -14,6 +14,7 @@ class Config:
     block_m: routed rows per block (one expert per block; MMA N slot, swap-AB, >= 16).
     block_n: output features per program (MMA M slot). block_k: K elements per loop step.
     decode: E2M1 decode flavour (``gemm/decode.py``): "asm" on NVIDIA GPUs, "bits" anywhere.
+    load2d: load the codes as a 2-D tile instead of ``[BN, BK/16, 8]``.
     """
 
     block_m: int = 16
@@ -22,6 +23,7 @@ class Config:
     num_warps: int = 4
     num_stages: int = 3
     decode: str = "asm"
+    load2d: bool = True  # codes as one [BN, BK/2] tile, reshaped in registers (gemm round 1)
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "block_k", "num_warps"):

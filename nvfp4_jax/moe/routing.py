@@ -64,7 +64,10 @@ def block_routing(topk_ids: jax.Array, num_experts: int, block_m: int) -> BlockR
     sorted_route = jnp.full((em,), n, jnp.int32).at[dest].set(order)
     route_pos = jnp.zeros((n,), jnp.int32).at[order].set(dest)
     block_start = jnp.arange(nb, dtype=jnp.int32) * block_m
-    block_expert = jnp.searchsorted(pad_end, block_start, side="right").astype(jnp.int32)
+    # searchsorted(pad_end, block_start, side="right") as one dense compare-and-count fusion
+    # ([NB, E] booleans): jnp.searchsorted's default "scan" method is a device while loop
+    # (one launch per bisection step), which costs more than the whole decode step at small T.
+    block_expert = jnp.sum(pad_end[None, :] <= block_start[:, None], axis=1, dtype=jnp.int32)
     block_expert = jnp.minimum(block_expert, num_experts - 1)
     num_blocks = (pad_end[-1] // block_m).reshape(1).astype(jnp.int32)
     return BlockRouting(sorted_route, block_expert, num_blocks, route_pos)

@@ -29,12 +29,12 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
+import jax
+import jax.numpy as jnp
 
-import nvfp4_jax  # noqa: E402
-from nvfp4_jax.gemm import configs  # noqa: E402
-from nvfp4_jax.gemm.pallas_triton import Config, matmul_pallas  # noqa: E402
+import nvfp4_jax
+from nvfp4_jax.gemm import configs
+from nvfp4_jax.gemm.pallas_triton import Config, matmul_pallas
 
 SHAPES = [(4096, 4096), (14336, 4096), (4096, 14336), (28672, 8192)]
 MS = [1, 16, 64, 256, 1024, 4096]
@@ -48,6 +48,7 @@ def log(*a):
 
 
 # --------------------------------------------------------------------------- timing
+
 
 def time_per_call(fn, x, ws, *, target_s: float = 0.03, per_call_x: bool = False) -> float:
     """Median per-call device time (s) of ``fn(x, w)`` over the weight copies ``ws``.
@@ -64,6 +65,7 @@ def time_per_call(fn, x, ws, *, target_s: float = 0.03, per_call_x: bool = False
                 return tuple(fn(x + (dep * (c + 1)).astype(x.dtype), w) for c, w in enumerate(ws))
             xd = x + dep.astype(x.dtype)
             return tuple(fn(xd, w) for w in ws)
+
         init = tuple(jax.eval_shape(fn, x, w) for w in ws)
         init = tuple(jnp.zeros(s.shape, s.dtype) for s in init)
         return jax.lax.fori_loop(0, r, body, init)
@@ -91,6 +93,7 @@ def n_copies(bytes_per_copy: float) -> int:
 
 # --------------------------------------------------------------------------- data
 
+
 def make_weights(n, k, copies, seed=0):
     """``copies`` distinct NVFP4 weights [N, K] (random bytes, scales spread over 2^-9..2^2)."""
     key = jax.random.PRNGKey(seed)
@@ -111,16 +114,20 @@ def make_x(m, k, seed=1):
 
 # --------------------------------------------------------------------------- impls
 
+
 def impl_ours_w4a16(cfg=None):
     def fn(x, w):
         return nvfp4_jax.gemm.matmul(x, w, backend="pallas", config=cfg)
+
     return fn
 
 
 def impl_ours_w4a4(cfg=None):
     def fn(x, w):
-        return nvfp4_jax.gemm.matmul(x, w, input_scale=jnp.float32(0.01), backend="pallas",
-                                     config=cfg)
+        return nvfp4_jax.gemm.matmul(
+            x, w, input_scale=jnp.float32(0.01), backend="pallas", config=cfg
+        )
+
     return fn
 
 
@@ -138,8 +145,9 @@ def impl_scaled_matmul(x, xq_and_w, w):
     wq, ws = w
     # tie the (pre-quantized) activation to the loop counter carried in x: a tiny op on scales
     xs = (xs.astype(jnp.float32) + x[0, 0].astype(jnp.float32) * 0).astype(xs.dtype)
-    out = jax.nn.scaled_matmul(xq[None], wq[None], xs[None], ws[None],
-                               preferred_element_type=jnp.bfloat16)
+    out = jax.nn.scaled_matmul(
+        xq[None], wq[None], xs[None], ws[None], preferred_element_type=jnp.bfloat16
+    )
     return out[0]
 
 
@@ -150,16 +158,23 @@ def nvfp4_bytes(n, k):
 def record(impl, n, k, m, t, wbytes, extra=None):
     xbytes = m * k * 2
     obytes = m * n * 2
-    rec = dict(impl=impl, N=n, K=k, M=m, median_us=t * 1e6,
-               tbps=(wbytes + xbytes + obytes) / t / 1e12,
-               weight_tbps=wbytes / t / 1e12,
-               tflops=2.0 * m * n * k / t / 1e12)
+    rec = {
+        "impl": impl,
+        "N": n,
+        "K": k,
+        "M": m,
+        "median_us": t * 1e6,
+        "tbps": (wbytes + xbytes + obytes) / t / 1e12,
+        "weight_tbps": wbytes / t / 1e12,
+        "tflops": 2.0 * m * n * k / t / 1e12,
+    }
     if extra:
         rec.update(extra)
     return rec
 
 
 # --------------------------------------------------------------------------- correctness
+
 
 def check(out_dir):
     """GPU correctness smoke test: exhaustive decode and ragged GEMMs vs the oracle."""
@@ -177,26 +192,41 @@ def check(out_dir):
     for mode in ("asm", "asm16", "bits"):
         wd = dequantize_pallas(jnp.asarray(codes), jnp.asarray(scales), config=Config(decode=mode))
         res[f"dequant_exhaustive_{mode}"] = bool(np.array_equal(np.asarray(wd, np.float64), ref))
-    for (m, n, k) in [(1, 200, 528), (37, 130, 4112), (300, 333, 1040)]:
+    for m, n, k in [(1, 200, 528), (37, 130, 4112), (300, 333, 1040)]:
         x = (rng.standard_normal((m, k)) * rng.choice([1e-3, 1.0, 30.0])).astype(np.float32)
         xb = jnp.asarray(x).astype(jnp.bfloat16)
         wf = rng.standard_normal((n, k)) * np.exp(rng.uniform(-4, 4, (n, k // 16))).repeat(16, 1)
         wo = oracle.quantize(wf.astype(np.float32), "trtllm")
         ref = oracle.gemm_w4a16(np.asarray(xb, np.float64), wo)
-        bound = oracle.gemm_error_bound(np.abs(np.asarray(xb, np.float64)),
-                                        np.abs(oracle.dequantize(wo, include_decode_scale=False)),
-                                        float(wo.decode_scale), ref, out_u=2.0**-24, splits=8)
-        for cfg in [Config(block_k=256, split_k=4),
-                    Config(block_m=32, block_n=128, block_k=128, load2d=True),
-                    Config(block_m=64, block_n=64, block_k=64, decode="bits", split_k=2),
-                    Config(block_m=16, block_n=64, block_k=256, scale_gather=True),
-                    Config(block_m=16, block_n=64, block_k=256, decode="asm16", load2d=True)]:
-            out = matmul_pallas(xb, jnp.asarray(wo.codes), jnp.asarray(wo.scales),
-                                np.float32(wo.decode_scale), out_dtype=jnp.float32, config=cfg)
+        bound = oracle.gemm_error_bound(
+            np.abs(np.asarray(xb, np.float64)),
+            np.abs(oracle.dequantize(wo, include_decode_scale=False)),
+            float(wo.decode_scale),
+            ref,
+            out_u=2.0**-24,
+            splits=8,
+        )
+        for cfg in [
+            Config(block_k=256, split_k=4),
+            Config(block_m=32, block_n=128, block_k=128, load2d=True),
+            Config(block_m=64, block_n=64, block_k=64, decode="bits", split_k=2),
+            Config(block_m=16, block_n=64, block_k=256, scale_gather=True),
+            Config(block_m=16, block_n=64, block_k=256, decode="asm16", load2d=True),
+        ]:
+            out = matmul_pallas(
+                xb,
+                jnp.asarray(wo.codes),
+                jnp.asarray(wo.scales),
+                np.float32(wo.decode_scale),
+                out_dtype=jnp.float32,
+                config=cfg,
+            )
             out = np.asarray(out, np.float64)
             ok = bool(np.all(np.isfinite(out)) and np.all(np.abs(out - ref) <= bound))
-            res[f"gemm_{m}x{n}x{k}_{cfg.block_m}_{cfg.block_n}_{cfg.block_k}_{cfg.decode}"
-                f"_{int(cfg.load2d)}{int(cfg.scale_gather)}"] = ok
+            res[
+                f"gemm_{m}x{n}x{k}_{cfg.block_m}_{cfg.block_n}_{cfg.block_k}_{cfg.decode}"
+                f"_{int(cfg.load2d)}{int(cfg.scale_gather)}"
+            ] = ok
     log(json.dumps(res, indent=1))
     with open(os.path.join(out_dir, "gemm-check-h200.json"), "w") as f:
         json.dump(res, f, indent=1)
@@ -204,6 +234,7 @@ def check(out_dir):
 
 
 # --------------------------------------------------------------------------- tuning
+
 
 def split_for(n, k, bn, bk, target_ctas=264):
     tiles = -(-n // bn)
@@ -219,25 +250,45 @@ def candidates(m, n, k):
     C = Config
     if m <= 16:
         c = [C(16, 64, 256, 1, 4, 4, decode="asm16", load2d=True)]
-        for bn, bk, w, st in [(64, 256, 4, 4), (128, 256, 4, 4), (128, 256, 8, 4), (64, 512, 4, 4),
-                              (64, 128, 4, 4), (32, 256, 4, 4), (64, 256, 4, 3), (128, 128, 4, 4),
-                              (256, 128, 8, 3)]:
+        for bn, bk, w, st in [
+            (64, 256, 4, 4),
+            (128, 256, 4, 4),
+            (128, 256, 8, 4),
+            (64, 512, 4, 4),
+            (64, 128, 4, 4),
+            (32, 256, 4, 4),
+            (64, 256, 4, 3),
+            (128, 128, 4, 4),
+            (256, 128, 8, 3),
+        ]:
             for split in sorted({1, split_for(n, k, bn, bk)}):
                 c.append(C(16, bn, bk, split, w, st, load2d=True))
         c.append(C(16, 64, 256, 1, 4, 4, scale_gather=True))
         c.append(C(16, 128, 256, 1, 4, 4, scale_gather=True))
         return c
     if m <= 64:
-        return [C(64, 64, 256, 1, 4, 4, load2d=True), C(64, 128, 256, 1, 8, 3, load2d=True),
-                C(64, 64, 128, 1, 4, 4, load2d=True), C(32, 64, 256, 1, 4, 4, load2d=True),
-                C(64, 128, 128, 1, 4, 4, load2d=True), C(64, 64, 256, 1, 4, 4, scale_gather=True),
-                C(64, 128, 256, 1, 8, 4, load2d=True)]
+        return [
+            C(64, 64, 256, 1, 4, 4, load2d=True),
+            C(64, 128, 256, 1, 8, 3, load2d=True),
+            C(64, 64, 128, 1, 4, 4, load2d=True),
+            C(32, 64, 256, 1, 4, 4, load2d=True),
+            C(64, 128, 128, 1, 4, 4, load2d=True),
+            C(64, 64, 256, 1, 4, 4, scale_gather=True),
+            C(64, 128, 256, 1, 8, 4, load2d=True),
+        ]
     if m <= 256:
-        return [C(128, 64, 128, 1, 4, 3, load2d=True), C(128, 128, 64, 1, 8, 3, load2d=True),
-                C(64, 128, 128, 1, 4, 3, load2d=True), C(128, 128, 128, 1, 8, 3, load2d=True),
-                C(128, 128, 64, 1, 8, 3, algo="dequant_dot")]
-    return [C(128, 128, 64, 1, 8, 3, load2d=True), C(128, 256, 64, 1, 8, 3, load2d=True),
-            C(128, 128, 64, 1, 8, 3, algo="dequant_dot")]
+        return [
+            C(128, 64, 128, 1, 4, 3, load2d=True),
+            C(128, 128, 64, 1, 8, 3, load2d=True),
+            C(64, 128, 128, 1, 4, 3, load2d=True),
+            C(128, 128, 128, 1, 8, 3, load2d=True),
+            C(128, 128, 64, 1, 8, 3, algo="dequant_dot"),
+        ]
+    return [
+        C(128, 128, 64, 1, 8, 3, load2d=True),
+        C(128, 256, 64, 1, 8, 3, load2d=True),
+        C(128, 128, 64, 1, 8, 3, algo="dequant_dot"),
+    ]
 
 
 def tune(out_dir, shapes, ms, budget_s, prev_rows=()):
@@ -245,7 +296,7 @@ def tune(out_dir, shapes, ms, budget_s, prev_rows=()):
     rows = list(prev_rows)
     n_prev = len(rows)
     path = os.path.join(out_dir, "gemm-tune-h200.json")
-    for (n, k) in shapes:
+    for n, k in shapes:
         copies = n_copies(nvfp4_bytes(n, k))
         ws = make_weights(n, k, copies)
         for m in ms:
@@ -256,10 +307,16 @@ def tune(out_dir, shapes, ms, budget_s, prev_rows=()):
                     break
                 try:
                     t = time_per_call(impl_ours_w4a16(cfg), x, ws, target_s=0.01)
-                    row = dict(N=n, K=k, M=m, config=cfg.__dict__, median_us=t * 1e6,
-                               weight_tbps=nvfp4_bytes(n, k) / t / 1e12)
+                    row = {
+                        "N": n,
+                        "K": k,
+                        "M": m,
+                        "config": cfg.__dict__,
+                        "median_us": t * 1e6,
+                        "weight_tbps": nvfp4_bytes(n, k) / t / 1e12,
+                    }
                 except Exception as e:  # noqa: BLE001 - record and continue the sweep
-                    row = dict(N=n, K=k, M=m, config=cfg.__dict__, error=repr(e)[:300])
+                    row = {"N": n, "K": k, "M": m, "config": cfg.__dict__, "error": repr(e)[:300]}
                 rows.append(row)
                 log(json.dumps(row))
                 with open(path, "w") as f:
@@ -271,10 +328,11 @@ def tune(out_dir, shapes, ms, budget_s, prev_rows=()):
 
 # --------------------------------------------------------------------------- benchmark
 
+
 def bench(out_dir, shapes, ms, budget_s):
     t_start = time.time()
     records = []
-    for (n, k) in shapes:
+    for n, k in shapes:
         c4 = n_copies(nvfp4_bytes(n, k))
         ws = make_weights(n, k, c4)
         cb = n_copies(2 * n * k)
@@ -287,32 +345,48 @@ def bench(out_dir, shapes, ms, budget_s):
                 log("bench: budget exhausted")
                 break
             x = make_x(m, k)
-            impls = [("nvfp4_w4a16", impl_ours_w4a16(), x, ws, nvfp4_bytes(n, k)),
-                     ("nvfp4_w4a4", impl_ours_w4a4(), x, ws, nvfp4_bytes(n, k)),
-                     ("bf16_dot", impl_bf16_dot, x, wb, 2 * n * k),
-                     ("xla_dequant_dot", impl_xla_dequant_dot, x, ws[:max(2, c4 // 2)],
-                      nvfp4_bytes(n, k))]
+            impls = [
+                ("nvfp4_w4a16", impl_ours_w4a16(), x, ws, nvfp4_bytes(n, k)),
+                ("nvfp4_w4a4", impl_ours_w4a4(), x, ws, nvfp4_bytes(n, k)),
+                ("bf16_dot", impl_bf16_dot, x, wb, 2 * n * k),
+                (
+                    "xla_dequant_dot",
+                    impl_xla_dequant_dot,
+                    x,
+                    ws[: max(2, c4 // 2)],
+                    nvfp4_bytes(n, k),
+                ),
+            ]
             if has_f4:
                 xq = nvfp4_jax.quantize(x, "trtllm")
                 xv = nvfp4_jax.dequantize(xq, jnp.float32, include_decode_scale=False)
-                xf4 = (xv / jnp.repeat(xq.scales.astype(jnp.float32), 16, -1)).astype(jnp.float4_e2m1fn)
+                xf4 = (xv / jnp.repeat(xq.scales.astype(jnp.float32), 16, -1)).astype(
+                    jnp.float4_e2m1fn
+                )
                 wsm = []
                 for w in ws[: max(2, c4 // 2)]:
                     wv = nvfp4_jax.dequantize(w, jnp.float32, include_decode_scale=False)
                     s = w.scales.astype(jnp.float32)
                     wf4 = jnp.where(s[..., None] > 0, wv.reshape(n, k // 16, 16) / s[..., None], 0)
                     wsm.append((wf4.reshape(n, k).astype(jnp.float4_e2m1fn), w.scales))
-                impls.append(("scaled_matmul", lambda xx, w, _xq=(xf4, xq.scales):
-                              impl_scaled_matmul(xx, _xq, w), x, wsm, nvfp4_bytes(n, k)))
+                impls.append(
+                    (
+                        "scaled_matmul",
+                        lambda xx, w, _xq=(xf4, xq.scales): impl_scaled_matmul(xx, _xq, w),
+                        x,
+                        wsm,
+                        nvfp4_bytes(n, k),
+                    )
+                )
             for name, fn, xx, wlist, wbytes in impls:
                 try:
                     t = time_per_call(fn, xx, wlist, per_call_x=(name == "nvfp4_w4a4"))
                     extra = None
                     if name.startswith("nvfp4"):
-                        extra = dict(config=configs.get_config(m, n, k).__dict__)
+                        extra = {"config": configs.get_config(m, n, k).__dict__}
                     rec = record(name, n, k, m, t, wbytes, extra)
                 except Exception as e:  # noqa: BLE001
-                    rec = dict(impl=name, N=n, K=k, M=m, error=repr(e)[:300])
+                    rec = {"impl": name, "N": n, "K": k, "M": m, "error": repr(e)[:300]}
                 records.append(rec)
                 log(json.dumps(rec))
             del x
@@ -331,8 +405,14 @@ def plot(records, path):
     fig, axes = plt.subplots(2, len(shapes), figsize=(5 * len(shapes), 8), squeeze=False)
     for j, (n, k) in enumerate(shapes):
         for impl in impls:
-            rs = sorted([r for r in records if r["impl"] == impl and (r["N"], r["K"]) == (n, k)
-                         and "median_us" in r], key=lambda r: r["M"])
+            rs = sorted(
+                [
+                    r
+                    for r in records
+                    if r["impl"] == impl and (r["N"], r["K"]) == (n, k) and "median_us" in r
+                ],
+                key=lambda r: r["M"],
+            )
             if not rs:
                 continue
             axes[0, j].plot([r["M"] for r in rs], [r["tbps"] for r in rs], "o-", label=impl)
@@ -340,9 +420,15 @@ def plot(records, path):
         axes[0, j].axhline(PEAK_TBPS, color="k", ls="--", label="HBM 4.8 TB/s")
         axes[1, j].axhline(PEAK_TFLOPS, color="k", ls="--", label="bf16 990 TFLOP/s")
         mm = np.array(MS, float)
-        axes[1, j].plot(mm, np.minimum(PEAK_TFLOPS, 2 * mm * n * k * PEAK_TBPS * 1e12
-                                       / (nvfp4_bytes(n, k) + 2 * mm * (n + k)) / 1e12),
-                        "k:", label="NVFP4 roofline")
+        axes[1, j].plot(
+            mm,
+            np.minimum(
+                PEAK_TFLOPS,
+                2 * mm * n * k * PEAK_TBPS * 1e12 / (nvfp4_bytes(n, k) + 2 * mm * (n + k)) / 1e12,
+            ),
+            "k:",
+            label="NVFP4 roofline",
+        )
         for i in range(2):
             axes[i, j].set_xscale("log", base=2)
             axes[i, j].set_xlabel("M")
@@ -364,8 +450,11 @@ def main():
     p.add_argument("--shapes", default="")
     p.add_argument("--ms", default="")
     p.add_argument("--plan", default="", help="tune plan 'NxK:m1,m2;NxK:m3' (overrides shapes/ms)")
-    p.add_argument("--then-bench", action="store_true",
-                   help="after --tune, put the best configs into configs.TUNED and run the bench")
+    p.add_argument(
+        "--then-bench",
+        action="store_true",
+        help="after --tune, put the best configs into configs.TUNED and run the bench",
+    )
     p.add_argument("--bench-budget-s", type=float, default=150)
     a = p.parse_args()
     os.makedirs(a.out, exist_ok=True)
@@ -382,8 +471,13 @@ def main():
             for part in a.plan.split(";"):
                 shp, mss = part.split(":")
                 left = a.budget_s - (time.time() - t0)
-                rows += tune(a.out, [tuple(int(v) for v in shp.split("x"))],
-                             [int(v) for v in mss.split(",")], left, rows)
+                rows += tune(
+                    a.out,
+                    [tuple(int(v) for v in shp.split("x"))],
+                    [int(v) for v in mss.split(",")],
+                    left,
+                    rows,
+                )
         else:
             rows = tune(a.out, shapes, ms, a.budget_s)
         if not a.then_bench:
@@ -402,30 +496,49 @@ def main():
         return
     records = bench(a.out, shapes, ms, a.budget_s)
     try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                                cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+        commit = subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            check=False,
+            capture_output=True,
+            text=True,
+            cwd=os.path.dirname(os.path.abspath(__file__)),
+        ).stdout.strip()
     except OSError:
         commit = ""
+    if len(commit) != 40:  # the device copy of the tree may have no usable .git
+        commit = os.environ.get("NVFP4_COMMIT", "unknown (tree without git history)")
     import jaxlib
 
-    doc = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(), commit=commit,
-               gpu=dev.device_kind, jax=jax.__version__, jaxlib=jaxlib.__version__,
-               timing="in-graph fori_loop over distinct weight copies, (T(R2)-T(R1))/calls",
-               records=records)
+    doc = {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(),
+        "commit": commit,
+        "gpu": dev.device_kind,
+        "jax": jax.__version__,
+        "jaxlib": jaxlib.__version__,
+        "timing": "in-graph fori_loop over distinct weight copies, (T(R2)-T(R1))/calls",
+        "records": records,
+    }
     with open(os.path.join(a.out, "gemm-h200.json"), "w") as f:
         json.dump(doc, f, indent=1)
     plot(records, os.path.join(a.out, "gemm-h200.png"))
     # short table last: ratio vs bf16 per shape / M
     by = {(r["impl"], r["N"], r["K"], r["M"]): r.get("median_us") for r in records}
     log("N K M | w4a16 us | w4a4 us | bf16 us | x bf16 (w4a16) | scaled_mm us | xla us")
-    for (n, k) in shapes:
+    for n, k in shapes:
         for m in ms:
             b = by.get(("bf16_dot", n, k, m))
             o = by.get(("nvfp4_w4a16", n, k, m))
-            log(n, k, m, o and round(o, 1), by.get(("nvfp4_w4a4", n, k, m)) and
-                round(by[("nvfp4_w4a4", n, k, m)], 1), b and round(b, 1),
-                (b and o) and round(b / o, 2), by.get(("scaled_matmul", n, k, m)),
-                by.get(("xla_dequant_dot", n, k, m)))
+            log(
+                n,
+                k,
+                m,
+                o and round(o, 1),
+                by.get(("nvfp4_w4a4", n, k, m)) and round(by[("nvfp4_w4a4", n, k, m)], 1),
+                b and round(b, 1),
+                (b and o) and round(b / o, 2),
+                by.get(("scaled_matmul", n, k, m)),
+                by.get(("xla_dequant_dot", n, k, m)),
+            )
 
 
 if __name__ == "__main__":

@@ -27,20 +27,21 @@ import tempfile
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
+import jax
+import jax.numpy as jnp
 
 ARCHS = (90, 120, 121)
 
 
 def capture_ttir(m=16, n=4096, k=4096, config=None):
-    """Lower one ``matmul_pallas`` call and return [(ttir_text, bytecode, num_warps, num_stages)]."""
+    """Lower one ``matmul_pallas`` call; return [(ttir_text, bytecode, num_warps, num_stages)]."""
     from jax._src.pallas.triton import lowering
 
     from nvfp4_jax.gemm.pallas_triton import Config, matmul_pallas
 
-    cfg = config or Config(block_m=16, block_n=64, block_k=256, split_k=1, num_warps=4,
-                           num_stages=3)
+    cfg = config or Config(
+        block_m=16, block_n=64, block_k=256, split_k=1, num_warps=4, num_stages=3
+    )
     got = []
     orig = lowering.lower_jaxpr_to_triton_module
 
@@ -85,35 +86,49 @@ def sass_stats(cubin: bytes, workdir: str, tag: str) -> dict:
         f.write(cubin)
     cuobjdump = _tool("cuobjdump")
     if cuobjdump is None:
-        return dict(error="cuobjdump not found")
-    r = subprocess.run([cuobjdump, "-sass", path], capture_output=True, text=True)
+        return {"error": "cuobjdump not found"}
+    r = subprocess.run([cuobjdump, "-sass", path], check=False, capture_output=True, text=True)
     sass = r.stdout
     if r.returncode != 0 or not sass:
-        return dict(error=f"cuobjdump failed: {r.stderr[-300:]}")
-    ops = re.findall(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)(?:\.[\w.]+)?",
-                     sass, re.M)
-    count = lambda pfx: sum(1 for o in ops if o == pfx)  # noqa: E731
+        return {"error": f"cuobjdump failed: {r.stderr[-300:]}"}
+    ops = re.findall(
+        r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)(?:\.[\w.]+)?", sass, re.MULTILINE
+    )
+    count = lambda pfx: sum(1 for o in ops if o == pfx)
     arch = re.search(r"arch = (sm_\w+)", sass)
-    return dict(arch=arch.group(1) if arch else None, n_instructions=len(ops),
-                HMMA=count("HMMA"), HGMMA=count("HGMMA"), QMMA=count("QMMA"), OMMA=count("OMMA"),
-                PRMT=count("PRMT"), LOP3=count("LOP3"), sass_head=sass[:0])
+    return {
+        "arch": arch.group(1) if arch else None,
+        "n_instructions": len(ops),
+        "HMMA": count("HMMA"),
+        "HGMMA": count("HGMMA"),
+        "QMMA": count("QMMA"),
+        "OMMA": count("OMMA"),
+        "PRMT": count("PRMT"),
+        "LOP3": count("LOP3"),
+        "sass_head": sass[:0],
+    }
 
 
 def compile_jaxlib(bytecode, num_warps, num_stages, cc, workdir) -> dict:
     try:
         from jax._src.lib import triton as jt
     except ImportError as e:
-        return dict(error=f"jaxlib triton unavailable: {e}")
+        return {"error": f"jaxlib triton unavailable: {e}"}
     arch = f"{cc // 10}.{cc % 10}"
     try:
-        res = jt.compile("cuda", bytecode, arch, num_warps=num_warps, num_ctas=1,
-                         num_stages=num_stages)
+        res = jt.compile(
+            "cuda", bytecode, arch, num_warps=num_warps, num_ctas=1, num_stages=num_stages
+        )
     except Exception as e:  # noqa: BLE001
-        return dict(error=f"jaxlib triton.compile({arch}) failed: {repr(e)[:400]}")
+        return {"error": f"jaxlib triton.compile({arch}) failed: {repr(e)[:400]}"}
     ptx = res.asm if isinstance(res.asm, str) else res.asm.decode()
     target = re.search(r"\.target\s+(\S+)", ptx)
-    out = dict(ptx_target=target.group(1) if target else None, ptx_mma_sync=ptx.count("mma.sync"),
-               ptx_wgmma=ptx.count("wgmma.mma_async"), smem_bytes=getattr(res, "smem_bytes", None))
+    out = {
+        "ptx_target": target.group(1) if target else None,
+        "ptx_mma_sync": ptx.count("mma.sync"),
+        "ptx_wgmma": ptx.count("wgmma.mma_async"),
+        "smem_bytes": getattr(res, "smem_bytes", None),
+    }
     ptxas = _tool("ptxas")
     if ptxas is None:
         out["error"] = "ptxas not found"
@@ -123,15 +138,22 @@ def compile_jaxlib(bytecode, num_warps, num_stages, cc, workdir) -> dict:
         # ptxas needs the arch-specific target for wgmma / sm_12x features
         f.write(re.sub(r"\.target\s+sm_(\d+)\b(?!a)", r".target sm_\1a", ptx))
     cubin_path = ptx_path[:-4] + ".cubin"
-    r = subprocess.run([ptxas, f"-arch=sm_{cc}a", "-o", cubin_path, ptx_path],
-                       capture_output=True, text=True)
+    r = subprocess.run(
+        [ptxas, f"-arch=sm_{cc}a", "-o", cubin_path, ptx_path],
+        check=False,
+        capture_output=True,
+        text=True,
+    )
     if r.returncode != 0:
         out["error"] = f"ptxas sm_{cc}a failed: {r.stderr[-400:]}"
         return out
     with open(cubin_path, "rb") as f:
         out.update(sass_stats(f.read(), workdir, f"jaxlib_sm{cc}"))
-    out["ptxas"] = subprocess.run([ptxas, "--version"], capture_output=True,
-                                  text=True).stdout.strip().splitlines()[-1:]
+    out["ptxas"] = (
+        subprocess.run([ptxas, "--version"], check=False, capture_output=True, text=True)
+        .stdout.strip()
+        .splitlines()[-1:]
+    )
     return out
 
 
@@ -140,27 +162,33 @@ def compile_pip(ttir_text, num_warps, num_stages, cc, workdir) -> dict:
         import triton
         from triton.backends.compiler import GPUTarget
     except ImportError as e:
-        return dict(error=f"pip triton unavailable: {e}")
+        return {"error": f"pip triton unavailable: {e}"}
     path = os.path.join(workdir, f"kernel_sm{cc}.ttir")
     with open(path, "w") as f:
         f.write(ttir_text)
     try:
-        ck = triton.compile(path, target=GPUTarget("cuda", cc, 32),
-                            options=dict(num_warps=num_warps, num_stages=num_stages))
+        ck = triton.compile(
+            path,
+            target=GPUTarget("cuda", cc, 32),
+            options={"num_warps": num_warps, "num_stages": num_stages},
+        )
     except Exception as e:  # noqa: BLE001
-        return dict(error=f"triton {triton.__version__} compile sm_{cc} failed: {repr(e)[:600]}")
-    out = dict(triton=triton.__version__)
+        return {"error": f"triton {triton.__version__} compile sm_{cc} failed: {repr(e)[:600]}"}
+    out = {"triton": triton.__version__}
     ptx = ck.asm.get("ptx", "")
     target = re.search(r"\.target\s+(\S+)", ptx)
-    out.update(ptx_target=target.group(1) if target else None, ptx_mma_sync=ptx.count("mma.sync"),
-               ptx_wgmma=ptx.count("wgmma.mma_async"))
+    out.update(
+        ptx_target=target.group(1) if target else None,
+        ptx_mma_sync=ptx.count("mma.sync"),
+        ptx_wgmma=ptx.count("wgmma.mma_async"),
+    )
     out.update(sass_stats(ck.asm["cubin"], workdir, f"pip_sm{cc}"))
     return out
 
 
 def run(out_dir: str) -> dict:
     os.makedirs(out_dir, exist_ok=True)
-    summary = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, kernels=[])
+    summary = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "kernels": []}
     try:
         import triton
 
@@ -178,8 +206,12 @@ def run(out_dir: str) -> dict:
             for decode in ("asm", "bits"):
                 c = Config(**{**cfg.__dict__, "decode": decode})
                 [(ttir, bc, nw, ns)] = capture_ttir(config=c)
-                entry = dict(kernel=name, decode=decode, config=c.__dict__,
-                             ttir_ops=sorted(set(re.findall(r"\btt\.\w+", ttir))))
+                entry = {
+                    "kernel": name,
+                    "decode": decode,
+                    "config": c.__dict__,
+                    "ttir_ops": sorted(set(re.findall(r"\btt\.\w+", ttir))),
+                }
                 if name == "w4a16_small_m" and decode == "asm":
                     with open(os.path.join(out_dir, "gemm-w4a16-small-m.ttir"), "w") as f:
                         f.write(ttir)
@@ -188,10 +220,14 @@ def run(out_dir: str) -> dict:
                     entry[f"pip_sm{cc}"] = compile_pip(ttir, nw, ns, cc, wd)
                 summary["kernels"].append(entry)
                 print(json.dumps(entry), flush=True)
-    ok = [k for k in summary["kernels"]
-          if all(k.get(f"{p}_sm{cc}", {}).get("HMMA", 0) > 0 for cc in (120, 121)
-                 for p in ("jaxlib",))
-          or all(k.get(f"pip_sm{cc}", {}).get("HMMA", 0) > 0 for cc in (120, 121))]
+    ok = [
+        k
+        for k in summary["kernels"]
+        if all(
+            k.get(f"{p}_sm{cc}", {}).get("HMMA", 0) > 0 for cc in (120, 121) for p in ("jaxlib",)
+        )
+        or all(k.get(f"pip_sm{cc}", {}).get("HMMA", 0) > 0 for cc in (120, 121))
+    ]
     summary["sm12x_hmma_ok"] = bool(ok)
     with open(os.path.join(out_dir, "gemm-sm12x-compile.json"), "w") as f:
         json.dump(summary, f, indent=1)

@@ -42,15 +42,21 @@ def _assert_within(out, ref, bound):
     worst = np.argmax(err - bound)
     assert np.all(err <= bound), (
         f"max excess at {np.unravel_index(worst, err.shape)}: err {err.flat[worst]:.3e} > "
-        f"bound {bound.flat[worst]:.3e} (ref {ref.flat[worst]:.3e})")
+        f"bound {bound.flat[worst]:.3e} (ref {ref.flat[worst]:.3e})"
+    )
 
 
 def _w4a16_ref(x, wo, out_dtype, splits=1):
     xd = np.asarray(x, np.float64)
     ref = oracle.gemm_w4a16(xd, wo)
-    bound = oracle.gemm_error_bound(np.abs(xd), np.abs(oracle.dequantize(wo, include_decode_scale=False)),
-                                    float(wo.decode_scale), ref, out_u=OUT_U[out_dtype],
-                                    splits=splits)
+    bound = oracle.gemm_error_bound(
+        np.abs(xd),
+        np.abs(oracle.dequantize(wo, include_decode_scale=False)),
+        float(wo.decode_scale),
+        ref,
+        out_u=OUT_U[out_dtype],
+        splits=splits,
+    )
     return ref, bound
 
 
@@ -69,9 +75,15 @@ def test_pallas_interpret_w4a16(m, n, k, cfg, out_dtype):
     wo = _weights(rng, n, k, subnormal=(m == 1))
     x = _x(rng, m, k, mag=float(rng.choice([1e-3, 1.0, 50.0])))
     cfg = Config(**{**cfg.__dict__, "decode": "bits"})
-    out = matmul_pallas(jnp.asarray(x), jnp.asarray(wo.codes), jnp.asarray(wo.scales),
-                        np.float32(wo.decode_scale), out_dtype=out_dtype, config=cfg,
-                        interpret=True)
+    out = matmul_pallas(
+        jnp.asarray(x),
+        jnp.asarray(wo.codes),
+        jnp.asarray(wo.scales),
+        np.float32(wo.decode_scale),
+        out_dtype=out_dtype,
+        config=cfg,
+        interpret=True,
+    )
     ref, bound = _w4a16_ref(x, wo, out_dtype, splits=cfg.split_k)
     _assert_within(out, ref, bound)
 
@@ -84,8 +96,14 @@ def test_subnormal_scales_dequant_exact():
     ref = oracle.dequantize(t, include_decode_scale=False)
     got_x = dequantize_xla(jnp.asarray(codes), jnp.asarray(scales), jnp.float32)
     np.testing.assert_array_equal(np.asarray(got_x, np.float64), ref)
-    got_p = dequantize_pallas(jnp.asarray(codes), jnp.asarray(scales), config=Config(decode="bits"),
-                              interpret=True, block_n=16, block_k=128)
+    got_p = dequantize_pallas(
+        jnp.asarray(codes),
+        jnp.asarray(scales),
+        config=Config(decode="bits"),
+        interpret=True,
+        block_n=16,
+        block_k=128,
+    )
     np.testing.assert_array_equal(np.asarray(got_p, np.float64), ref)
 
 
@@ -105,7 +123,9 @@ def test_matmul_fp16_activation():
     wo = _weights(rng, 32, 64, scale_exp=(-2, 2))
     x = rng.standard_normal((4, 64)).astype(np.float16)
     for backend in ("xla", "pallas"):
-        out = matmul(jnp.asarray(x), nvfp4_jax.from_oracle(wo), backend=backend, out_dtype=jnp.float32)
+        out = matmul(
+            jnp.asarray(x), nvfp4_jax.from_oracle(wo), backend=backend, out_dtype=jnp.float32
+        )
         ref, bound = _w4a16_ref(x, wo, jnp.float32)
         _assert_within(out, ref, bound)
 
@@ -125,12 +145,22 @@ def _w4a4_case(rng, m, n, k):
 def test_matmul_w4a4_vs_oracle(backend, out_dtype):
     rng = np.random.default_rng(11)
     wo, x, input_scale, xo, alpha = _w4a4_case(rng, 9, 40, 208)
-    out = matmul(jnp.asarray(x), nvfp4_jax.from_oracle(wo), input_scale=input_scale,
-                 backend=backend, out_dtype=out_dtype)
+    out = matmul(
+        jnp.asarray(x),
+        nvfp4_jax.from_oracle(wo),
+        input_scale=input_scale,
+        backend=backend,
+        out_dtype=out_dtype,
+    )
     ref = oracle.gemm_w4a4(xo, wo, alpha)
-    bound = oracle.gemm_error_bound(np.abs(oracle.dequantize(xo, include_decode_scale=False)),
-                                    np.abs(oracle.dequantize(wo, include_decode_scale=False)),
-                                    alpha, ref, out_u=OUT_U[out_dtype], splits=8)
+    bound = oracle.gemm_error_bound(
+        np.abs(oracle.dequantize(xo, include_decode_scale=False)),
+        np.abs(oracle.dequantize(wo, include_decode_scale=False)),
+        alpha,
+        ref,
+        out_u=OUT_U[out_dtype],
+        splits=8,
+    )
     _assert_within(out, ref, bound)
 
 
@@ -140,20 +170,25 @@ def test_w4a4_activation_codes_match_oracle_trtllm():
     _, x, input_scale, xo, _ = _w4a4_case(rng, 33, 16, 256)
     xq = nvfp4_jax.quantize(jnp.asarray(x), "trtllm", encode_scale=jnp.float32(1) / input_scale)
     np.testing.assert_array_equal(np.asarray(xq.codes), xo.codes)
-    np.testing.assert_array_equal(np.asarray(jax.lax.bitcast_convert_type(xq.scales, jnp.uint8)),
-                                  xo.scales)
+    np.testing.assert_array_equal(
+        np.asarray(jax.lax.bitcast_convert_type(xq.scales, jnp.uint8)), xo.scales
+    )
 
 
 def test_w4a4_prequantized_activation():
     rng = np.random.default_rng(13)
-    wo, x, input_scale, xo, _ = _w4a4_case(rng, 4, 24, 64)
+    wo, _, _, xo, _ = _w4a4_case(rng, 4, 24, 64)
     xa = nvfp4_jax.from_oracle(xo)
     alpha = float(np.float32(np.float32(xo.decode_scale) * np.float32(wo.decode_scale)))
     out = matmul(xa, nvfp4_jax.from_oracle(wo), backend="pallas", out_dtype=jnp.float32)
     ref = oracle.gemm_w4a4(xo, wo, alpha)
-    bound = oracle.gemm_error_bound(np.abs(oracle.dequantize(xo, include_decode_scale=False)),
-                                    np.abs(oracle.dequantize(wo, include_decode_scale=False)),
-                                    alpha, ref, out_u=2.0**-24)
+    bound = oracle.gemm_error_bound(
+        np.abs(oracle.dequantize(xo, include_decode_scale=False)),
+        np.abs(oracle.dequantize(wo, include_decode_scale=False)),
+        alpha,
+        ref,
+        out_u=2.0**-24,
+    )
     _assert_within(out, ref, bound)
 
 
@@ -217,10 +252,19 @@ def test_poisoned_output_is_fully_written_interpret():
     rng = np.random.default_rng(18)
     wo = _weights(rng, 40, 80)
     x = _x(rng, 19, 80)
-    for cfg in (Config(block_m=16, block_n=16, block_k=32, decode="bits"),
-                Config(block_m=16, block_n=32, block_k=32, split_k=2, decode="bits")):
-        out = matmul_pallas(jnp.asarray(x), jnp.asarray(wo.codes), jnp.asarray(wo.scales),
-                            np.float32(wo.decode_scale), out_dtype=jnp.float32, config=cfg,
-                            interpret=True, poison=True)
+    for cfg in (
+        Config(block_m=16, block_n=16, block_k=32, decode="bits"),
+        Config(block_m=16, block_n=32, block_k=32, split_k=2, decode="bits"),
+    ):
+        out = matmul_pallas(
+            jnp.asarray(x),
+            jnp.asarray(wo.codes),
+            jnp.asarray(wo.scales),
+            np.float32(wo.decode_scale),
+            out_dtype=jnp.float32,
+            config=cfg,
+            interpret=True,
+            poison=True,
+        )
         ref, bound = _w4a16_ref(x, wo, jnp.float32, splits=cfg.split_k)
         _assert_within(out, ref, bound)

@@ -34,32 +34,56 @@ OUT_U = {jnp.bfloat16: 2.0**-8, jnp.float32: 2.0**-24}
 def _case(rng, m, n, k):
     mag = np.exp2(rng.uniform(-5, 5, (n, k // 16))).repeat(16, 1)
     wo = oracle.quantize((rng.standard_normal((n, k)) * mag).astype(np.float32), "trtllm")
-    x = jnp.asarray((rng.standard_normal((m, k)) * rng.choice([1e-2, 1.0, 40.0])).astype(np.float32)
-                    ).astype(jnp.bfloat16)
+    x = jnp.asarray(
+        (rng.standard_normal((m, k)) * rng.choice([1e-2, 1.0, 40.0])).astype(np.float32)
+    ).astype(jnp.bfloat16)
     return wo, x
 
 
 def _check(out, x, wo, out_dtype, splits=16):
     xd = np.asarray(x, np.float64)
     ref = oracle.gemm_w4a16(xd, wo)
-    bound = oracle.gemm_error_bound(np.abs(xd), np.abs(oracle.dequantize(wo, include_decode_scale=False)),
-                                    float(wo.decode_scale), ref, out_u=OUT_U[out_dtype], splits=splits)
+    bound = oracle.gemm_error_bound(
+        np.abs(xd),
+        np.abs(oracle.dequantize(wo, include_decode_scale=False)),
+        float(wo.decode_scale),
+        ref,
+        out_u=OUT_U[out_dtype],
+        splits=splits,
+    )
     out = np.asarray(out, np.float64)
     assert np.all(np.isfinite(out)), f"{np.sum(~np.isfinite(out))} non-finite (unwritten?) outputs"
     err = np.abs(out - ref)
     assert np.all(err <= bound), f"max err/bound {np.max(err / bound):.3f}"
 
 
-@pytest.mark.parametrize("m,n,k", [(1, 4096, 4096), (16, 14336, 4096), (37, 4000, 4112),
-                                   (256, 4096, 1024), (1024, 2048, 2048), (300, 333, 1040)])
-@pytest.mark.parametrize("decode", ["asm", "bits"])
+@pytest.mark.parametrize(
+    "m,n,k,decode",
+    [
+        (1, 4096, 4096, "asm"),
+        (16, 6144, 4096, "asm"),
+        (37, 4000, 4112, "asm"),
+        (37, 4000, 4112, "bits"),
+        (64, 3000, 2048, "asm16"),
+        (256, 4096, 1024, "asm"),
+        (1024, 2048, 2048, "asm"),
+        (300, 333, 1040, "asm"),
+    ],
+)
 def test_tuned_config_vs_oracle_poisoned(m, n, k, decode):
     rng = np.random.default_rng(m + n + k)
     wo, x = _case(rng, m, n, k)
     cfg = configs.get_config(m, n, k)
     cfg = Config(**{**cfg.__dict__, "decode": decode, "algo": "fused"})
-    out = matmul_pallas(x, jnp.asarray(wo.codes), jnp.asarray(wo.scales), np.float32(wo.decode_scale),
-                        out_dtype=jnp.float32, config=cfg, poison=True)
+    out = matmul_pallas(
+        x,
+        jnp.asarray(wo.codes),
+        jnp.asarray(wo.scales),
+        np.float32(wo.decode_scale),
+        out_dtype=jnp.float32,
+        config=cfg,
+        poison=True,
+    )
     _check(out, x, wo, jnp.float32)
 
 
@@ -73,9 +97,15 @@ def test_all_tuned_configs_vs_oracle():
         seen.add(cfg)
         m, n, k = max(1, mb - 3), 1000, 2064
         wo, x = _case(rng, m, n, k)
-        out = matmul_pallas(x, jnp.asarray(wo.codes), jnp.asarray(wo.scales),
-                            np.float32(wo.decode_scale), out_dtype=jnp.bfloat16, config=cfg,
-                            poison=cfg.algo == "fused")
+        out = matmul_pallas(
+            x,
+            jnp.asarray(wo.codes),
+            jnp.asarray(wo.scales),
+            np.float32(wo.decode_scale),
+            out_dtype=jnp.bfloat16,
+            config=cfg,
+            poison=cfg.algo == "fused",
+        )
         _check(out, x, wo, jnp.bfloat16)
 
 
@@ -89,12 +119,19 @@ def test_public_matmul_auto_w4a16_and_w4a4(caplog):
     _check(out, x, wo, jnp.bfloat16)
     s_in = np.float32(np.abs(np.asarray(x, np.float32)).max() / np.float32(2688))
     out = matmul(x, w, input_scale=s_in, out_dtype=jnp.float32)
-    xo = oracle.quantize(np.asarray(x, np.float32), "trtllm", encode_scale=float(np.float32(1) / s_in))
+    xo = oracle.quantize(
+        np.asarray(x, np.float32), "trtllm", encode_scale=float(np.float32(1) / s_in)
+    )
     alpha = float(np.float32(s_in) * np.float32(wo.decode_scale))
     ref = oracle.gemm_w4a4(xo, wo, alpha)
-    bound = oracle.gemm_error_bound(np.abs(oracle.dequantize(xo, include_decode_scale=False)),
-                                    np.abs(oracle.dequantize(wo, include_decode_scale=False)),
-                                    alpha, ref, out_u=2.0**-24, splits=16)
+    bound = oracle.gemm_error_bound(
+        np.abs(oracle.dequantize(xo, include_decode_scale=False)),
+        np.abs(oracle.dequantize(wo, include_decode_scale=False)),
+        alpha,
+        ref,
+        out_u=2.0**-24,
+        splits=16,
+    )
     out = np.asarray(out, np.float64)
     assert np.all(np.isfinite(out)) and np.all(np.abs(out - ref) <= bound)
 
@@ -105,8 +142,9 @@ def test_dequant_exhaustive_codes_and_scales(decode):
     scales = np.resize(np.arange(0, 127, dtype=np.uint8), (128, 32))
     t = oracle.NVFP4(codes, scales, np.float64(1.0))
     got = dequantize_pallas(jnp.asarray(codes), jnp.asarray(scales), config=Config(decode=decode))
-    np.testing.assert_array_equal(np.asarray(got, np.float64),
-                                  oracle.dequantize(t, include_decode_scale=False))
+    np.testing.assert_array_equal(
+        np.asarray(got, np.float64), oracle.dequantize(t, include_decode_scale=False)
+    )
 
 
 def test_sm12x_compile_has_tensor_core_mma(tmp_path):

@@ -6,6 +6,12 @@ from .pallas_triton import Config, dequantize_pallas, matmul_pallas
 from .xla import dequantize_xla, matmul_xla
 
 __all__ = [
-    "Config", "dequantize_pallas", "dequantize_xla", "matmul", "matmul_pallas", "matmul_xla",
-    "register_sm12x_device_kinds", "resolve_backend",
+    "Config",
+    "dequantize_pallas",
+    "dequantize_xla",
+    "matmul",
+    "matmul_pallas",
+    "matmul_xla",
+    "register_sm12x_device_kinds",
+    "resolve_backend",
 ]

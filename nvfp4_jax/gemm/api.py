@@ -47,7 +47,9 @@ def _gpu_compute_capability() -> int | None:
     return int(major) * 10 + int(minor or 0)
 
 
-def register_sm12x_device_kinds(device_kind: str | None = None, compute_capability: int | None = None) -> bool:
+def register_sm12x_device_kinds(
+    device_kind: str | None = None, compute_capability: int | None = None
+) -> bool:
     """Teach JAX >= 0.11's Pallas-Triton GPU table about GeForce RTX 50xx (SM 12.0).
 
     ``jax._src.pallas.triton.gpu_info`` maps ``device_kind`` strings to a compute capability
@@ -79,19 +81,23 @@ def register_sm12x_device_kinds(device_kind: str | None = None, compute_capabili
     if lookup is not None:
         try:
             known = known or lookup(device_kind) is not None
-        except Exception:  # noqa: BLE001 - an unknown kind may raise instead of returning None
-            pass
+        except Exception as e:  # noqa: BLE001 - an unknown kind may raise instead of returning None
+            log.debug("gpu_version_from_device_kind(%r) raised %r", device_kind, e)
     if known:
         return False
     cc = compute_capability or 120
     arch = f"{cc // 10}.{cc % 10}"
     if info_cls is not None:
-        registry[device_kind] = lambda: info_cls(gpu_version=None, arch_name=arch,
-                                                 compute_capability=cc)
+        registry[device_kind] = lambda: info_cls(
+            gpu_version=None, arch_name=arch, compute_capability=cc
+        )
     else:
         registry[device_kind] = lambda: custom_cls("CUDA", device_kind, arch, cc, 0, 0)
-    log.info("nvfp4_jax.gemm: registered %r as compute capability %s for Pallas-Triton",
-             device_kind, arch)
+    log.info(
+        "nvfp4_jax.gemm: registered %r as compute capability %s for Pallas-Triton",
+        device_kind,
+        arch,
+    )
     return True
 
 
@@ -106,14 +112,16 @@ def resolve_backend(backend: str) -> str:
         register_sm12x_device_kinds()
         log.info("nvfp4_jax.matmul: backend auto -> pallas (NVIDIA GPU, sm_%d)", cc)
         return "pallas"
-    log.info("nvfp4_jax.matmul: backend auto -> xla (%s)",
-             "no NVIDIA GPU" if cc is None else f"sm_{cc} < sm_{_MIN_CC}")
+    log.info(
+        "nvfp4_jax.matmul: backend auto -> xla (%s)",
+        "no NVIDIA GPU" if cc is None else f"sm_{cc} < sm_{_MIN_CC}",
+    )
     return "xla"
 
 
 def _check_weight(w) -> None:
     if not isinstance(w, NVFP4Array):
-        raise ValueError(f"w: expected an NVFP4Array [N, K], got {type(w).__name__}")
+        raise ValueError(f"w: expected an NVFP4Array [N, K], got {type(w).__name__}")  # noqa: TRY004
     if len(w.shape) != 2:
         raise ValueError(f"w: expected a 2-D NVFP4Array [N, K], got shape {w.shape}")
     if w.codes.dtype != jnp.uint8:
@@ -121,7 +129,9 @@ def _check_weight(w) -> None:
     if w.scales.dtype not in (jnp.float8_e4m3fn, jnp.uint8):
         raise ValueError(f"w.scales: expected float8_e4m3fn, got {w.scales.dtype}")
     if jnp.ndim(w.decode_scale) != 0:
-        raise ValueError(f"w.decode_scale: expected a scalar, got shape {jnp.shape(w.decode_scale)}")
+        raise ValueError(
+            f"w.decode_scale: expected a scalar, got shape {jnp.shape(w.decode_scale)}"
+        )
 
 
 def matmul(
@@ -188,6 +198,7 @@ def matmul(
         interpret = jax.devices()[0].platform != "gpu"
         if interpret:
             cfg = Config(**{**cfg.__dict__, "decode": "bits"})
-        out = matmul_pallas(x2, w.codes, w_scales, alpha, out_dtype=out_dtype, config=cfg,
-                            interpret=interpret)
+        out = matmul_pallas(
+            x2, w.codes, w_scales, alpha, out_dtype=out_dtype, config=cfg, interpret=interpret
+        )
     return out.reshape(lead + (n,))

@@ -100,10 +100,18 @@ fma.rn.bf16x2 $1, a, $4, z;
 # accumulator by 2^7 (``BF16_POST_SCALE``).
 _LO_SHIFTS = "shl.b32 a, t, 4;\nshr.b32 b, t, 2;"  # low nibble at lane bits 8..11
 _HI_SHIFTS = "mov.b32 a, t;\nshr.b32 b, t, 6;"  # high nibble at lane bits 12..15
-_ASM_BF16_LO = (_ASM_BF16.replace("SEL01", "0x1404").replace("SEL23", "0x3424")
-                .replace("SHIFTS01", _LO_SHIFTS).replace("SHIFTS23", _LO_SHIFTS))
-_ASM_BF16_HI = (_ASM_BF16.replace("SEL01", "0x1404").replace("SEL23", "0x3424")
-                .replace("SHIFTS01", _HI_SHIFTS).replace("SHIFTS23", _HI_SHIFTS))
+_ASM_BF16_LO = (
+    _ASM_BF16.replace("SEL01", "0x1404")
+    .replace("SEL23", "0x3424")
+    .replace("SHIFTS01", _LO_SHIFTS)
+    .replace("SHIFTS23", _LO_SHIFTS)
+)
+_ASM_BF16_HI = (
+    _ASM_BF16.replace("SEL01", "0x1404")
+    .replace("SEL23", "0x3424")
+    .replace("SHIFTS01", _HI_SHIFTS)
+    .replace("SHIFTS23", _HI_SHIFTS)
+)
 BF16_SCALE_BIAS = 2.0**119
 BF16_POST_SCALE = 2.0**7
 
@@ -114,17 +122,21 @@ def nibbles_to_f16(codes: jax.Array, mode: str) -> tuple[jax.Array, jax.Array]:
         from jax.experimental.pallas import triton as plgpu
 
         out = [jax.ShapeDtypeStruct(codes.shape, jnp.float16)]
-        (lo,) = plgpu.elementwise_inline_asm(_ASM_LO, args=[codes], constraints="=r,=r,r",
-                                             pack=4, result_shape_dtypes=out)
-        (hi,) = plgpu.elementwise_inline_asm(_ASM_HI, args=[codes], constraints="=r,=r,r",
-                                             pack=4, result_shape_dtypes=out)
+        (lo,) = plgpu.elementwise_inline_asm(
+            _ASM_LO, args=[codes], constraints="=r,=r,r", pack=4, result_shape_dtypes=out
+        )
+        (hi,) = plgpu.elementwise_inline_asm(
+            _ASM_HI, args=[codes], constraints="=r,=r,r", pack=4, result_shape_dtypes=out
+        )
         return lo, hi
     if mode == "bits":
         b = codes.astype(jnp.uint16)
         lo = ((b & 0x7) << 9) | ((b & 0x8) << 12)
         hi = ((b & 0x70) << 5) | ((b & 0x80) << 8)
-        return (lax.bitcast_convert_type(lo, jnp.float16),
-                lax.bitcast_convert_type(hi, jnp.float16))
+        return (
+            lax.bitcast_convert_type(lo, jnp.float16),
+            lax.bitcast_convert_type(hi, jnp.float16),
+        )
     raise ValueError(f"decode: expected one of {DECODE_MODES}, got {mode!r}")
 
 
@@ -133,8 +145,9 @@ def post_scale(mode: str, dtype) -> float:
     return BF16_POST_SCALE if (mode == "asm" and jnp.dtype(dtype) == jnp.bfloat16) else 1.0
 
 
-def decode_block(codes: jax.Array, scales: jax.Array, mode: str,
-                 dtype=jnp.bfloat16) -> tuple[jax.Array, jax.Array, float]:
+def decode_block(
+    codes: jax.Array, scales: jax.Array, mode: str, dtype=jnp.bfloat16
+) -> tuple[jax.Array, jax.Array, float]:
     """E2M1 codes (uint8 [..., 8]) and E4M3 scale bytes -> (even, odd, post_scale).
 
     ``scales``: uint8 or float8_e4m3fn, either one per row of 8 bytes (shape
@@ -154,16 +167,27 @@ def decode_block(codes: jax.Array, scales: jax.Array, mode: str,
         if not per_elem:
             sb = jnp.broadcast_to(sb[..., None], codes.shape)
         out = [jax.ShapeDtypeStruct(codes.shape, jnp.bfloat16)]
-        (lo,) = plgpu.elementwise_inline_asm(_ASM_BF16_LO, args=[codes, sb],
-                                             constraints="=r,=r,r,r,r", pack=4,
-                                             result_shape_dtypes=out)
-        (hi,) = plgpu.elementwise_inline_asm(_ASM_BF16_HI, args=[codes, sb],
-                                             constraints="=r,=r,r,r,r", pack=4,
-                                             result_shape_dtypes=out)
+        (lo,) = plgpu.elementwise_inline_asm(
+            _ASM_BF16_LO,
+            args=[codes, sb],
+            constraints="=r,=r,r,r,r",
+            pack=4,
+            result_shape_dtypes=out,
+        )
+        (hi,) = plgpu.elementwise_inline_asm(
+            _ASM_BF16_HI,
+            args=[codes, sb],
+            constraints="=r,=r,r,r,r",
+            pack=4,
+            result_shape_dtypes=out,
+        )
         return lo, hi, BF16_POST_SCALE
     lo, hi = nibbles_to_f16(codes, mode)
     s = s32 * F16_PLACEMENT_SCALE
     if not per_elem:
         s = s[..., None]
-    return ((lo.astype(jnp.float32) * s).astype(dtype), (hi.astype(jnp.float32) * s).astype(dtype),
-            1.0)
+    return (
+        (lo.astype(jnp.float32) * s).astype(dtype),
+        (hi.astype(jnp.float32) * s).astype(dtype),
+        1.0,
+    )

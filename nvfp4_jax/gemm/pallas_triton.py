@@ -74,8 +74,20 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _gemm_kernel(xe_ref, xo_ref, c_ref, s_ref, alpha_ref, *refs, cfg: Config, M: int,
-                 N: int, K: int, tiles_per_split: int, partial: bool):
+def _gemm_kernel(
+    xe_ref,
+    xo_ref,
+    c_ref,
+    s_ref,
+    alpha_ref,
+    *refs,
+    cfg: Config,
+    M: int,
+    N: int,
+    K: int,
+    tiles_per_split: int,
+    partial: bool,
+):
     o_ref = refs[-1]  # refs = (o_ref,) or (poisoned_out_alias, o_ref)
     BM, BN, BK = cfg.block_m, cfg.block_n, cfg.block_k
     BKB, BK2 = BK // 16, BK // 2
@@ -103,28 +115,31 @@ def _gemm_kernel(xe_ref, xo_ref, c_ref, s_ref, alpha_ref, *refs, cfg: Config, M:
         w_mask = n_mask[:, None] & kb_mask[None, :]
         k2_mask = n_mask[:, None] & ((kb0 * 8 + jnp.arange(BK2)) < K2)[None, :]
         if cfg.scale_gather:
-            codes = plgpu.load(c_ref.at[pl.ds(n0, BN), pl.ds(kb0 * 8, BK2)], mask=k2_mask,
-                               other=0)
+            codes = plgpu.load(c_ref.at[pl.ds(n0, BN), pl.ds(kb0 * 8, BK2)], mask=k2_mask, other=0)
             rows = jnp.minimum(n0 + jnp.arange(BN), N - 1)[:, None]
             cols = jnp.minimum(kb0 + jnp.arange(BK2) // 8, KB - 1)[None, :]
             scales = plgpu.load(s_ref.at[rows, cols], mask=k2_mask, other=0)  # [BN, BK/2]
         else:
             if cfg.load2d:
-                codes = plgpu.load(c_ref.at[pl.ds(n0, BN), pl.ds(kb0 * 8, BK2)], mask=k2_mask,
-                                   other=0).reshape(BN, BKB, 8)
+                codes = plgpu.load(
+                    c_ref.at[pl.ds(n0, BN), pl.ds(kb0 * 8, BK2)], mask=k2_mask, other=0
+                ).reshape(BN, BKB, 8)
             else:
-                codes = plgpu.load(c_ref.at[pl.ds(n0, BN), pl.ds(kb0, BKB), :],
-                                   mask=w_mask[:, :, None], other=0)
+                codes = plgpu.load(
+                    c_ref.at[pl.ds(n0, BN), pl.ds(kb0, BKB), :], mask=w_mask[:, :, None], other=0
+                )
             scales = plgpu.load(s_ref.at[pl.ds(n0, BN), pl.ds(kb0, BKB)], mask=w_mask, other=0)
         w_even, w_odd, _ = decode_block(codes, scales, cfg.decode, xe_ref.dtype)
         x_mask = m_mask[:, None] & ((kb0 * 8 + jnp.arange(BK2)) < K2)[None, :]
         xe = plgpu.load(xe_ref.at[pl.ds(m0, BM), pl.ds(kb0 * 8, BK2)], mask=x_mask, other=0)
         xo = plgpu.load(xo_ref.at[pl.ds(m0, BM), pl.ds(kb0 * 8, BK2)], mask=x_mask, other=0)
         dims = (((1,), (1,)), ((), ()))
-        acc = acc + lax.dot_general(w_even.reshape(BN, BK2), xe, dims,
-                                    preferred_element_type=jnp.float32)
-        acc = acc + lax.dot_general(w_odd.reshape(BN, BK2), xo, dims,
-                                    preferred_element_type=jnp.float32)
+        acc = acc + lax.dot_general(
+            w_even.reshape(BN, BK2), xe, dims, preferred_element_type=jnp.float32
+        )
+        acc = acc + lax.dot_general(
+            w_odd.reshape(BN, BK2), xo, dims, preferred_element_type=jnp.float32
+        )
         return acc
 
     acc = lax.fori_loop(0, tiles_per_split, body, jnp.zeros((BN, BM), jnp.float32))
@@ -189,10 +204,14 @@ def matmul_pallas(
     tiles_per_split = _cdiv(num_tiles, cfg.split_k)
     split = _cdiv(num_tiles, tiles_per_split)
     partial = split > 1
-    out_shape = (jax.ShapeDtypeStruct((split, M, N), jnp.float32) if partial
-                 else jax.ShapeDtypeStruct((M, N), out_dtype))
-    kernel = functools.partial(_gemm_kernel, cfg=cfg, M=M, N=N, K=K,
-                               tiles_per_split=tiles_per_split, partial=partial)
+    out_shape = (
+        jax.ShapeDtypeStruct((split, M, N), jnp.float32)
+        if partial
+        else jax.ShapeDtypeStruct((M, N), out_dtype)
+    )
+    kernel = functools.partial(
+        _gemm_kernel, cfg=cfg, M=M, N=N, K=K, tiles_per_split=tiles_per_split, partial=partial
+    )
     grid = (_cdiv(M, cfg.block_m) * _cdiv(N, cfg.block_n), split)
     args = [xe.astype(op_dtype), xo.astype(op_dtype), codes3, w_scales, alpha_arr]
     aliases = {}
@@ -213,7 +232,7 @@ def matmul_pallas(
     return out
 
 
-def _dequant_kernel(c_ref, s_ref, o_ref, *, N: int, K: int, bn: int, bk: int, decode: str):  # noqa: N803
+def _dequant_kernel(c_ref, s_ref, o_ref, *, N: int, K: int, bn: int, bk: int, decode: str):
     BKB = bk // 16
     n0 = pl.program_id(0) * bn
     kb0 = pl.program_id(1) * BKB
@@ -229,16 +248,24 @@ def _dequant_kernel(c_ref, s_ref, o_ref, *, N: int, K: int, bn: int, bk: int, de
     plgpu.store(o_ref.at[pl.ds(n0, bn), pl.ds(kb0 * 16, bk)], w, mask=out_mask)
 
 
-def dequantize_pallas(w_codes: jax.Array, w_scales: jax.Array, *, config: Config = Config(),
-                      interpret: bool = False, block_n: int = 64, block_k: int = 256,
-                      dtype=jnp.bfloat16) -> jax.Array:
+def dequantize_pallas(
+    w_codes: jax.Array,
+    w_scales: jax.Array,
+    *,
+    config: Config = Config(),
+    interpret: bool = False,
+    block_n: int = 64,
+    block_k: int = 256,
+    dtype=jnp.bfloat16,
+) -> jax.Array:
     """NVFP4 [N, K] -> ``e2m1 * e4m3`` [N, K] in bf16/fp16 (exact; decode scale not applied)."""
     N, K2 = w_codes.shape
     K = 2 * K2
     if w_scales.dtype != jnp.uint8:
         w_scales = lax.bitcast_convert_type(w_scales, jnp.uint8)
-    kernel = functools.partial(_dequant_kernel, N=N, K=K, bn=block_n, bk=block_k,
-                               decode=config.decode)
+    kernel = functools.partial(
+        _dequant_kernel, N=N, K=K, bn=block_n, bk=block_k, decode=config.decode
+    )
     return pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((N, K), dtype),

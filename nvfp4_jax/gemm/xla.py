@@ -27,11 +27,13 @@ def dequantize_xla(w_codes: jax.Array, w_scales: jax.Array, dtype=jnp.bfloat16) 
     return w.reshape(lead + (2 * k2,)).astype(dtype)
 
 
-def matmul_xla(x: jax.Array, w_codes: jax.Array, w_scales: jax.Array, alpha, *,
-               out_dtype=jnp.bfloat16) -> jax.Array:
+def matmul_xla(
+    x: jax.Array, w_codes: jax.Array, w_scales: jax.Array, alpha, *, out_dtype=jnp.bfloat16
+) -> jax.Array:
     """``alpha * x[M, K] @ W[N, K]^T``, fp32 accumulation; x bf16/fp16 (operands stay exact)."""
     op_dtype = jnp.float16 if x.dtype == jnp.float16 else jnp.bfloat16
     w = dequantize_xla(w_codes, w_scales, op_dtype)
-    acc = lax.dot_general(x.astype(op_dtype), w, (((x.ndim - 1,), (1,)), ((), ())),
-                          preferred_element_type=jnp.float32)
+    acc = lax.dot_general(
+        x.astype(op_dtype), w, (((x.ndim - 1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+    )
     return (acc * jnp.asarray(alpha, jnp.float32)).astype(out_dtype)

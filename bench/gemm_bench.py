@@ -333,6 +333,9 @@ def bench(out_dir, shapes, ms, budget_s):
     t_start = time.time()
     records = []
     for n, k in shapes:
+        if time.time() - t_start > budget_s:
+            log("bench: budget exhausted")
+            break
         c4 = n_copies(nvfp4_bytes(n, k))
         ws = make_weights(n, k, c4)
         cb = n_copies(2 * n * k)
@@ -340,6 +343,12 @@ def bench(out_dir, shapes, ms, budget_s):
         wb += [wb[i % len(wb)] * jnp.bfloat16(1 + i) for i in range(len(wb), cb)]
         # scaled_matmul operands: NVFP4 as (float4_e2m1fn values, e4m3 scales [*, K/16])
         has_f4 = hasattr(jnp, "float4_e2m1fn")
+        wsm = []
+        for w in ws[: max(2, c4 // 2)] if has_f4 else []:
+            wv = nvfp4_jax.dequantize(w, jnp.float32, include_decode_scale=False)
+            s = w.scales.astype(jnp.float32)
+            wf4 = jnp.where(s[..., None] > 0, wv.reshape(n, k // 16, 16) / s[..., None], 0)
+            wsm.append((wf4.reshape(n, k).astype(jnp.float4_e2m1fn), w.scales))
         for m in ms:
             if time.time() - t_start > budget_s:
                 log("bench: budget exhausted")
@@ -363,12 +372,6 @@ def bench(out_dir, shapes, ms, budget_s):
                 xf4 = (xv / jnp.repeat(xq.scales.astype(jnp.float32), 16, -1)).astype(
                     jnp.float4_e2m1fn
                 )
-                wsm = []
-                for w in ws[: max(2, c4 // 2)]:
-                    wv = nvfp4_jax.dequantize(w, jnp.float32, include_decode_scale=False)
-                    s = w.scales.astype(jnp.float32)
-                    wf4 = jnp.where(s[..., None] > 0, wv.reshape(n, k // 16, 16) / s[..., None], 0)
-                    wsm.append((wf4.reshape(n, k).astype(jnp.float4_e2m1fn), w.scales))
                 impls.append(
                     (
                         "scaled_matmul",
@@ -390,7 +393,7 @@ def bench(out_dir, shapes, ms, budget_s):
                 records.append(rec)
                 log(json.dumps(rec))
             del x
-        del ws, wb
+        del ws, wb, wsm
     return records
 
 

@@ -131,7 +131,7 @@ def folded_scale_stats(scales: np.ndarray, w_scale_2: np.ndarray, *, sample: int
     ws = np.asarray(w_scale_2, np.float64)
     if ws.ndim == 0:
         s, ws = s[None], ws.reshape(1)
-    folded = T.fold_block_scales(torch.from_numpy(np.ascontiguousarray(s)).view(torch.float8_e4m3fn),
+    folded = T.fold_block_scales(torch.from_numpy(np.array(s, copy=True)).view(torch.float8_e4m3fn),
                                  torch.from_numpy(ws).float())
     folded = folded.to(torch.float64).numpy()
     ideal = e4m3_decode(s) * f32(ws).reshape((-1,) + (1,) * (s.ndim - 1))

@@ -68,7 +68,7 @@ def reference_moe(
     e = fc1.codes.shape[0]
 
     def scales(w, g, alpha):
-        s = torch.from_numpy(np.ascontiguousarray(w.scales)).view(torch.float8_e4m3fn)
+        s = torch.from_numpy(np.array(w.scales)).view(torch.float8_e4m3fn)
         if folded:
             ws2 = torch.tensor(np.broadcast_to(w.decode_scale, (e,)), dtype=torch.float32)
             s = e4m3_saturating(s.float() * ws2.view(-1, 1, 1))
@@ -82,8 +82,8 @@ def reference_moe(
     gs = (lambda g: torch.tensor(g if activation_scale == "per_expert" else g[0], dtype=torch.float32))
     out = ref.moe_reference_nvfp4(
         torch.tensor(np.asarray(hidden), dtype=torch.float32).to(torch.bfloat16),
-        torch.from_numpy(np.ascontiguousarray(fc1.codes)), s1, al1,
-        torch.from_numpy(np.ascontiguousarray(fc2.codes)), s2, al2, gs(g1), gs(g2),
+        torch.from_numpy(np.array(fc1.codes)), s1, al1,
+        torch.from_numpy(np.array(fc2.codes)), s2, al2, gs(g1), gs(g2),
         torch.from_numpy(np.asarray(topk_ids).astype(np.int64)),
         torch.tensor(np.asarray(topk_weights), dtype=torch.float32),
         e, np.asarray(hidden).shape[1], fc2.codes.shape[2] * 2,

@@ -254,8 +254,8 @@ class MoERuntime:
 
 def _stack_parts(w):
     """oracle.NVFP4 stack -> (codes uint8 tensor, scales e4m3 tensor, weight_scale_2 fp32 [E])."""
-    codes = torch.from_numpy(np.ascontiguousarray(w.codes))
-    scales = torch.from_numpy(np.ascontiguousarray(w.scales)).view(torch.float8_e4m3fn)
+    codes = torch.from_numpy(np.array(w.codes))
+    scales = torch.from_numpy(np.array(w.scales)).view(torch.float8_e4m3fn)
     e = w.codes.shape[0]
     ws2 = torch.from_numpy(np.broadcast_to(np.asarray(w.decode_scale, np.float64), (e,)).copy()).float()
     return codes, scales, ws2

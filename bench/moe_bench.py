@@ -28,15 +28,15 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-import nvfp4_jax  # noqa: E402
-from nvfp4_jax.moe.api import moe  # noqa: E402
-from nvfp4_jax.moe.xla import activate  # noqa: E402
+import nvfp4_jax
+from nvfp4_jax.moe.api import moe
+from nvfp4_jax.moe.xla import activate
 
 SHAPES = {
-    "nemotron": dict(hidden=1024, inter=2688, experts=512, top_k=22, activation="relu2"),
-    "qwen3_30b": dict(hidden=2048, inter=768, experts=128, top_k=8, activation="swiglu"),
+    "nemotron": {"hidden": 1024, "inter": 2688, "experts": 512, "top_k": 22, "activation": "relu2"},
+    "qwen3_30b": {"hidden": 2048, "inter": 768, "experts": 128, "top_k": 8, "activation": "swiglu"},
 }
-SMOKE = {"tiny": dict(hidden=64, inter=32, experts=8, top_k=2, activation="swiglu")}  # CPU smoke test
+SMOKE = {"tiny": {"hidden": 64, "inter": 32, "experts": 8, "top_k": 2, "activation": "swiglu"}}  # CPU smoke test
 TOKENS = (1, 8, 64, 512, 4096)
 ROUTINGS = ("random", "skewed")
 NROT = 8
@@ -157,13 +157,16 @@ def main():
         s1 = jnp.full((e,), 4.0 / 2688, jnp.float32)
         s2 = jnp.full((e,), 1.0 / 2688 if act == "relu2" else 0.5 / 2688, jnp.float32)
         # weights travel as jit arguments (closing over them would embed GBs of constants)
-        def nvfp4_layer(backend):
-            return lambda x, ids, w, p: moe(x, fc1=p[0], fc2=p[1], fc1_input_scale=p[2], fc2_input_scale=p[3],
-                                            topk_ids=ids, topk_weights=w, activation=act, backend=backend)
+        def nvfp4_layer(backend, act=act):
+            def layer(x, tids, w, p):
+                return moe(x, fc1=p[0], fc2=p[1], fc1_input_scale=p[2], fc2_input_scale=p[3],
+                           topk_ids=tids, topk_weights=w, activation=act, backend=backend)
+            return layer
         layers = {
             "nvfp4_moe": (nvfp4_layer("pallas"), (q1, q2, s1, s2)),
             "dequant_ragged_dot": (nvfp4_layer("xla"), (q1, q2, s1, s2)),
-            "bf16_ragged_dot": (lambda x, ids, w, p: bf16_layer(x, ids, w, p[0], p[1], act), (w1t, w2t)),
+            "bf16_ragged_dot": (lambda x, tids, w, p, act=act: bf16_layer(x, tids, w, p[0], p[1], act),
+                                (w1t, w2t)),
         }
         runs = {name: timed_loop(fn) for name, (fn, _) in layers.items()}
         for t in map(int, args.tokens.split(",")):
@@ -178,9 +181,9 @@ def main():
                         continue  # dominated by the full dequantization; routing barely matters
                     dense_gb = e * t * k * r * 2 / 1e9  # XLA's GPU ragged_dot materializes [E, M, N]
                     if impl != "nvfp4_moe" and dense_gb > 100:
-                        records.append(dict(impl=impl, shape=sname, routing=kind, T=t, error=(
+                        records.append({"impl": impl, "shape": sname, "routing": kind, "T": t, "error": (
                             f"skipped: XLA's ragged_dot lowering asks for ~{dense_gb:.0f} GB "
-                            "(E x rows x N bf16; measured failure in round 1)")))
+                            "(E x rows x N bf16; measured failure in round 1)")})
                         continue
                     try:
                         us, n = measure(runs[impl], hidden, ids_d, wts_d, layers[impl][1],
@@ -188,15 +191,15 @@ def main():
                     except Exception as exc:  # noqa: BLE001 - record and keep going
                         print(f"{sname} T={t} {kind} {impl}: FAILED {type(exc).__name__}: {str(exc)[:300]}",
                               flush=True)
-                        records.append(dict(impl=impl, shape=sname, routing=kind, T=t,
-                                            error=f"{type(exc).__name__}: {str(exc)[:200]}"))
+                        records.append({"impl": impl, "shape": sname, "routing": kind, "T": t,
+                                            "error": f"{type(exc).__name__}: {str(exc)[:200]}"})
                         save(records, args.out)
                         continue
                     bpw = 0.5625 if impl != "bf16_ragged_dot" else 2.0
                     tb = touched * (r * h + h * i) * bpw
-                    rec = dict(impl=impl, shape=sname, routing=kind, T=t, median_us=us,
-                               touched_experts=float(touched), touched_bytes=float(tb),
-                               tbps=tb / us / 1e6, tflops=flops / us / 1e6, iters=n)
+                    rec = {"impl": impl, "shape": sname, "routing": kind, "T": t, "median_us": us,
+                               "touched_experts": float(touched), "touched_bytes": float(tb),
+                               "tbps": tb / us / 1e6, "tflops": flops / us / 1e6, "iters": n}
                     records.append(rec)
                     save(records, args.out)
                     print(f"{sname:9s} T={t:5d} {kind:6s} {impl:18s} {us:10.1f} us  "
@@ -215,9 +218,9 @@ def save(records, out):
     except Exception:  # noqa: BLE001 - the device copy has no .git; the caller may pass it
         commit = os.environ.get("NVFP4_COMMIT", "unknown")
     import jaxlib
-    doc = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(), commit=commit,
-               gpu=jax.devices()[0].device_kind, jax=jax.__version__, jaxlib=jaxlib.__version__,
-               records=records)
+    doc = {"date": datetime.datetime.now(datetime.UTC).isoformat(), "commit": commit,
+               "gpu": jax.devices()[0].device_kind, "jax": jax.__version__, "jaxlib": jaxlib.__version__,
+               "records": records}
     with open(os.path.join(out, "moe-h200.json"), "w") as f:
         json.dump(doc, f, indent=1)
 
@@ -257,8 +260,9 @@ def summary(records):
     for r in records:
         if r["impl"] != "nvfp4_moe" or "error" in r:
             continue
-        def other(impl):
-            return next((o["median_us"] for o in records if o["impl"] == impl and "error" not in o and o["shape"] == r["shape"]
+        def other(impl, r=r):
+            return next((o["median_us"] for o in records
+                         if o["impl"] == impl and "error" not in o and o["shape"] == r["shape"]
                          and o["T"] == r["T"] and o["routing"] == r["routing"]), float("nan"))
         b, d = other("bf16_ragged_dot"), other("dequant_ragged_dot")
         print(f"{r['shape']:9s} {r['T']:5d} {r['routing']:7s} {r['median_us']:9.1f} {r['tbps']:6.3f} "

@@ -251,7 +251,7 @@ def moe_trace(
     ``h_override`` [T*k, I] (bf16 values): use these activation outputs instead of the
     oracle's own for the FC2 half (to check a kernel's FC2 on its own FC1 result).
     """
-    hidden, ids, wts, inter = _check(hidden, topk_ids, topk_weights, fc1, fc2, activation, gate_up_order)
+    hidden, ids, wts, _inter = _check(hidden, topk_ids, topk_weights, fc1, fc2, activation, gate_up_order)
     g1e, g2e, alpha1, alpha2 = moe_scales(fc1, fc2, fc1_input_scale, fc2_input_scale, mode, activation_scale)
     t, k = ids.shape
     expert = ids.reshape(-1).astype(np.int64)

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_moe_cases import check_against_oracle, make_case
 
 import nvfp4_jax
 from nvfp4_jax.moe import block_routing, select_experts
@@ -16,7 +17,6 @@ from nvfp4_jax.moe.configs import Config, MoEConfig
 from nvfp4_jax.moe.pallas_triton import moe_pallas
 from nvfp4_jax.moe.routing import max_blocks
 from nvfp4_jax.moe.xla import moe_xla
-from test_moe_cases import check_against_oracle, make_case
 
 SMALL = MoEConfig(Config(16, 32, 32, decode="bits"), Config(16, 32, 32, decode="bits"))
 
@@ -32,23 +32,23 @@ def run_backend(backend, case, *, mode, activation, gate_up_order="up_gate", act
                 config=SMALL):
     if activation_scale is None:
         activation_scale = "scalar" if mode == "trtllm_cutlass" else "per_expert"
-    kw = dict(activation=activation, gate_up_order=gate_up_order, mode=mode,
-              activation_scale=activation_scale, return_intermediates=True)
+    kw = {"activation": activation, "gate_up_order": gate_up_order, "mode": mode,
+              "activation_scale": activation_scale, "return_intermediates": True}
     if backend == "pallas":
         fn = functools.partial(moe_pallas, config=config, interpret=True, **kw)
     else:
         fn = functools.partial(moe_xla, **kw)
     out, inter = jax.jit(fn)(*to_jax(case))
-    f = lambda a: np.asarray(a.astype(jnp.float32), np.float64)  # noqa: E731
+    f = lambda a: np.asarray(a.astype(jnp.float32), np.float64)
     return f(out), f(inter["h"])
 
 
 CASES = [
     # (name, make_case kwargs)
-    ("uneven_T_not_multiple", dict(t=21, h=64, inter=32, e=6, k=2, routing="skewed")),
-    ("T1", dict(t=1, h=64, inter=64, e=4, k=3)),
-    ("one_expert", dict(t=37, h=32, inter=32, e=4, k=1, routing="one")),
-    ("subnormal_scales", dict(t=9, h=64, inter=32, e=3, k=2, scale_factor=2.0**15)),
+    ("uneven_T_not_multiple", {"t": 21, "h": 64, "inter": 32, "e": 6, "k": 2, "routing": "skewed"}),
+    ("T1", {"t": 1, "h": 64, "inter": 64, "e": 4, "k": 3}),
+    ("one_expert", {"t": 37, "h": 32, "inter": 32, "e": 4, "k": 1, "routing": "one"}),
+    ("subnormal_scales", {"t": 9, "h": 64, "inter": 32, "e": 3, "k": 2, "scale_factor": 2.0**15}),
 ]
 
 
@@ -146,7 +146,7 @@ def test_moe_router_logits_path_and_jit_any_t():
 
 def test_moe_errors_name_arguments():
     hidden, ids, w, fc1, fc2, s1, s2 = to_jax(make_case(np.random.default_rng(0), t=2, h=32, inter=32, e=2, k=1))
-    base = dict(fc1=fc1, fc2=fc2, fc1_input_scale=s1, fc2_input_scale=s2, topk_ids=ids, topk_weights=w)
+    base = {"fc1": fc1, "fc2": fc2, "fc1_input_scale": s1, "fc2_input_scale": s2, "topk_ids": ids, "topk_weights": w}
     with pytest.raises(TypeError, match="hidden"):
         moe(hidden.astype(jnp.float32), **base)
     with pytest.raises(ValueError, match="mode"):

@@ -84,7 +84,7 @@ def _gamma(n):
 
 
 def _silu_range(lo, hi):
-    s = lambda x: x / (1 + np.exp(-np.clip(x, -700, 700)))  # noqa: E731
+    s = lambda x: x / (1 + np.exp(-np.clip(x, -700, 700)))
     a, b = s(lo), s(hi)
     vmin = np.where((lo <= SILU_ARGMIN) & (SILU_ARGMIN <= hi), s(np.float64(SILU_ARGMIN)), np.minimum(a, b))
     return vmin, np.maximum(a, b)
@@ -139,9 +139,9 @@ def out_bounds(tr, k, i_dim, mode):
 def check_against_oracle(case, out, h, *, mode, activation, gate_up_order="up_gate",
                          activation_scale=None):
     """Assert stage A and stage B bounds; return a dict of mismatch statistics."""
-    hidden, ids, wts, fc1, fc2, s1, s2 = case
-    kw = dict(activation=activation, gate_up_order=gate_up_order, mode=mode,
-              activation_scale=activation_scale)
+    hidden, ids, wts, _fc1, _fc2, _s1, _s2 = case
+    kw = {"activation": activation, "gate_up_order": gate_up_order, "mode": mode,
+              "activation_scale": activation_scale}
     out = np.asarray(out, np.float64)
     h = np.asarray(h, np.float64)
     tr = _with_routes(oracle.moe_trace(*case, **kw), ids, wts)

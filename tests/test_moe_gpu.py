@@ -8,10 +8,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-from nvfp4_jax.moe.pallas_triton import moe_pallas
 from test_moe import to_jax
 from test_moe_cases import check_against_oracle, make_case
+
+from nvfp4_jax.moe.pallas_triton import moe_pallas
 
 pytestmark = pytest.mark.gpu
 
@@ -22,9 +22,9 @@ if jax.default_backend() != "gpu":
 # Nemotron (hidden 1024, intermediate 2688, relu2) and Qwen3-30B (2048, 768, swiglu) layer
 # widths with fewer experts so the float64 oracle stays fast; T chosen off the block size.
 @pytest.mark.parametrize("mode,shape", [
-    ("trtllm_cutlass", dict(t=37, h=1024, inter=2688, e=16, k=6, activation="relu2")),
-    ("b12x", dict(t=1, h=2048, inter=768, e=32, k=8, activation="swiglu")),
-    ("trtllm_cutlass", dict(t=100, h=2048, inter=768, e=16, k=8, activation="swiglu", routing="skewed")),
+    ("trtllm_cutlass", {"t": 37, "h": 1024, "inter": 2688, "e": 16, "k": 6, "activation": "relu2"}),
+    ("b12x", {"t": 1, "h": 2048, "inter": 768, "e": 32, "k": 8, "activation": "swiglu"}),
+    ("trtllm_cutlass", {"t": 100, "h": 2048, "inter": 768, "e": 16, "k": 8, "activation": "swiglu", "routing": "skewed"}),
 ])
 def test_moe_gpu_matches_oracle(mode, shape):
     case = make_case(np.random.default_rng(shape["t"]), **shape)
@@ -32,6 +32,6 @@ def test_moe_gpu_matches_oracle(mode, shape):
     fn = functools.partial(moe_pallas, activation=shape["activation"], gate_up_order="up_gate", mode=mode,
                            activation_scale=act_scale, return_intermediates=True)
     out, inter = jax.jit(fn)(*to_jax(case))
-    f = lambda a: np.asarray(a.astype(jnp.float32), np.float64)  # noqa: E731
+    f = lambda a: np.asarray(a.astype(jnp.float32), np.float64)
     stats = check_against_oracle(case, f(out), f(inter["h"]), mode=mode, activation=shape["activation"])
     print(mode, shape, stats)

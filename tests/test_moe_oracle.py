@@ -7,11 +7,10 @@ from fractions import Fraction
 
 import numpy as np
 import pytest
+from test_moe_cases import make_case
 
 import oracle
 from oracle.formats import bf16_round, f32
-
-from test_moe_cases import make_case
 
 
 def _frac_bf16(x: Fraction) -> float:
@@ -138,8 +137,8 @@ def _import_b12x_reference():
             pkg = types.ModuleType("b12x.moe._shared.kernels")
             pkg.__path__ = [os.path.join(os.path.dirname(sh.__file__), "kernels")]
             sys.modules["b12x.moe._shared.kernels"] = pkg
-        from b12x.moe._shared.kernels import reference
         from b12x._lib.intrinsics import swizzle_block_scale
+        from b12x.moe._shared.kernels import reference
 
         return reference, swizzle_block_scale
     except Exception as exc:  # noqa: BLE001 - any import failure means "peer absent"

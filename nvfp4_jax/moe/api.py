@@ -125,8 +125,8 @@ def moe(
             raise ValueError(f"topk_weights: expected float [{topk_ids.shape}], got {topk_weights.dtype} {topk_weights.shape}")
         if top_k is not None and top_k != topk_ids.shape[1]:
             raise ValueError(f"top_k: {top_k} does not match topk_ids.shape[1] = {topk_ids.shape[1]}")
-    kw = dict(activation=activation, gate_up_order=gate_up_order, mode=mode,
-              activation_scale=activation_scale)
+    kw = {"activation": activation, "gate_up_order": gate_up_order, "mode": mode,
+          "activation_scale": activation_scale}
     if backend == "auto":
         backend = "pallas" if _on_gpu() else "xla"
     if backend == "xla":

@@ -47,7 +47,7 @@ class MoEConfig:
         if self.fc1.block_m != self.fc2.block_m:
             raise ValueError(f"MoEConfig: fc1.block_m ({self.fc1.block_m}) != fc2.block_m ({self.fc2.block_m})")
 
-    def with_decode(self, decode: str) -> "MoEConfig":
+    def with_decode(self, decode: str) -> MoEConfig:
         return MoEConfig(dataclasses.replace(self.fc1, decode=decode), dataclasses.replace(self.fc2, decode=decode))
 
 

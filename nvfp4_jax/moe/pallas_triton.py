@@ -85,7 +85,7 @@ def _e4m3(v):
 
 def _e2m1_magnitude(a):
     """|y| -> nearest E2M1 magnitude, ties to even (0.25->0, 0.75->1, 1.25->1, 1.75->2, 2.5->2, 3.5->4, 5->4), saturating."""
-    f = lambda c: c.astype(jnp.float32)  # noqa: E731
+    f = lambda c: c.astype(jnp.float32)
     half = f(a > 0.25) + f(a >= 0.75) + f(a > 1.25) + f(a >= 1.75)
     return 0.5 * half + f(a > 2.5) + f(a >= 3.5) + 2.0 * f(a > 5.0)
 
@@ -241,7 +241,7 @@ def moe_pallas(
     Arguments as :func:`nvfp4_jax.moe` (validated there); fc1/fc2 scales in the linear layout.
     """
     t, k = topk_ids.shape
-    e, r, h_dim = fc1.shape
+    e, _r, h_dim = fc1.shape
     inter = fc2.shape[2]
     n_routes = t * k
     if config is None:

@@ -18,8 +18,11 @@ from jax import lax
 
 from .. import formats as F
 from ..quantize import _FNS as _RECIPE_FNS  # the recipes' fp32 op order, bit-exact with the oracle
-from ..quantize import NVFP4Array, dequantize
-from ..quantize import _div  # IEEE division (XLA rewrites x / broadcast(b) into x * (1/b))
+from ..quantize import (
+    NVFP4Array,
+    _div,  # IEEE division (XLA rewrites x / broadcast(b) into x * (1/b))
+    dequantize,
+)
 
 MODES = ("trtllm_cutlass", "b12x")
 ACTIVATIONS = ("relu2", "swiglu")

@@ -1,8 +1,24 @@
 """Routed NVFP4 mixture of experts: api.py (public ``moe``), routing.py, xla.py (reference
-path), pallas_triton.py (grouped Pallas-Triton kernels), configs.py (tiles)."""
+path), pallas_triton.py (grouped Pallas-Triton kernels), configs.py (tiles).
+
+The package itself is callable (``nvfp4_jax.moe.moe(...)`` and ``nvfp4_jax.moe(...)`` are the
+same function), so a package ``__init__`` can export the subpackage under the function's name
+without hiding ``nvfp4_jax.moe.routing`` and friends.
+"""
+
+import sys
+import types
 
 from .api import BACKENDS, moe
 from .configs import Config, MoEConfig
 from .routing import BlockRouting, block_routing, select_experts
 
 __all__ = ["BACKENDS", "BlockRouting", "Config", "MoEConfig", "block_routing", "moe", "select_experts"]
+
+
+class _CallableModule(types.ModuleType):
+    def __call__(self, *args, **kwargs):
+        return moe(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule

@@ -47,6 +47,11 @@ Recipes (sources: ../shared/docs/nvfp4-semantics.md and the peers' code):
     ``x' = x * (1/D)``, ``s = E4M3(clip(max|x'| * (1/6), 0, 448))``, ``y = x' * (1/s)``;
     clip to [-6, 6], XLA E2M1 convert (NaN -> code 8). A zero-scale block gives codes +-6
     (x * inf) or 8 (0 * inf): dequantizes to 0.
+``jax_div``
+    The same source taken literally, with true IEEE divisions ``x / D``, ``amax / 6``,
+    ``x' / s``: what XLA:GPU computes when its f32 division is IEEE
+    (``XLA_FLAGS=--xla_backend_extra_options=-nvptx-prec-divf32=2``; by default XLA:GPU uses
+    ``div.full.f32``, within 2 ulp, which no CPU oracle reproduces bit for bit).
 ``torchao``
     torchao 0.18 ``nvfp4_quantize`` (two-level): ``bs = vmax / 6``,
     ``s = E4M3(clamp(bs / D, 2^-6, 448))`` (never subnormal), ``y = x * ((1/D) / s)``.
@@ -210,6 +215,17 @@ def _jax(xb, vmax, D):
     return s8, e2m1_encode(y, nan="neg_zero")
 
 
+def _jax_div(xb, vmax, D):
+    # the source of jax's quantize taken literally (true IEEE divisions): what XLA:GPU runs
+    # when f32 division is IEEE (XLA_FLAGS=--xla_backend_extra_options=-nvptx-prec-divf32=2)
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        x2 = f32_div(xb, D)
+        amax = np.max(np.abs(x2), axis=-1)
+        s8 = e4m3_encode(np.clip(f32_div(amax, 6.0), 0.0, E4M3_MAX), "nan")
+        y = f32_div(x2, e4m3_decode(s8)[..., None])
+    return s8, e2m1_encode(np.clip(y, -6.0, 6.0), nan="neg_zero")
+
+
 def _torchao(xb, vmax, D):
     bs = f32_div(vmax, 6.0)
     s = np.clip(f32_div(bs, D), 2.0**-6, E4M3_MAX)
@@ -283,6 +299,7 @@ RECIPES: dict[str, Recipe] = {
         Recipe("trtllm_fast", "encode", _trtllm_fast),
         Recipe("modelopt", "decode", _modelopt),
         Recipe("jax", "decode", _jax),
+        Recipe("jax_div", "decode", _jax_div),
         Recipe("torchao", "decode", _torchao),
         Recipe("b12x", "encode", _b12x),
         Recipe("b12x_grouped", "encode", _b12x_grouped),

@@ -210,3 +210,15 @@ def test_moe_pallas_3d_code_loads():
     np.testing.assert_array_equal(out, out2)
     np.testing.assert_array_equal(h, h2)
     check_against_oracle(case, out, h, mode="trtllm_cutlass", activation="relu2")
+
+
+@pytest.mark.parametrize("activation", ["relu2", "swiglu"])
+def test_moe_pallas_default_prefill_tiles(activation):
+    """The default large-T tiles (BM 128 relu2 / 64 swiglu) on a many-rows-per-expert problem."""
+    from nvfp4_jax.moe.configs import default_config
+
+    case = make_case(np.random.default_rng(6), t=150, h=128, inter=64, e=2, k=2, activation=activation)
+    cfg = default_config(300, 2, inter=64, hidden=128, gated=activation == "swiglu").with_decode("bits")
+    assert cfg.fc1.block_m == (128 if activation == "relu2" else 64)
+    out, h = run_backend("pallas", case, mode="trtllm_cutlass", activation=activation, config=cfg)
+    check_against_oracle(case, out, h, mode="trtllm_cutlass", activation=activation)

@@ -51,11 +51,29 @@ class MoEConfig:
         return MoEConfig(dataclasses.replace(self.fc1, decode=decode), dataclasses.replace(self.fc2, decode=decode))
 
 
-def default_config(num_routes: int, num_experts: int) -> MoEConfig:
-    """Pick tiles from the average rows per expert (bench/NOTES-moe.md records the sweep)."""
-    rows_per_expert = num_routes / max(1, min(num_experts, num_routes))
-    if rows_per_expert <= 16:  # decode: weight streaming, small tiles, many programs
-        return MoEConfig(Config(16, 64, 256, 4, 3), Config(16, 64, 256, 4, 3))
-    if rows_per_expert <= 64:
-        return MoEConfig(Config(32, 64, 128, 4, 3), Config(32, 64, 128, 4, 3))
-    return MoEConfig(Config(64, 128, 64, 8, 3), Config(64, 128, 64, 8, 3))
+def default_config(num_routes: int, num_experts: int, *, inter: int = 2048, hidden: int = 2048,
+                   gated: bool = False) -> MoEConfig:
+    """Tiles from the average rows per expert and the launch size (static shapes only).
+
+    Round 1 on the H200 (bench/NOTES-moe.md) used (16, 64, 256, 4 warps, 3 stages) for decode
+    and (64, 128, 64, 8, 3) for T = 4096. The values below follow the dense NVFP4 GEMM's
+    round-2 sweep (nvfp4_jax/gemm/configs.py: M <= 16 best at BN 128, BK 256, 4 warps,
+    4 stages; M = 256 best at BM 128, BN 64, BK 128, 4 warps, 3 stages), not yet re-measured on
+    the MoE. BN is 128 only for BM <= 32 and when that still gives two programs per SM (132 SMs);
+    gated FC1 (two accumulators) keeps BN 64 and BM <= 64 to stay within registers.
+    """
+    blocks = max(1, min(num_experts, num_routes))
+    rows_per_expert = num_routes / blocks
+
+    def bn_for(n: int, bm: int) -> int:
+        return 128 if blocks * -(-n // 128) >= 264 and bm <= 32 else 64
+
+    if rows_per_expert <= 16:  # decode: weight streaming
+        bm, bk, warps, stages = 16, 256, 4, 4
+    elif rows_per_expert <= 64:
+        bm, bk, warps, stages = 32, 128, 4, 3
+    else:  # prefill: amortize the decode over more rows
+        bm, bk, warps, stages = (64 if gated else 128), 128, 4, 3
+    fc1 = Config(bm, 64 if gated else bn_for(inter, bm), bk, warps, stages)
+    fc2 = Config(bm, bn_for(hidden, bm), bk, warps, stages)
+    return MoEConfig(fc1, fc2)

@@ -245,7 +245,7 @@ def moe_pallas(
     inter = fc2.shape[2]
     n_routes = t * k
     if config is None:
-        config = default_config(n_routes, e)
+        config = default_config(n_routes, e, inter=inter, hidden=h_dim, gated=activation == "swiglu")
         if interpret:
             config = config.with_decode("bits")
     c1, c2 = config.fc1, config.fc2

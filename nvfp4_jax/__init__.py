@@ -19,7 +19,7 @@ try:  # the GEMM and MoE modules are optional until they land
 except ImportError:  # pragma: no cover
     pass
 try:
-    from .moe.api import moe  # noqa: F401
+    from . import moe  # noqa: F401  (the subpackage is callable: nvfp4_jax.moe(...))
 
     __all__.append("moe")
 except ImportError:  # pragma: no cover

@@ -1,0 +1,45 @@
+"""GPU: JAX quantization recipes byte for byte against the oracle on the device.
+
+XLA:GPU lowers fp32 division to ``div.full.f32`` (not correctly rounded, <= 2 ulp) unless
+``XLA_FLAGS=--xla_backend_extra_options=-nvptx-prec-divf32=2`` is set; the recipes divide, so
+bit-exactness with the oracle on a GPU needs that flag (bench/run_gpu.sh sets it for tests).
+"""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import oracle
+import nvfp4_jax as nj
+
+pytestmark = pytest.mark.gpu
+_FLAG = "-nvptx-prec-divf32=2"
+
+
+def _gpu():
+    try:
+        return jax.devices("gpu")[0]
+    except RuntimeError:
+        return None
+
+
+@pytest.mark.skipif(_gpu() is None, reason="needs an NVIDIA GPU")
+@pytest.mark.skipif(_FLAG not in os.environ.get("XLA_FLAGS", ""),
+                    reason=f"needs XLA_FLAGS=--xla_backend_extra_options={_FLAG} (IEEE fp32 division)")
+@pytest.mark.parametrize("recipe", ["trtllm", "modelopt", "jax", "b12x"])
+def test_gpu_quantize_bit_exact(recipe):
+    rng = np.random.default_rng(7)
+    f = jax.jit(lambda v, d: nj.quantize(v, recipe, decode_scale=d))
+    for it in range(20):
+        # block maxima log-uniform over ~2^-40..2^10 relative to the global scale:
+        # many block scales land in E4M3 subnormals, some underflow, some saturate
+        x = rng.standard_normal((256, 512)) * np.exp2(rng.uniform(-40, 10, (256, 32, 1))).repeat(16, -1).reshape(256, 512)
+        x = x.astype(jnp.bfloat16).astype(np.float32)
+        d = np.float32(np.abs(x).max() / 2688 * np.exp2(rng.uniform(-3, 3)))
+        got = nj.to_oracle(f(jnp.asarray(x), jnp.float32(d)))
+        want = oracle.quantize(x.astype(np.float64), recipe, decode_scale=float(d))
+        assert np.array_equal(got.scales, want.scales), (recipe, it, "scale bytes")
+        assert np.array_equal(got.codes, want.codes), (recipe, it, "codes")

@@ -25,7 +25,7 @@ import json
 import math
 import sys
 import time
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 import numpy as np
 
@@ -405,9 +405,10 @@ def format_report(reports: list[LayerReport], source: str, seconds: float | None
             lines.append(f"  {SEMANTICS_LABEL.get(sem, sem):<32}" + "".join(f"{e[t]:>10.3%}" for t in toks))
         for n in r.notes:
             lines.append(f"  note: {n}")
-    lines += ["", "TRT-LLM #21461 (DGX Spark, Nemotron Super) reported: "
-              f"{ISSUE_21461['moe_rel_error']} output error, {ISSUE_21461['fc1_zero_scales']:.1%} of FC1 "
-              f"block scales exactly 0, mean scale error {ISSUE_21461['mean_scale_error']:.1%}."]
+    lines += ["", ("TRT-LLM #21461 (DGX Spark, Nemotron Super) reported: "
+                   f"{ISSUE_21461['moe_rel_error']} output error, "
+                   f"{ISSUE_21461['fc1_zero_scales']:.1%} of FC1 block scales exactly 0, "
+                   f"mean scale error {ISSUE_21461['mean_scale_error']:.1%}.")]
     if seconds is not None:
         lines.append(f"({seconds:.1f} s)")
     return "\n".join(lines)
@@ -468,8 +469,9 @@ def plot(reports: list[LayerReport], path: str) -> None:
 
 def run(checkpoint: str | None = None, *, json_path: str | None = None, plot_path: str | None = None,
         experts: int | None = None, tokens=TOKENS, top_k: int | None = None, seed: int = 0,
-        progress: bool = True, out=sys.stdout) -> list[LayerReport]:
+        progress: bool = True, out=None) -> list[LayerReport]:
     """What ``nvfp4 audit`` does: audit, print the table, optionally write JSON and a PNG."""
+    out = out if out is not None else sys.stdout
     t0 = time.time()
     if checkpoint is None:
         n = experts or DEFAULT_SUBSET

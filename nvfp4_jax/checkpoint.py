@@ -21,7 +21,7 @@ import os
 import re
 import struct
 from collections import defaultdict
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 

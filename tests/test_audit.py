@@ -26,7 +26,7 @@ def test_batched_evaluation_equals_separate_calls(tmp_path):
     d = C.write_test_checkpoint(str(tmp_path), num_experts=4, hidden_size=64, intermediate_size=32,
                                 sigma=0.01, dense=False)
     layer = next(C.load(d).layers())
-    kw = dict(tokens=(1, 3), top_k=2, seed=3)
+    kw = {"tokens": (1, 3), "top_k": 2, "seed": 3}
     a = A.moe_errors(layer, batched=True, **kw)
     b = A.moe_errors(layer, batched=False, **kw)
     assert a == b
@@ -38,7 +38,7 @@ def test_checkpoint_audit_reports_every_layer(tmp_path):
     reps = A.audit_checkpoint(d, tokens=(1, 2), progress=False)
     kinds = sorted(r.kind for r in reps)
     assert kinds == ["dense", "dense", "moe", "moe"]
-    moe = [r for r in reps if r.kind == "moe"][0]
+    moe = next(r for r in reps if r.kind == "moe")
     assert set(moe.scales) == {"fc1", "fc2"} and moe.scales["fc1"].subnormal > 0.9
     assert set(moe.moe_errors) == set(A.SEMANTICS)
     j = A.to_json(reps, d)

@@ -66,7 +66,7 @@ def test_test_checkpoint_loads_as_oracle_stacks(tmp_path, naming, activation):
                      m.fc1, m.fc2, m.fc1_input_scale, m.fc2_input_scale, activation=activation)
     assert np.isfinite(out).all() and np.abs(out).max() > 0
     sub = list(ck.layers(max_experts=2))
-    assert [l.experts for l in sub if isinstance(l, C.MoELayer)][0] == (0, 1)
+    assert next(x.experts for x in sub if isinstance(x, C.MoELayer)) == (0, 1)
 
 
 def test_checkpoint_errors_name_the_problem(tmp_path):

@@ -11,14 +11,14 @@ import importlib
 import numpy as np
 import pytest
 import torch
+from conftest import nvfp4_blocks
+from test_moe_cases import make_case
 
 import oracle
-from conftest import nvfp4_blocks
 from nvfp4_jax.interop import b12x as B
 from nvfp4_jax.interop import flashinfer as FI
 from nvfp4_jax.interop import modelopt as MO
 from nvfp4_jax.interop import trtllm as T
-from test_moe_cases import make_case
 
 _moe = importlib.import_module("oracle.moe")
 

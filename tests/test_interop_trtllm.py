@@ -7,12 +7,12 @@ import importlib
 import numpy as np
 import pytest
 import torch
+from conftest import nvfp4_blocks
+from test_moe_cases import make_case
 
 import oracle
-from conftest import nvfp4_blocks
 from nvfp4_jax.interop import trtllm as T
 from nvfp4_jax.testing import assert_gemm_close, assert_moe_close
-from test_moe_cases import make_case
 
 _moe = importlib.import_module("oracle.moe")
 
@@ -58,7 +58,7 @@ def test_nvfp4_gemm_within_oracle_bound():
                         encode_scale=300.0)
     w = oracle.quantize(oracle.bf16_round(rng.standard_normal((40, 256)) * 0.02), "modelopt")
     alpha = float(oracle.f32(float(a.decode_scale) * float(w.decode_scale)))
-    t = lambda v: torch.from_numpy(v)  # noqa: E731
+    t = lambda v: torch.from_numpy(v)
     out = T.nvfp4_gemm(t(a.codes), t(w.codes), t(a.scales), t(w.scales), alpha)
     assert out.dtype == torch.bfloat16
     assert_gemm_close(out.float().numpy(), a, w, alpha=alpha)
@@ -116,7 +116,7 @@ def test_folded_pipeline_breaks_at_checkpoint_scale_magnitudes():
     fold = T.cutedsl_b12x_moe_weights(fc1, fc2, s1, s2)
     assert (fold.fc1_scales.float() < 2.0**-6).all()
     ref = _moe.moe(*args)
-    err = lambda p: np.linalg.norm(T.run_pipeline(p, *args) - ref) / np.linalg.norm(ref)  # noqa: E731
+    err = lambda p: np.linalg.norm(T.run_pipeline(p, *args) - ref) / np.linalg.norm(ref)
     assert err("trtllm_cutedsl_b12x") > 0.05
     assert err("flashinfer_fixed") < 5e-3
 

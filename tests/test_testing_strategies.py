@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, find, given, settings
 from hypothesis import strategies as st
+from test_moe_cases import make_case
 
 import oracle
 from nvfp4_jax.testing import assert_gemm_close, assert_moe_close, moe_bound, quantize_interval
 from nvfp4_jax.testing import strategies as nst
-from test_moe_cases import make_case
 
 FIND = settings(max_examples=500, deadline=None, database=None, derandomize=True,
                 suppress_health_check=list(HealthCheck))

@@ -193,8 +193,8 @@ def live_available() -> tuple[bool, str]:
     if importlib.util.find_spec("modelopt") is None:
         return False, "nvidia-modelopt is not installed (pip install nvidia-modelopt==0.47.0)"
     try:
-        from modelopt.torch.quantization.qtensor.nvfp4_tensor import NVFP4QTensor  # noqa: F401
         import modelopt
+        from modelopt.torch.quantization.qtensor.nvfp4_tensor import NVFP4QTensor  # noqa: F401
     except Exception as exc:  # noqa: BLE001
         return False, f"import modelopt.torch.quantization.qtensor.nvfp4_tensor failed: {type(exc).__name__}: {exc}"
     return True, f"nvidia-modelopt {getattr(modelopt, '__version__', '?')}"

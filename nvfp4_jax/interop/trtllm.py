@@ -473,7 +473,7 @@ def live_nvfp4_gemm(act_fp4, weight_fp4, act_sf_128x4, weight_sf_128x4, alpha,
                     out_dtype=torch.bfloat16) -> torch.Tensor:
     """Run ``torch.ops.trtllm.nvfp4_gemm`` (scales in the 128x4 layout, uint8); returns CPU."""
     _require_live()
-    dev = lambda t: t.cuda()  # noqa: E731
+    dev = lambda t: t.cuda()
     out = torch.ops.trtllm.nvfp4_gemm(dev(act_fp4), dev(weight_fp4), dev(act_sf_128x4),
                                       dev(weight_sf_128x4), _f32(alpha).reshape(1).cuda(), out_dtype)
     return out.cpu()

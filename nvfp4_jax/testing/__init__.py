@@ -19,7 +19,13 @@ Example::
 """
 
 from . import strategies
-from .assertions import assert_gemm_close, assert_moe_close, gemm_reference, moe_bound, quantize_interval
+from .assertions import (
+           assert_gemm_close,
+           assert_moe_close,
+           gemm_reference,
+           moe_bound,
+           quantize_interval,
+)
 
 __all__ = ["assert_gemm_close", "assert_moe_close", "gemm_reference", "moe_bound",
            "quantize_interval", "strategies"]

@@ -31,6 +31,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import math
 
 import numpy as np
@@ -47,6 +48,20 @@ SCALE_REGIMES: dict[str, tuple[float, float]] = {
 }
 BLOCK_KINDS = ("random", "zero", "outlier")
 ROUTING_KINDS = ("uniform", "skewed", "empty_experts")
+
+# default parameter strategies (module-level so every call shares them)
+_ROWS = st.integers(1, 4)
+_BLOCKS = st.integers(1, 4)
+_REGIMES = st.sampled_from(tuple(SCALE_REGIMES))
+_KINDS = st.sampled_from(BLOCK_KINDS)
+_BOOLS = st.booleans()
+_TOKENS_8 = st.integers(1, 8)
+_EXPERTS_8 = st.integers(2, 8)
+_ROUTING = st.sampled_from(ROUTING_KINDS)
+_TOKENS_6 = st.integers(1, 6)
+_SIZES = st.sampled_from([32, 64])
+_EXPERTS_5 = st.integers(2, 5)
+_ACTIVATIONS = st.sampled_from(["relu2", "swiglu"])
 
 
 def _st(v):
@@ -101,11 +116,11 @@ class NVFP4Input:
 @st.composite
 def nvfp4_inputs(
     draw,
-    rows=st.integers(1, 4),
-    blocks_per_row=st.integers(1, 4),
+    rows=_ROWS,
+    blocks_per_row=_BLOCKS,
     decode_scale=None,
-    regimes=st.sampled_from(tuple(SCALE_REGIMES)),
-    kinds=st.sampled_from(BLOCK_KINDS),
+    regimes=_REGIMES,
+    kinds=_KINDS,
     dtype: str = "bfloat16",
 ) -> NVFP4Input:
     """Float inputs with controlled block maxima and a global scale (see the module docstring).
@@ -175,7 +190,7 @@ def modelopt_quantize(w: np.ndarray) -> oracle.NVFP4:
 
 
 @st.composite
-def checkpoint_weights(draw, shape=(64, 64), sigma=None, outlier: bool | st.SearchStrategy = st.booleans()):
+def checkpoint_weights(draw, shape=(64, 64), sigma=None, outlier: bool | st.SearchStrategy = _BOOLS):
     """Normal weights with sigma log-uniform in [1e-3, 1e-1] (default), quantized the ModelOpt way.
 
     shape: ``[..., N, K]`` (K a multiple of 16), tuple or strategy. sigma: float or strategy.
@@ -196,8 +211,7 @@ def checkpoint_weights(draw, shape=(64, 64), sigma=None, outlier: bool | st.Sear
 
 
 @st.composite
-def routings(draw, num_tokens=st.integers(1, 8), num_experts=st.integers(2, 8), top_k=None,
-             kind=st.sampled_from(ROUTING_KINDS)):
+def routings(draw, num_tokens=_TOKENS_8, num_experts=_EXPERTS_8, top_k=None, kind=_ROUTING):
     """``(topk_ids int32 [T, k], topk_weights fp32 [T, k])``, distinct experts per token.
 
     kind: ``"uniform"`` (every expert equally likely), ``"skewed"`` (Zipf-like, a few hot
@@ -269,16 +283,16 @@ class MoEProblem:
 @st.composite
 def moe_problems(
     draw,
-    num_tokens=st.integers(1, 6),
-    hidden_size=st.sampled_from([32, 64]),
-    intermediate_size=st.sampled_from([32, 64]),
-    num_experts=st.integers(2, 5),
+    num_tokens=_TOKENS_6,
+    hidden_size=_SIZES,
+    intermediate_size=_SIZES,
+    num_experts=_EXPERTS_5,
     top_k=None,
-    activation=st.sampled_from(["relu2", "swiglu"]),
+    activation=_ACTIVATIONS,
     gate_up_order: str = "up_gate",
     sigma=None,
     hidden_scale=None,
-    routing_kind=st.sampled_from(ROUTING_KINDS),
+    routing_kind=_ROUTING,
 ) -> MoEProblem:
     """Small MoE layers with checkpoint-like weights and calibrated input scales.
 
@@ -303,8 +317,7 @@ def moe_problems(
     amax_x = max(float(np.abs(hidden).max()), 1e-30)
     s1 = f32(amax_x * rng.uniform(0.7, 1.3, e) / 2688.0)
     u = np.einsum("th,erh->ter", hidden, oracle.dequantize(w1.nvfp4))
-    act_mod = __import__("importlib").import_module("oracle.moe")
-    hf = act_mod.activate(u, act, gate_up_order)
+    hf = importlib.import_module("oracle.moe").activate(u, act, gate_up_order)
     amax_h = max(float(np.abs(hf).max()), 1e-30)
     s2 = f32(amax_h * rng.uniform(0.7, 1.3, e) / 2688.0)
     return MoEProblem(hidden, ids, wts, w1.nvfp4, w2.nvfp4, s1, s2, act, gate_up_order,

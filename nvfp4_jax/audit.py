@@ -48,6 +48,7 @@ SEMANTICS_LABEL = {
 ISSUE_21461 = {"moe_rel_error": "8-10 % per MoE layer", "fc1_zero_scales": 0.008,
                "mean_scale_error": 0.141}
 E4M3_MIN_NORMAL = 2.0**-6
+_E2M1 = oracle.E2M1_VALUES
 
 #: the default layer: Nemotron Super layer 1 (latent MoE: hidden 1024, 512 experts, top-22)
 DEFAULT_SHAPE = {"hidden": 1024, "intermediate": 2688, "experts": 512, "top_k": 22,
@@ -112,18 +113,22 @@ class ScaleStats:
     max_rel_error: float
     sample_ideal: np.ndarray = dataclasses.field(repr=False)
     sample_rel_error: np.ndarray = dataclasses.field(repr=False)
+    weight_rel_error: float | None = None  # ||W_folded - W||_F / ||W||_F of the dequantized weight
 
     def to_json(self) -> dict:
         return {"blocks": self.blocks, "subnormal_share": self.subnormal, "zero_share": self.zero,
-                "mean_rel_scale_error": self.mean_rel_error, "max_rel_scale_error": self.max_rel_error}
+                "mean_rel_scale_error": self.mean_rel_error, "max_rel_scale_error": self.max_rel_error,
+                "weight_rel_error": self.weight_rel_error}
 
 
-def folded_scale_stats(scales: np.ndarray, w_scale_2: np.ndarray, *, sample: int = 20000,
-                       seed: int = 0) -> ScaleStats:
+def folded_scale_stats(scales: np.ndarray, w_scale_2: np.ndarray, *, codes: np.ndarray | None = None,
+                       sample: int = 20000, seed: int = 0) -> ScaleStats:
     """Statistics of ``E4M3(float(scales) * w_scale_2[e])`` against the exact product.
 
     scales: uint8 E4M3 bytes [E, ...] (or [...] with a scalar w_scale_2); w_scale_2: fp32 [E]
-    or scalar. Blocks whose checkpoint scale is zero are left out.
+    or scalar; codes: the packed E2M1 weights [..., K/2] (optional) for the relative Frobenius
+    change of the dequantized weight. Blocks whose checkpoint scale is zero are left out of the
+    shares and scale errors.
     """
     import torch
 
@@ -140,10 +145,18 @@ def folded_scale_stats(scales: np.ndarray, w_scale_2: np.ndarray, *, sample: int
     rel = np.abs(fi - ii) / ii
     rng = np.random.default_rng(seed)
     pick = rng.choice(ii.size, size=min(sample, ii.size), replace=False) if ii.size else np.zeros(0, int)
+    werr = None
+    if codes is not None:
+        c = np.asarray(codes, np.uint8).reshape(ideal.shape + (8,))
+        sq = np.square(_E2M1[c & 0xF]) + np.square(_E2M1[c >> 4])  # per byte, both nibbles
+        energy = sq.sum(-1)  # sum of e2m1^2 per block
+        num = float(np.sum(energy * np.square(folded - ideal)))
+        den = float(np.sum(energy * np.square(ideal)))
+        werr = float(np.sqrt(num / den)) if den > 0 else 0.0
     return ScaleStats(int(ii.size), float(np.mean((fi > 0) & (fi < E4M3_MIN_NORMAL))) if ii.size else 0.0,
                       float(np.mean(fi == 0)) if ii.size else 0.0,
                       float(rel.mean()) if ii.size else 0.0, float(rel.max()) if ii.size else 0.0,
-                      ii[pick], rel[pick])
+                      ii[pick], rel[pick], werr)
 
 
 def moe_fold_factors(layer: ckpt.MoELayer) -> tuple[np.ndarray, np.ndarray]:
@@ -323,8 +336,8 @@ def audit_moe_layer(layer: ckpt.MoELayer, *, top_k: int, tokens=TOKENS, seed: in
         notes.append(f"experts {layer.experts[0]}..{layer.experts[-1]} of {layer.num_experts} "
                      f"evaluated (subset); routing top-{min(top_k, len(layer.experts))} among them")
     f1, f2 = moe_fold_factors(layer)
-    scales = {"fc1": folded_scale_stats(layer.fc1.scales, f1, seed=seed),
-              "fc2": folded_scale_stats(layer.fc2.scales, f2, seed=seed + 1)}
+    scales = {"fc1": folded_scale_stats(layer.fc1.scales, f1, codes=layer.fc1.codes, seed=seed),
+              "fc2": folded_scale_stats(layer.fc2.scales, f2, codes=layer.fc2.codes, seed=seed + 1)}
     errs = moe_errors(layer, tokens=tokens, top_k=top_k, seed=seed, progress=progress,
                       semantics=semantics)
     return LayerReport(layer.name, "moe", scales, errs, len(layer.experts), layer.num_experts,
@@ -332,7 +345,8 @@ def audit_moe_layer(layer: ckpt.MoELayer, *, top_k: int, tokens=TOKENS, seed: in
 
 
 def audit_dense_layer(layer: ckpt.DenseLayer, seed: int = 0) -> LayerReport:
-    st = folded_scale_stats(layer.weight.scales, np.asarray(layer.weight.decode_scale), seed=seed)
+    st = folded_scale_stats(layer.weight.scales, np.asarray(layer.weight.decode_scale),
+                            codes=layer.weight.codes, seed=seed)
     return LayerReport(layer.name, "dense", {"weight": st},
                        notes=["folding factor = weight_scale_2 (diagnostic; TRT-LLM folds only in the b12x MoE path)"])
 
@@ -387,12 +401,15 @@ def format_report(reports: list[LayerReport], source: str, seconds: float | None
     """The human-readable table."""
     lines = [f"nvfp4 audit: {source}", ""]
     lines.append("Folding weight_scale_2 into E4M3 block scales (TRT-LLM CUTEDSL-b12x transform_weights):")
-    hdr = f"  {'layer':<44} {'weight':<7} {'blocks':>10} {'subnormal':>10} {'zero':>8} {'mean err':>9} {'max err':>8}"
-    lines += [hdr, "  " + "-" * (len(hdr) - 2)]
+    hdr = (f"  {'layer':<44} {'weight':<7} {'blocks':>10} {'subnormal':>10} {'zero':>8} "
+           f"{'mean err':>9} {'max err':>8} {'W err':>7}")
+    lines += [("  (shares and errors over blocks with a non-zero checkpoint scale; W err = relative "
+               "Frobenius change of the dequantized weight)"), hdr, "  " + "-" * (len(hdr) - 2)]
     for r in reports:
         for wn, s in r.scales.items():
+            werr = "" if s.weight_rel_error is None else f"{s.weight_rel_error:>7.2%}"
             lines.append(f"  {r.name[-44:]:<44} {wn:<7} {s.blocks:>10d} {s.subnormal:>10.2%} "
-                         f"{s.zero:>8.3%} {s.mean_rel_error:>9.2%} {s.max_rel_error:>8.1%}")
+                         f"{s.zero:>8.3%} {s.mean_rel_error:>9.2%} {s.max_rel_error:>8.1%} {werr}")
     for r in reports:
         if r.kind != "moe" or not r.moe_errors:
             continue

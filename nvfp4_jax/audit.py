@@ -373,9 +373,9 @@ def audit_checkpoint(path: str, *, max_experts: int = 64, top_k: int | None = No
                      semantics: Iterable[str] = SEMANTICS) -> list[LayerReport]:
     """Audit every NVFP4 layer of a ModelOpt checkpoint directory.
 
-    MoE output errors use the first ``max_experts`` experts of each layer (all of them for the
-    scale statistics... of those loaded) and top-k from ``config.json``
-    (``num_experts_per_tok``) unless given.
+    Each MoE layer is loaded with its first ``max_experts`` experts (scale statistics and output
+    errors both use those); top-k comes from ``config.json`` (``num_experts_per_tok``, else 8)
+    unless given. Dense NVFP4 linears get the scale statistics only.
     """
     semantics = tuple(semantics)
     ck = ckpt.load(path)

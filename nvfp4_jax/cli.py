@@ -45,7 +45,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "audit":
-        from . import audit
+        try:
+            from . import audit
+        except ImportError as exc:
+            print(f"nvfp4 audit: needs torch for the TensorRT-LLM re-enactment ({exc}); "
+                  "pip install 'nvfp4-jax[torch]'", file=sys.stderr)
+            return 2
 
         if args.experts is not None and args.experts < 1:
             print("nvfp4 audit: --experts must be >= 1", file=sys.stderr)

@@ -11,9 +11,14 @@
 
 Every live entry point reports ``(available, reason)`` first and raises
 :class:`~nvfp4_jax.interop.trtllm.LiveUnavailable` with that reason instead of pretending to
-have run. Importing this package needs torch.
+have run. Importing this package needs nothing beyond numpy; the submodules other than
+``modelopt`` need torch.
 """
 
-from .trtllm import LiveUnavailable
+
+
+class LiveUnavailable(RuntimeError):
+    """A live peer op cannot run here; the message says exactly why."""
+
 
 __all__ = ["LiveUnavailable"]

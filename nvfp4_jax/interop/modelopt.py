@@ -204,7 +204,7 @@ def live_quantize(w: np.ndarray) -> NVFP4Linear:
     """Quantize ``w [N, K]`` with ModelOpt's ``NVFP4QTensor.quantize(w, 16)`` (CPU torch)."""
     ok, why = live_available()
     if not ok:
-        from .trtllm import LiveUnavailable
+        from . import LiveUnavailable
 
         raise LiveUnavailable(why)
     import torch

@@ -46,6 +46,8 @@ from typing import Literal
 import numpy as np
 import torch
 
+from . import LiveUnavailable  # noqa: F401 - the error every live bridge raises, re-exported
+
 E4M3_MAX = 448.0
 E2M1_X_E4M3 = 2688.0
 BLOCK = 16
@@ -53,10 +55,6 @@ FLT_MAX = float(np.finfo(np.float32).max)
 
 Pipeline = Literal["trtllm_cutlass", "trtllm_cutedsl_b12x", "flashinfer_fixed"]
 PIPELINES: tuple[str, ...] = ("trtllm_cutlass", "trtllm_cutedsl_b12x", "flashinfer_fixed")
-
-
-class LiveUnavailable(RuntimeError):
-    """A live peer op cannot run here; the message says exactly why."""
 
 
 # ---------------------------------------------------------------------------------------

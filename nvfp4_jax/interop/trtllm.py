@@ -46,7 +46,7 @@ from typing import Literal
 import numpy as np
 import torch
 
-from . import LiveUnavailable  # noqa: F401 - the error every live bridge raises, re-exported
+from . import LiveUnavailable  # the error every live bridge raises (re-exported)
 
 E4M3_MAX = 448.0
 E2M1_X_E4M3 = 2688.0

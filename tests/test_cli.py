@@ -60,3 +60,15 @@ def test_default_audit_subprocess_reproduces_issue_shape(tmp_path):
         h = subprocess.run(["nvfp4", "audit", "--help"], capture_output=True, text=True, env=env,
                            check=False)
         assert h.returncode == 0 and "--checkpoint" in h.stdout
+
+
+def test_progress_bar_falls_back_to_stderr(monkeypatch, capsys):
+    from nvfp4_jax.audit import Progress
+
+    monkeypatch.setitem(sys.modules, "tqdm", None)  # import tqdm -> ImportError
+    bar = Progress(4, "nvfp4 audit")
+    for i in range(4):
+        bar.update(f"step {i}")
+    bar.close()
+    err = capsys.readouterr().err
+    assert "[" + "#" * 30 + "] 4/4" in err and "step 3" in err

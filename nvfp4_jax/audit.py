@@ -425,7 +425,9 @@ def format_report(reports: list[LayerReport], source: str, seconds: float | None
     lines += ["", ("TRT-LLM #21461 (DGX Spark, Nemotron Super) reported: "
                    f"{ISSUE_21461['moe_rel_error']} output error, "
                    f"{ISSUE_21461['fc1_zero_scales']:.1%} of FC1 block scales exactly 0, "
-                   f"mean scale error {ISSUE_21461['mean_scale_error']:.1%}.")]
+                   f"mean scale error {ISSUE_21461['mean_scale_error']:.1%}."),
+              ("The folded path's output error follows the dequantized-weight change (W err): "
+               "relu2 squares the FC1 output, doubling FC1's relative error, and FC2 adds its own.")]
     if seconds is not None:
         lines.append(f"({seconds:.1f} s)")
     return "\n".join(lines)

@@ -26,9 +26,15 @@ def _gpu():
         return None
 
 
-@pytest.mark.skipif(_gpu() is None, reason="needs an NVIDIA GPU")
-@pytest.mark.skipif(_FLAG not in os.environ.get("XLA_FLAGS", ""),
-                    reason=f"needs XLA_FLAGS=--xla_backend_extra_options={_FLAG} (IEEE fp32 division)")
+def _skip_reason():
+    if _gpu() is None:
+        return "needs an NVIDIA GPU (jax has no gpu device here)"
+    if _FLAG not in os.environ.get("XLA_FLAGS", ""):
+        return f"needs XLA_FLAGS=--xla_backend_extra_options={_FLAG} (IEEE fp32 division)"
+    return None
+
+
+@pytest.mark.skipif(_skip_reason() is not None, reason=str(_skip_reason()))
 @pytest.mark.parametrize("recipe", ["trtllm", "modelopt", "jax", "b12x"])
 def test_gpu_quantize_bit_exact(recipe):
     rng = np.random.default_rng(7)

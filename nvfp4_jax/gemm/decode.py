@@ -32,6 +32,19 @@ from jax import lax
 
 DECODE_MODES = ("asm", "asm16", "bits")
 
+
+def check_tile_config(cfg, power_of_two: tuple[str, ...]) -> None:
+    """Validate a kernel tile config: the named fields powers of two (Pallas-Triton tiles must
+    have power-of-2 sizes), MMA-sized blocks, a known decode mode. Raises ValueError."""
+    for name in power_of_two:
+        v = getattr(cfg, name)
+        if v < 1 or v & (v - 1):
+            raise ValueError(f"Config.{name}: expected a power of two, got {v}")
+    if cfg.block_m < 16 or cfg.block_n < 16 or cfg.block_k < 32:
+        raise ValueError(f"Config: need block_m, block_n >= 16 and block_k >= 32, got {cfg}")
+    if cfg.decode not in DECODE_MODES:
+        raise ValueError(f"Config.decode: expected one of {DECODE_MODES}, got {cfg.decode!r}")
+
 # fp32 factor that undoes the 2^-14 of the fp16 placement; folded into the block scale.
 F16_PLACEMENT_SCALE = 16384.0
 

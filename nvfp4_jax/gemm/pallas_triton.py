@@ -33,7 +33,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from .decode import DECODE_MODES, decode_block, post_scale
+from .decode import check_tile_config, decode_block, post_scale
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,14 +58,7 @@ class Config:
     scale_gather: bool = False  # gather one scale per code byte (2-D, all-elementwise decode)
 
     def __post_init__(self) -> None:
-        for name in ("block_m", "block_n", "block_k", "split_k", "num_warps", "group_m"):
-            v = getattr(self, name)
-            if v < 1 or v & (v - 1):
-                raise ValueError(f"Config.{name}: expected a power of two, got {v}")
-        if self.block_m < 16 or self.block_n < 16 or self.block_k < 32:
-            raise ValueError(f"Config: need block_m, block_n >= 16 and block_k >= 32, got {self}")
-        if self.decode not in DECODE_MODES:
-            raise ValueError(f"Config.decode: expected one of {DECODE_MODES}, got {self.decode!r}")
+        check_tile_config(self, ("block_m", "block_n", "block_k", "split_k", "num_warps", "group_m"))
         if self.algo not in ("fused", "dequant_dot"):
             raise ValueError(f"Config.algo: expected 'fused' or 'dequant_dot', got {self.algo!r}")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..gemm.decode import DECODE_MODES
+from ..gemm.decode import check_tile_config
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,14 +26,7 @@ class Config:
     load2d: bool = True  # codes as one [BN, BK/2] tile, reshaped in registers (gemm round 1)
 
     def __post_init__(self) -> None:
-        for name in ("block_m", "block_n", "block_k", "num_warps"):
-            v = getattr(self, name)
-            if v < 1 or v & (v - 1):
-                raise ValueError(f"Config.{name}: expected a power of two, got {v}")
-        if self.block_m < 16 or self.block_n < 16 or self.block_k < 32:
-            raise ValueError(f"Config: need block_m, block_n >= 16 and block_k >= 32, got {self}")
-        if self.decode not in DECODE_MODES:
-            raise ValueError(f"Config.decode: expected one of {DECODE_MODES}, got {self.decode!r}")
+        check_tile_config(self, ("block_m", "block_n", "block_k", "num_warps"))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -67,7 +67,7 @@ class NVFP4Array:
         *,
         layout: str = "linear",
         shape: tuple[int, ...] | None = None,
-    ) -> "NVFP4Array":
+    ) -> NVFP4Array:
         """Wrap existing arrays, validating dtypes, shapes and layout.
 
         ``scales`` must be ``float8_e4m3fn``: raw uint8 bytes are rejected rather than guessed
@@ -83,7 +83,7 @@ class NVFP4Array:
         obj.validate()
         return obj
 
-    def validate(self) -> "NVFP4Array":
+    def validate(self) -> NVFP4Array:
         """Raise ValueError/TypeError naming the field if anything is inconsistent."""
         shape, layout = self.shape, self.layout
         if layout not in LAYOUTS:
@@ -134,7 +134,7 @@ class NVFP4Array:
         rows = self.shape[-2]
         return unswizzle(self.scales, rows, self.shape[-1] // BLOCK, self.layout)
 
-    def with_layout(self, layout: str) -> "NVFP4Array":
+    def with_layout(self, layout: str) -> NVFP4Array:
         """The same tensor with its scales in ``layout`` (padding written as zero scales)."""
         if layout == self.layout:
             return self

@@ -41,7 +41,7 @@ def exact_dot_int(a_int: np.ndarray, w_int: np.ndarray) -> np.ndarray:
         raise ValueError("operands exceed the 22-bit range of NVFP4 scaled integers")
     ah, al = np.divmod(a_int, _SPLIT)  # a = ah*2^11 + al, 0 <= al < 2^11
     wh, wl = np.divmod(w_int, _SPLIT)
-    f = lambda u, v: np.rint(u.astype(np.float64) @ v.astype(np.float64).T).astype(np.int64)  # noqa: E731
+    f = lambda u, v: np.rint(u.astype(np.float64) @ v.astype(np.float64).T).astype(np.int64)
     hh, hl, lh, ll = f(ah, wh), f(ah, wl), f(al, wh), f(al, wl)
     return (hh << 22) + ((hl + lh) << 11) + ll
 

@@ -81,8 +81,9 @@ Recipes (sources: ../shared/docs/nvfp4-semantics.md and the peers' code):
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Literal
+from typing import Literal
 
 import numpy as np
 
@@ -92,7 +93,6 @@ from .formats import (
     FLT_MAX,
     e2m1_decode,
     e2m1_encode,
-    e2m1_magnitude_code,
     e4m3_decode,
     e4m3_encode,
     f32,

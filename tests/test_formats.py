@@ -7,6 +7,7 @@ arithmetic, or from ml_dtypes / torch on float32 inputs (where those round once)
 from __future__ import annotations
 
 import bisect
+import itertools
 from fractions import Fraction
 
 import jax
@@ -128,7 +129,7 @@ def _e4m3_boundaries() -> np.ndarray:
     """Every E4M3 value, every midpoint between neighbours, and the float32 neighbours
     of each (ulp above/below), plus the special points of the brief."""
     vals = [float(v) for v, _ in E4M3_POS]
-    mids = [(a + b) / 2 for a, b in zip(vals, vals[1:])] + [464.0]
+    mids = [(a + b) / 2 for a, b in itertools.pairwise(vals)] + [464.0]
     pts = np.array(vals + mids + [2.0**-10, 2.0**-9, 2.0**-6, 1.5 * 2.0**-10, 448.0, 464.0,
                                    480.0, 1e6, 2.0**-12, 7.5 * 2.0**-9], np.float32)
     up = np.nextafter(pts, np.float32(np.inf))
@@ -146,7 +147,7 @@ def test_e4m3_rounding_boundaries_first_principles():
 
 
 def test_e4m3_named_points():
-    enc = lambda v, p="saturate": int(oracle.e4m3_encode(np.array([v]), p)[0])  # noqa: E731
+    enc = lambda v, p="saturate": int(oracle.e4m3_encode(np.array([v]), p)[0])
     assert enc(2.0**-10) == 0x00  # tie between 0 and 2^-9 -> 0 (even)
     assert enc(np.nextafter(2.0**-10, 1)) == 0x01
     assert enc(1.5 * 2.0**-10) == 0x01  # below the 2^-9 / 2*2^-9 midpoint

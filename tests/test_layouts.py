@@ -50,7 +50,7 @@ def test_swizzle_matches_offset_formula(layout, rows, kv):
     jb = np.asarray(JL.swizzle(jnp.asarray(s), layout))
     np.testing.assert_array_equal(jb, buf)
     np.testing.assert_array_equal(np.asarray(JL.unswizzle(jnp.asarray(buf), rows, kv, layout)), s)
-    from oracle.layouts import offset_128x4, offset_8x4
+    from oracle.layouts import offset_8x4, offset_128x4
     lead = offset_128x4 if layout == "swizzled_128x4" else offset_8x4
     assert all(lead(m, k, kv) == off(m, k, kv) for m in range(rows) for k in range(kv))
 

@@ -431,7 +431,7 @@ PEERS["flashinfer_reference"] = (_flashinfer_reference, "flashinfer_reference", 
 @pytest.mark.parametrize("mag", MAGNITUDES)
 def test_oracle_recipe_matches_optional_peer(peer, mag):
     """As test_oracle_recipe_matches_peer, for the optional peers (b12x, flashinfer)."""
-    fn, recipe, form = PEERS[peer]
+    fn, recipe, _form = PEERS[peer]
     for seed in range(3):
         g = _f32(1.0 / (mag * (1 + seed / 7)))
         x = _data(seed * 17 + int(np.log2(mag) + 40), 1 / g, bf16=bool(seed % 2))

@@ -179,7 +179,7 @@ def _exact_fraction_quantize(x: np.ndarray, D: float):
         vmax = max(abs(v) for v in blk)
         sc = _rne(vmax / (6 * Df), E4M3_GRID, 0x7E)
         scales.append(sc)
-        sv = dict((c, v) for v, c in E4M3_GRID)[sc]
+        sv = {c: v for v, c in E4M3_GRID}[sc]
         for v in blk:
             if sv == 0:
                 codes.append(0)

@@ -12,8 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import oracle
 import nvfp4_jax as nj
+import oracle
 
 pytestmark = pytest.mark.gpu
 _FLAG = "-nvptx-prec-divf32=2"

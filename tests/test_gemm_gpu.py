@@ -108,21 +108,10 @@ def test_public_matmul_auto_w4a16_and_w4a4(caplog):
     _check(out, x, wo, jnp.bfloat16)
     s_in = np.float32(np.abs(np.asarray(x, np.float32)).max() / np.float32(2688))
     out = matmul(x, w, input_scale=s_in, out_dtype=jnp.float32)
-    xo = oracle.quantize(
-        np.asarray(x, np.float32), "trtllm", encode_scale=float(np.float32(1) / s_in)
-    )
-    alpha = float(np.float32(s_in) * np.float32(wo.decode_scale))
-    ref = oracle.gemm_w4a4(xo, wo, alpha)
-    bound = oracle.gemm_error_bound(
-        np.abs(oracle.dequantize(xo, include_decode_scale=False)),
-        np.abs(oracle.dequantize(wo, include_decode_scale=False)),
-        alpha,
-        ref,
-        out_u=2.0**-24,
-        splits=16,
-    )
-    out = np.asarray(out, np.float64)
-    assert np.all(np.isfinite(out)) and np.all(np.abs(out - ref) <= bound)
+    # W4A4 reference: x quantized with recipe trtllm and G = fp32(1/s_in),
+    # alpha = fp32(s_in * weight_scale_2) (nvfp4_jax.testing.gemm_reference)
+    assert_gemm_close(np.asarray(out, np.float32), np.asarray(x, np.float32), wo,
+                      input_scale=float(s_in), out_dtype="float32", splits=16)
 
 
 @pytest.mark.parametrize("decode", ["asm", "bits"])

@@ -6,7 +6,8 @@ R = I or 2I, EM = BM * max_blocks sorted rows, see routing.py):
 1. XLA: ``block_routing`` (routes sorted by expert, padded to BM-row blocks, one expert per
    block); FC1 input quantized with the mode's recipe as ``q * sf`` bf16 values (exact),
    gathered into sorted order and split into even/odd K columns ``x_even, x_odd [EM, H/2]``.
-2. ``_fc1_kernel``, grid ``(NB, cdiv(I, BN))``: program (b, n) exits at once when
+2. ``_fc1_kernel``, 1-D grid of ``NB * cdiv(I, BN)`` programs, output tiles fastest
+   (``_block_and_tile``): program (b, n) exits at once when
    ``b >= num_blocks``; else expert ``e = block_expert[b]``, swap-AB accumulators
    ``[BN, BM]`` over K = H: weight codes ``[BN, BK/16, 8]`` + E4M3 scales are decoded in
    registers (``gemm/decode.py``; the products e2m1*e4m3 are exact bf16) and multiplied with
@@ -15,15 +16,16 @@ R = I or 2I, EM = BM * max_blocks sorted rows, see routing.py):
    ``* alpha1[e]`` (-> bf16 in trtllm_cutlass), activation in fp32, -> bf16 (``h``),
    requantization of ``h`` with the mode's recipe and ``G2[e]`` (16-column blocks of the
    tile), store ``q * sf`` as even/odd bf16 ``[EM, I/2]`` (the FC2 operand layout).
-3. ``_fc2_kernel``, grid ``(NB, cdiv(H, BN))``: the same grouped GEMM over K = I, epilogue
-   ``* alpha2[e]`` (-> bf16 in trtllm_cutlass) ``* router_weight`` (fp32), store fp32
-   ``[EM, H]`` rows.
+3. ``_fc2_kernel``, ``NB * cdiv(H, BN)`` programs ordered the same way: the same grouped
+   GEMM over K = I, epilogue ``* alpha2[e]`` (-> bf16 in trtllm_cutlass) ``* router_weight``
+   (fp32), store fp32 ``[EM, H]`` rows.
 4. XLA: gather each route's row, sum over the k routes in fp32, cast to bf16.
 
-Each block reads its expert's weights once per N tile; blocks of one expert are adjacent in
-the grid's fastest axis so they share weight tiles through L2. Divisions in the
-requantization use ``div.rn.f32`` (IEEE, inline PTX) on the GPU: Triton lowers ``/`` to the
-approximate ``div.full.f32``, which would flip FP4 codes at ties.
+Each block reads its expert's weights once; its activation rows are read from HBM once and
+then from L2 by its other output tiles, and consecutive blocks of one expert find the expert's
+weight tiles in L2. Divisions in the requantization use ``div.rn.f32`` (IEEE, inline PTX) on
+the GPU: Triton lowers ``/`` to the approximate ``div.full.f32``, which would flip FP4 codes
+at ties.
 """
 
 from __future__ import annotations
@@ -155,11 +157,24 @@ def _post_scale(decode: str) -> float:
     return float(fn(decode, jnp.bfloat16)) if fn is not None else 1.0
 
 
+def _block_and_tile(n_tiles: int):
+    """(row block b, output tile n) of this program on the 1-D grid, output tiles fastest.
+
+    Programs that run at the same time then share their row block (its activation rows stay in
+    L2 across the block's output tiles) and a few adjacent blocks of one expert share its weight
+    tiles. With the row blocks fastest (the first version), every output tile re-read all
+    activation rows from HBM: at T = 4096 (nemotron) about 11 GB per GEMM against 0.8 GB of
+    weights (bench/NOTES-moe.md).
+    """
+    pid = pl.program_id(0)
+    return pid // n_tiles, pid % n_tiles
+
+
 def _fc1_kernel(be_ref, nb_ref, xe_ref, xo_ref, c_ref, s_ref, a1_ref, g2_ref, rg2_ref,
                 he_ref, ho_ref, *h_ref, cfg: Config, H: int, I: int, activation: str,
                 gate_up_order: str, mode: str, exact_asm: bool):
     BM, BN = cfg.block_m, cfg.block_n
-    b, n = pl.program_id(0), pl.program_id(1)
+    b, n = _block_and_tile(_cdiv(I, BN))
 
     @pl.when(b < nb_ref[0])
     def _():
@@ -203,7 +218,7 @@ def _fc1_kernel(be_ref, nb_ref, xe_ref, xo_ref, c_ref, s_ref, a1_ref, g2_ref, rg
 def _fc2_kernel(be_ref, nb_ref, xe_ref, xo_ref, c_ref, s_ref, a2_ref, w_ref, o_ref, *,
                 cfg: Config, H: int, I: int, mode: str):
     BM, BN = cfg.block_m, cfg.block_n
-    b, n = pl.program_id(0), pl.program_id(1)
+    b, n = _block_and_tile(_cdiv(H, BN))
 
     @pl.when(b < nb_ref[0])
     def _():
@@ -286,7 +301,7 @@ def moe_pallas(
         functools.partial(_fc1_kernel, cfg=c1, H=h_dim, I=inter, activation=activation,
                           gate_up_order=gate_up_order, mode=mode, exact_asm=exact_asm),
         out_shape=tuple(out1),
-        grid=(nb, _cdiv(inter, c1.block_n)),
+        grid=(nb * _cdiv(inter, c1.block_n),),
         compiler_params=plgpu.CompilerParams(num_warps=c1.num_warps, num_stages=c1.num_stages),
         interpret=interpret,
         name="nvfp4_moe_fc1",
@@ -295,7 +310,7 @@ def moe_pallas(
     contrib = pl.pallas_call(
         functools.partial(_fc2_kernel, cfg=c2, H=h_dim, I=inter, mode=mode),
         out_shape=jax.ShapeDtypeStruct((em, h_dim), jnp.float32),
-        grid=(nb, _cdiv(h_dim, c2.block_n)),
+        grid=(nb * _cdiv(h_dim, c2.block_n),),
         compiler_params=plgpu.CompilerParams(num_warps=c2.num_warps, num_stages=c2.num_stages),
         interpret=interpret,
         name="nvfp4_moe_fc2",

@@ -1,0 +1,118 @@
+"""Where does one MoE layer's time go? Device kernels of ``nvfp4_jax.moe`` from a profiler trace.
+
+Usage: python3 bench/moe_profile.py --out DIR [--cases qwen3_30b:1,nemotron:1,nemotron:8]
+Runs each case's jitted layer (NROT layers back to back, as moe_bench times it) under
+``jax.profiler.trace(create_perfetto_trace=True)``, then sums the device events per kernel name
+and prints per-layer microseconds: the two Pallas kernels against the XLA glue (routing
+preparation, input quantization, gathers, the top-k sum). Writes DIR/moe-profile.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import gzip
+import json
+import os
+import sys
+import tempfile
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from moe_bench import NROT, SHAPES, SMOKE, make_routing, make_weights
+
+from nvfp4_jax.moe.api import moe
+
+
+def device_events(trace_dir: str) -> tuple[list[dict], list[str]]:
+    """Complete events on the GPU's stream tracks of the perfetto trace JAX wrote (a device's
+    "XLA Ops"/"XLA Modules" tracks repeat the same time as ops, so only "Stream" tracks count;
+    all tracks if none is named so)."""
+    paths = glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True)
+    paths += glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True)
+    if not paths:
+        raise RuntimeError(f"no perfetto trace under {trace_dir}")
+    with gzip.open(paths[0]) as f:
+        doc = json.load(f)
+    events = doc["traceEvents"] if isinstance(doc, dict) else doc
+    meta = [e for e in events if e.get("ph") == "M" and "args" in e]
+    pname = {e["pid"]: e["args"].get("name", "") for e in meta if e.get("name") == "process_name"}
+    tname = {(e["pid"], e.get("tid")): e["args"].get("name", "") for e in meta
+             if e.get("name") == "thread_name"}
+    gpu = {pid for pid, n in pname.items() if "gpu" in n.lower()}
+    streams = {key for key, n in tname.items() if key[0] in gpu and "stream" in n.lower()}
+    keep = [e for e in events if e.get("ph") == "X" and e.get("pid") in gpu
+            and (not streams or (e["pid"], e.get("tid")) in streams)]
+    tracks = sorted({f"{pname[p]} / {n}" for (p, _t), n in tname.items() if p in gpu})
+    return keep, tracks
+
+
+def profile_case(sname: str, t: int, reps: int) -> dict:
+    s = {**SHAPES, **SMOKE}[sname]
+    e, h, _i, k, act = s["experts"], s["hidden"], s["inter"], s["top_k"], s["activation"]
+    _, _, q1, q2 = make_weights(jax.random.PRNGKey(1), s)
+    s1 = jnp.full((e,), 4.0 / 2688, jnp.float32)
+    s2 = jnp.full((e,), 1.0 / 2688, jnp.float32)
+    ids, wts = make_routing(np.random.default_rng(0), t, e, k, "random")
+    ids, wts = jnp.asarray(ids), jnp.asarray(wts)
+    x0 = jax.random.normal(jax.random.PRNGKey(t), (t, h), jnp.float32).astype(jnp.bfloat16)
+
+    @jax.jit
+    def layers(x, ids, wts, p):
+        for j in range(NROT):
+            out = moe(x, fc1=p[0], fc2=p[1], fc1_input_scale=p[2], fc2_input_scale=p[3],
+                      topk_ids=ids[j], topk_weights=wts[j], activation=act, backend="pallas")
+            x = (x.astype(jnp.float32) * 0.5 + out.astype(jnp.float32) * 1e-3).astype(jnp.bfloat16)
+        return x
+
+    p = (q1, q2, s1, s2)
+    layers(x0, ids, wts, p).block_until_ready()
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d, create_perfetto_trace=True):
+            for _ in range(reps):
+                x0 = layers(x0, ids, wts, p)
+            x0.block_until_ready()
+        evs, tracks = device_events(d)
+    n_layers = reps * NROT
+    per = collections.defaultdict(lambda: [0.0, 0])
+    for ev in evs:
+        per[ev["name"]][0] += float(ev.get("dur", 0.0))
+        per[ev["name"]][1] += 1
+    rows = sorted(((v[0] / n_layers, v[1] / n_layers, name) for name, v in per.items()), reverse=True)
+    busy = sum(r[0] for r in rows)
+    span = (max(ev["ts"] + ev.get("dur", 0) for ev in evs) - min(ev["ts"] for ev in evs)) / n_layers if evs else 0.0
+    print(f"\n{sname} T={t}: {len(evs)} device events, {busy:.1f} us busy / {span:.1f} us span per layer")
+    for us, cnt, name in rows[:25]:
+        print(f"  {us:8.2f} us  x{cnt:5.2f}  {name[:110]}")
+    return {"shape": sname, "T": t, "busy_us_per_layer": busy, "span_us_per_layer": span,
+            "tracks": tracks[:20],
+            "kernels": [{"name": n[:200], "us_per_layer": u, "calls_per_layer": c} for u, c, n in rows[:60]]}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="/tmp")
+    ap.add_argument("--cases", default="qwen3_30b:1,nemotron:1,nemotron:8,qwen3_30b:64")
+    ap.add_argument("--reps", type=int, default=5)
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    res = []
+    for case in args.cases.split(","):
+        sname, t = case.split(":")
+        try:
+            res.append(profile_case(sname, int(t), args.reps))
+        except Exception as exc:  # noqa: BLE001 - report and go on
+            print(f"{case}: FAILED {type(exc).__name__}: {str(exc)[:400]}", flush=True)
+            res.append({"case": case, "error": f"{type(exc).__name__}: {str(exc)[:400]}"})
+        with open(os.path.join(args.out, "moe-profile.json"), "w") as f:
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

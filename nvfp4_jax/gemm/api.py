@@ -6,7 +6,11 @@ Backends (``backend=``):
   capability >= 8.9 (the kernel converts E4M3 scales in registers); on CPU it runs in Pallas
   interpret mode (slow, for tests);
 * ``"xla"``: exact dequantize, then ``jnp.dot`` with fp32 accumulation (xla.py), any device;
-* ``"auto"``: ``"pallas"`` on a supported NVIDIA GPU, else ``"xla"``; the choice is logged.
+* ``"mosaic"``: the Mosaic GPU kernel (mosaic.py, Hopper sm_90, M <= 64, K % 256 == 0, bf16
+  activations); other shapes or devices fall back to ``"pallas"`` (logged);
+* ``"auto"``: ``"pallas"`` on a supported NVIDIA GPU, else ``"xla"``; on sm_90 the (M, N, K)
+  buckets listed in ``mosaic.AUTO_SM90`` (measured faster there) use ``"mosaic"``. The choice
+  is logged.
 
 W4A4 numerics (TensorRT-LLM ``nvfp4_gemm``): x is quantized with the ``trtllm`` recipe and
 encode scale ``G = fp32(1/input_scale)``; ``alpha = fp32(input_scale * weight_scale_2)``. The
@@ -22,13 +26,13 @@ import jax
 import jax.numpy as jnp
 
 from ..quantize import NVFP4Array, dequantize, quantize
-from . import configs
+from . import configs, mosaic
 from .pallas_triton import Config, matmul_pallas
 from .xla import matmul_xla
 
 log = logging.getLogger(__name__)
 
-BACKENDS = ("auto", "pallas", "xla")
+BACKENDS = ("auto", "mosaic", "pallas", "xla")
 _MIN_CC = 89  # float8_e4m3fn -> f32 conversion in Triton needs sm_89+
 
 
@@ -102,7 +106,8 @@ def register_sm12x_device_kinds(
 
 
 def resolve_backend(backend: str) -> str:
-    """Map ``backend`` to "pallas" or "xla" (logging the choice of "auto")."""
+    """Map ``backend`` to "mosaic", "pallas" or "xla" (logging the choice of "auto"; "auto"
+    never returns "mosaic" here: that choice depends on the shape, see ``matmul``)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
     if backend != "auto":
@@ -117,6 +122,31 @@ def resolve_backend(backend: str) -> str:
         "no NVIDIA GPU" if cc is None else f"sm_{cc} < sm_{_MIN_CC}",
     )
     return "xla"
+
+
+def _pick_mosaic(backend: str, impl: str, m: int, n: int, k: int, x_dtype) -> str:
+    """"mosaic" where it applies: explicitly asked for (else fall back to "pallas", logged), or
+    "auto" on sm_90 for a bucket in ``mosaic.AUTO_SM90``. Otherwise ``impl`` unchanged."""
+    if backend == "auto":
+        if impl != "pallas" or _gpu_compute_capability() != 90 or x_dtype != jnp.bfloat16:
+            return impl
+        if mosaic.auto_config(m, n, k) is None:
+            return impl
+        log.info("nvfp4_jax.matmul: backend auto -> mosaic (sm_90, M=%d N=%d K=%d)", m, n, k)
+        return "mosaic"
+    if impl != "mosaic":
+        return impl
+    cc = _gpu_compute_capability()
+    try:
+        if cc != 90:
+            raise ValueError(f"backend: the Mosaic kernel needs an sm_90 GPU, found {cc}")
+        if x_dtype != jnp.bfloat16:
+            raise ValueError(f"x: the Mosaic kernel takes bfloat16 activations, got {x_dtype}")
+        mosaic.check_supported(m, n, k)
+    except ValueError as e:
+        log.warning("nvfp4_jax.matmul: backend mosaic -> pallas fallback (%s)", e)
+        return "pallas"
+    return "mosaic"
 
 
 def _check_weight(w) -> None:
@@ -191,6 +221,11 @@ def matmul(
     m = x2.shape[0]
     if m == 0:
         return jnp.zeros(lead + (n,), out_dtype)
+    impl = _pick_mosaic(backend, impl, m, n, k, x2.dtype)
+    if impl == "mosaic":
+        mcfg = mosaic.auto_config(m, n, k) or mosaic.default_config(m, n, k)
+        out = mosaic.matmul_mosaic(x2, w.codes, w_scales, alpha, out_dtype=out_dtype, config=mcfg)
+        return out.reshape(lead + (n,))
     if impl == "xla":
         out = matmul_xla(x2, w.codes, w_scales, alpha, out_dtype=out_dtype)
     else:

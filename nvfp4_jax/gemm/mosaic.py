@@ -1,0 +1,400 @@
+"""NVFP4 W4A16 GEMM for small M as a Pallas Mosaic GPU kernel (Hopper: TMA + wgmma).
+
+``out[M, N] = alpha * x[M, K] @ W[N, K]^T`` with ``W[n, k] = e2m1(code) * e4m3(scale[n, k//16])``,
+x bf16, fp32 accumulation: the same numbers as ``pallas_triton.matmul_pallas``.
+
+Kernel (``_kernel``), one screen:
+
+* swap-AB: weights in the wgmma M slot (``block_n`` rows per CTA, in 64-row wgmma blocks), the
+  M tokens (padded to ``mt`` in {8, 16, 32, 64}) in the N slot; grid ``(cdiv(N, block_n),
+  split_k)``, one warpgroup per CTA, several CTAs per SM;
+* ``plgpu.emit_pipeline`` over K (``block_k`` = 256 per step, ``num_stages`` TMA stages): codes
+  uint8 ``[block_n, 128]``, scales uint8 ``[block_n, 16]``, x ``[mt, 256]`` bf16 (swizzled);
+* decode in registers (``plgpu.inline_mgpu``, PTX): each thread reads 16 code bytes (one 32-bit
+  word per wgmma k-chunk) per row it owns, and turns each word (8 nibbles) into four bf16x2
+  registers of the wgmma A fragment with ``and, mul.lo (two shifts at once), and`` per register
+  (bf16 placement ``sign -> bit 15, e1 e0 m -> bits 8..6``: ``e2m1 * 2^-126``, decode.py) and one
+  ``fma.rn.bf16x2`` with the block scale as bf16 ``e4m3 * 2^119``; the product is
+  ``e2m1 * e4m3 * 2^-7`` exactly, and 2^7 is folded into alpha;
+* the A fragment's K order is a fixed permutation of the weight's K order (``_PERM``, within
+  every 128 elements), chosen so that each thread's 16 contiguous code bytes fill its fragment
+  registers; x is permuted the same way outside the kernel (one small XLA transpose);
+* two wgmmas (K = 128 each) per step against the x tile in SMEM (B = x^T);
+* output: fp32 partials ``[split_k, N_pad, mt]`` through SMEM + TMA; XLA sums the splits,
+  multiplies by alpha, casts and transposes (one small fusion).
+
+Supported shapes: M <= 64, K % 256 == 0 (TMA needs 16-byte rows of scales), any N (TMA
+zero-fills rows past N; the padded output rows are dropped). Anything else raises ValueError
+(``api.py`` then falls back to the Pallas-Triton kernel).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+MAX_M = 64
+TOKEN_TILES = (8, 16, 32, 64)
+BLOCK_K = 256  # K elements per pipeline step (scales tile = 16 bytes per row: the TMA minimum)
+POST_SCALE = 2.0**7  # the decode hands wgmma e2m1 * e4m3 * 2^-7 (see module docstring)
+
+# K permutation within each 128-element group: fragment column p = 32w + 8j + 2c + l holds
+# weight element e = 32c + 8w + 4l + j (c = thread's column quad, w = word, j = nibble pair,
+# l = lane of the bf16x2 register). _PERM[p] = e.
+_PERM = (
+    np.arange(128).reshape(4, 4, 2, 4)  # e laid out as [c, w, l, j]
+    .transpose(1, 3, 0, 2)  # -> [w, j, c, l] = p order
+    .reshape(128)
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicConfig:
+    """Launch configuration of the Mosaic GPU kernel.
+
+    block_n: weight rows per CTA (64 or 128: one or two 64-row wgmma blocks, one warpgroup).
+    split_k: K ranges run by separate CTAs (fp32 partials summed in XLA); reduced to a divisor
+    of the number of K steps. num_stages: TMA pipeline depth.
+    """
+
+    block_n: int = 128
+    split_k: int = 1
+    num_stages: int = 4
+
+    def __post_init__(self) -> None:
+        if self.block_n not in (64, 128):
+            raise ValueError(f"MosaicConfig.block_n: expected 64 or 128, got {self.block_n}")
+        if self.split_k < 1:
+            raise ValueError(f"MosaicConfig.split_k: expected >= 1, got {self.split_k}")
+        if not 2 <= self.num_stages <= 8:
+            raise ValueError(f"MosaicConfig.num_stages: expected 2..8, got {self.num_stages}")
+
+
+# Shapes where backend="auto" picks this kernel on sm_90: (M bucket as configs.m_bucket, N, K)
+# -> config. Only buckets MEASURED faster than the Pallas-Triton config are listed (H200, JAX
+# 0.11.2, in-graph medians of bench/mosaic_sweep.py, round 3, 2026-11-29):
+AUTO_SM90: dict[tuple[int, int, int], MosaicConfig] = {
+    # M = 16: 61.2 us (2.16 TB/s of NVFP4 bytes); block_n 128 split 1: 63.2 us; Pallas-Triton
+    # 105.2 us, bf16 jnp.dot 130 us. (M = 1 shares the bucket; not re-measured after the fix.)
+    (16, 28672, 8192): MosaicConfig(block_n=64, split_k=2, num_stages=4),
+    # M = 64: 88.3 us (1.50 TB/s); split 1: 118.5 us; Pallas-Triton 153.6 us, bf16 129 us
+    (64, 28672, 8192): MosaicConfig(block_n=64, split_k=2, num_stages=4),
+    # M = 16: 10.5 us; Pallas-Triton 14.6 us (split 8), bf16 13.2 us
+    (16, 4096, 4096): MosaicConfig(block_n=128, split_k=4, num_stages=4),
+}
+
+
+def auto_config(m: int, n: int, k: int) -> MosaicConfig | None:
+    """The measured config if "auto" should use this kernel for (M, N, K), else None."""
+    if m > MAX_M:
+        return None
+    b = 16 if m <= 16 else 64
+    return AUTO_SM90.get((b, n, k))
+
+
+def default_config(m: int, n: int, k: int) -> MosaicConfig:
+    """Heuristic: >= 128 CTAs (split-K for small N), 64-row tiles for 64-token tiles."""
+    mt = token_tile(m)
+    bn = 128 if mt <= 32 else 64
+    tiles = -(-n // bn)
+    steps = k // BLOCK_K
+    split = 1
+    while tiles * split < 128 and split * 2 <= steps and steps % (split * 2) == 0:
+        split *= 2
+    return MosaicConfig(block_n=bn, split_k=split, num_stages=4)
+
+
+def token_tile(m: int) -> int:
+    for t in TOKEN_TILES:
+        if m <= t:
+            return t
+    raise ValueError(f"x: the Mosaic kernel handles M <= {MAX_M} tokens, got M={m}")
+
+
+def check_supported(m: int, n: int, k: int) -> None:
+    """Raise ValueError (naming the argument) if the Mosaic kernel cannot run this shape."""
+    if m < 1 or m > MAX_M:
+        raise ValueError(f"x: the Mosaic kernel handles 1 <= M <= {MAX_M} tokens, got M={m}")
+    if k % BLOCK_K:
+        raise ValueError(f"w: the Mosaic kernel needs K % {BLOCK_K} == 0, got K={k}")
+    if n < 1:
+        raise ValueError(f"w: expected N >= 1, got N={n}")
+
+
+def permute_x(x: jax.Array, mt: int) -> jax.Array:
+    """x [M, K] -> [mt, K] bf16: zero-padded tokens, K permuted within 128-groups (``_PERM``)."""
+    m, k = x.shape
+    xp = x.reshape(m, k // 128, 4, 4, 2, 4).transpose(0, 1, 3, 5, 2, 4).reshape(m, k)
+    return jnp.pad(xp, ((0, mt - m), (0, 0)))
+
+
+# ----------------------------------------------------------------------------- decode (PTX)
+
+_DECODE_WORD = """
+{
+.reg .b32 t, u;
+and.b32 t, $4, 0x000F000F;
+mul.lo.u32 t, t, 4160;
+and.b32 t, t, 0x81C081C0;
+fma.rn.bf16x2 $0, t, $5, $6;
+and.b32 t, $4, 0x00F000F0;
+mul.lo.u32 t, t, 260;
+and.b32 t, t, 0x81C081C0;
+fma.rn.bf16x2 $1, t, $5, $6;
+shr.b32 u, $4, 8;
+and.b32 t, u, 0x000F000F;
+mul.lo.u32 t, t, 4160;
+and.b32 t, t, 0x81C081C0;
+fma.rn.bf16x2 $2, t, $5, $6;
+and.b32 t, u, 0x00F000F0;
+mul.lo.u32 t, t, 260;
+and.b32 t, t, 0x81C081C0;
+fma.rn.bf16x2 $3, t, $5, $6;
+}
+"""
+# word q (nibble i at bits 4i) -> R_j = bf16x2(nibble j, nibble j+4) * S, j = 0..3.
+# (q & 0x000F000F) * 4160 = (y << 12) + (y << 6): sign lands at bit 15, e1 e0 m at bits 8..6 (no
+# overlap, no carry); 260 = 2^8 + 2^2 does the same for nibbles at bits 4..7; shr 8 for j = 2, 3.
+
+_SCALE_PAIR = """
+{
+.reg .b32 t, s, c1, c2;
+mov.b32 c1, 0x7B807B80;
+mov.b32 c2, 0x7B007B00;
+prmt.b32 t, $1, $2, $3;
+shl.b32 s, t, 8;
+shl.b32 t, t, 4;
+and.b32 s, s, 0x80008000;
+and.b32 t, t, 0x07F007F0;
+or.b32 t, t, s;
+fma.rn.bf16x2 t, t, c1, $4;
+fma.rn.bf16x2 $0, t, c2, $4;
+}
+"""
+# two E4M3 bytes (picked by the runtime selector $3 from the 8 bytes {$2, $1}) -> bf16x2
+# (s0, s1) * 2^119: the raw placement (byte & 0x7F) << 4 with the sign at bit 15 is
+# e4m3 * 2^-120 (subnormals included, 0 stays 0), then * 2^120 and * 2^119 (both exact;
+# bf16 2^120 = 0x7B80, 2^119 = 0x7B00).
+
+
+def _decode_fn(block_n: int, g: int):
+    """inline_mgpu body: (codes_smem [block_n, 128] u8, scales_smem [block_n, 16] u8) ->
+    the bf16 WGMMA-layout fragment [block_n, 128] of K group ``g`` (0 or 1) of the step."""
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import arith, llvm
+    from jax.experimental import mosaic as _mosaic  # noqa: F401
+    from jax.experimental.mosaic.gpu import fragmented_array as fa
+    from jax.experimental.mosaic.gpu import utils
+
+    def body(_launch_ctx, codes_ref, scales_ref):
+        i32 = ir.IntegerType.get_signless(32)
+        i64 = ir.IntegerType.get_signless(64)
+        bf16 = ir.BF16Type.get()
+        v4i32 = ir.VectorType.get((4,), i32)
+        v2bf16 = ir.VectorType.get((2,), bf16)
+
+        def c32(v):
+            return arith.constant(i32, ir.IntegerAttr.get(i32, v))
+
+        tid = arith.remui(utils.thread_idx(), c32(128))
+        warp = arith.divui(tid, c32(32))
+        lane = arith.remui(tid, c32(32))
+        r = arith.divui(lane, c32(4))
+        cq = arith.remui(lane, c32(4))
+        # prmt selector (nibble i picks byte i): byte0 <- 2c, byte2 <- 2c + 1 (1, 3: don't care)
+        sel = arith.addi(arith.muli(cq, c32(0x0202)), c32(0x0100))
+        neg_zero = c32(0x80008000 - (1 << 32))  # -0.0 in both bf16 lanes (as signed i32)
+        cptr = utils.memref_ptr(codes_ref)
+        sptr = utils.memref_ptr(scales_ref)
+        ptr_ty = cptr.type
+
+        def ld(ptr, byte_off, ty, align):
+            p = llvm.inttoptr(
+                ptr_ty,
+                llvm.add(
+                    llvm.ptrtoint(i64, ptr),
+                    arith.extui(i64, byte_off),
+                    overflow_flags=llvm.IntegerOverflowFlags.none,
+                ),
+            )
+            return llvm.load(ty, p, alignment=align)
+
+        nblk = block_n // 64
+        regs = np.empty((nblk, 16, 1, 1, 2, 1, 1, 1, 1), dtype=object)
+        for rb in range(nblk):
+            for h in range(2):
+                row = arith.addi(
+                    arith.addi(arith.muli(warp, c32(16)), r), c32(64 * rb + 8 * h)
+                )
+                srow = ld(sptr, arith.muli(row, c32(16)), v4i32, 16)
+                sw = [llvm.extractelement(srow, c32(i)) for i in range(4)]
+                cbase = arith.addi(arith.muli(row, c32(128)), arith.muli(cq, c32(16)))
+                pair = llvm.inline_asm(
+                    i32, [sw[2 * g], sw[2 * g + 1], sel, neg_zero], _SCALE_PAIR, "=r,r,r,r,r"
+                )
+                s_a = utils.prmt(pair, pair, c32(0x1010))  # block 2c in both lanes
+                s_b = utils.prmt(pair, pair, c32(0x3232))  # block 2c + 1
+                words = ld(cptr, arith.addi(cbase, c32(64 * g)), v4i32, 16)
+                for w in range(4):
+                    q = llvm.extractelement(words, c32(w))
+                    out = llvm.inline_asm(
+                        llvm.StructType.get_literal([i32] * 4),
+                        [q, s_a if w < 2 else s_b, neg_zero],
+                        _DECODE_WORD,
+                        "=r,=r,=r,=r,r,r,r",
+                    )
+                    for j in range(4):  # fragment column tile 4w + j (see _PERM)
+                        v = llvm.extractvalue(i32, out, [j])
+                        regs[rb, 4 * w + j, 0, 0, h, 0, 0, 0, 0] = utils.bitcast(v, v2bf16)
+        return fa.FragmentedArray(_registers=regs, _layout=fa.WGMMA_LAYOUT, _is_signed=None)
+
+    return body
+
+
+# ----------------------------------------------------------------------------- kernel
+
+
+def _build(m_tile: int, n: int, k: int, cfg: MosaicConfig, split: int):
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    try:  # jax 0.11 registers pallas_call's Mosaic GPU lowering rule only on this import
+        from jax._src.pallas.mosaic_gpu import pallas_call_registration  # noqa: F401
+    except ImportError:  # pragma: no cover - other jax versions
+        pass
+
+    bn = cfg.block_n
+    n_tiles = -(-n // bn)
+    ks = k // split
+    steps = ks // BLOCK_K
+    decode = [
+        plgpu.inline_mgpu(
+            arg_types=(plgpu.RefType(), plgpu.RefType()),
+            return_type=plgpu.ShapeDtypeStruct((bn, 128), jnp.bfloat16, layout=plgpu.Layout.WGMMA),
+        )(_decode_fn(bn, g))
+        for g in range(2)
+    ]
+    x_transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+
+    def kernel(x_gmem, c_gmem, s_gmem, o_gmem, o_smem):
+        ni = lax.axis_index("n")
+        si = lax.axis_index("s")
+        n0 = ni * bn
+
+        def acc_scope(acc_ref):
+            def step(_, c_smem, s_smem, x_smem):
+                for g in range(2):
+                    a = decode[g](c_smem, s_smem)
+                    plgpu.wgmma(acc_ref, a, x_smem.at[:, pl.ds(128 * g, 128)].T)
+                    # wgmma reads its A registers asynchronously and the next decode may be
+                    # given the same physical registers: overlapping them gave garbage on the
+                    # H200 (NaN / wrong tiles, timing dependent), so wait here. This also makes
+                    # the stage free at the end of the step (all warps issued the wgmma, so all
+                    # finished their ld.shared of it): delay_release = 0.
+                    plgpu.wgmma_wait(0)
+
+            plgpu.emit_pipeline(
+                step,
+                grid=(steps,),
+                in_specs=[
+                    plgpu.BlockSpec((bn, BLOCK_K // 2), lambda i: (0, i)),
+                    plgpu.BlockSpec((bn, BLOCK_K // 16), lambda i: (0, i)),
+                    plgpu.BlockSpec(
+                        (m_tile, BLOCK_K),
+                        lambda i: (0, i),
+                        transforms=x_transforms,
+                    ),
+                ],
+                max_concurrent_steps=cfg.num_stages,
+            )(
+                c_gmem.at[pl.ds(n0, bn), pl.ds(si * (ks // 2), ks // 2)],
+                s_gmem.at[pl.ds(n0, bn), pl.ds(si * (ks // 16), ks // 16)],
+                x_gmem.at[:, pl.ds(si * ks, ks)],
+            )
+            plgpu.wgmma_wait(0)
+            return acc_ref[...]
+
+        acc = pl.run_scoped(acc_scope, plgpu.ACC((bn, m_tile), jnp.float32))
+        o_smem[...] = acc
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[si, pl.ds(n0, bn)])
+        plgpu.wait_smem_to_gmem(0)
+
+    out_type = jax.ShapeDtypeStruct((split, n_tiles * bn, m_tile), jnp.float32)
+    params = inspect.signature(plgpu.kernel).parameters
+    new_api = "out_type" in params and "scratch_types" in params  # jax >= 0.10.2
+
+    def make(out):
+        kw = {"out_type" if new_api else "out_shape": out}
+        kw["scratch_types" if new_api else "scratch_shapes"] = [
+            plgpu.SMEM((bn, m_tile), jnp.float32)
+        ]
+        return plgpu.kernel(
+            kernel, grid=(n_tiles, split), grid_names=("n", "s"), **kw
+        )
+
+    return make, out_type
+
+
+def matmul_mosaic(
+    x: jax.Array,
+    w_codes: jax.Array,
+    w_scales: jax.Array,
+    alpha: jax.Array | float,
+    *,
+    out_dtype=jnp.bfloat16,
+    config: MosaicConfig | None = None,
+    poison: bool = False,
+) -> jax.Array:
+    """``alpha * x @ W^T`` with fp32 accumulation (Hopper, M <= 64).
+
+    x: bf16 [M, K], 1 <= M <= 64. w_codes: uint8 [N, K/2] (element 2j in the low nibble of byte
+    j). w_scales: E4M3 [N, K/16] as float8_e4m3fn or raw uint8, linear layout. K % 256 == 0.
+    alpha: fp32 scalar. out_dtype: bf16, fp16 or fp32. Returns out_dtype [M, N].
+    config: MosaicConfig (None: ``default_config``). poison: tests only, eager calls: frees a
+    NaN-filled buffer of the output's size just before the call so that a tile the kernel
+    skips most likely reads NaN (best effort: ``plgpu.kernel`` cannot alias an input).
+    Raises ValueError naming the argument for unsupported dtypes or shapes.
+    """
+    x = jnp.asarray(x)
+    if x.ndim != 2:
+        raise ValueError(f"x: expected a 2-D [M, K] array, got shape {x.shape}")
+    if x.dtype != jnp.bfloat16:
+        raise ValueError(f"x: expected bfloat16, got {x.dtype}")
+    m, k = x.shape
+    if w_codes.ndim != 2 or w_codes.dtype != jnp.uint8:
+        raise ValueError(f"w_codes: expected uint8 [N, K/2], got {w_codes.dtype} {w_codes.shape}")
+    n = w_codes.shape[0]
+    if w_codes.shape != (n, k // 2) or k % 2:
+        raise ValueError(f"w_codes: expected shape {(n, k // 2)} for K={k}, got {w_codes.shape}")
+    if w_scales.dtype not in (jnp.float8_e4m3fn, jnp.uint8):
+        raise ValueError(f"w_scales: expected float8_e4m3fn or uint8, got {w_scales.dtype}")
+    if w_scales.shape != (n, k // 16):
+        raise ValueError(f"w_scales: expected shape {(n, k // 16)}, got {w_scales.shape}")
+    if jnp.dtype(out_dtype) not in (jnp.bfloat16, jnp.float16, jnp.float32):
+        raise ValueError(f"out_dtype: expected bfloat16, float16 or float32, got {out_dtype}")
+    if config is not None and not isinstance(config, MosaicConfig):
+        raise ValueError(f"config: expected a MosaicConfig, got {type(config).__name__}")
+    check_supported(m, n, k)
+    cfg = config or default_config(m, n, k)
+    steps = k // BLOCK_K
+    split = max(s for s in range(1, min(cfg.split_k, steps) + 1) if steps % s == 0)
+    mt = token_tile(m)
+    if w_scales.dtype != jnp.uint8:
+        w_scales = lax.bitcast_convert_type(w_scales, jnp.uint8)
+    xp = permute_x(x, mt)
+    make, out_type = _build(mt, n, k, cfg, split)
+    if poison and not isinstance(x, jax.core.Tracer):
+        # best effort (plgpu.kernel has no input_output_aliases): free a NaN buffer of the
+        # output's size just before the call, so the allocator tends to hand that memory to
+        # the kernel's output and a skipped tile reads NaN (or stale data from another call)
+        jax.block_until_ready(jnp.full(out_type.shape, jnp.nan, jnp.float32)).delete()
+    part = make(out_type)(xp, w_codes, w_scales)  # [split, N_pad, mt] fp32
+    a = jnp.asarray(alpha, jnp.float32) * POST_SCALE
+    out = part.sum(axis=0)[:n, :m] * a
+    return out.T.astype(out_dtype)

@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 
 import nvfp4_jax
-from nvfp4_jax.gemm import configs
+from nvfp4_jax.gemm import api, configs
 from nvfp4_jax.gemm.pallas_triton import Config, matmul_pallas
 
 SHAPES = [(4096, 4096), (14336, 4096), (4096, 14336), (28672, 8192)]
@@ -115,20 +115,38 @@ def make_x(m, k, seed=1):
 # --------------------------------------------------------------------------- impls
 
 
-def impl_ours_w4a16(cfg=None):
+def impl_ours_w4a16(cfg=None, backend="pallas"):
     def fn(x, w):
-        return nvfp4_jax.gemm.matmul(x, w, backend="pallas", config=cfg)
+        return nvfp4_jax.gemm.matmul(x, w, backend=backend, config=cfg)
 
     return fn
 
 
-def impl_ours_w4a4(cfg=None):
+def impl_ours_w4a4(cfg=None, backend="pallas"):
     def fn(x, w):
         return nvfp4_jax.gemm.matmul(
-            x, w, input_scale=jnp.float32(0.01), backend="pallas", config=cfg
+            x, w, input_scale=jnp.float32(0.01), backend=backend, config=cfg
         )
 
     return fn
+
+
+def auto_backend(m, n, k):
+    """The backend nvfp4_jax.gemm.matmul(backend="auto") runs for a bf16 [m, k] x [n, k]^T."""
+    from nvfp4_jax.gemm import mosaic
+
+    impl = api.resolve_backend("auto")
+    if impl == "pallas" and api._gpu_compute_capability() == 90 and mosaic.auto_config(m, n, k):
+        return "mosaic"
+    return impl
+
+
+def backend_config(backend, m, n, k):
+    from nvfp4_jax.gemm import mosaic
+
+    if backend == "mosaic":
+        return (mosaic.auto_config(m, n, k) or mosaic.default_config(m, n, k)).__dict__
+    return configs.get_config(m, n, k).__dict__
 
 
 def impl_xla_dequant_dot(x, w):
@@ -329,7 +347,10 @@ def tune(out_dir, shapes, ms, budget_s, prev_rows=()):
 # --------------------------------------------------------------------------- benchmark
 
 
-def bench(out_dir, shapes, ms, budget_s):
+EXTRA_IMPLS = ("nvfp4_w4a16_mosaic", "nvfp4_w4a16_pallas")
+
+
+def bench(out_dir, shapes, ms, budget_s, extra_impls=()):
     t_start = time.time()
     records = []
     for n, k in shapes:
@@ -354,9 +375,10 @@ def bench(out_dir, shapes, ms, budget_s):
                 log("bench: budget exhausted")
                 break
             x = make_x(m, k)
+            auto = auto_backend(m, n, k)
             impls = [
-                ("nvfp4_w4a16", impl_ours_w4a16(), x, ws, nvfp4_bytes(n, k)),
-                ("nvfp4_w4a4", impl_ours_w4a4(), x, ws, nvfp4_bytes(n, k)),
+                ("nvfp4_w4a16", impl_ours_w4a16(backend="auto"), x, ws, nvfp4_bytes(n, k)),
+                ("nvfp4_w4a4", impl_ours_w4a4(backend="auto"), x, ws, nvfp4_bytes(n, k)),
                 ("bf16_dot", impl_bf16_dot, x, wb, 2 * n * k),
                 (
                     "xla_dequant_dot",
@@ -366,6 +388,9 @@ def bench(out_dir, shapes, ms, budget_s):
                     nvfp4_bytes(n, k),
                 ),
             ]
+            for name in extra_impls:  # explicit backends side by side (--impls)
+                be = name.rsplit("_", 1)[1]
+                impls.append((name, impl_ours_w4a16(backend=be), x, ws, nvfp4_bytes(n, k)))
             if has_f4:
                 xq = nvfp4_jax.quantize(x, "trtllm")
                 xv = nvfp4_jax.dequantize(xq, jnp.float32, include_decode_scale=False)
@@ -386,7 +411,10 @@ def bench(out_dir, shapes, ms, budget_s):
                     t = time_per_call(fn, xx, wlist, per_call_x=(name == "nvfp4_w4a4"))
                     extra = None
                     if name.startswith("nvfp4"):
-                        extra = {"config": configs.get_config(m, n, k).__dict__}
+                        be = auto if name in ("nvfp4_w4a16", "nvfp4_w4a4") else name.rsplit("_", 1)[1]
+                        if be == "mosaic":  # the api falls back to pallas where it must (logged)
+                            be = api._pick_mosaic("mosaic", "mosaic", m, n, k, jnp.bfloat16)
+                        extra = {"backend": be, "config": backend_config(be, m, n, k)}
                     rec = record(name, n, k, m, t, wbytes, extra)
                 except Exception as e:  # noqa: BLE001
                     rec = {"impl": name, "N": n, "K": k, "M": m, "error": repr(e)[:300]}
@@ -459,6 +487,11 @@ def main():
         help="after --tune, put the best configs into configs.TUNED and run the bench",
     )
     p.add_argument("--bench-budget-s", type=float, default=150)
+    p.add_argument(
+        "--impls",
+        default="",
+        help=f"extra comma-separated impls timed side by side: {','.join(EXTRA_IMPLS)}",
+    )
     a = p.parse_args()
     os.makedirs(a.out, exist_ok=True)
     shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",") if s] or SHAPES
@@ -497,7 +530,11 @@ def main():
         a.budget_s = a.bench_budget_s
     if a.check:
         return
-    records = bench(a.out, shapes, ms, a.budget_s)
+    extra = [v for v in a.impls.split(",") if v]
+    for v in extra:
+        if v not in EXTRA_IMPLS:
+            p.error(f"--impls: expected names from {EXTRA_IMPLS}, got {v!r}")
+    records = bench(a.out, shapes, ms, a.budget_s, extra)
     try:
         commit = subprocess.run(
             ["git", "rev-parse", "HEAD"],

@@ -160,6 +160,8 @@ def main():
     ap.add_argument("--shapes", default=",".join(SHAPES), help="also: tiny (CPU smoke test)")
     ap.add_argument("--tokens", default=",".join(map(str, TOKENS)))
     ap.add_argument("--impls", default="nvfp4_moe,bf16_ragged_dot,dequant_ragged_dot")
+    ap.add_argument("--budget-s", type=float, default=0.0,
+                    help="after this many seconds only nvfp4_moe is measured (0: no limit)")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     t_start = time.time()
@@ -197,6 +199,9 @@ def main():
                 ids_d, wts_d = jnp.asarray(ids), jnp.asarray(wts)
                 flops = 2.0 * t * k * (r * h + h * i)
                 for impl in impls:
+                    if args.budget_s and impl != "nvfp4_moe" and time.time() - t_start > args.budget_s:
+                        print(f"{sname} T={t} {kind} {impl}: skipped (bench budget)", flush=True)
+                        continue
                     if impl == "dequant_ragged_dot" and kind == "skewed":
                         continue  # dominated by the full dequantization; routing barely matters
                     dense_gb = e * t * k * r * 2 / 1e9  # XLA's GPU ragged_dot materializes [E, M, N]

@@ -1,20 +1,41 @@
 #!/usr/bin/env bash
-# One call on the GPU machine: GPU tests (incl. the SM12x compile check), then both benchmarks.
-# Usage (device tool): NVFP4_COMMIT=<hash> bash bench/run_gpu.sh   (writes under $OUT)
+# GPU tests (incl. the SM12x compile check) and both benchmarks on the GPU machine.
+# Usage (device tool): NVFP4_COMMIT=<hash> STEPS="tests gemm moe" bash bench/run_gpu.sh
+# Each step has its own timeout (T_TESTS, T_GEMM, T_MOE, T_PROFILE seconds); everything lands
+# under $OUT (run.log plus each tool's JSON/PNG). The device copy has no .git: pass the commit.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/nvfp4-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export NVFP4_COMMIT=${NVFP4_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
-T_TESTS=${T_TESTS:-110} T_GEMM=${T_GEMM:-150} T_MOE=${T_MOE:-110}
+STEPS=${STEPS:-"tests gemm moe"}
+T_TESTS=${T_TESTS:-240} T_GEMM=${T_GEMM:-330} T_MOE=${T_MOE:-300} T_PROFILE=${T_PROFILE:-90}
 step() { echo "=== $1 ($(date +%T))" | tee -a "$OUT/run.log"; }
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader | tee "$OUT/run.log"
-step "gpu tests (IEEE fp32 division for bit-exact quantization)"
-XLA_FLAGS="--xla_backend_extra_options=-nvptx-prec-divf32=2" timeout "$T_TESTS" \
-  python3 -m pytest -m gpu -q -p no:cacheprovider -x tests/test_quantize_gpu.py tests/test_gemm_gpu.py tests/test_moe_gpu.py 2>&1 | tail -30 | tee -a "$OUT/run.log"
-step "gemm bench"
-timeout "$T_GEMM" python3 bench/gemm_bench.py --out "$OUT" --budget-s $((T_GEMM - 25)) 2>&1 | tail -45 | tee -a "$OUT/run.log"
-step "moe bench"
-timeout "$T_MOE" python3 bench/moe_bench.py --out "$OUT" --quick 2>&1 | tail -45 | tee -a "$OUT/run.log"
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader | tee -a "$OUT/run.log"
+for s in $STEPS; do
+  case $s in
+    tests)
+      step "gpu tests (IEEE fp32 division for bit-exact quantization)"
+      XLA_FLAGS="--xla_backend_extra_options=-nvptx-prec-divf32=2" timeout "$T_TESTS" \
+        python3 -m pytest -m gpu -q -p no:cacheprovider -rs tests/test_moe_gpu.py \
+        tests/test_gemm_mosaic_gpu.py tests/test_gemm_gpu.py tests/test_quantize_gpu.py 2>&1 \
+        | tail -40 | tee -a "$OUT/run.log" ;;
+    gemm)
+      step "gemm bench"
+      timeout "$T_GEMM" python3 bench/gemm_bench.py --out "$OUT" --budget-s $((T_GEMM - 40)) \
+        --shapes "${GEMM_SHAPES:-28672x8192,4096x14336,4096x4096,14336x4096}" 2>&1 \
+        | grep -v Warning | tail -60 | tee -a "$OUT/run.log" ;;
+    moe)
+      step "moe bench"
+      timeout "$T_MOE" python3 bench/moe_bench.py --out "$OUT" --quick --budget-s $((T_MOE - 70)) 2>&1 \
+        | grep -v Warning | tail -40 | tee -a "$OUT/run.log" ;;
+    profile)
+      step "moe profile"
+      timeout "$T_PROFILE" python3 bench/moe_profile.py --out "$OUT" --reps 2 \
+        --cases "${PROFILE_CASES:-nemotron:4096,qwen3_30b:4096,qwen3_30b:1}" 2>&1 \
+        | grep -v Warning | tail -45 | tee -a "$OUT/run.log" ;;
+    *) echo "unknown step $s" | tee -a "$OUT/run.log" ;;
+  esac
+done
 step "done"

@@ -535,18 +535,21 @@ def main():
         if v not in EXTRA_IMPLS:
             p.error(f"--impls: expected names from {EXTRA_IMPLS}, got {v!r}")
     records = bench(a.out, shapes, ms, a.budget_s, extra)
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "HEAD"],
-            check=False,
-            capture_output=True,
-            text=True,
-            cwd=os.path.dirname(os.path.abspath(__file__)),
-        ).stdout.strip()
-    except OSError:
-        commit = ""
-    if len(commit) != 40:  # the device copy of the tree may have no usable .git
-        commit = os.environ.get("NVFP4_COMMIT", "unknown (tree without git history)")
+    # NVFP4_COMMIT first: the device copy of the tree carries the .git of the session's base
+    # commit, not the working tree that was sent (seen 2026-11-29: it reported 5ebe310 for 41a0c3b)
+    commit = os.environ.get("NVFP4_COMMIT", "")
+    if not commit:
+        try:
+            commit = subprocess.run(
+                ["git", "rev-parse", "HEAD"],
+                check=False,
+                capture_output=True,
+                text=True,
+                cwd=os.path.dirname(os.path.abspath(__file__)),
+            ).stdout.strip()
+        except OSError:
+            commit = ""
+    commit = commit or "unknown (tree without git history)"
     import jaxlib
 
     doc = {

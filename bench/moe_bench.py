@@ -237,11 +237,15 @@ def main():
 
 
 def save(records, out):
-    try:
-        commit = subprocess.check_output(["git", "rev-parse", "HEAD"], text=True,
-                                         stderr=subprocess.DEVNULL).strip()
-    except Exception:  # noqa: BLE001 - the device copy has no .git; the caller may pass it
-        commit = os.environ.get("NVFP4_COMMIT", "unknown")
+    # NVFP4_COMMIT first: the device copy carries the .git of the session's base commit, not the
+    # working tree that was sent (seen 2026-11-29)
+    commit = os.environ.get("NVFP4_COMMIT", "")
+    if not commit:
+        try:
+            commit = subprocess.check_output(["git", "rev-parse", "HEAD"], text=True,
+                                             stderr=subprocess.DEVNULL).strip()
+        except Exception:  # noqa: BLE001 - no git there: say so
+            commit = "unknown"
     import jaxlib
     doc = {"date": datetime.datetime.now(datetime.UTC).isoformat(), "commit": commit,
                "gpu": jax.devices()[0].device_kind, "jax": jax.__version__, "jaxlib": jaxlib.__version__,

@@ -2,7 +2,7 @@
 # GPU tests (incl. the SM12x compile check) and both benchmarks on the GPU machine.
 # Usage (device tool): NVFP4_COMMIT=<hash> STEPS="tests gemm moe" bash bench/run_gpu.sh
 # Each step has its own timeout (T_TESTS, T_GEMM, T_MOE, T_PROFILE seconds); everything lands
-# under $OUT (run.log plus each tool's JSON/PNG). The device copy has no .git: pass the commit.
+# under $OUT (run.log plus each tool's JSON/PNG). Pass the commit: the device copy's .git is the session's base.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/nvfp4-out}

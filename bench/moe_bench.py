@@ -80,6 +80,33 @@ def make_routing(rng, t, e, k, kind):
     return ids, (w / w.sum(-1, keepdims=True)).astype(np.float32)
 
 
+def input_scales(s):
+    """fp32 [E] FC1 and FC2 input scales (ModelOpt decode form) the tools use for shape ``s``."""
+    e = s["experts"]
+    s1 = jnp.full((e,), 4.0 / 2688, jnp.float32)
+    s2 = jnp.full((e,), (1.0 if s["activation"] == "relu2" else 0.5) / 2688, jnp.float32)
+    return s1, s2
+
+
+def make_hidden(t, h):
+    return jax.random.normal(jax.random.PRNGKey(t), (t, h), jnp.float32).astype(jnp.bfloat16)
+
+
+def nvfp4_layer(activation, backend, config=None):
+    """``layer(x, topk_ids, topk_weights, (fc1, fc2, s1, s2))`` through ``nvfp4_jax.moe``
+    (weights travel as jit arguments: closing over them would embed GBs of constants)."""
+    def layer(x, tids, w, p):
+        return moe(x, fc1=p[0], fc2=p[1], fc1_input_scale=p[2], fc2_input_scale=p[3],
+                   topk_ids=tids, topk_weights=w, activation=activation, backend=backend,
+                   config=config)
+    return layer
+
+
+def chain(x, out):
+    """The next layer's input: depends on this layer's output, so layers cannot overlap."""
+    return (x.astype(jnp.float32) * 0.5 + out.astype(jnp.float32) * 1e-3).astype(jnp.bfloat16)
+
+
 def bf16_layer(hidden, ids, wts, w1t, w2t, activation):
     """Whole layer with bf16 weights (pre-transposed [E, H, R] / [E, I, H]) via lax.ragged_dot."""
     t, k = ids.shape
@@ -104,8 +131,7 @@ def timed_loop(layer):
     @jax.jit
     def run(x, ids, wts, n, params):
         def layer_j(j, x):
-            out = layer(x, ids[j], wts[j], params)
-            return (x.astype(jnp.float32) * 0.5 + out.astype(jnp.float32) * 1e-3).astype(jnp.bfloat16)
+            return chain(x, layer(x, ids[j], wts[j], params))
 
         return jax.lax.fori_loop(0, n, lambda i, x: jax.lax.fori_loop(0, NROT, layer_j, x), x)
     return run
@@ -176,17 +202,10 @@ def main():
         w1, w2, q1, q2 = make_weights(jax.random.PRNGKey(1), s)
         w1t, w2t = jnp.swapaxes(w1, 1, 2), jnp.swapaxes(w2, 1, 2)
         del w1, w2
-        s1 = jnp.full((e,), 4.0 / 2688, jnp.float32)
-        s2 = jnp.full((e,), 1.0 / 2688 if act == "relu2" else 0.5 / 2688, jnp.float32)
-        # weights travel as jit arguments (closing over them would embed GBs of constants)
-        def nvfp4_layer(backend, act=act):
-            def layer(x, tids, w, p):
-                return moe(x, fc1=p[0], fc2=p[1], fc1_input_scale=p[2], fc2_input_scale=p[3],
-                           topk_ids=tids, topk_weights=w, activation=act, backend=backend)
-            return layer
+        s1, s2 = input_scales(s)
         layers = {
-            "nvfp4_moe": (nvfp4_layer("pallas"), (q1, q2, s1, s2)),
-            "dequant_ragged_dot": (nvfp4_layer("xla"), (q1, q2, s1, s2)),
+            "nvfp4_moe": (nvfp4_layer(act, "pallas"), (q1, q2, s1, s2)),
+            "dequant_ragged_dot": (nvfp4_layer(act, "xla"), (q1, q2, s1, s2)),
             "bf16_ragged_dot": (lambda x, tids, w, p, act=act: bf16_layer(x, tids, w, p[0], p[1], act),
                                 (w1t, w2t)),
         }
@@ -195,7 +214,7 @@ def main():
             for kind in ROUTINGS:
                 ids, wts = make_routing(rng, t, e, k, kind)
                 touched = np.mean([len(np.unique(ids[j])) for j in range(NROT)])
-                hidden = jax.random.normal(jax.random.PRNGKey(t), (t, h), jnp.float32).astype(jnp.bfloat16)
+                hidden = make_hidden(t, h)
                 ids_d, wts_d = jnp.asarray(ids), jnp.asarray(wts)
                 flops = 2.0 * t * k * (r * h + h * i)
                 for impl in impls:

@@ -25,9 +25,17 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from moe_bench import NROT, SHAPES, SMOKE, make_routing, make_weights
-
-from nvfp4_jax.moe.api import moe
+from moe_bench import (
+    NROT,
+    SHAPES,
+    SMOKE,
+    chain,
+    input_scales,
+    make_hidden,
+    make_routing,
+    make_weights,
+    nvfp4_layer,
+)
 
 
 def device_events(trace_dir: str) -> tuple[list[dict], list[str]]:
@@ -57,21 +65,18 @@ def profile_case(sname: str, t: int, reps: int) -> dict:
     s = {**SHAPES, **SMOKE}[sname]
     e, h, _i, k, act = s["experts"], s["hidden"], s["inter"], s["top_k"], s["activation"]
     _, _, q1, q2 = make_weights(jax.random.PRNGKey(1), s)
-    s1 = jnp.full((e,), 4.0 / 2688, jnp.float32)
-    s2 = jnp.full((e,), 1.0 / 2688, jnp.float32)
     ids, wts = make_routing(np.random.default_rng(0), t, e, k, "random")
     ids, wts = jnp.asarray(ids), jnp.asarray(wts)
-    x0 = jax.random.normal(jax.random.PRNGKey(t), (t, h), jnp.float32).astype(jnp.bfloat16)
+    x0 = make_hidden(t, h)
+    layer = nvfp4_layer(act, "pallas")
 
     @jax.jit
     def layers(x, ids, wts, p):
-        for j in range(NROT):
-            out = moe(x, fc1=p[0], fc2=p[1], fc1_input_scale=p[2], fc2_input_scale=p[3],
-                      topk_ids=ids[j], topk_weights=wts[j], activation=act, backend="pallas")
-            x = (x.astype(jnp.float32) * 0.5 + out.astype(jnp.float32) * 1e-3).astype(jnp.bfloat16)
+        for j in range(NROT):  # unrolled: one call, one trace of NROT layers
+            x = chain(x, layer(x, ids[j], wts[j], p))
         return x
 
-    p = (q1, q2, s1, s2)
+    p = (q1, q2, *input_scales(s))
     layers(x0, ids, wts, p).block_until_ready()
     with tempfile.TemporaryDirectory() as d:
         with jax.profiler.trace(d, create_perfetto_trace=True):

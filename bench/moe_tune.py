@@ -22,9 +22,18 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from moe_bench import SHAPES, SMOKE, make_routing, make_weights, measure, timed_loop
+from moe_bench import (
+    SHAPES,
+    SMOKE,
+    input_scales,
+    make_hidden,
+    make_routing,
+    make_weights,
+    measure,
+    nvfp4_layer,
+    timed_loop,
+)
 
-from nvfp4_jax.moe.api import moe
 from nvfp4_jax.moe.configs import MoEConfig, default_config
 
 
@@ -62,19 +71,16 @@ def main():
         s = {**SHAPES, **SMOKE}[sname]
         e, h, i, k, act = s["experts"], s["hidden"], s["inter"], s["top_k"], s["activation"]
         _, _, q1, q2 = make_weights(jax.random.PRNGKey(1), s)
-        params = (q1, q2, jnp.full((e,), 4.0 / 2688, jnp.float32), jnp.full((e,), 1.0 / 2688, jnp.float32))
+        params = (q1, q2, *input_scales(s))
         ids, wts = make_routing(np.random.default_rng(0), t, e, k, "random")
         ids, wts = jnp.asarray(ids), jnp.asarray(wts)
-        x = jax.random.normal(jax.random.PRNGKey(t), (t, h), jnp.float32).astype(jnp.bfloat16)
+        x = make_hidden(t, h)
         base = default_config(t * k, e, inter=i, hidden=h, gated=act == "swiglu")
         for cfg in variants(base, act == "swiglu"):
             if time.time() > t_end:
                 print("budget exhausted", flush=True)
                 break
-
-            def layer(xx, tids, w, p, cfg=cfg, act=act):
-                return moe(xx, fc1=p[0], fc2=p[1], fc1_input_scale=p[2], fc2_input_scale=p[3],
-                           topk_ids=tids, topk_weights=w, activation=act, backend="pallas", config=cfg)
+            layer = nvfp4_layer(act, "pallas", cfg)
             try:
                 us, _n = measure(timed_loop(layer), x, ids, wts, params, budget_s=0.1, reps=3)
                 rec = {"shape": sname, "T": t, "us": us, "fc1": dataclasses.asdict(cfg.fc1),

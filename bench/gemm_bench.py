@@ -17,11 +17,9 @@ XLA can neither hoist nor merge the calls.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
 import os
-import subprocess
 import sys
 import time
 
@@ -31,6 +29,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import jax
 import jax.numpy as jnp
+from run_meta import run_metadata
 
 import nvfp4_jax
 from nvfp4_jax.gemm import api, configs
@@ -535,29 +534,8 @@ def main():
         if v not in EXTRA_IMPLS:
             p.error(f"--impls: expected names from {EXTRA_IMPLS}, got {v!r}")
     records = bench(a.out, shapes, ms, a.budget_s, extra)
-    # NVFP4_COMMIT first: the device copy of the tree carries the .git of the session's base
-    # commit, not the working tree that was sent (seen 2026-11-29: it reported 5ebe310 for 41a0c3b)
-    commit = os.environ.get("NVFP4_COMMIT", "")
-    if not commit:
-        try:
-            commit = subprocess.run(
-                ["git", "rev-parse", "HEAD"],
-                check=False,
-                capture_output=True,
-                text=True,
-                cwd=os.path.dirname(os.path.abspath(__file__)),
-            ).stdout.strip()
-        except OSError:
-            commit = ""
-    commit = commit or "unknown (tree without git history)"
-    import jaxlib
-
     doc = {
-        "date": datetime.datetime.now(datetime.UTC).isoformat(),
-        "commit": commit,
-        "gpu": dev.device_kind,
-        "jax": jax.__version__,
-        "jaxlib": jaxlib.__version__,
+        **run_metadata(),
         "timing": "in-graph fori_loop over distinct weight copies, (T(R2)-T(R1))/calls",
         "records": records,
     }

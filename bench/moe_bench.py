@@ -19,10 +19,8 @@ Writes DIR/moe-h200.json and DIR/moe-h200.png (copy them to bench/results/).
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import subprocess
 import sys
 import time
 
@@ -31,6 +29,8 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from run_meta import run_metadata
 
 import nvfp4_jax
 from nvfp4_jax.moe.api import moe
@@ -256,19 +256,7 @@ def main():
 
 
 def save(records, out):
-    # NVFP4_COMMIT first: the device copy carries the .git of the session's base commit, not the
-    # working tree that was sent (seen 2026-11-29)
-    commit = os.environ.get("NVFP4_COMMIT", "")
-    if not commit:
-        try:
-            commit = subprocess.check_output(["git", "rev-parse", "HEAD"], text=True,
-                                             stderr=subprocess.DEVNULL).strip()
-        except Exception:  # noqa: BLE001 - no git there: say so
-            commit = "unknown"
-    import jaxlib
-    doc = {"date": datetime.datetime.now(datetime.UTC).isoformat(), "commit": commit,
-               "gpu": jax.devices()[0].device_kind, "jax": jax.__version__, "jaxlib": jaxlib.__version__,
-               "records": records}
+    doc = {**run_metadata(), "records": records}
     with open(os.path.join(out, "moe-h200.json"), "w") as f:
         json.dump(doc, f, indent=1)
 

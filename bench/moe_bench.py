@@ -125,15 +125,19 @@ def bf16_layer(hidden, ids, wts, w1t, w2t, activation):
 def timed_loop(layer):
     """Jitted ``n`` outer iterations of NROT layers each (n is a runtime value: one compile).
 
-    The inner loop over the NROT routings has a static trip count, which XLA:GPU runs without a
-    host round trip per iteration (unlike the outer loop with its run-time ``n``).
+    The NROT layers of an iteration are unrolled in Python (one straight-line program). An
+    inner ``fori_loop`` over them (the previous harness) cost ~8-16 us per layer at T = 1 on
+    the H200 (NOTES-moe.md); the outer loop's run-time trip count costs one host round trip
+    per iteration, i.e. per NROT layers.
     """
     @jax.jit
     def run(x, ids, wts, n, params):
-        def layer_j(j, x):
-            return chain(x, layer(x, ids[j], wts[j], params))
+        def body(i, x):
+            for j in range(NROT):
+                x = chain(x, layer(x, ids[j], wts[j], params))
+            return x
 
-        return jax.lax.fori_loop(0, n, lambda i, x: jax.lax.fori_loop(0, NROT, layer_j, x), x)
+        return jax.lax.fori_loop(0, n, body, x)
     return run
 
 

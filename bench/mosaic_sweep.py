@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -23,9 +24,17 @@ import numpy as np
 
 import nvfp4_jax
 from nvfp4_jax.gemm import configs
-from nvfp4_jax.gemm.mosaic import MosaicConfig, default_config, matmul_mosaic
+from nvfp4_jax.gemm.mosaic import (
+    MosaicConfig,
+    auto_config,
+    default_config,
+    matmul_mosaic,
+    token_tile,
+)
 
-PLAN = "28672x8192:1,16,64;4096x4096:16,64;14336x4096:16;4096x14336:16"
+PLAN = "28672x8192:16,64;4096x14336:16,64;14336x4096:16,64;4096x4096:16,64"
+SMEM_PER_SM = 228 * 1024  # H200 (sm_90): shared memory per SM; 1 KB of it reserved per CTA
+N_SM = 132
 
 
 def mosaic_fn(cfg):
@@ -35,14 +44,41 @@ def mosaic_fn(cfg):
     return fn
 
 
-def candidates(m, n, k):
-    d = default_config(m, n, k)
-    c = [d]
-    for bn, st, sp in [(64, 4, 2 * d.split_k), (128, 6, d.split_k), (64, 6, d.split_k)]:
-        cfg = MosaicConfig(block_n=bn, split_k=sp, num_stages=st)
-        if cfg not in c:
-            c.append(cfg)
-    return c
+def candidates(m, n, k, cap=10, cap_512=2):
+    """Configs worth timing: the default, the committed "auto" entry, then the best-scored of
+    all (block_n, block_k, stages, split) by a wave model: CTAs per SM from shared memory,
+    wave efficiency (CTAs / slots over its ceiling) times the weight rows in flight per SM."""
+    mt = token_tile(m)
+    fixed = [default_config(m, n, k)]
+    if auto_config(m, n, k) is not None:
+        fixed.append(auto_config(m, n, k))
+    scored = []
+    for bn in (64, 128):
+        for bk in (256, 512):
+            if k % bk:
+                continue
+            steps = k // bk
+            for st in (2, 3, 4, 6):
+                for sp in (1, 2, 4, 8):
+                    if steps % sp or steps // sp < 2:
+                        continue
+                    cfg = MosaicConfig(block_n=bn, split_k=sp, num_stages=st, block_k=bk)
+                    smem = cfg.smem_bytes(mt)
+                    if smem > 200 * 1024:
+                        continue
+                    occ = min(SMEM_PER_SM // (smem + 1024), 8)
+                    waves = -(-n // bn) * sp / (N_SM * occ)
+                    score = waves / math.ceil(waves) * min(1.0, occ * bn / 256)
+                    scored.append((score, cfg))
+    scored.sort(key=lambda t: -t[0])
+    out = list(dict.fromkeys(fixed))
+    for _, cfg in scored:
+        if len(out) >= cap:
+            break
+        if cfg not in out:
+            out.append(cfg)
+    out += [c for _, c in scored if c.block_k == 512 and c not in out][:cap_512]
+    return out
 
 
 def main():
@@ -70,6 +106,8 @@ def main():
                 ("bf16_dot", gb.impl_bf16_dot, wb, 2 * n * k, None),
                 ("pallas", gb.impl_ours_w4a16(), ws, gb.nvfp4_bytes(n, k),
                  configs.get_config(m, n, k).__dict__),
+                # the public API with backend="auto" (what gemm_bench times), same process
+                ("api_auto", lambda x, w: nvfp4_jax.matmul(x, w), ws, gb.nvfp4_bytes(n, k), None),
             ]
             for cfg in candidates(m, n, k):
                 impls.append(("mosaic", mosaic_fn(cfg), ws, gb.nvfp4_bytes(n, k), cfg))

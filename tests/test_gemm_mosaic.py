@@ -35,6 +35,8 @@ def _args(m, n, k, sdtype=jnp.float8_e4m3fn):
         (16, 28672, 8192, None),
         (37, 333, 512, MosaicConfig(block_n=64, split_k=2, num_stages=2)),
         (64, 2048, 1024, MosaicConfig(block_n=128, split_k=1, num_stages=3)),
+        (16, 1000, 2048, MosaicConfig(block_n=64, split_k=2, num_stages=3, block_k=512)),
+        (37, 3000, 1536, MosaicConfig(block_n=64, split_k=1, num_stages=2, block_k=512)),
     ],
 )
 def test_lowers_for_cuda(m, n, k, cfg):
@@ -77,17 +79,31 @@ def test_validation_names_the_argument():
         matmul_mosaic(x, c, s, 1.0, config="fast")
     with pytest.raises(ValueError, match="^x: the Mosaic kernel handles"):
         matmul_mosaic(jnp.zeros((65, 512), jnp.bfloat16), c, s, 1.0)
+    xk = jnp.zeros((4, 768), jnp.bfloat16)
+    ck, sk = jnp.zeros((64, 384), jnp.uint8), jnp.zeros((64, 48), jnp.uint8)
+    with pytest.raises(ValueError, match="^config: block_k=512 does not divide K=768"):
+        matmul_mosaic(xk, ck, sk, 1.0, config=MosaicConfig(block_n=64, block_k=512))
+    big = MosaicConfig(block_n=128, split_k=1, num_stages=2, block_k=512)  # 232 KB at 64 tokens
+    with pytest.raises(ValueError, match="^config: .* shared memory"):
+        matmul_mosaic(jnp.zeros((64, 1024), jnp.bfloat16), jnp.zeros((64, 512), jnp.uint8),
+                      jnp.zeros((64, 64), jnp.uint8), 1.0, config=big)
     with pytest.raises(ValueError, match="^w: the Mosaic kernel needs K % 256"):
         check_supported(4, 64, 528)
-    for bad in ({"block_n": 96}, {"split_k": 0}, {"num_stages": 1}, {"num_stages": 9}):
+    for bad in ({"block_n": 96}, {"split_k": 0}, {"num_stages": 1}, {"num_stages": 9},
+                {"block_k": 384}):
         with pytest.raises(ValueError, match="^MosaicConfig"):
             MosaicConfig(**bad)
 
 
 def test_default_config_fills_the_gpu():
     cfg = default_config(16, 4096, 4096)
-    assert cfg.split_k * (4096 // cfg.block_n) >= 128 and (4096 // 256) % cfg.split_k == 0
-    assert default_config(16, 28672, 8192).split_k * 224 >= 224
+    assert cfg.split_k * (4096 // cfg.block_n) >= 256 and (4096 // 256) % cfg.split_k == 0
+    assert default_config(16, 28672, 8192).split_k * (28672 // 128) >= 256
+    for m, n, k in ((1, 4096, 512), (64, 14336, 4096), (16, 333, 256)):
+        cfg = default_config(m, n, k)
+        steps = k // 256
+        assert steps % cfg.split_k == 0 and (cfg.split_k == 1 or steps // cfg.split_k >= 2)
+        assert cfg.smem_bytes(64) <= 227 * 1024
 
 
 def test_auto_table_lookup():

@@ -57,6 +57,9 @@ def _run(x, wo, out_dtype, cfg):
         (37, 3000, 1024, 1.0, MosaicConfig(block_n=128, split_k=2, num_stages=3)),
         (64, 2048, 4096, 1.0, None),
         (64, 333, 512, 30.0, MosaicConfig(block_n=64, split_k=1, num_stages=2)),
+        # four 128-deep wgmmas per pipeline step (scale tile rows of 32 bytes)
+        (16, 1000, 2048, 1.0, MosaicConfig(block_n=64, split_k=2, num_stages=3, block_k=512)),
+        (37, 3000, 1536, 3.0, MosaicConfig(block_n=64, split_k=1, num_stages=2, block_k=512)),
     ],
 )
 @pytest.mark.parametrize("out_dtype", [jnp.float32, jnp.bfloat16])

@@ -40,7 +40,9 @@ from jax import lax
 
 MAX_M = 64
 TOKEN_TILES = (8, 16, 32, 64)
-BLOCK_K = 256  # K elements per pipeline step (scales tile = 16 bytes per row: the TMA minimum)
+BLOCK_K = 256  # smallest K per pipeline step (scales tile = 16 bytes per row: the TMA minimum)
+BLOCK_KS = (256, 512)
+SMEM_LIMIT = 227 * 1024  # shared memory one CTA may use on sm_90  # K elements per pipeline step (MosaicConfig.block_k)
 POST_SCALE = 2.0**7  # the decode hands wgmma e2m1 * e4m3 * 2^-7 (see module docstring)
 
 # K permutation within each 128-element group: fragment column p = 32w + 8j + 2c + l holds
@@ -59,12 +61,14 @@ class MosaicConfig:
 
     block_n: weight rows per CTA (64 or 128: one or two 64-row wgmma blocks, one warpgroup).
     split_k: K ranges run by separate CTAs (fp32 partials summed in XLA); reduced to a divisor
-    of the number of K steps. num_stages: TMA pipeline depth.
+    of the number of K steps. num_stages: TMA pipeline depth. block_k: K elements per pipeline
+    step (256 or 512: two or four 128-deep wgmmas per step; K must be a multiple of it).
     """
 
     block_n: int = 128
     split_k: int = 1
     num_stages: int = 4
+    block_k: int = 256
 
     def __post_init__(self) -> None:
         if self.block_n not in (64, 128):
@@ -73,18 +77,35 @@ class MosaicConfig:
             raise ValueError(f"MosaicConfig.split_k: expected >= 1, got {self.split_k}")
         if not 2 <= self.num_stages <= 8:
             raise ValueError(f"MosaicConfig.num_stages: expected 2..8, got {self.num_stages}")
+        if self.block_k not in BLOCK_KS:
+            raise ValueError(f"MosaicConfig.block_k: expected one of {BLOCK_KS}, got {self.block_k}")
+
+    def smem_bytes(self, m_tile: int) -> int:
+        """Shared memory of one CTA: pipeline stages (codes, scales, x) plus the fp32 output tile."""
+        stage = self.block_n * self.block_k // 2 + self.block_n * self.block_k // 16
+        stage += m_tile * self.block_k * 2
+        return self.num_stages * stage + self.block_n * m_tile * 4
 
 
 # Shapes where backend="auto" picks this kernel on sm_90: (M bucket as configs.m_bucket, N, K)
-# -> config. Only buckets MEASURED faster than the Pallas-Triton config are listed (H200, JAX
-# 0.11.2, in-graph medians of bench/mosaic_sweep.py, round 3, 2026-11-29):
+# -> config. Only buckets MEASURED faster than the Pallas-Triton config are listed: H200, JAX
+# 0.11.2, in-graph medians of bench/mosaic_sweep.py (round 4, 2026-11-29 23:30 UTC,
+# bench/results/mosaic-sweep-round4-h200.json; us: this config / Pallas-Triton / bf16 jnp.dot).
+# Two stages won almost everywhere: a smaller SMEM footprint (more CTAs per SM) beats depth.
 AUTO_SM90: dict[tuple[int, int, int], MosaicConfig] = {
-    # M = 16: 61.2 us (2.16 TB/s of NVFP4 bytes); block_n 128 split 1: 63.2 us; Pallas-Triton
-    # 105.2 us, bf16 jnp.dot 130 us. (M = 1 shares the bucket; not re-measured after the fix.)
-    (16, 28672, 8192): MosaicConfig(block_n=64, split_k=2, num_stages=4),
-    # M = 64: 88.3 us (1.50 TB/s); split 1: 118.5 us; Pallas-Triton 153.6 us, bf16 129 us
-    (64, 28672, 8192): MosaicConfig(block_n=64, split_k=2, num_stages=4),
-    # M = 16: 10.5 us; Pallas-Triton 14.6 us (split 8), bf16 13.2 us
+    # 54.1 / 101.5 / 133.9 (2.44 TB/s); the previous entry (64, 2, 4 stages): 62.6
+    (16, 28672, 8192): MosaicConfig(block_n=64, split_k=4, num_stages=2),
+    # 93.5 / 152.5 / 128.9; the previous entry (4 stages: 180 KB SMEM, 1 CTA per SM): 117.8
+    (64, 28672, 8192): MosaicConfig(block_n=64, split_k=2, num_stages=2),
+    # 13.5 / 36.9 / 39.3 (next best config 17.4)
+    (16, 4096, 14336): MosaicConfig(block_n=128, split_k=8, num_stages=2),
+    # 23.1 / 49.2 / 46.0
+    (64, 4096, 14336): MosaicConfig(block_n=64, split_k=4, num_stages=2),
+    # 17.5 / 38.2 / 42.4
+    (16, 14336, 4096): MosaicConfig(block_n=64, split_k=8, num_stages=2),
+    # 25.7 / 62.9 / 44.2
+    (64, 14336, 4096): MosaicConfig(block_n=64, split_k=1, num_stages=2),
+    # round 3 (helper sweep): 10.5 / 14.6 / 13.2
     (16, 4096, 4096): MosaicConfig(block_n=128, split_k=4, num_stages=4),
 }
 
@@ -98,15 +119,16 @@ def auto_config(m: int, n: int, k: int) -> MosaicConfig | None:
 
 
 def default_config(m: int, n: int, k: int) -> MosaicConfig:
-    """Heuristic: >= 128 CTAs (split-K for small N), 64-row tiles for 64-token tiles."""
+    """Heuristic for unmeasured shapes: two stages (round 4 sweep), >= 256 CTAs (split-K for
+    small N, keeping >= 2 steps per CTA), 64-row tiles for 64-token tiles."""
     mt = token_tile(m)
     bn = 128 if mt <= 32 else 64
     tiles = -(-n // bn)
     steps = k // BLOCK_K
     split = 1
-    while tiles * split < 128 and split * 2 <= steps and steps % (split * 2) == 0:
+    while tiles * split < 256 and split * 4 <= steps and steps % (split * 2) == 0:
         split *= 2
-    return MosaicConfig(block_n=bn, split_k=split, num_stages=4)
+    return MosaicConfig(block_n=bn, split_k=split, num_stages=2)
 
 
 def token_tile(m: int) -> int:
@@ -182,9 +204,12 @@ fma.rn.bf16x2 $0, t, c2, $4;
 # bf16 2^120 = 0x7B80, 2^119 = 0x7B00).
 
 
-def _decode_fn(block_n: int, g: int):
-    """inline_mgpu body: (codes_smem [block_n, 128] u8, scales_smem [block_n, 16] u8) ->
-    the bf16 WGMMA-layout fragment [block_n, 128] of K group ``g`` (0 or 1) of the step."""
+def _decode_fn(block_n: int, g: int, block_k: int = BLOCK_K):
+    """inline_mgpu body: (codes_smem [block_n, block_k/2] u8, scales_smem [block_n, block_k/16]
+    u8) -> the bf16 WGMMA-layout fragment [block_n, 128] of 128-deep K group ``g`` of the step."""
+    cstride, sstride = block_k // 2, block_k // 16  # bytes per row of the code / scale tiles
+    if not 0 <= g < block_k // 128:
+        raise ValueError(f"g: expected 0 <= g < {block_k // 128}, got {g}")
     from jax._src.lib.mlir import ir
     from jax._src.lib.mlir.dialects import arith, llvm
     from jax.experimental import mosaic as _mosaic  # noqa: F401
@@ -231,11 +256,14 @@ def _decode_fn(block_n: int, g: int):
                 row = arith.addi(
                     arith.addi(arith.muli(warp, c32(16)), r), c32(64 * rb + 8 * h)
                 )
-                srow = ld(sptr, arith.muli(row, c32(16)), v4i32, 16)
+                # the 16 scale bytes holding group g's 8 (two groups per 16 bytes)
+                soff = arith.addi(arith.muli(row, c32(sstride)), c32(16 * (g // 2)))
+                srow = ld(sptr, soff, v4i32, 16)
                 sw = [llvm.extractelement(srow, c32(i)) for i in range(4)]
-                cbase = arith.addi(arith.muli(row, c32(128)), arith.muli(cq, c32(16)))
+                cbase = arith.addi(arith.muli(row, c32(cstride)), arith.muli(cq, c32(16)))
+                gl = g % 2
                 pair = llvm.inline_asm(
-                    i32, [sw[2 * g], sw[2 * g + 1], sel, neg_zero], _SCALE_PAIR, "=r,r,r,r,r"
+                    i32, [sw[2 * gl], sw[2 * gl + 1], sel, neg_zero], _SCALE_PAIR, "=r,r,r,r,r"
                 )
                 s_a = utils.prmt(pair, pair, c32(0x1010))  # block 2c in both lanes
                 s_b = utils.prmt(pair, pair, c32(0x3232))  # block 2c + 1
@@ -268,16 +296,17 @@ def _build(m_tile: int, n: int, k: int, cfg: MosaicConfig, split: int):
     except ImportError:  # pragma: no cover - other jax versions
         pass
 
-    bn = cfg.block_n
+    bn, bk = cfg.block_n, cfg.block_k
+    groups = bk // 128
     n_tiles = -(-n // bn)
     ks = k // split
-    steps = ks // BLOCK_K
+    steps = ks // bk
     decode = [
         plgpu.inline_mgpu(
             arg_types=(plgpu.RefType(), plgpu.RefType()),
             return_type=plgpu.ShapeDtypeStruct((bn, 128), jnp.bfloat16, layout=plgpu.Layout.WGMMA),
-        )(_decode_fn(bn, g))
-        for g in range(2)
+        )(_decode_fn(bn, g, bk))
+        for g in range(groups)
     ]
     x_transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 
@@ -288,7 +317,7 @@ def _build(m_tile: int, n: int, k: int, cfg: MosaicConfig, split: int):
 
         def acc_scope(acc_ref):
             def step(_, c_smem, s_smem, x_smem):
-                for g in range(2):
+                for g in range(groups):
                     a = decode[g](c_smem, s_smem)
                     plgpu.wgmma(acc_ref, a, x_smem.at[:, pl.ds(128 * g, 128)].T)
                     # wgmma reads its A registers asynchronously and the next decode may be
@@ -302,10 +331,10 @@ def _build(m_tile: int, n: int, k: int, cfg: MosaicConfig, split: int):
                 step,
                 grid=(steps,),
                 in_specs=[
-                    plgpu.BlockSpec((bn, BLOCK_K // 2), lambda i: (0, i)),
-                    plgpu.BlockSpec((bn, BLOCK_K // 16), lambda i: (0, i)),
+                    plgpu.BlockSpec((bn, bk // 2), lambda i: (0, i)),
+                    plgpu.BlockSpec((bn, bk // 16), lambda i: (0, i)),
                     plgpu.BlockSpec(
-                        (m_tile, BLOCK_K),
+                        (m_tile, bk),
                         lambda i: (0, i),
                         transforms=x_transforms,
                     ),
@@ -382,7 +411,15 @@ def matmul_mosaic(
         raise ValueError(f"config: expected a MosaicConfig, got {type(config).__name__}")
     check_supported(m, n, k)
     cfg = config or default_config(m, n, k)
-    steps = k // BLOCK_K
+    if k % cfg.block_k:
+        raise ValueError(f"config: block_k={cfg.block_k} does not divide K={k}")
+    if cfg.smem_bytes(token_tile(m)) > SMEM_LIMIT:
+        raise ValueError(
+            f"config: {cfg} needs {cfg.smem_bytes(token_tile(m))} bytes of shared memory at "
+            f"M={m} (token tile {token_tile(m)}), more than the {SMEM_LIMIT} a CTA can have; "
+            "use fewer stages, block_n 64 or block_k 256"
+        )
+    steps = k // cfg.block_k
     split = max(s for s in range(1, min(cfg.split_k, steps) + 1) if steps % s == 0)
     mt = token_tile(m)
     if w_scales.dtype != jnp.uint8:

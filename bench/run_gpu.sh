@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # GPU tests (incl. the SM12x compile check) and both benchmarks on the GPU machine.
 # Usage (device tool): NVFP4_COMMIT=<hash> STEPS="tests gemm moe" bash bench/run_gpu.sh
-# Each step has its own timeout (T_TESTS, T_GEMM, T_MOE, T_PROFILE seconds); everything lands
+# Each step has its own timeout (T_TESTS, T_GEMM, T_MOE, T_PROFILE seconds); GEMM_SHAPES, GEMM_MS
+# and MOE_TOKENS narrow the benches (bench/merge_results.py merges a partial run into the
+# committed JSON); everything lands
 # under $OUT (run.log plus each tool's JSON/PNG). Pass the commit: the device copy's .git is the session's base.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -24,11 +26,12 @@ for s in $STEPS; do
     gemm)
       step "gemm bench"
       timeout "$T_GEMM" python3 bench/gemm_bench.py --out "$OUT" --budget-s $((T_GEMM - 40)) \
-        --shapes "${GEMM_SHAPES:-28672x8192,4096x14336,4096x4096,14336x4096}" 2>&1 \
+        --shapes "${GEMM_SHAPES:-28672x8192,4096x14336,4096x4096,14336x4096}" --ms "${GEMM_MS:-}" 2>&1 \
         | grep -v Warning | tail -60 | tee -a "$OUT/run.log" ;;
     moe)
       step "moe bench"
-      timeout "$T_MOE" python3 bench/moe_bench.py --out "$OUT" --quick --budget-s $((T_MOE - 70)) 2>&1 \
+      timeout "$T_MOE" python3 bench/moe_bench.py --out "$OUT" --quick --budget-s $((T_MOE - 70)) \
+        --tokens "${MOE_TOKENS:-1,8,64,512,4096}" 2>&1 \
         | grep -v Warning | tail -40 | tee -a "$OUT/run.log" ;;
     profile)
       step "moe profile"

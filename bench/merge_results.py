@@ -1,0 +1,60 @@
+"""Merge a new benchmark JSON into the committed one: new records replace old ones with the same
+key, old records without a new counterpart are kept (each record keeps its own commit and date).
+
+Usage: python bench/merge_results.py {gemm|moe} OLD.json NEW.json OUT.json [--note TEXT]
+Top-level metadata (date, commit, gpu, versions, timing) comes from NEW; the PNG next to OUT is
+redrawn from the merged records.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+KEYS = {"gemm": ("impl", "N", "K", "M"), "moe": ("impl", "shape", "routing", "T")}
+
+
+def merge(kind: str, old: dict, new: dict) -> dict:
+    keys = KEYS[kind]
+    stamp = {"commit": new.get("commit"), "date": new.get("date")}
+    fresh = [{**r, **{k: v for k, v in stamp.items() if k not in r}} for r in new["records"]]
+    seen = {tuple(r.get(k) for k in keys) for r in fresh}
+    kept = [r for r in old["records"] if tuple(r.get(k) for k in keys) not in seen]
+    return {**{k: v for k, v in new.items() if k != "records"}, "records": fresh + kept}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("kind", choices=sorted(KEYS))
+    p.add_argument("old")
+    p.add_argument("new")
+    p.add_argument("out")
+    p.add_argument("--note", default="")
+    a = p.parse_args()
+    with open(a.old) as f:
+        old = json.load(f)
+    with open(a.new) as f:
+        new = json.load(f)
+    doc = merge(a.kind, old, new)
+    if a.note:
+        doc["note"] = a.note
+    with open(a.out, "w") as f:
+        json.dump(doc, f, indent=1)
+    if a.kind == "gemm":
+        import gemm_bench as bench_mod
+
+        png = "gemm-h200.png"
+    else:
+        import moe_bench as bench_mod
+
+        png = "moe-h200.png"
+    bench_mod.plot(doc["records"], os.path.join(os.path.dirname(os.path.abspath(a.out)), png))
+    print(f"{a.out}: {len(doc['records'])} records ({len(new['records'])} new)")
+
+
+if __name__ == "__main__":
+    main()

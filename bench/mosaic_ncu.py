@@ -1,0 +1,38 @@
+"""Run the Mosaic GPU GEMM a few times on one shape, for a profiler (Nsight Compute) to attach.
+
+Usage: ncu --target-processes all -k regex:'^(?!.*fusion).*' python bench/mosaic_ncu.py [N K M]
+Prints nothing but the timing of the eager calls; the profiler reports registers per thread,
+occupancy, DRAM throughput and warp stall reasons of the kernel.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from nvfp4_jax.gemm.mosaic import auto_config, default_config, matmul_mosaic
+
+
+def main():
+    n, k, m = (int(v) for v in (sys.argv[1:4] if len(sys.argv) > 3 else (28672, 8192, 16)))
+    rng = np.random.default_rng(0)
+    codes = jnp.asarray(rng.integers(0, 256, (n, k // 2), dtype=np.uint8))
+    scales = jnp.asarray(rng.integers(0x30, 0x40, (n, k // 16), dtype=np.uint8))
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    cfg = auto_config(m, n, k) or default_config(m, n, k)
+    f = jax.jit(lambda x, c, s: matmul_mosaic(x, c, s, 1.0, config=cfg))
+    for _ in range(3):
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(x, codes, scales))
+        print(f"{n}x{k} M={m} {cfg}: {1e6 * (time.perf_counter() - t0):.1f} us (host)", flush=True)
+
+
+if __name__ == "__main__":
+    main()

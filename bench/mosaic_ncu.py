@@ -1,6 +1,8 @@
 """Run the Mosaic GPU GEMM a few times on one shape, for a profiler (Nsight Compute) to attach.
 
-Usage: ncu --target-processes all -k regex:'^(?!.*fusion).*' python bench/mosaic_ncu.py [N K M]
+Usage: ncu -k regex:nvfp4 --launch-count 2 python bench/mosaic_ncu.py [N K M]
+(the kernel is named after its body, ``nvfp4_w4a16_mosaic``; an unfiltered ncu spends its
+launch count on XLA's autotuning kernels)
 Prints nothing but the timing of the eager calls; the profiler reports registers per thread,
 occupancy, DRAM throughput and warp stall reasons of the kernel.
 """

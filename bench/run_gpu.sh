@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU tests (incl. the SM12x compile check) and both benchmarks on the GPU machine.
-# Usage (device tool): NVFP4_COMMIT=<hash> STEPS="tests gemm moe" bash bench/run_gpu.sh
+# Usage (device tool): NVFP4_COMMIT=<hash> STEPS="tests gemm moe ncu" bash bench/run_gpu.sh
 # Each step has its own timeout (T_TESTS, T_GEMM, T_MOE, T_PROFILE seconds); GEMM_SHAPES, GEMM_MS
 # and MOE_TOKENS narrow the benches (bench/merge_results.py merges a partial run into the
 # committed JSON); everything lands
@@ -38,6 +38,13 @@ for s in $STEPS; do
       timeout "$T_PROFILE" python3 bench/moe_profile.py --out "$OUT" --reps 2 \
         --cases "${PROFILE_CASES:-nemotron:4096,qwen3_30b:4096,qwen3_30b:1}" 2>&1 \
         | grep -v Warning | tail -45 | tee -a "$OUT/run.log" ;;
+    ncu)
+      step "Nsight Compute: one launch of the Mosaic GEMM (${NCU_SHAPE:-28672 8192 16})"
+      timeout "${T_NCU:-120}" ncu -k regex:nvfp4 --launch-count 1 --section SpeedOfLight \
+        --section Occupancy --section LaunchStats --section WarpStateStats \
+        --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
+        python3 bench/mosaic_ncu.py ${NCU_SHAPE:-28672 8192 16} > "$OUT/ncu-mosaic.txt" 2>&1
+      grep -v "^==PROF==" "$OUT/ncu-mosaic.txt" | tail -80 | tee -a "$OUT/run.log" ;;
     *) echo "unknown step $s" | tee -a "$OUT/run.log" ;;
   esac
 done

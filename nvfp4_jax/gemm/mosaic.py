@@ -311,7 +311,7 @@ def _build(m_tile: int, n: int, k: int, cfg: MosaicConfig, split: int):
     ]
     x_transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 
-    def kernel(x_gmem, c_gmem, s_gmem, o_gmem, o_smem):
+    def nvfp4_w4a16_mosaic(x_gmem, c_gmem, s_gmem, o_gmem, o_smem):  # the kernel's name
         ni = lax.axis_index("n")
         si = lax.axis_index("s")
         n0 = ni * bn
@@ -365,7 +365,7 @@ def _build(m_tile: int, n: int, k: int, cfg: MosaicConfig, split: int):
             plgpu.SMEM((bn, m_tile), jnp.float32)
         ]
         return plgpu.kernel(
-            kernel, grid=(n_tiles, split), grid_names=("n", "s"), **kw
+            nvfp4_w4a16_mosaic, grid=(n_tiles, split), grid_names=("n", "s"), **kw
         )
 
     return make, out_type

@@ -1,0 +1,107 @@
+"""Markdown tables for the README from bench/results/{gemm,moe}-h200.json.
+
+Usage: python bench/tables.py [gemm|moe] [--results DIR]
+GEMM: per (N x K, M) our W4A16 (with the kernel auto chose), W4A4, bf16 jnp.dot, and the ratios
+(the slower of our two against scaled_matmul and XLA dequantize-then-dot). MoE: ours vs the
+bf16 ragged_dot and dequantize+ragged_dot baselines, TB/s over touched-expert NVFP4 bytes as a
+fraction of the HBM copy record of the same file. A record older than the file's commit is
+marked with *.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+
+def _kernel(r: dict) -> str:
+    if (r.get("config") or {}).get("algo") == "dequant_dot":
+        return "dequant+cuBLAS"
+    return r.get("backend") or "pallas"
+
+
+def _ratio(v: float) -> str:
+    """Speed-up over a peer; a loss (< 1) in bold."""
+    txt = f"{v:.1f}x" if v >= 10 else f"{v:.2f}x"
+    return f"**{txt}**" if v < 1 else txt
+
+
+def gemm(doc: dict) -> str:
+    by = {(r["impl"], r["N"], r["K"], r["M"]): r for r in doc["records"] if "median_us" in r}
+    head = doc.get("commit")
+    lines = [
+        "| N x K | M | W4A16 us (kernel) | W4A4 us | bf16 dot us | vs bf16 | vs scaled_matmul "
+        "| vs XLA dequant+dot | NVFP4 weight TB/s |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    shapes = sorted({(r["N"], r["K"]) for r in doc["records"]}, key=lambda s: -s[0] * s[1])
+    for n, k in shapes:
+        for m in sorted({r["M"] for r in doc["records"] if (r["N"], r["K"]) == (n, k)}):
+            o, q, b = (by.get((i, n, k, m)) for i in ("nvfp4_w4a16", "nvfp4_w4a4", "bf16_dot"))
+            if not (o and b):
+                continue
+            sm, xd = by.get(("scaled_matmul", n, k, m)), by.get(("xla_dequant_dot", n, k, m))
+            slow = max(o["median_us"], q["median_us"] if q else 0.0)
+            star = " *" if o.get("commit", head) != head else ""
+            tb = o.get("weight_tbps") if m <= 64 else None
+            lines.append(
+                f"| {n}x{k}{star} | {m} | {o['median_us']:.1f} ({_kernel(o)}) | "
+                f"{q['median_us']:.1f} | {b['median_us']:.1f} | "
+                f"{b['median_us'] / o['median_us']:.2f}x | "
+                + (_ratio(sm["median_us"] / slow) if sm else "-")
+                + " | "
+                + (_ratio(xd["median_us"] / slow) if xd else "-")
+                + " | "
+                + (f"{tb:.2f}" if tb else "-")
+                + " |"
+            )
+    return "\n".join(lines)
+
+
+def moe(doc: dict) -> str:
+    copy = next((r["tbps"] for r in doc["records"] if r["impl"] == "hbm_copy"), None)
+    by = {(r["impl"], r["shape"], r["routing"], r["T"]): r for r in doc["records"]
+          if r["impl"] != "hbm_copy"}
+    head = doc.get("commit")
+    lines = [
+        "| shape | T | routing | ours us | TB/s (% of copy) | TFLOP/s | bf16 ragged_dot us "
+        "(ours faster by) | dequant+ragged_dot us |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    keys = sorted({k[1:] for k in by if k[0] == "nvfp4_moe"},
+                  key=lambda t: (t[0] != "nemotron", t[2], t[1] != "random"))
+    for shape, routing, t in keys:
+        o = by[("nvfp4_moe", shape, routing, t)]
+        if "median_us" not in o:
+            continue
+        b, d = by.get(("bf16_ragged_dot", shape, routing, t)), by.get(
+            ("dequant_ragged_dot", shape, routing, t))
+
+        def cell(r):
+            if not r:
+                return "-"
+            if "median_us" not in r:
+                return "skipped" if "skipped" in r.get("error", "") else "failed"
+            return f"{r['median_us']:.0f}" + ("*" if r.get("commit", head) != head else "")
+
+        tb = f"{o['tbps']:.2f} ({100 * o['tbps'] / copy:.0f} %)" if copy and t <= 512 else "-"
+        ratio = (f" ({b['median_us'] / o['median_us']:.1f}x)"
+                 if b and "median_us" in b else "")
+        lines.append(f"| {shape} | {t} | {routing} | {cell(o)} | {tb} | {o['tflops']:.1f} | "
+                     f"{cell(b)}{ratio} | {cell(d)} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("which", choices=("gemm", "moe"))
+    p.add_argument("--results", default=os.path.join(os.path.dirname(__file__), "results"))
+    a = p.parse_args()
+    with open(os.path.join(a.results, f"{a.which}-h200.json")) as f:
+        doc = json.load(f)
+    print(gemm(doc) if a.which == "gemm" else moe(doc))
+
+
+if __name__ == "__main__":
+    main()

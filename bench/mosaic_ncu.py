@@ -1,6 +1,7 @@
 """Run the Mosaic GPU GEMM a few times on one shape, for a profiler (Nsight Compute) to attach.
 
-Usage: ncu -k regex:nvfp4 --launch-count 2 python bench/mosaic_ncu.py [N K M]
+Usage: ncu -k regex:nvfp4 --launch-count 4 python bench/mosaic_ncu.py [NxKxM ...]
+(each shape runs twice; default 28672x8192x16 28672x8192x64)
 (the kernel is named after its body, ``nvfp4_w4a16_mosaic``; an unfiltered ncu spends its
 launch count on XLA's autotuning kernels)
 Prints nothing but the timing of the eager calls; the profiler reports registers per thread,
@@ -22,18 +23,22 @@ import numpy as np
 from nvfp4_jax.gemm.mosaic import auto_config, default_config, matmul_mosaic
 
 
-def main():
-    n, k, m = (int(v) for v in (sys.argv[1:4] if len(sys.argv) > 3 else (28672, 8192, 16)))
+def run(n: int, k: int, m: int) -> None:
     rng = np.random.default_rng(0)
     codes = jnp.asarray(rng.integers(0, 256, (n, k // 2), dtype=np.uint8))
     scales = jnp.asarray(rng.integers(0x30, 0x40, (n, k // 16), dtype=np.uint8))
     x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
     cfg = auto_config(m, n, k) or default_config(m, n, k)
     f = jax.jit(lambda x, c, s: matmul_mosaic(x, c, s, 1.0, config=cfg))
-    for _ in range(3):
+    for _ in range(2):
         t0 = time.perf_counter()
         jax.block_until_ready(f(x, codes, scales))
         print(f"{n}x{k} M={m} {cfg}: {1e6 * (time.perf_counter() - t0):.1f} us (host)", flush=True)
+
+
+def main():
+    for spec in sys.argv[1:] or ["28672x8192x16", "28672x8192x64"]:
+        run(*(int(v) for v in spec.split("x")))
 
 
 if __name__ == "__main__":

@@ -39,12 +39,12 @@ for s in $STEPS; do
         --cases "${PROFILE_CASES:-nemotron:4096,qwen3_30b:4096,qwen3_30b:1}" 2>&1 \
         | grep -v Warning | tail -45 | tee -a "$OUT/run.log" ;;
     ncu)
-      step "Nsight Compute: one launch of the Mosaic GEMM (${NCU_SHAPE:-28672 8192 16})"
-      timeout "${T_NCU:-120}" ncu -k regex:nvfp4 --launch-count 1 --section SpeedOfLight \
+      step "Nsight Compute: the Mosaic GEMM (${NCU_SHAPES:-28672x8192x16 28672x8192x64}, 2 launches each)"
+      timeout "${T_NCU:-120}" ncu -k regex:nvfp4 --launch-count 4 --section SpeedOfLight \
         --section Occupancy --section LaunchStats --section WarpStateStats \
         --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
-        python3 bench/mosaic_ncu.py ${NCU_SHAPE:-28672 8192 16} > "$OUT/ncu-mosaic.txt" 2>&1
-      grep -v "^==PROF==" "$OUT/ncu-mosaic.txt" | tail -80 | tee -a "$OUT/run.log" ;;
+        python3 bench/mosaic_ncu.py ${NCU_SHAPES:-28672x8192x16 28672x8192x64} > "$OUT/ncu-mosaic.txt" 2>&1
+      grep -v "^==PROF==" "$OUT/ncu-mosaic.txt" | tail -60 | tee -a "$OUT/run.log" ;;
     *) echo "unknown step $s" | tee -a "$OUT/run.log" ;;
   esac
 done

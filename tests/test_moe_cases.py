@@ -52,6 +52,44 @@ def make_case(rng, *, t, h, inter, e, k, activation="relu2", routing="random", s
     return hidden, ids, wts, fc1, fc2, s1, s2
 
 
+def make_case_fast(rng, *, t, h, inter, e, k, activation="relu2", routing="random", scale_factor=1.0):
+    """``make_case`` at realistic widths in seconds: weights quantized by nvfp4_jax (jitted, on the
+    default device; ``trtllm`` recipe, per-expert decode scale as in make_case) instead of the
+    float64 oracle quantizer, and the FC2 input scale from an fp32 estimate of the FC1 output
+    on the unquantized weights. The oracle takes whatever bytes it is given, so the checks are
+    the same; only the problem generator is cheaper."""
+    import jax
+    import jax.numpy as jnp
+    import ml_dtypes
+
+    import nvfp4_jax
+
+    r = 2 * inter if activation == "swiglu" else inter
+    bf = lambda a: np.asarray(a, np.float32).astype(ml_dtypes.bfloat16)
+    hidden = bf(rng.standard_normal((t, h), dtype=np.float32)).astype(np.float64)
+    w1 = bf(rng.standard_normal((e, r, h), dtype=np.float32) / np.sqrt(h))
+    w2 = bf(rng.standard_normal((e, h, inter), dtype=np.float32) / np.sqrt(inter))
+    quant = jax.jit(jax.vmap(lambda x, d: nvfp4_jax.quantize(x, "trtllm", decode_scale=d)))
+
+    def q(w):
+        d = (np.abs(w.astype(np.float32)).max(axis=(1, 2)) / 2688 * scale_factor).astype(np.float32)
+        qs = quant(jnp.asarray(w), jnp.asarray(d))
+        sb = np.asarray(jax.lax.bitcast_convert_type(qs.scales, jnp.uint8))
+        return oracle.NVFP4(np.asarray(qs.codes), sb, d.astype(np.float64))
+
+    fc1, fc2 = q(w1), q(w2)
+    ids = routing_ids(rng, t, e, k, routing)
+    wts = f32(rng.random(ids.shape) + 0.1)
+    wts = f32(wts / wts.sum(1, keepdims=True))
+    amax_x = max(float(np.abs(hidden).max()), 1e-3)
+    s1 = f32(amax_x * rng.uniform(0.7, 1.3, e) / 2688)
+    u = jnp.einsum("th,erh->ter", jnp.asarray(hidden, jnp.float32), jnp.asarray(w1, jnp.float32))
+    hf = activate(np.asarray(u, np.float64), activation)
+    amax_h = max(float(np.abs(hf).max()), 1e-3)
+    s2 = f32(amax_h * rng.uniform(0.7, 1.3, e) / 2688)
+    return hidden, ids, wts, fc1, fc2, s1, s2
+
+
 # ---------------------------------------------------------------------------------------
 # Stage-wise comparison of a kernel's MoE with the oracle (bounds derived, not tuned)
 # ---------------------------------------------------------------------------------------

@@ -1,4 +1,7 @@
-"""Pallas-Triton MoE on the GPU at realistic layer widths vs the oracle (stage-wise bounds)."""
+"""Pallas-Triton MoE on the GPU at realistic layer widths vs the oracle (stage-wise bounds).
+
+Forces ``kernel="triton"`` (on sm_90 "auto" would pick the Mosaic kernels at these sizes;
+those are tested in test_moe_mosaic_gpu.py)."""
 
 from __future__ import annotations
 
@@ -30,7 +33,8 @@ def test_moe_gpu_matches_oracle(mode, shape):
     case = make_case(np.random.default_rng(shape["t"]), **shape)
     act_scale = "scalar" if mode == "trtllm_cutlass" else "per_expert"
     fn = functools.partial(moe_pallas, activation=shape["activation"], gate_up_order="up_gate", mode=mode,
-                           activation_scale=act_scale, return_intermediates=True)
+                           activation_scale=act_scale, return_intermediates=True,
+                           kernel="triton")  # the Mosaic path: test_moe_mosaic_gpu.py
     out, inter = jax.jit(fn)(*to_jax(case))
     f = lambda a: np.asarray(a.astype(jnp.float32), np.float64)
     stats = check_against_oracle(case, f(out), f(inter["h"]), mode=mode, activation=shape["activation"])

@@ -7,6 +7,8 @@ import jax.numpy as jnp
 
 from ..quantize import NVFP4Array
 from .configs import MoEConfig
+from .mosaic import MosaicMoEConfig
+from .pallas_triton import KERNELS
 from .routing import ROUTINGS, select_experts
 from .xla import ACTIVATION_SCALES, ACTIVATIONS, GATE_UP_ORDERS, MODES, moe_xla
 
@@ -80,7 +82,8 @@ def moe(
     mode: str = "trtllm_cutlass",
     activation_scale: str | None = None,
     backend: str = "auto",
-    config: MoEConfig | None = None,
+    config: MoEConfig | MosaicMoEConfig | None = None,
+    kernel: str = "auto",
     interpret: bool | None = None,
 ) -> jax.Array:
     """Routed NVFP4 mixture-of-experts layer -> bf16 [T, H]. Jittable for any T; no host sync.
@@ -94,7 +97,13 @@ def moe(
     ``mode``: "trtllm_cutlass" or "b12x" (arithmetic of ``oracle.moe``); ``activation_scale``:
     "scalar" (default for trtllm_cutlass, the only choice there) or "per_expert" (default for
     b12x). ``backend``: "pallas" (Pallas-Triton kernels; ``interpret=True`` runs them on CPU),
-    "xla", or "auto" (pallas on a GPU, else xla).
+    "xla", or "auto" (pallas on a GPU, else xla). ``kernel`` (pallas backend only): "triton"
+    (Pallas-Triton grouped GEMMs, fused epilogues), "mosaic" (Pallas Mosaic GPU grouped GEMMs,
+    Hopper only, H % 256 == 0; FC2 stays on Pallas-Triton when I % 256 != 0; epilogues in XLA;
+    with ``interpret`` an XLA emulation of the kernels) or "auto" (mosaic on an sm_90 GPU when
+    T*k <= ``moe.mosaic.MAX_ROUTES``, no Pallas-Triton ``config`` was given and H % 256 == 0,
+    else triton; logged). ``config``: ``MoEConfig`` (Pallas-Triton tiles) or
+    ``moe.mosaic.MosaicMoEConfig`` (Mosaic tiles), None for the defaults.
     """
     hidden = jnp.asarray(hidden)
     if activation_scale is None:
@@ -102,6 +111,8 @@ def moe(
     s1 = jnp.asarray(fc1_input_scale)
     s2 = jnp.asarray(fc2_input_scale)
     e = _check(hidden, fc1, fc2, s1, s2, activation, gate_up_order, mode, backend, activation_scale)
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel: expected one of {KERNELS}, got {kernel!r}")
     s1, s2 = jnp.broadcast_to(s1, (e,)), jnp.broadcast_to(s2, (e,))
     if router_logits is not None:
         if topk_ids is not None or topk_weights is not None:
@@ -136,4 +147,4 @@ def moe(
     if interpret is None:
         interpret = not _on_gpu()
     return moe_pallas(hidden, topk_ids, topk_weights, fc1, fc2, s1, s2, config=config,
-                      interpret=interpret, **kw)
+                      kernel=kernel, interpret=interpret, **kw)

@@ -21,6 +21,9 @@ R = I or 2I, EM = BM * max_blocks sorted rows, see routing.py):
    (fp32), store fp32 ``[EM, H]`` rows.
 4. XLA: gather each route's row, sum over the k routes in fp32, cast to bf16.
 
+On sm_90 at decode sizes ``moe_pallas`` runs ``mosaic.moe_mosaic`` instead (``kernel="auto"``,
+see ``choose_kernel``): Mosaic GPU grouped GEMMs with the epilogues in XLA.
+
 Each block reads its expert's weights once; its activation rows are read from HBM once and
 then from L2 by its other output tiles, and consecutive blocks of one expert find the expert's
 weight tiles in L2. Divisions in the requantization use ``div.rn.f32`` (IEEE, inline PTX) on
@@ -31,6 +34,7 @@ at ties.
 from __future__ import annotations
 
 import functools
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -45,6 +49,8 @@ from ..quantize import _div as _ieee_div
 from .configs import Config, MoEConfig, default_config
 from .routing import block_routing
 from .xla import moe_scales, quantized_values, recipe_of
+
+log = logging.getLogger(__name__)
 
 _FLT_MAX = 3.4028234663852886e38
 _DIMS = (((1,), (1,)), ((), ()))
@@ -234,6 +240,83 @@ def _fc2_kernel(be_ref, nb_ref, xe_ref, xo_ref, c_ref, s_ref, a2_ref, w_ref, o_r
         plgpu.store(o_ref.at[pl.ds(m0, BM), pl.ds(n0, BN)], contrib.T, mask=col_mask[None, :])
 
 
+KERNELS = ("auto", "triton", "mosaic")
+
+
+def _is_sm90() -> bool:
+    from ..gemm.api import _gpu_compute_capability
+
+    return _gpu_compute_capability() == 90
+
+
+def choose_kernel(kernel: str, config, *, routes: int, hidden: int, interpret: bool) -> str:
+    """"triton" or "mosaic" for ``moe_pallas`` (the choice of "auto" is logged).
+
+    "auto": "mosaic" when ``config`` is None or a ``MosaicMoEConfig``, not interpreting, on an
+    sm_90 GPU, with ``routes <= mosaic.MAX_ROUTES`` and H % 256 == 0; a ``MoEConfig`` (Pallas-
+    Triton tiles) or anything else gives "triton". "mosaic" / "triton" are taken as asked
+    ("mosaic" with ``interpret`` runs the kernels' XLA emulation, for CPU tests).
+    """
+    from . import mosaic as _mosaic
+
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel: expected one of {KERNELS}, got {kernel!r}")
+    if kernel == "mosaic":
+        if isinstance(config, MoEConfig):
+            raise ValueError("config: kernel='mosaic' takes a MosaicMoEConfig (or None), got a "
+                             "Pallas-Triton MoEConfig")
+        _mosaic.check_supported(hidden, name="fc1")
+        if not interpret and not _is_sm90():
+            raise ValueError("kernel: 'mosaic' needs an sm_90 (Hopper) GPU (or interpret=True, "
+                             "which runs the kernels' XLA emulation)")
+        return "mosaic"
+    if kernel == "triton":
+        if isinstance(config, _mosaic.MosaicMoEConfig):
+            raise ValueError("config: kernel='triton' takes a MoEConfig (or None), got a MosaicMoEConfig")
+        return "triton"
+    if isinstance(config, MoEConfig):
+        why = "explicit Pallas-Triton MoEConfig"
+    elif interpret:
+        why = "interpret mode"
+    elif not _is_sm90():
+        why = "not an sm_90 GPU"
+    elif routes > _mosaic.MAX_ROUTES:
+        why = f"T*k = {routes} routes > mosaic.MAX_ROUTES = {_mosaic.MAX_ROUTES}"
+    elif hidden % _mosaic.BLOCK_K:
+        why = f"H = {hidden} is not a multiple of {_mosaic.BLOCK_K}"
+    else:
+        log.info("nvfp4_jax.moe: kernel auto -> mosaic (sm_90, %d routes <= %d)", routes,
+                 _mosaic.MAX_ROUTES)
+        return "mosaic"
+    if isinstance(config, _mosaic.MosaicMoEConfig):
+        raise ValueError(  # noqa: TRY004 - not a type error: the device or shape rules it out
+            f"config: a MosaicMoEConfig was given but the Mosaic kernels cannot run ({why})")
+    log.info("nvfp4_jax.moe: kernel auto -> triton (%s)", why)
+    return "triton"
+
+
+def fc2_triton(meta, he, ho, fc2: NVFP4Array, a2, wt, *, cfg: Config, em: int, h_dim: int,
+               inter: int, mode: str, interpret: bool) -> jax.Array:
+    """Pallas-Triton grouped FC2 (+ alpha2, bf16 in trtllm_cutlass, router weight) -> fp32 [EM, H].
+
+    meta: (block_expert [NB], num_blocks [1]); he/ho: even/odd K columns of the FC2 operand
+    (``q * sf`` bf16 [EM, I/2]); wt: fp32 router weight per sorted row [EM]."""
+    codes, scales = _stack(fc2, cfg)
+    return pl.pallas_call(
+        functools.partial(_fc2_kernel, cfg=cfg, H=h_dim, I=inter, mode=mode),
+        out_shape=jax.ShapeDtypeStruct((em, h_dim), jnp.float32),
+        grid=(em // cfg.block_m * _cdiv(h_dim, cfg.block_n),),
+        compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+        interpret=interpret,
+        name="nvfp4_moe_fc2",
+    )(*meta, he, ho, codes, scales, a2, wt)
+
+
+def _stack(w: NVFP4Array, cfg: Config):
+    codes = w.codes if cfg.load2d else w.codes.reshape(w.shape[0], w.shape[1], w.shape[2] // 16, 8)
+    return codes, lax.bitcast_convert_type(w.linear_scales(), jnp.uint8)
+
+
 def moe_pallas(
     hidden: jax.Array,
     topk_ids: jax.Array,
@@ -247,18 +330,32 @@ def moe_pallas(
     gate_up_order: str,
     mode: str,
     activation_scale: str,
-    config: MoEConfig | None = None,
+    config=None,
+    kernel: str = "auto",
     interpret: bool = False,
     return_intermediates: bool = False,
 ):
-    """Pallas-Triton MoE -> bf16 [T, H] (and per-route ``h`` [T*k, I] with ``return_intermediates``).
+    """Pallas MoE -> bf16 [T, H] (and per-route ``h`` [T*k, I] with ``return_intermediates``).
 
     Arguments as :func:`nvfp4_jax.moe` (validated there); fc1/fc2 scales in the linear layout.
+    ``kernel`` (see ``choose_kernel``): "triton" (the Pallas-Triton kernels of this module),
+    "mosaic" (``mosaic.moe_mosaic``: Mosaic GPU grouped GEMMs on Hopper, FC2 on Pallas-Triton
+    when I % 256 != 0) or "auto" (mosaic on sm_90 at decode sizes, ``mosaic.MAX_ROUTES``; logged).
+    ``config``: ``MoEConfig`` (Pallas-Triton tiles), ``mosaic.MosaicMoEConfig`` or None (defaults).
     """
     t, k = topk_ids.shape
     e, _r, h_dim = fc1.shape
     inter = fc2.shape[2]
     n_routes = t * k
+    if choose_kernel(kernel, config, routes=n_routes, hidden=h_dim, interpret=interpret) == "mosaic":
+        from .mosaic import moe_mosaic
+
+        if interpret:
+            log.info("nvfp4_jax.moe: kernel mosaic in interpret mode -> XLA emulation of the kernels")
+        return moe_mosaic(hidden, topk_ids, topk_weights, fc1, fc2, fc1_input_scale,
+                          fc2_input_scale, activation=activation, gate_up_order=gate_up_order,
+                          mode=mode, activation_scale=activation_scale, config=config,
+                          reference=interpret, return_intermediates=return_intermediates)
     if config is None:
         config = default_config(n_routes, e, inter=inter, hidden=h_dim, gated=activation == "swiglu")
         if interpret:
@@ -286,12 +383,7 @@ def moe_pallas(
     xe, xo = xv[:, 0::2], xv[:, 1::2]
     wt = jnp.where(valid, topk_weights.reshape(-1).astype(jnp.float32)[route], 0.0)
 
-    def stack(w: NVFP4Array, cfg: Config):
-        codes = w.codes if cfg.load2d else w.codes.reshape(w.shape[0], w.shape[1], w.shape[2] // 16, 8)
-        return codes, lax.bitcast_convert_type(w.linear_scales(), jnp.uint8)
-
-    c1c, c1s = stack(fc1, c1)
-    c2c, c2s = stack(fc2, c2)
+    c1c, c1s = _stack(fc1, c1)
     meta = (br.block_expert, br.num_blocks)
 
     out1 = [jax.ShapeDtypeStruct((em, inter // 2), jnp.bfloat16)] * 2
@@ -307,14 +399,8 @@ def moe_pallas(
         name="nvfp4_moe_fc1",
     )(*meta, xe, xo, c1c, c1s, a1, g2, rg2)
     he, ho = he_ho[0], he_ho[1]
-    contrib = pl.pallas_call(
-        functools.partial(_fc2_kernel, cfg=c2, H=h_dim, I=inter, mode=mode),
-        out_shape=jax.ShapeDtypeStruct((em, h_dim), jnp.float32),
-        grid=(nb * _cdiv(h_dim, c2.block_n),),
-        compiler_params=plgpu.CompilerParams(num_warps=c2.num_warps, num_stages=c2.num_stages),
-        interpret=interpret,
-        name="nvfp4_moe_fc2",
-    )(*meta, he, ho, c2c, c2s, a2, wt)
+    contrib = fc2_triton(meta, he, ho, fc2, a2, wt, cfg=c2, em=em, h_dim=h_dim, inter=inter,
+                         mode=mode, interpret=interpret)
     out = contrib[br.route_pos].reshape(t, k, h_dim).sum(axis=1).astype(jnp.bfloat16)
     if return_intermediates:
         return out, {"h": he_ho[2][br.route_pos]}

@@ -1,0 +1,192 @@
+"""Mosaic GPU grouped-GEMM MoE vs the Pallas-Triton MoE at decode sizes, same process (H200).
+
+Usage: python3 bench/moe_mosaic_probe.py --out DIR [--budget-s 120] [--shapes nemotron,qwen3_30b]
+       [--tokens 1,8,64] [--sweep]
+Times the whole layer with moe_bench's harness (``timed_loop`` / ``measure``: in-graph, NROT
+layers with different random routings per loop iteration, difference of two loop lengths) for
+``kernel="triton"`` and ``kernel="mosaic"`` (default config, ``moe.mosaic.auto_config``), then,
+with ``--sweep`` and while the budget lasts, Mosaic config variants (block_n, stages, split_k,
+block_m, block_k). Each Mosaic config's output is compared with the Triton path's (max |diff| /
+max |ref|: both are within the oracle bounds, so this is a sanity check only). Bytes: touched
+experts' NVFP4 weights (0.5625 B/weight), averaged over the NROT routings.
+Writes DIR/moe-mosaic-probe-h200.json progressively.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from moe_bench import (
+    NROT,
+    SHAPES,
+    input_scales,
+    make_hidden,
+    make_routing,
+    make_weights,
+    measure,
+    timed_loop,
+)
+from run_meta import run_metadata
+
+from nvfp4_jax.gemm.mosaic import MosaicConfig
+from nvfp4_jax.moe.api import moe
+from nvfp4_jax.moe.mosaic import MosaicMoEConfig, auto_config
+
+SMOKE = {"smoke": {"hidden": 256, "inter": 256, "experts": 8, "top_k": 2, "activation": "swiglu"}}
+
+
+def layer_fn(activation, kernel, config=None):
+    def layer(x, tids, w, p):
+        return moe(x, fc1=p[0], fc2=p[1], fc1_input_scale=p[2], fc2_input_scale=p[3],
+                   topk_ids=tids, topk_weights=w, activation=activation, backend="pallas",
+                   kernel=kernel, config=config)
+    return layer
+
+
+def _mc(c: MosaicConfig, **kw) -> MosaicConfig:
+    return dataclasses.replace(c, **kw)
+
+
+def variants(base: MosaicMoEConfig, hidden: int, inter: int) -> list[tuple[str, MosaicMoEConfig]]:
+    """Single-knob moves around the default, applied to both Mosaic GEMMs (where valid)."""
+    out = []
+
+    def add(name, **kw):
+        def ok(k):
+            return k % 256 == 0 and k % kw.get("block_k", 256) == 0
+
+        f1 = _mc(base.fc1, **kw) if ok(hidden) else base.fc1
+        f2 = _mc(base.fc2, **kw) if ok(inter) else base.fc2
+        out.append((name, dataclasses.replace(base, fc1=f1, fc2=f2)))
+
+    add("stages3", num_stages=3)
+    add("stages4", num_stages=4)
+    add("bn64", block_n=64)
+    add("split_x2", split_k=base.fc1.split_k * 2)
+    add("split_x4", split_k=base.fc1.split_k * 4)
+    if base.fc1.split_k > 1:
+        add("split1", split_k=1)
+    add("bk512_stages2", block_k=512)
+    if base.block_m == 8:
+        out.append(("bm16", dataclasses.replace(base, block_m=16)))
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--shapes", default="nemotron,qwen3_30b")
+    ap.add_argument("--tokens", default="1,8,64")
+    ap.add_argument("--budget-s", type=float, default=120.0)
+    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--sweep-tokens", default="1,8")
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    t0 = time.time()
+    rng = np.random.default_rng(0)
+    doc = {**run_metadata(), "what": "moe mosaic probe", "records": []}
+    recs = doc["records"]
+    path = os.path.join(args.out, "moe-mosaic-probe-h200.json")
+
+    def save():
+        with open(path, "w") as f:
+            json.dump(doc, f, indent=1)
+
+    cases = []  # (sname, t, prepared)
+    for sname in args.shapes.split(","):
+        s = {**SHAPES, **SMOKE}[sname]
+        e, h, i, k, act = s["experts"], s["hidden"], s["inter"], s["top_k"], s["activation"]
+        r = 2 * i if act == "swiglu" else i
+        _w1, _w2, q1, q2 = make_weights(jax.random.PRNGKey(1), s)
+        del _w1, _w2
+        s1, s2 = input_scales(s)
+        params = (q1, q2, s1, s2)
+        for t in map(int, args.tokens.split(",")):
+            ids, wts = make_routing(rng, t, e, k, "random")
+            touched = float(np.mean([len(np.unique(ids[j])) for j in range(NROT)]))
+            tb = touched * (r * h + h * i) * 0.5625
+            cases.append((sname, t, s, params, make_hidden(t, h), jnp.asarray(ids), jnp.asarray(wts),
+                          touched, tb))
+
+    def run_one(sname, t, s, params, hidden, ids, wts, touched, tb, kernel, name, cfg, ref=None):
+        act = s["activation"]
+        lay = layer_fn(act, kernel, cfg)
+        rec = {"shape": sname, "T": t, "kernel": kernel, "variant": name,
+               "config": repr(cfg) if cfg is not None else None, "touched_experts": touched,
+               "touched_bytes": tb}
+        try:
+            out = np.asarray(jax.jit(lay)(hidden, ids[0], wts[0], params).astype(jnp.float32))
+            us, n = measure(timed_loop(lay), hidden, ids, wts, params, budget_s=0.25)
+            rec.update({"median_us": us, "tbps": tb / us / 1e6, "layers_timed": n})
+            if ref is not None:
+                rec["rel_diff_vs_triton"] = float(np.max(np.abs(out - ref)) / max(np.max(np.abs(ref)), 1e-30))
+            if not np.all(np.isfinite(out)):
+                rec["nonfinite"] = True
+        except Exception as exc:  # noqa: BLE001 - record and go on
+            rec["error"] = f"{type(exc).__name__}: {str(exc)[:400]}"
+            out = None
+        recs.append(rec)
+        save()
+        print(f"{sname:9s} T={t:3d} {kernel:6s} {name:14s} "
+              + (f"{rec['median_us']:8.1f} us {rec['tbps']:5.2f} TB/s "
+                 f"diff {rec.get('rel_diff_vs_triton', 0):.2e}" if "error" not in rec else rec["error"][:300])
+              + f"  ({time.time() - t0:.0f}s)", flush=True)
+        return out
+
+    refs = {}
+    for c in cases:  # priority 1: triton vs mosaic default, every case
+        sname, t, s = c[0], c[1], c[2]
+        if time.time() - t0 > args.budget_s:
+            print(f"budget: skipped {sname} T={t}", flush=True)
+            continue
+        refs[(sname, t)] = run_one(*c, "triton", "default", None)
+        cfg = auto_config(t * s["top_k"], s["experts"], hidden=s["hidden"],
+                          rows1=(2 if s["activation"] == "swiglu" else 1) * s["inter"], inter=s["inter"])
+        run_one(*c, "mosaic", "default", cfg, ref=refs[(sname, t)])
+    if args.sweep:  # priority 2: variants, round robin over the cases
+        sweep_t = set(map(int, args.sweep_tokens.split(",")))
+        plans = []
+        for c in cases:
+            sname, t, s = c[0], c[1], c[2]
+            if t not in sweep_t:
+                continue
+            base = auto_config(t * s["top_k"], s["experts"], hidden=s["hidden"],
+                               rows1=(2 if s["activation"] == "swiglu" else 1) * s["inter"], inter=s["inter"])
+            plans.append((c, variants(base, s["hidden"], s["inter"])))
+        for j in range(max((len(v) for _, v in plans), default=0)):
+            for c, vs in plans:
+                if j >= len(vs):
+                    continue
+                if time.time() - t0 > args.budget_s:
+                    break
+                name, cfg = vs[j]
+                run_one(*c, "mosaic", name, cfg, ref=refs.get((c[0], c[1])))
+    doc["elapsed_s"] = time.time() - t0
+    save()
+    print("\nsummary (us; mosaic best of the variants measured):")
+    for c in cases:
+        sname, t = c[0], c[1]
+        rs = [r for r in recs if r["shape"] == sname and r["T"] == t and "error" not in r]
+        tri = [r for r in rs if r["kernel"] == "triton"]
+        mos = sorted((r for r in rs if r["kernel"] == "mosaic"), key=lambda r: r["median_us"])
+        if tri and mos:
+            d = next((r for r in mos if r["variant"] == "default"), mos[0])
+            print(f"{sname:9s} T={t:3d} triton {tri[0]['median_us']:7.1f}  mosaic default "
+                  f"{d['median_us']:7.1f}  best {mos[0]['median_us']:7.1f} ({mos[0]['variant']})  "
+                  f"{tri[0]['median_us'] / mos[0]['median_us']:.2f}x", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,451 @@
+"""Grouped NVFP4 GEMM for the routed MoE as a Pallas Mosaic GPU kernel (Hopper: TMA + wgmma).
+
+The dense kernel of ``gemm/mosaic.py`` (swap-AB, ``plgpu.emit_pipeline`` over K, E2M1 decode in
+inline PTX straight into the wgmma A fragment, K permutation ``_PERM`` applied to x in XLA,
+``wgmma_wait(0)`` after every wgmma) with one expert per block of routed rows:
+
+* inputs: ``x [NB*mt, K]`` bf16, the routed rows already gathered block by block (block ``b``
+  owns rows ``[b*mt, (b+1)*mt)``, one expert each, see ``routing.block_routing``) and
+  K-permuted (``permute_k``); weight codes uint8 ``[E, N, K/2]`` and E4M3 scales uint8
+  ``[E, N, K/16]`` (linear layout); ``block_expert`` int32 ``[NB]``; ``num_blocks`` int32 ``[1]``;
+* grid ``(cdiv(N, block_n), split, NB)``, output tiles fastest (the CTAs running together share
+  a block's x rows in L2, as the Pallas-Triton MoE grid does); a CTA whose block is past
+  ``num_blocks`` exits before any copy (no weight traffic: experts without tokens cost a CTA
+  launch); else it reads ``e = block_expert[b]`` by a scalar load from GMEM and streams
+  ``codes[e, n0:n0+bn, k-range]`` / ``scales[e, ...]`` and its block's x rows by TMA;
+* output fp32 partials ``[split, NB, N_pad, mt]`` (swap-AB accumulators ``[bn, mt]``, times
+  ``2^-7``: multiply by ``POST_SCALE``); rows of blocks past ``num_blocks`` are never written
+  (garbage: the caller never reads them).
+
+TMA needs 16-byte rows of the scale tile, so K % 256 == 0 (``check_supported``). Nemotron's FC2
+(K = I = 2688: 168-byte scale rows, no TMA descriptor possible) keeps the Pallas-Triton kernel
+(``moe_mosaic`` logs it).
+
+``moe_mosaic`` is the routed MoE layer on top: block routing, FC1 (this kernel), the FC1
+epilogue in XLA (``* alpha1[e]``, trtllm_cutlass bf16 rounding, activation, bf16 ``h``,
+requantization with ``G2[e]``: the functions of ``xla.py``, bit-exact with the oracle), FC2
+(this kernel, or Pallas-Triton when ``I % 256 != 0``), ``* alpha2[e]`` (bf16 in
+trtllm_cutlass), router weight, fp32 top-k sum. ``moe_pallas`` calls it on sm_90 at decode sizes
+(``use_mosaic``). ``reference=True`` replaces the kernel by an XLA emulation with the same
+inputs and output layout (CPU tests of the dataflow around the kernel).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from ..gemm.mosaic import _PERM, POST_SCALE, SMEM_LIMIT, MosaicConfig, _decode_fn, permute_x
+from ..quantize import NVFP4Array
+from .configs import Config
+from .configs import default_config as triton_default_config
+from .routing import block_routing, max_blocks
+from .xla import activate, moe_scales, quantized_values, recipe_of
+
+log = logging.getLogger(__name__)
+
+BLOCK_K = 256  # K % BLOCK_K == 0 for TMA (scale tile rows of 16 bytes)
+TOKEN_TILES = (8, 16, 32, 64)  # rows per routing block (wgmma N)
+N_SM = 132  # H200
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+# ----------------------------------------------------------------------------- configs
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicMoEConfig:
+    """Launch configuration of the Mosaic MoE path (data, see ``AUTO_SM90``).
+
+    block_m: routed rows per routing block (the wgmma N slot: 8, 16, 32 or 64; 16 or more when
+    FC2 runs on Pallas-Triton, whose blocks are >= 16 rows). fc1 / fc2: ``MosaicConfig`` of the
+    two grouped GEMMs (block_n, split_k, num_stages, block_k). fc2_triton: Pallas-Triton tiles
+    for FC2 when its K = I is not a multiple of 256 (None: ``configs.default_config``'s).
+    """
+
+    block_m: int = 8
+    fc1: MosaicConfig = MosaicConfig(block_n=128, split_k=1, num_stages=2)  # noqa: RUF009 - frozen
+    fc2: MosaicConfig = MosaicConfig(block_n=128, split_k=1, num_stages=2)  # noqa: RUF009 - frozen
+    fc2_triton: Config | None = None
+
+    def __post_init__(self) -> None:
+        if self.block_m not in TOKEN_TILES:
+            raise ValueError(f"MosaicMoEConfig.block_m: expected one of {TOKEN_TILES}, got {self.block_m}")
+        for name in ("fc1", "fc2"):
+            if not isinstance(getattr(self, name), MosaicConfig):
+                raise ValueError(f"MosaicMoEConfig.{name}: expected a MosaicConfig, "  # noqa: TRY004
+                                 f"got {type(getattr(self, name)).__name__}")
+        if self.fc2_triton is not None and not isinstance(self.fc2_triton, Config):
+            raise ValueError(f"MosaicMoEConfig.fc2_triton: expected a moe Config, "
+                             f"got {type(self.fc2_triton).__name__}")
+
+
+#: Routed rows (T * top_k) up to which ``moe_pallas`` ("auto") uses the Mosaic kernels on sm_90:
+#: the largest decode size measured faster than Pallas-Triton (nemotron T = 64: 1408 routes,
+#: 1040 vs 1169 us; bench/NOTES-moe.md "Mosaic GPU grouped GEMMs"). Larger T is unmeasured.
+MAX_ROUTES = 1408
+
+_NEMO = (512, 1024, 2688, 2688)  # (E, H, R, I)
+_QWEN = (128, 2048, 1536, 768)
+#: Measured configs: (E, H, R, I, routes bucket) -> MosaicMoEConfig; anything else gets
+#: ``default_config``. Buckets: routes rounded up to a power of two. H200, JAX 0.11.2,
+#: bench/moe_mosaic_probe.py (in-graph layer time, random routing, 2026-11-29); these are the
+#: default heuristic's configs, the only ones measured (the config sweep did not fit the device
+#: budget), listed so the measured points are data. Layer times Mosaic vs Pallas-Triton:
+AUTO_SM90: dict[tuple[int, int, int, int, int], MosaicMoEConfig] = {
+    # nemotron T = 1: 91.8 vs 96.1 us; T = 8: 365.9 vs 416.8 us; T = 64: 1040.4 vs 1169.4 us
+    # (FC2 on Pallas-Triton: I = 2688, hence block_m 16)
+    **{(*_NEMO, b): MosaicMoEConfig(block_m=16, fc1=MosaicConfig(block_n=128, split_k=1, num_stages=2),
+                                    fc2=MosaicConfig(block_n=128, split_k=1, num_stages=2))
+       for b in (32, 256, 2048)},
+    # qwen3-30B T = 1: 48.1 vs 51.9 us
+    (*_QWEN, 8): MosaicMoEConfig(block_m=8, fc1=MosaicConfig(block_n=128, split_k=2, num_stages=2),
+                                 fc2=MosaicConfig(block_n=128, split_k=1, num_stages=2)),
+    # qwen3-30B T = 8: 101.0 vs 143.7 us
+    (*_QWEN, 64): MosaicMoEConfig(block_m=8, fc1=MosaicConfig(block_n=128, split_k=1, num_stages=2),
+                                  fc2=MosaicConfig(block_n=128, split_k=1, num_stages=2)),
+}
+
+
+def _bucket(routes: int) -> int:
+    return 1 << max(0, (routes - 1).bit_length())
+
+
+def _split_for(tiles: int, steps: int, want: int) -> int:
+    """Largest divisor s of ``steps`` with ``tiles * s <= want`` and >= 2 steps per split (or 1)."""
+    best = 1
+    for s in range(1, steps + 1):
+        if steps % s == 0 and steps // s >= 2 and tiles * s <= want:
+            best = s
+    return best
+
+
+def default_config(routes: int, num_experts: int, *, hidden: int, rows1: int, inter: int) -> MosaicMoEConfig:
+    """Heuristic: 8-row blocks (16 when FC2 falls back to Pallas-Triton), 128-row weight tiles,
+    2 stages (the dense sweep's best at small M), split-K until the expected CTAs (touched
+    experts x output tiles x split) reach about two per SM."""
+    bm = 8 if inter % BLOCK_K == 0 else 16
+    blocks = min(num_experts, routes)  # expected valid blocks at decode (one expert each)
+    cfgs = []
+    for n, k in ((rows1, hidden), (hidden, inter)):
+        bn = 128
+        split = _split_for(blocks * _cdiv(n, bn), k // BLOCK_K, 2 * N_SM) if k % BLOCK_K == 0 else 1
+        cfgs.append(MosaicConfig(block_n=bn, split_k=split, num_stages=2))
+    return MosaicMoEConfig(block_m=bm, fc1=cfgs[0], fc2=cfgs[1])
+
+
+def auto_config(routes: int, num_experts: int, *, hidden: int, rows1: int, inter: int) -> MosaicMoEConfig:
+    key = (num_experts, hidden, rows1, inter, _bucket(routes))
+    return AUTO_SM90.get(key) or default_config(routes, num_experts, hidden=hidden, rows1=rows1,
+                                                inter=inter)
+
+
+def check_supported(k: int, *, name: str = "w") -> None:
+    """Raise ValueError naming the argument if the grouped kernel cannot run with this K."""
+    if k % BLOCK_K:
+        raise ValueError(f"{name}: the Mosaic grouped kernel needs K % {BLOCK_K} == 0 "
+                         f"(16-byte TMA rows of scales), got K={k}")
+
+
+def permute_k(x: jax.Array) -> jax.Array:
+    """x [S, K] -> x with K permuted within 128-groups as the kernel's A fragment (``_PERM``)."""
+    return permute_x(x, x.shape[0])
+
+
+# ----------------------------------------------------------------------------- kernel
+
+
+def _build(mt: int, nb: int, n: int, k: int, cfg: MosaicConfig, split: int):
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    try:  # jax 0.11 registers pallas_call's Mosaic GPU lowering rule only on this import
+        from jax._src.pallas.mosaic_gpu import pallas_call_registration  # noqa: F401
+    except ImportError:  # pragma: no cover - other jax versions
+        pass
+
+    bn, bk = cfg.block_n, cfg.block_k
+    groups = bk // 128
+    n_tiles = _cdiv(n, bn)
+    ks = k // split
+    steps = ks // bk
+    decode = [
+        plgpu.inline_mgpu(
+            arg_types=(plgpu.RefType(), plgpu.RefType()),
+            return_type=plgpu.ShapeDtypeStruct((bn, 128), jnp.bfloat16, layout=plgpu.Layout.WGMMA),
+        )(_decode_fn(bn, g, bk))
+        for g in range(groups)
+    ]
+    x_transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+
+    def nvfp4_moe_mosaic(be_gmem, nb_gmem, x_gmem, c_gmem, s_gmem, o_gmem, o_smem):  # kernel name
+        ni = lax.axis_index("n")
+        si = lax.axis_index("s")
+        b = lax.axis_index("b")
+
+        @pl.when(b < nb_gmem[0])
+        def _():
+            e = be_gmem[b]  # scalar load from GMEM (memref.load)
+            n0 = ni * bn
+
+            def acc_scope(acc_ref):
+                def step(_, c_smem, s_smem, x_smem):
+                    for g in range(groups):
+                        a = decode[g](c_smem, s_smem)
+                        plgpu.wgmma(acc_ref, a, x_smem.at[:, pl.ds(128 * g, 128)].T)
+                        # wait(0): wgmma reads its A registers asynchronously (gemm/mosaic.py)
+                        plgpu.wgmma_wait(0)
+
+                plgpu.emit_pipeline(
+                    step,
+                    grid=(steps,),
+                    in_specs=[
+                        plgpu.BlockSpec((bn, bk // 2), lambda i: (0, i)),
+                        plgpu.BlockSpec((bn, bk // 16), lambda i: (0, i)),
+                        plgpu.BlockSpec((mt, bk), lambda i: (0, i), transforms=x_transforms),
+                    ],
+                    max_concurrent_steps=cfg.num_stages,
+                )(
+                    c_gmem.at[e, pl.ds(n0, bn), pl.ds(si * (ks // 2), ks // 2)],
+                    s_gmem.at[e, pl.ds(n0, bn), pl.ds(si * (ks // 16), ks // 16)],
+                    x_gmem.at[pl.ds(b * mt, mt), pl.ds(si * ks, ks)],
+                )
+                plgpu.wgmma_wait(0)
+                return acc_ref[...]
+
+            acc = pl.run_scoped(acc_scope, plgpu.ACC((bn, mt), jnp.float32))
+            o_smem[...] = acc
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[si, b, pl.ds(n0, bn)])
+            plgpu.wait_smem_to_gmem(0)
+
+    out_type = jax.ShapeDtypeStruct((split, nb, n_tiles * bn, mt), jnp.float32)
+    params = inspect.signature(plgpu.kernel).parameters
+    new_api = "out_type" in params and "scratch_types" in params  # jax >= 0.10.2
+    kw = {"out_type" if new_api else "out_shape": out_type,
+          "scratch_types" if new_api else "scratch_shapes": [plgpu.SMEM((bn, mt), jnp.float32)]}
+    return plgpu.kernel(nvfp4_moe_mosaic, grid=(n_tiles, split, nb), grid_names=("n", "s", "b"), **kw)
+
+
+def _effective_split(k: int, cfg: MosaicConfig) -> int:
+    steps = k // cfg.block_k
+    return max(s for s in range(1, min(cfg.split_k, steps) + 1) if steps % s == 0)
+
+
+def _reference(xp, codes, scales, block_expert, num_blocks, *, mt, n_pad, split):
+    """XLA emulation of the kernel (same inputs, same output layout and 2^-7 factor)."""
+    from .. import formats as F
+
+    nbm, k = xp.shape
+    nb = nbm // mt
+    e, n, _ = codes.shape
+    lo, hi = codes & 0xF, codes >> 4
+    c = jnp.stack([lo, hi], axis=-1).reshape(e, n, k)
+    s = lax.bitcast_convert_type(scales, jnp.float8_e4m3fn).astype(jnp.float32)
+    w = F.e2m1_decode(c).astype(jnp.float32) * jnp.repeat(s, 16, axis=-1)  # exact
+    perm = (np.arange(k) // 128 * 128) + np.tile(_PERM, k // 128)
+    w = w[..., perm]  # the fragment's K order (x is permuted the same way)
+    wb = w[block_expert]  # [NB, N, K]
+    xb = xp.astype(jnp.float32).reshape(nb, mt, split, k // split)
+    wb = wb.reshape(nb, n, split, k // split)
+    part = jnp.einsum("bnsk,bmsk->sbnm", wb, xb, precision=lax.Precision.HIGHEST)
+    part = part * jnp.float32(1.0 / POST_SCALE)
+    valid = (jnp.arange(nb) < num_blocks[0])[None, :, None, None]
+    part = jnp.where(valid, part, jnp.nan)  # skipped blocks: garbage, never read
+    return jnp.pad(part, ((0, 0), (0, 0), (0, n_pad - n), (0, 0)), constant_values=jnp.nan)
+
+
+def grouped_matmul(
+    x: jax.Array,
+    codes: jax.Array,
+    scales: jax.Array,
+    block_expert: jax.Array,
+    num_blocks: jax.Array,
+    *,
+    block_m: int,
+    config: MosaicConfig | None = None,
+    reference: bool = False,
+) -> jax.Array:
+    """Grouped ``x_b @ W[block_expert[b]]^T`` per block of ``block_m`` rows -> fp32 partials.
+
+    x: bf16 [NB*block_m, K], K-permuted (``permute_k``). codes: uint8 [E, N, K/2]. scales:
+    uint8 or float8_e4m3fn [E, N, K/16] (linear). block_expert: int32 [NB] in [0, E).
+    num_blocks: int32 [1]. Returns fp32 ``[split, NB, N_pad, block_m]``: sum over axis 0, times
+    ``POST_SCALE``, gives the accumulators; blocks ``b >= num_blocks`` and rows past N are
+    garbage. K % 256 == 0. ``reference``: XLA emulation (any device), same layout.
+    Raises ValueError naming the argument for bad dtypes/shapes.
+    """
+    if block_m not in TOKEN_TILES:
+        raise ValueError(f"block_m: expected one of {TOKEN_TILES}, got {block_m}")
+    if x.ndim != 2 or x.dtype != jnp.bfloat16:
+        raise ValueError(f"x: expected bfloat16 [NB*block_m, K], got {x.dtype} {x.shape}")
+    nbm, k = x.shape
+    if nbm % block_m or nbm == 0:
+        raise ValueError(f"x: rows ({nbm}) must be a positive multiple of block_m={block_m}")
+    nb = nbm // block_m
+    if codes.ndim != 3 or codes.dtype != jnp.uint8:
+        raise ValueError(f"codes: expected uint8 [E, N, K/2], got {codes.dtype} {codes.shape}")
+    e, n, _ = codes.shape
+    if codes.shape[2] * 2 != k:
+        raise ValueError(f"codes: expected shape {(e, n, k // 2)} for K={k}, got {codes.shape}")
+    if scales.dtype not in (jnp.uint8, jnp.float8_e4m3fn):
+        raise ValueError(f"scales: expected uint8 or float8_e4m3fn, got {scales.dtype}")
+    if scales.shape != (e, n, k // 16):
+        raise ValueError(f"scales: expected shape {(e, n, k // 16)}, got {scales.shape}")
+    if block_expert.shape != (nb,) or not jnp.issubdtype(block_expert.dtype, jnp.integer):
+        raise ValueError(f"block_expert: expected int32 [{nb}], got {block_expert.dtype} {block_expert.shape}")
+    if num_blocks.shape != (1,) or not jnp.issubdtype(num_blocks.dtype, jnp.integer):
+        raise ValueError(f"num_blocks: expected int32 [1], got {num_blocks.dtype} {num_blocks.shape}")
+    if config is not None and not isinstance(config, MosaicConfig):
+        raise ValueError(f"config: expected a MosaicConfig, got {type(config).__name__}")
+    check_supported(k, name="codes")
+    cfg = config or MosaicConfig(block_n=128, split_k=1, num_stages=2)
+    if k % cfg.block_k:
+        raise ValueError(f"config: block_k={cfg.block_k} does not divide K={k}")
+    if cfg.smem_bytes(block_m) > SMEM_LIMIT:
+        raise ValueError(f"config: {cfg} needs {cfg.smem_bytes(block_m)} bytes of shared memory per "
+                         f"CTA with block_m={block_m}, more than the {SMEM_LIMIT} a CTA can have")
+    split = _effective_split(k, cfg)
+    if scales.dtype != jnp.uint8:
+        scales = lax.bitcast_convert_type(scales, jnp.uint8)
+    be = block_expert.astype(jnp.int32)
+    nbk = num_blocks.astype(jnp.int32)
+    n_pad = _cdiv(n, cfg.block_n) * cfg.block_n
+    if reference:
+        return _reference(x, codes, scales, be, nbk, mt=block_m, n_pad=n_pad, split=split)
+    return _build(block_m, nb, n, k, cfg, split)(be, nbk, x, codes, scales)
+
+
+def _block_rows(part: jax.Array, n: int) -> jax.Array:
+    """fp32 partials [split, NB, N_pad, mt] -> accumulators [NB*mt, N] (times POST_SCALE)."""
+    s, nb, _, mt = part.shape
+    acc = part.sum(axis=0)[:, :n, :] if s > 1 else part[0, :, :n, :]
+    return jnp.swapaxes(acc, 1, 2).reshape(nb * mt, n)
+
+
+# ----------------------------------------------------------------------------- MoE layer
+
+
+def _bf16_round(v: jax.Array) -> jax.Array:
+    """fp32 -> nearest bf16 value (RNE), kept in fp32: ``reduce_precision``, not a convert pair.
+
+    XLA:GPU allows excess precision by default (``--xla_allow_excess_precision``): its
+    simplify-fp-conversions pass may drop an ``f32 -> bf16 -> f32`` round trip inside a fusion,
+    which would skip the bf16 rounding points of the modes (the Pallas-Triton kernels round
+    inside the kernel and are not affected). ``reduce_precision`` is never removed; it is bit
+    for bit the bf16 conversion (tests/test_moe_mosaic.py).
+    """
+    return lax.reduce_precision(v, exponent_bits=8, mantissa_bits=7)
+
+
+def mosaic_plan(k1: int, k2: int) -> tuple[bool, bool]:
+    """(FC1 on Mosaic, FC2 on Mosaic) for FC1's K = H and FC2's K = I."""
+    return k1 % BLOCK_K == 0, k2 % BLOCK_K == 0
+
+
+def moe_mosaic(
+    hidden: jax.Array,
+    topk_ids: jax.Array,
+    topk_weights: jax.Array,
+    fc1: NVFP4Array,
+    fc2: NVFP4Array,
+    fc1_input_scale: jax.Array,
+    fc2_input_scale: jax.Array,
+    *,
+    activation: str,
+    gate_up_order: str,
+    mode: str,
+    activation_scale: str,
+    config: MosaicMoEConfig | None = None,
+    reference: bool = False,
+    return_intermediates: bool = False,
+):
+    """Routed MoE with Mosaic GPU grouped GEMMs -> bf16 [T, H] (+ per-route ``h`` [T*k, I]).
+
+    Same arguments and semantics as ``pallas_triton.moe_pallas`` (validated by
+    ``nvfp4_jax.moe``); needs H % 256 == 0 (FC1's K). FC2 runs on Pallas-Triton when
+    I % 256 != 0 (logged). ``reference=True``: the kernels are replaced by their XLA emulation
+    (and FC2's Pallas-Triton fallback runs in interpret mode), for CPU tests.
+    """
+    from .pallas_triton import fc2_triton
+
+    t, k = topk_ids.shape
+    e, r, h_dim = fc1.shape
+    inter = fc2.shape[2]
+    n_routes = t * k
+    on1, on2 = mosaic_plan(h_dim, inter)
+    if not on1:
+        check_supported(h_dim, name="fc1")
+    if config is None:
+        config = auto_config(n_routes, e, hidden=h_dim, rows1=r, inter=inter)
+    if not isinstance(config, MosaicMoEConfig):
+        raise ValueError(f"config: expected a MosaicMoEConfig, got {type(config).__name__}")  # noqa: TRY004
+    bm = config.block_m
+    if not on2:
+        if bm < 16:
+            raise ValueError(f"config: block_m={bm}; FC2 runs on Pallas-Triton (I={inter} is not a "
+                             f"multiple of {BLOCK_K}), which needs block_m >= 16")
+        tcfg = config.fc2_triton or triton_default_config(
+            n_routes, e, inter=inter, hidden=h_dim, gated=activation == "swiglu").fc2
+        tcfg = dataclasses.replace(tcfg, block_m=bm, decode="bits" if reference else tcfg.decode)
+        log.info("nvfp4_jax.moe: mosaic FC1, Pallas-Triton FC2 (I=%d %% %d != 0: no TMA "
+                 "descriptor for %d-byte scale rows)", inter, BLOCK_K, inter // 16)
+    recipe = recipe_of(mode)
+
+    g1, g2, a1, a2 = moe_scales(fc1.decode_scale, fc2.decode_scale, fc1_input_scale,
+                                fc2_input_scale, mode, activation_scale)
+    br = block_routing(topk_ids, e, bm)
+    em = br.sorted_route.shape[0]
+    nb = em // bm
+    assert nb == max_blocks(n_routes, e, bm)
+    valid = br.sorted_route < n_routes
+    route = jnp.where(valid, br.sorted_route, 0)
+    tok = route // k
+    row_expert = jnp.repeat(br.block_expert, bm)
+    if activation_scale == "scalar":
+        xv = quantized_values(hidden, g1[0], recipe)[tok]
+    else:
+        xv = quantized_values(hidden[tok], g1[row_expert], recipe)
+    xv = jnp.where(valid[:, None], xv, jnp.zeros((), xv.dtype))
+    wt = jnp.where(valid, topk_weights.reshape(-1).astype(jnp.float32)[route], 0.0)
+
+    def scales_u8(w: NVFP4Array):
+        return lax.bitcast_convert_type(w.linear_scales(), jnp.uint8)
+
+    s1u, s2u = scales_u8(fc1), scales_u8(fc2)
+    meta = (br.block_expert, br.num_blocks)
+
+    # FC1 (grouped Mosaic GEMM) and its epilogue in XLA, as the Pallas-Triton FC1 kernel does it
+    part1 = grouped_matmul(permute_k(xv), fc1.codes, s1u, *meta, block_m=bm, config=config.fc1,
+                           reference=reference)
+    u = _block_rows(part1, r) * (a1[row_expert] * jnp.float32(POST_SCALE))[:, None]
+    if mode == "trtllm_cutlass":  # GEMM1 output buffer is bf16 in TRT-LLM CUTLASS
+        u = _bf16_round(u)
+    hf = _bf16_round(activate(u, activation, gate_up_order))  # bf16 values of h, in fp32
+    hb = hf.astype(jnp.bfloat16)  # [EM, I], exact
+    hv = quantized_values(hf, g2[row_expert], recipe)  # q * sf, bf16 (exact)
+
+    # FC2
+    if on2:
+        part2 = grouped_matmul(permute_k(hv), fc2.codes, s2u, *meta, block_m=bm,
+                               config=config.fc2, reference=reference)
+        d = _block_rows(part2, h_dim) * (a2[row_expert] * jnp.float32(POST_SCALE))[:, None]
+        if mode == "trtllm_cutlass":  # GEMM2 output is bf16 in TRT-LLM CUTLASS
+            d = _bf16_round(d)
+        contrib = d * wt[:, None]
+    else:
+        contrib = fc2_triton(meta, hv[:, 0::2], hv[:, 1::2], fc2, a2, wt, cfg=tcfg, em=em,
+                             h_dim=h_dim, inter=inter, mode=mode, interpret=reference)
+    out = contrib[br.route_pos].reshape(t, k, h_dim).sum(axis=1).astype(jnp.bfloat16)
+    if return_intermediates:
+        return out, {"h": hb[br.route_pos]}
+    return out

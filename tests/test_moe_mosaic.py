@@ -1,0 +1,230 @@
+"""Mosaic GPU grouped-GEMM MoE on CPU: the grouped kernel lowers for CUDA (Pallas -> Mosaic GPU,
+no GPU needed), argument validation names the argument, the kernel choice is logged, and the
+dataflow around the kernel (block routing, K permutation, partial layout, XLA epilogues, the
+Pallas-Triton FC2 fallback) matches the oracle with the kernel replaced by its XLA emulation."""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_moe import to_jax
+from test_moe_cases import check_against_oracle, make_case
+
+from nvfp4_jax.gemm.mosaic import MosaicConfig
+from nvfp4_jax.moe import mosaic as mm
+from nvfp4_jax.moe.api import moe
+from nvfp4_jax.moe.configs import MoEConfig
+from nvfp4_jax.moe.mosaic import MosaicMoEConfig, default_config, grouped_matmul, moe_mosaic
+from nvfp4_jax.moe.pallas_triton import choose_kernel, moe_pallas
+
+
+def _grouped_args(nb, mt, e, n, k):
+    return (jax.ShapeDtypeStruct((nb * mt, k), jnp.bfloat16), jax.ShapeDtypeStruct((e, n, k // 2), jnp.uint8),
+            jax.ShapeDtypeStruct((e, n, k // 16), jnp.uint8), jax.ShapeDtypeStruct((nb,), jnp.int32),
+            jax.ShapeDtypeStruct((1,), jnp.int32))
+
+
+@pytest.mark.parametrize("nb,mt,e,n,k,cfg", [
+    (25, 8, 512, 2688, 1024, MosaicConfig(block_n=128, split_k=1, num_stages=2)),   # nemotron FC1, T=1
+    (9, 8, 128, 1536, 2048, MosaicConfig(block_n=128, split_k=2, num_stages=2)),    # qwen3 FC1, T=1
+    (9, 8, 128, 2048, 768, MosaicConfig(block_n=64, split_k=3, num_stages=4)),      # qwen3 FC2
+    (12, 16, 16, 1000, 1024, MosaicConfig(block_n=128, split_k=2, num_stages=3, block_k=512)),
+    (3, 64, 4, 333, 512, MosaicConfig(block_n=64, split_k=1, num_stages=2)),
+])
+def test_grouped_kernel_lowers_for_cuda(nb, mt, e, n, k, cfg):
+    f = jax.jit(lambda x, c, s, be, nbk: grouped_matmul(x, c, s, be, nbk, block_m=mt, config=cfg))
+    text = f.trace(*_grouped_args(nb, mt, e, n, k)).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text and "fma.rn.bf16x2" in text and "nvfp4_moe_mosaic" in text
+    split = mm._effective_split(k, cfg)
+    assert f"tensor<{split}x{nb}x{-(-n // cfg.block_n) * cfg.block_n}x{mt}xf32>" in text
+
+
+@pytest.mark.parametrize("activation,inter", [("swiglu", 768), ("relu2", 2688)])
+def test_moe_mosaic_layer_lowers_for_cuda(activation, inter):
+    """The whole layer (routing, kernels, XLA epilogues; nemotron's FC2 on Pallas-Triton)."""
+    e, h, t, k = 16, 1024, 3, 4
+    r = 2 * inter if activation == "swiglu" else inter
+    import nvfp4_jax
+
+    def stack(n, kk):
+        return nvfp4_jax.NVFP4Array.from_parts(
+            jnp.zeros((e, n, kk // 2), jnp.uint8), jnp.zeros((e, n, kk // 16), jnp.float8_e4m3fn),
+            jnp.ones((e,), jnp.float32), shape=(e, n, kk))
+
+    fc1, fc2 = stack(r, h), stack(h, inter)
+
+    def f(x, ids, w, s1, s2):
+        return moe_mosaic(x, ids, w, fc1, fc2, s1, s2, activation=activation, gate_up_order="up_gate",
+                          mode="trtllm_cutlass", activation_scale="scalar")
+
+    args = (jax.ShapeDtypeStruct((t, h), jnp.bfloat16), jax.ShapeDtypeStruct((t, k), jnp.int32),
+            jax.ShapeDtypeStruct((t, k), jnp.float32), jax.ShapeDtypeStruct((e,), jnp.float32),
+            jax.ShapeDtypeStruct((e,), jnp.float32))
+    text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("mosaic_gpu") >= (2 if inter % 256 == 0 else 1)
+    if inter % 256:
+        assert "nvfp4_moe_fc2" in text  # the Pallas-Triton FC2
+
+
+def _run(case, *, mode, activation, order="up_gate", config=None, kernel="mosaic", act_scale=None):
+    act_scale = act_scale or ("scalar" if mode == "trtllm_cutlass" else "per_expert")
+    fn = functools.partial(moe_pallas, activation=activation, gate_up_order=order, mode=mode,
+                           activation_scale=act_scale, config=config, kernel=kernel, interpret=True,
+                           return_intermediates=True)
+    out, inter = jax.jit(fn)(*to_jax(case))
+    f = lambda a: np.asarray(a.astype(jnp.float32), np.float64)
+    return f(out), f(inter["h"])
+
+
+SPLIT = MosaicMoEConfig(block_m=16, fc1=MosaicConfig(block_n=64, split_k=2, num_stages=3),
+                        fc2=MosaicConfig(block_n=128, split_k=2, num_stages=2))
+
+
+@pytest.mark.parametrize("name,mode,activation,order,kw,config", [
+    ("relu2_trtllm", "trtllm_cutlass", "relu2", "up_gate", {"t": 9, "h": 512, "inter": 256, "e": 6, "k": 3}, None),
+    ("swiglu_b12x_gate_up", "b12x", "swiglu", "gate_up", {"t": 7, "h": 256, "inter": 256, "e": 5, "k": 2}, SPLIT),
+    ("T1_swiglu_trtllm", "trtllm_cutlass", "swiglu", "up_gate", {"t": 1, "h": 512, "inter": 256, "e": 8, "k": 3}, None),
+    # most experts without tokens, uneven blocks (skewed routing)
+    ("skewed_relu2_b12x", "b12x", "relu2", "up_gate",
+     {"t": 21, "h": 256, "inter": 512, "e": 32, "k": 2, "routing": "skewed"}, SPLIT),
+    # FC2 K = I not a multiple of 256: FC2 on Pallas-Triton (interpret), block_m 16
+    ("fc2_triton_relu2_trtllm", "trtllm_cutlass", "relu2", "up_gate", {"t": 5, "h": 256, "inter": 96, "e": 4, "k": 2}, None),
+    ("fc2_triton_swiglu_b12x", "b12x", "swiglu", "up_gate", {"t": 3, "h": 256, "inter": 160, "e": 4, "k": 3}, None),
+    ("subnormal_scales_b12x", "b12x", "relu2", "up_gate",
+     {"t": 6, "h": 256, "inter": 256, "e": 3, "k": 2, "scale_factor": 2.0**15}, None),
+])
+def test_moe_mosaic_dataflow_matches_oracle(name, mode, activation, order, kw, config):
+    case = make_case(np.random.default_rng(len(name)), activation=activation, **kw)
+    if "subnormal" in name:
+        assert np.mean(case[3].scales < 0x08) > 0.5
+    out, h = _run(case, mode=mode, activation=activation, order=order, config=config)
+    check_against_oracle(case, out, h, mode=mode, activation=activation, gate_up_order=order)
+
+
+def test_moe_mosaic_b12x_scalar_activation_scale():
+    case = make_case(np.random.default_rng(3), t=6, h=256, inter=256, e=5, k=2, activation="relu2")
+    out, h = _run(case, mode="b12x", activation="relu2", act_scale="scalar")
+    check_against_oracle(case, out, h, mode="b12x", activation="relu2", activation_scale="scalar")
+
+
+def test_public_api_kernel_choice_is_logged(caplog):
+    case = make_case(np.random.default_rng(2), t=4, h=256, inter=256, e=4, k=2, activation="relu2")
+    hidden, ids, w, fc1, fc2, s1, s2 = to_jax(case)
+    kw = {"fc1": fc1, "fc2": fc2, "fc1_input_scale": s1, "fc2_input_scale": s2, "topk_ids": ids,
+          "topk_weights": w, "backend": "pallas"}
+    with caplog.at_level(logging.INFO, logger="nvfp4_jax.moe"):
+        forced = moe(hidden, kernel="mosaic", **kw)
+        auto = moe(hidden, **kw)
+    assert "kernel mosaic in interpret mode" in caplog.text
+    assert "kernel auto -> triton (interpret mode)" in caplog.text
+    np.testing.assert_array_equal(np.asarray(forced, np.float32), np.asarray(auto, np.float32))
+
+
+def test_choose_kernel():
+    assert choose_kernel("auto", None, routes=8, hidden=2048, interpret=True) == "triton"
+    assert choose_kernel("auto", MoEConfig(), routes=8, hidden=2048, interpret=False) == "triton"
+    assert choose_kernel("mosaic", None, routes=8, hidden=2048, interpret=True) == "mosaic"
+    assert choose_kernel("triton", MoEConfig(), routes=8, hidden=2048, interpret=False) == "triton"
+    if jax.default_backend() == "cpu":
+        assert choose_kernel("auto", None, routes=8, hidden=2048, interpret=False) == "triton"
+        with pytest.raises(ValueError, match="^config: a MosaicMoEConfig was given"):
+            choose_kernel("auto", MosaicMoEConfig(), routes=8, hidden=2048, interpret=False)
+        with pytest.raises(ValueError, match="^kernel: 'mosaic' needs an sm_90"):
+            choose_kernel("mosaic", None, routes=8, hidden=2048, interpret=False)
+
+
+def test_validation_names_the_argument():
+    x = jnp.zeros((16, 256), jnp.bfloat16)
+    c = jnp.zeros((3, 64, 128), jnp.uint8)
+    s = jnp.zeros((3, 64, 16), jnp.uint8)
+    be = jnp.zeros((2,), jnp.int32)
+    nb = jnp.ones((1,), jnp.int32)
+    g = functools.partial(grouped_matmul, block_m=8, reference=True)
+    with pytest.raises(ValueError, match="^x: expected bfloat16"):
+        g(x.astype(jnp.float16), c, s, be, nb)
+    with pytest.raises(ValueError, match="^x: rows"):
+        g(x[:12], c, s, be, nb)
+    with pytest.raises(ValueError, match="^block_m"):
+        grouped_matmul(x, c, s, be, nb, block_m=12)
+    with pytest.raises(ValueError, match="^codes: expected uint8"):
+        g(x, c.astype(jnp.int8), s, be, nb)
+    with pytest.raises(ValueError, match="^codes: expected shape"):
+        g(x, c[:, :, :64], s, be, nb)
+    with pytest.raises(ValueError, match="^scales: expected shape"):
+        g(x, c, s[:, :, :8], be, nb)
+    with pytest.raises(ValueError, match="^scales: expected uint8"):
+        g(x, c, s.astype(jnp.int32), be, nb)
+    with pytest.raises(ValueError, match="^block_expert"):
+        g(x, c, s, be[:1], nb)
+    with pytest.raises(ValueError, match="^num_blocks"):
+        g(x, c, s, be, nb.reshape(()))
+    with pytest.raises(ValueError, match="^config: expected a MosaicConfig"):
+        g(x, c, s, be, nb, config="fast")
+    with pytest.raises(ValueError, match="^config: block_k=512"):
+        g(x, c, s, be, nb, config=MosaicConfig(block_k=512))
+    with pytest.raises(ValueError, match="^config: .* bytes of shared memory"):
+        grouped_matmul(jnp.zeros((128, 512), jnp.bfloat16), c[:, :, :1] .repeat(256, 2), s[:, :, :1].repeat(32, 2),
+                       be, nb, block_m=64, reference=True,
+                       config=MosaicConfig(block_n=128, num_stages=8, block_k=512))
+    with pytest.raises(ValueError, match="^codes: the Mosaic grouped kernel needs K % 256"):
+        g(jnp.zeros((16, 128), jnp.bfloat16), c[:, :, :64], s[:, :, :8], be, nb)
+    for bad in ({"block_m": 4}, {"fc1": "x"}, {"fc2_triton": 3}):
+        with pytest.raises(ValueError, match="^MosaicMoEConfig"):
+            MosaicMoEConfig(**bad)
+    # public API: the kernel name and the kernel/config pairing
+    case = make_case(np.random.default_rng(0), t=2, h=256, inter=96, e=2, k=1)
+    hidden, ids, w, fc1, fc2, s1, s2 = to_jax(case)
+    kw = {"fc1": fc1, "fc2": fc2, "fc1_input_scale": s1, "fc2_input_scale": s2, "topk_ids": ids,
+          "topk_weights": w, "backend": "pallas", "interpret": True}
+    with pytest.raises(ValueError, match="^kernel: expected one of"):
+        moe(hidden, kernel="cuda", **kw)
+    with pytest.raises(ValueError, match="^config: kernel='mosaic' takes a MosaicMoEConfig"):
+        moe(hidden, kernel="mosaic", config=MoEConfig(), **kw)
+    with pytest.raises(ValueError, match="^config: kernel='triton' takes a MoEConfig"):
+        moe(hidden, kernel="triton", config=MosaicMoEConfig(), **kw)
+    with pytest.raises(ValueError, match="^config: block_m=8; FC2 runs on Pallas-Triton"):
+        moe(hidden, kernel="mosaic", config=MosaicMoEConfig(block_m=8), **kw)
+    case = make_case(np.random.default_rng(0), t=2, h=128, inter=64, e=2, k=1)
+    hidden, ids, w, fc1, fc2, s1, s2 = to_jax(case)
+    kw.update({"fc1": fc1, "fc2": fc2, "fc1_input_scale": s1, "fc2_input_scale": s2, "topk_ids": ids,
+               "topk_weights": w})
+    with pytest.raises(ValueError, match="^fc1: the Mosaic grouped kernel needs K % 256"):
+        moe(hidden, kernel="mosaic", **kw)
+
+
+def test_default_configs():
+    nemo = default_config(22, 512, hidden=1024, rows1=2688, inter=2688)
+    assert nemo.block_m == 16  # FC2 (K = 2688) on Pallas-Triton, whose blocks are >= 16 rows
+    qwen = default_config(8, 128, hidden=2048, rows1=1536, inter=768)
+    assert qwen.block_m == 8
+    for cfg, k1, k2 in ((nemo, 1024, 2688), (qwen, 2048, 768)):
+        assert (k1 // 256) % cfg.fc1.split_k == 0
+        if k2 % 256 == 0:
+            assert (k2 // 256) % cfg.fc2.split_k == 0
+        for c in (cfg.fc1, cfg.fc2):
+            assert c.smem_bytes(cfg.block_m) < 200 * 1024
+    for key, cfg in mm.AUTO_SM90.items():
+        assert isinstance(cfg, MosaicMoEConfig) and len(key) == 5
+
+
+def test_bf16_round_is_the_bf16_conversion():
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal(1 << 16) * np.exp2(rng.uniform(-140, 120, 1 << 16))).astype(np.float32)
+    x = np.concatenate([x, np.float32([np.inf, -np.inf, 3.3895e38, 1e-45, -1e-45, 0.0, -0.0])])
+    want = np.asarray(jnp.asarray(x).astype(jnp.bfloat16).astype(jnp.float32))
+    got = np.asarray(jax.jit(mm._bf16_round)(jnp.asarray(x)))
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+def test_auto_table_holds_the_default_heuristic_where_measured():
+    """The measured entries are what default_config gave when they were measured."""
+    for (e, h, r, i, b), cfg in mm.AUTO_SM90.items():
+        routes = {32: 22, 256: 176, 2048: 1408, 8: 8, 64: 64}[b]
+        assert mm._bucket(routes) == b
+        assert default_config(routes, e, hidden=h, rows1=r, inter=i) == cfg
+        assert mm.auto_config(routes, e, hidden=h, rows1=r, inter=i) == cfg

@@ -32,7 +32,7 @@ for s in $STEPS; do
     moe)
       step "moe bench"
       timeout "$T_MOE" python3 bench/moe_bench.py --out "$OUT" --quick --budget-s $((T_MOE - 70)) \
-        --tokens "${MOE_TOKENS:-1,8,64,512,4096}" 2>&1 \
+        --tokens "${MOE_TOKENS:-1,8,64,512,4096}" --impls "${MOE_IMPLS:-nvfp4_moe,bf16_ragged_dot,dequant_ragged_dot}" 2>&1 \
         | grep -v Warning | tail -40 | tee -a "$OUT/run.log" ;;
     profile)
       step "moe profile"

@@ -31,8 +31,8 @@ def gemm(doc: dict) -> str:
     by = {(r["impl"], r["N"], r["K"], r["M"]): r for r in doc["records"] if "median_us" in r}
     head = doc.get("commit")
     lines = [
-        "| N x K | M | W4A16 us (kernel) | W4A4 us | bf16 dot us | vs bf16 | vs scaled_matmul "
-        "| vs XLA dequant+dot | NVFP4 weight TB/s |",
+        ("| N x K | M | W4A16 us (kernel) | W4A4 us | bf16 dot us | vs bf16 | vs scaled_matmul "
+        "| vs XLA dequant+dot | NVFP4 weight TB/s |"),
         "|---|---|---|---|---|---|---|---|---|",
     ]
     shapes = sorted({(r["N"], r["K"]) for r in doc["records"]}, key=lambda s: -s[0] * s[1])
@@ -65,8 +65,8 @@ def moe(doc: dict) -> str:
           if r["impl"] != "hbm_copy"}
     head = doc.get("commit")
     lines = [
-        "| shape | T | routing | ours us | TB/s (% of copy) | TFLOP/s | bf16 ragged_dot us "
-        "(ours faster by) | dequant+ragged_dot us |",
+        ("| shape | T | routing | ours us | TB/s (% of copy) | TFLOP/s | bf16 ragged_dot us "
+        "(ours faster by) | dequant+ragged_dot us |"),
         "|---|---|---|---|---|---|---|---|",
     ]
     keys = sorted({k[1:] for k in by if k[0] == "nvfp4_moe"},

@@ -41,7 +41,8 @@ for s in $STEPS; do
         | grep -v Warning | tail -45 | tee -a "$OUT/run.log" ;;
     ncu)
       step "Nsight Compute: the Mosaic GEMM (${NCU_SHAPES:-28672x8192x16 28672x8192x64}, 2 launches each)"
-      timeout "${T_NCU:-120}" ncu -k regex:nvfp4 --launch-count 4 --section SpeedOfLight \
+      timeout "${T_NCU:-180}" ncu -k regex:nvfp4 --replay-mode application --launch-count 4 \
+        --section SpeedOfLight \
         --section Occupancy --section LaunchStats --section WarpStateStats \
         --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
         python3 bench/mosaic_ncu.py ${NCU_SHAPES:-28672x8192x16 28672x8192x64} > "$OUT/ncu-mosaic.txt" 2>&1

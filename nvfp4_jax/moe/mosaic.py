@@ -26,7 +26,7 @@ epilogue in XLA (``* alpha1[e]``, trtllm_cutlass bf16 rounding, activation, bf16
 requantization with ``G2[e]``: the functions of ``xla.py``, bit-exact with the oracle), FC2
 (this kernel, or Pallas-Triton when ``I % 256 != 0``), ``* alpha2[e]`` (bf16 in
 trtllm_cutlass), router weight, fp32 top-k sum. ``moe_pallas`` calls it on sm_90 at decode sizes
-(``use_mosaic``). ``reference=True`` replaces the kernel by an XLA emulation with the same
+(``pallas_triton.choose_kernel``). ``reference=True`` replaces the kernel by an XLA emulation with the same
 inputs and output layout (CPU tests of the dataflow around the kernel).
 """
 
@@ -47,6 +47,7 @@ from .configs import Config
 from .configs import default_config as triton_default_config
 from .routing import block_routing, max_blocks
 from .xla import activate, moe_scales, quantized_values, recipe_of
+from .xla import bf16_round as _bf16_round
 
 log = logging.getLogger(__name__)
 
@@ -333,18 +334,6 @@ def _block_rows(part: jax.Array, n: int) -> jax.Array:
 
 
 # ----------------------------------------------------------------------------- MoE layer
-
-
-def _bf16_round(v: jax.Array) -> jax.Array:
-    """fp32 -> nearest bf16 value (RNE), kept in fp32: ``reduce_precision``, not a convert pair.
-
-    XLA:GPU allows excess precision by default (``--xla_allow_excess_precision``): its
-    simplify-fp-conversions pass may drop an ``f32 -> bf16 -> f32`` round trip inside a fusion,
-    which would skip the bf16 rounding points of the modes (the Pallas-Triton kernels round
-    inside the kernel and are not affected). ``reduce_precision`` is never removed; it is bit
-    for bit the bf16 conversion (tests/test_moe_mosaic.py).
-    """
-    return lax.reduce_precision(v, exponent_bits=8, mantissa_bits=7)
 
 
 def mosaic_plan(k1: int, k2: int) -> tuple[bool, bool]:

@@ -30,6 +30,18 @@ GATE_UP_ORDERS = ("up_gate", "gate_up")
 ACTIVATION_SCALES = ("scalar", "per_expert")
 
 
+def bf16_round(v: jax.Array) -> jax.Array:
+    """fp32 -> nearest bf16 value (RNE), kept in fp32: ``reduce_precision``, not a convert pair.
+
+    XLA:GPU allows excess precision by default (``--xla_allow_excess_precision``): its
+    simplify-fp-conversions pass may drop an ``f32 -> bf16 -> f32`` round trip inside a fusion,
+    which would skip the bf16 rounding points of the modes (the Pallas-Triton kernels round
+    inside the kernel and are not affected). ``reduce_precision`` is never removed; it is bit
+    for bit the bf16 conversion, subnormals and overflow included (tests/test_moe_mosaic.py).
+    """
+    return lax.reduce_precision(v, exponent_bits=8, mantissa_bits=7)
+
+
 def recipe_of(mode: str) -> str:
     return "trtllm" if mode == "trtllm_cutlass" else "b12x"
 
@@ -118,15 +130,15 @@ def moe_xla(
     acc1 = lax.ragged_dot(x_sorted, jnp.swapaxes(w1, 1, 2), group_sizes,
                           preferred_element_type=jnp.float32)
     u = acc1 * a1[e_sorted][:, None]
-    if mode == "trtllm_cutlass":
-        u = u.astype(jnp.bfloat16).astype(jnp.float32)
-    h = activate(u, activation, gate_up_order).astype(jnp.bfloat16)
+    if mode == "trtllm_cutlass":  # GEMM1 output buffer is bf16 (see bf16_round: not astype pairs)
+        u = bf16_round(u)
+    h = bf16_round(activate(u, activation, gate_up_order)).astype(jnp.bfloat16)
     hv = quantized_values(h, g2[e_sorted], recipe)
     acc2 = lax.ragged_dot(hv, jnp.swapaxes(w2, 1, 2), group_sizes,
                           preferred_element_type=jnp.float32)
     d = acc2 * a2[e_sorted][:, None]
-    if mode == "trtllm_cutlass":
-        d = d.astype(jnp.bfloat16).astype(jnp.float32)
+    if mode == "trtllm_cutlass":  # GEMM2 output is bf16
+        d = bf16_round(d)
     contrib = d * topk_weights.reshape(-1).astype(jnp.float32)[order][:, None]
     per_route = jnp.zeros_like(contrib).at[order].set(contrib)
     out = per_route.reshape(t, k, -1).sum(axis=1).astype(jnp.bfloat16)

@@ -39,3 +39,20 @@ def test_moe_gpu_matches_oracle(mode, shape):
     f = lambda a: np.asarray(a.astype(jnp.float32), np.float64)
     stats = check_against_oracle(case, f(out), f(inter["h"]), mode=mode, activation=shape["activation"])
     print(mode, shape, stats)
+
+
+def test_moe_xla_backend_on_gpu_matches_oracle():
+    """The XLA backend compiled by XLA:GPU (not just on CPU): its trtllm_cutlass bf16 rounding
+    points must survive the GPU's excess-precision simplifications (``moe.xla.bf16_round``)."""
+    from nvfp4_jax.moe.xla import moe_xla
+
+    shape = {"t": 9, "h": 1024, "inter": 512, "e": 8, "k": 4, "activation": "relu2"}
+    case = make_case(np.random.default_rng(9), **shape)
+    fn = functools.partial(moe_xla, activation="relu2", gate_up_order="up_gate",
+                           mode="trtllm_cutlass", activation_scale="scalar",
+                           return_intermediates=True)
+    out, inter = jax.jit(fn)(*to_jax(case))
+    f = lambda a: np.asarray(a.astype(jnp.float32), np.float64)
+    stats = check_against_oracle(case, f(out), f(inter["h"]), mode="trtllm_cutlass",
+                                 activation="relu2")
+    print(stats)

@@ -15,7 +15,7 @@ import pytest
 from test_moe import to_jax
 from test_moe_cases import check_against_oracle, make_case
 
-from nvfp4_jax.gemm.mosaic import MosaicConfig
+from nvfp4_jax.gemm.mosaic import MosaicConfig, check_config
 from nvfp4_jax.moe import mosaic as mm
 from nvfp4_jax.moe.api import moe
 from nvfp4_jax.moe.configs import MoEConfig
@@ -40,7 +40,7 @@ def test_grouped_kernel_lowers_for_cuda(nb, mt, e, n, k, cfg):
     f = jax.jit(lambda x, c, s, be, nbk: grouped_matmul(x, c, s, be, nbk, block_m=mt, config=cfg))
     text = f.trace(*_grouped_args(nb, mt, e, n, k)).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text and "fma.rn.bf16x2" in text and "nvfp4_moe_mosaic" in text
-    split = mm._effective_split(k, cfg)
+    split = check_config(cfg, k, mt)
     assert f"tensor<{split}x{nb}x{-(-n // cfg.block_n) * cfg.block_n}x{mt}xf32>" in text
 
 

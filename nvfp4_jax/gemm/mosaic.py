@@ -288,7 +288,24 @@ def _decode_fn(block_n: int, g: int, block_k: int = BLOCK_K):
 # ----------------------------------------------------------------------------- kernel
 
 
-def _build(m_tile: int, n: int, k: int, cfg: MosaicConfig, split: int):
+def check_config(cfg: MosaicConfig, k: int, m_tile: int) -> int:
+    """Raise ValueError naming ``config`` if ``cfg`` cannot run with this K and token tile
+    (``block_k`` must divide K; the CTA's shared memory must fit). Returns the split-K actually
+    used: the largest divisor of the number of K steps not above ``cfg.split_k``."""
+    if k % cfg.block_k:
+        raise ValueError(f"config: block_k={cfg.block_k} does not divide K={k}")
+    smem = cfg.smem_bytes(m_tile)
+    if smem > SMEM_LIMIT:
+        raise ValueError(
+            f"config: {cfg} needs {smem} bytes of shared memory with a {m_tile}-row token tile, "
+            f"more than the {SMEM_LIMIT} a CTA can have; use fewer stages, block_n 64 or block_k 256"
+        )
+    steps = k // cfg.block_k
+    return max(s for s in range(1, min(cfg.split_k, steps) + 1) if steps % s == 0)
+
+
+def _pallas_mosaic_gpu():
+    """(pl, plgpu), with pallas_call's Mosaic GPU lowering registered."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -296,12 +313,19 @@ def _build(m_tile: int, n: int, k: int, cfg: MosaicConfig, split: int):
         from jax._src.pallas.mosaic_gpu import pallas_call_registration  # noqa: F401
     except ImportError:  # pragma: no cover - other jax versions
         pass
+    return pl, plgpu
 
+
+def accumulate_tile(sources, *, cfg: MosaicConfig, m_tile: int, steps: int):
+    """Kernel-body building block (dense and grouped kernels): stream ``steps`` K steps of one
+    weight tile through the TMA pipeline, decode in registers and wgmma. ``sources()`` returns
+    the GMEM refs (codes [block_n, steps*block_k/2] u8, scales [block_n, steps*block_k/16] u8,
+    x [m_tile, steps*block_k] bf16); it is called inside the accumulator's scope, where the
+    kernels sliced them before they shared this code. Returns the fp32 accumulator
+    [block_n, m_tile] (times 2^-7, see POST_SCALE)."""
+    pl, plgpu = _pallas_mosaic_gpu()
     bn, bk = cfg.block_n, cfg.block_k
     groups = bk // 128
-    n_tiles = -(-n // bn)
-    ks = k // split
-    steps = ks // bk
     decode = [
         plgpu.inline_mgpu(
             arg_types=(plgpu.RefType(), plgpu.RefType()),
@@ -311,61 +335,87 @@ def _build(m_tile: int, n: int, k: int, cfg: MosaicConfig, split: int):
     ]
     x_transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 
+    def acc_scope(acc_ref):
+        def step(_, c_smem, s_smem, x_smem):
+            for g in range(groups):
+                a = decode[g](c_smem, s_smem)
+                plgpu.wgmma(acc_ref, a, x_smem.at[:, pl.ds(128 * g, 128)].T)
+                # wgmma reads its A registers asynchronously and the next decode may be given
+                # the same physical registers: overlapping them gave garbage on the H200 (NaN /
+                # wrong tiles, timing dependent), so wait here. This also makes the stage free
+                # at the end of the step (all warps issued the wgmma, so all finished their
+                # ld.shared of it): delay_release = 0.
+                plgpu.wgmma_wait(0)
+
+        plgpu.emit_pipeline(
+            step,
+            grid=(steps,),
+            in_specs=[
+                plgpu.BlockSpec((bn, bk // 2), lambda i: (0, i)),
+                plgpu.BlockSpec((bn, bk // 16), lambda i: (0, i)),
+                plgpu.BlockSpec((m_tile, bk), lambda i: (0, i), transforms=x_transforms),
+            ],
+            max_concurrent_steps=cfg.num_stages,
+        )(*sources())
+        plgpu.wgmma_wait(0)
+        return acc_ref[...]
+
+    return pl.run_scoped(acc_scope, plgpu.ACC((bn, m_tile), jnp.float32))
+
+
+def store_tile(acc, o_smem, o_dst) -> None:
+    """Kernel-body building block: fp32 accumulator -> SMEM scratch -> GMEM ref by TMA."""
+    _, plgpu = _pallas_mosaic_gpu()
+    o_smem[...] = acc
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(o_smem, o_dst)
+    plgpu.wait_smem_to_gmem(0)
+
+
+def mosaic_kernel(body, *, out_type, smem_scratch, grid, grid_names):
+    """``plgpu.kernel`` across JAX versions (``out_type``/``scratch_types`` in JAX >= 0.10.2,
+    ``out_shape``/``scratch_shapes`` before). The kernel is named after ``body``."""
+    _, plgpu = _pallas_mosaic_gpu()
+    params = inspect.signature(plgpu.kernel).parameters
+    new_api = "out_type" in params and "scratch_types" in params
+    kw = {
+        "out_type" if new_api else "out_shape": out_type,
+        "scratch_types" if new_api else "scratch_shapes": [smem_scratch],
+    }
+    return plgpu.kernel(body, grid=grid, grid_names=grid_names, **kw)
+
+
+def _build(m_tile: int, n: int, k: int, cfg: MosaicConfig, split: int):
+    pl, plgpu = _pallas_mosaic_gpu()
+    bn = cfg.block_n
+    n_tiles = -(-n // bn)
+    ks = k // split
+
     def nvfp4_w4a16_mosaic(x_gmem, c_gmem, s_gmem, o_gmem, o_smem):  # the kernel's name
         ni = lax.axis_index("n")
         si = lax.axis_index("s")
         n0 = ni * bn
-
-        def acc_scope(acc_ref):
-            def step(_, c_smem, s_smem, x_smem):
-                for g in range(groups):
-                    a = decode[g](c_smem, s_smem)
-                    plgpu.wgmma(acc_ref, a, x_smem.at[:, pl.ds(128 * g, 128)].T)
-                    # wgmma reads its A registers asynchronously and the next decode may be
-                    # given the same physical registers: overlapping them gave garbage on the
-                    # H200 (NaN / wrong tiles, timing dependent), so wait here. This also makes
-                    # the stage free at the end of the step (all warps issued the wgmma, so all
-                    # finished their ld.shared of it): delay_release = 0.
-                    plgpu.wgmma_wait(0)
-
-            plgpu.emit_pipeline(
-                step,
-                grid=(steps,),
-                in_specs=[
-                    plgpu.BlockSpec((bn, bk // 2), lambda i: (0, i)),
-                    plgpu.BlockSpec((bn, bk // 16), lambda i: (0, i)),
-                    plgpu.BlockSpec(
-                        (m_tile, bk),
-                        lambda i: (0, i),
-                        transforms=x_transforms,
-                    ),
-                ],
-                max_concurrent_steps=cfg.num_stages,
-            )(
+        acc = accumulate_tile(
+            lambda: (
                 c_gmem.at[pl.ds(n0, bn), pl.ds(si * (ks // 2), ks // 2)],
                 s_gmem.at[pl.ds(n0, bn), pl.ds(si * (ks // 16), ks // 16)],
                 x_gmem.at[:, pl.ds(si * ks, ks)],
-            )
-            plgpu.wgmma_wait(0)
-            return acc_ref[...]
-
-        acc = pl.run_scoped(acc_scope, plgpu.ACC((bn, m_tile), jnp.float32))
-        o_smem[...] = acc
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[si, pl.ds(n0, bn)])
-        plgpu.wait_smem_to_gmem(0)
+            ),
+            cfg=cfg,
+            m_tile=m_tile,
+            steps=ks // cfg.block_k,
+        )
+        store_tile(acc, o_smem, o_gmem.at[si, pl.ds(n0, bn)])
 
     out_type = jax.ShapeDtypeStruct((split, n_tiles * bn, m_tile), jnp.float32)
-    params = inspect.signature(plgpu.kernel).parameters
-    new_api = "out_type" in params and "scratch_types" in params  # jax >= 0.10.2
 
     def make(out):
-        kw = {"out_type" if new_api else "out_shape": out}
-        kw["scratch_types" if new_api else "scratch_shapes"] = [
-            plgpu.SMEM((bn, m_tile), jnp.float32)
-        ]
-        return plgpu.kernel(
-            nvfp4_w4a16_mosaic, grid=(n_tiles, split), grid_names=("n", "s"), **kw
+        return mosaic_kernel(
+            nvfp4_w4a16_mosaic,
+            out_type=out,
+            smem_scratch=plgpu.SMEM((bn, m_tile), jnp.float32),
+            grid=(n_tiles, split),
+            grid_names=("n", "s"),
         )
 
     return make, out_type
@@ -412,17 +462,8 @@ def matmul_mosaic(
         raise ValueError(f"config: expected a MosaicConfig, got {type(config).__name__}")
     check_supported(m, n, k)
     cfg = config or default_config(m, n, k)
-    if k % cfg.block_k:
-        raise ValueError(f"config: block_k={cfg.block_k} does not divide K={k}")
-    if cfg.smem_bytes(token_tile(m)) > SMEM_LIMIT:
-        raise ValueError(
-            f"config: {cfg} needs {cfg.smem_bytes(token_tile(m))} bytes of shared memory at "
-            f"M={m} (token tile {token_tile(m)}), more than the {SMEM_LIMIT} a CTA can have; "
-            "use fewer stages, block_n 64 or block_k 256"
-        )
-    steps = k // cfg.block_k
-    split = max(s for s in range(1, min(cfg.split_k, steps) + 1) if steps % s == 0)
     mt = token_tile(m)
+    split = check_config(cfg, k, mt)
     if w_scales.dtype != jnp.uint8:
         w_scales = lax.bitcast_convert_type(w_scales, jnp.uint8)
     xp = permute_x(x, mt)

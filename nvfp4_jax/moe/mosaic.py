@@ -33,7 +33,6 @@ inputs and output layout (CPU tests of the dataflow around the kernel).
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import logging
 
 import jax
@@ -41,7 +40,17 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ..gemm.mosaic import _PERM, POST_SCALE, SMEM_LIMIT, MosaicConfig, _decode_fn, permute_x
+from ..gemm.mosaic import (
+    _PERM,
+    POST_SCALE,
+    MosaicConfig,
+    _pallas_mosaic_gpu,
+    accumulate_tile,
+    check_config,
+    mosaic_kernel,
+    permute_x,
+    store_tile,
+)
 from ..quantize import NVFP4Array
 from .configs import Config
 from .configs import default_config as triton_default_config
@@ -166,27 +175,10 @@ def permute_k(x: jax.Array) -> jax.Array:
 
 
 def _build(mt: int, nb: int, n: int, k: int, cfg: MosaicConfig, split: int):
-    from jax.experimental import pallas as pl
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-
-    try:  # jax 0.11 registers pallas_call's Mosaic GPU lowering rule only on this import
-        from jax._src.pallas.mosaic_gpu import pallas_call_registration  # noqa: F401
-    except ImportError:  # pragma: no cover - other jax versions
-        pass
-
-    bn, bk = cfg.block_n, cfg.block_k
-    groups = bk // 128
+    pl, plgpu = _pallas_mosaic_gpu()
+    bn = cfg.block_n
     n_tiles = _cdiv(n, bn)
     ks = k // split
-    steps = ks // bk
-    decode = [
-        plgpu.inline_mgpu(
-            arg_types=(plgpu.RefType(), plgpu.RefType()),
-            return_type=plgpu.ShapeDtypeStruct((bn, 128), jnp.bfloat16, layout=plgpu.Layout.WGMMA),
-        )(_decode_fn(bn, g, bk))
-        for g in range(groups)
-    ]
-    x_transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 
     def nvfp4_moe_mosaic(be_gmem, nb_gmem, x_gmem, c_gmem, s_gmem, o_gmem, o_smem):  # kernel name
         ni = lax.axis_index("n")
@@ -197,49 +189,25 @@ def _build(mt: int, nb: int, n: int, k: int, cfg: MosaicConfig, split: int):
         def _():
             e = be_gmem[b]  # scalar load from GMEM (memref.load)
             n0 = ni * bn
-
-            def acc_scope(acc_ref):
-                def step(_, c_smem, s_smem, x_smem):
-                    for g in range(groups):
-                        a = decode[g](c_smem, s_smem)
-                        plgpu.wgmma(acc_ref, a, x_smem.at[:, pl.ds(128 * g, 128)].T)
-                        # wait(0): wgmma reads its A registers asynchronously (gemm/mosaic.py)
-                        plgpu.wgmma_wait(0)
-
-                plgpu.emit_pipeline(
-                    step,
-                    grid=(steps,),
-                    in_specs=[
-                        plgpu.BlockSpec((bn, bk // 2), lambda i: (0, i)),
-                        plgpu.BlockSpec((bn, bk // 16), lambda i: (0, i)),
-                        plgpu.BlockSpec((mt, bk), lambda i: (0, i), transforms=x_transforms),
-                    ],
-                    max_concurrent_steps=cfg.num_stages,
-                )(
+            acc = accumulate_tile(
+                lambda: (
                     c_gmem.at[e, pl.ds(n0, bn), pl.ds(si * (ks // 2), ks // 2)],
                     s_gmem.at[e, pl.ds(n0, bn), pl.ds(si * (ks // 16), ks // 16)],
                     x_gmem.at[pl.ds(b * mt, mt), pl.ds(si * ks, ks)],
-                )
-                plgpu.wgmma_wait(0)
-                return acc_ref[...]
+                ),
+                cfg=cfg,
+                m_tile=mt,
+                steps=ks // cfg.block_k,
+            )
+            store_tile(acc, o_smem, o_gmem.at[si, b, pl.ds(n0, bn)])
 
-            acc = pl.run_scoped(acc_scope, plgpu.ACC((bn, mt), jnp.float32))
-            o_smem[...] = acc
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[si, b, pl.ds(n0, bn)])
-            plgpu.wait_smem_to_gmem(0)
-
-    out_type = jax.ShapeDtypeStruct((split, nb, n_tiles * bn, mt), jnp.float32)
-    params = inspect.signature(plgpu.kernel).parameters
-    new_api = "out_type" in params and "scratch_types" in params  # jax >= 0.10.2
-    kw = {"out_type" if new_api else "out_shape": out_type,
-          "scratch_types" if new_api else "scratch_shapes": [plgpu.SMEM((bn, mt), jnp.float32)]}
-    return plgpu.kernel(nvfp4_moe_mosaic, grid=(n_tiles, split, nb), grid_names=("n", "s", "b"), **kw)
-
-
-def _effective_split(k: int, cfg: MosaicConfig) -> int:
-    steps = k // cfg.block_k
-    return max(s for s in range(1, min(cfg.split_k, steps) + 1) if steps % s == 0)
+    return mosaic_kernel(
+        nvfp4_moe_mosaic,
+        out_type=jax.ShapeDtypeStruct((split, nb, n_tiles * bn, mt), jnp.float32),
+        smem_scratch=plgpu.SMEM((bn, mt), jnp.float32),
+        grid=(n_tiles, split, nb),
+        grid_names=("n", "s", "b"),
+    )
 
 
 def _reference(xp, codes, scales, block_expert, num_blocks, *, mt, n_pad, split):
@@ -310,12 +278,7 @@ def grouped_matmul(
         raise ValueError(f"config: expected a MosaicConfig, got {type(config).__name__}")
     check_supported(k, name="codes")
     cfg = config or MosaicConfig(block_n=128, split_k=1, num_stages=2)
-    if k % cfg.block_k:
-        raise ValueError(f"config: block_k={cfg.block_k} does not divide K={k}")
-    if cfg.smem_bytes(block_m) > SMEM_LIMIT:
-        raise ValueError(f"config: {cfg} needs {cfg.smem_bytes(block_m)} bytes of shared memory per "
-                         f"CTA with block_m={block_m}, more than the {SMEM_LIMIT} a CTA can have")
-    split = _effective_split(k, cfg)
+    split = check_config(cfg, k, block_m)
     if scales.dtype != jnp.uint8:
         scales = lax.bitcast_convert_type(scales, jnp.uint8)
     be = block_expert.astype(jnp.int32)

@@ -55,7 +55,7 @@ from ..quantize import NVFP4Array
 from .configs import Config
 from .configs import default_config as triton_default_config
 from .routing import block_routing, max_blocks
-from .xla import activate, moe_scales, quantized_values, recipe_of
+from .xla import activate, moe_scales, quantized_values, recipe_of, sorted_rows
 from .xla import bf16_round as _bf16_round
 
 log = logging.getLogger(__name__)
@@ -359,16 +359,9 @@ def moe_mosaic(
     em = br.sorted_route.shape[0]
     nb = em // bm
     assert nb == max_blocks(n_routes, e, bm)
-    valid = br.sorted_route < n_routes
-    route = jnp.where(valid, br.sorted_route, 0)
-    tok = route // k
-    row_expert = jnp.repeat(br.block_expert, bm)
-    if activation_scale == "scalar":
-        xv = quantized_values(hidden, g1[0], recipe)[tok]
-    else:
-        xv = quantized_values(hidden[tok], g1[row_expert], recipe)
-    xv = jnp.where(valid[:, None], xv, jnp.zeros((), xv.dtype))
-    wt = jnp.where(valid, topk_weights.reshape(-1).astype(jnp.float32)[route], 0.0)
+    xv, wt, row_expert = sorted_rows(hidden, topk_weights, g1, br.sorted_route, br.block_expert,
+                                     top_k=k, block_m=bm, recipe=recipe,
+                                     activation_scale=activation_scale)
 
     def scales_u8(w: NVFP4Array):
         return lax.bitcast_convert_type(w.linear_scales(), jnp.uint8)

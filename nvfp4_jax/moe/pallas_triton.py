@@ -48,7 +48,7 @@ from ..quantize import NVFP4Array
 from ..quantize import _div as _ieee_div
 from .configs import Config, MoEConfig, default_config
 from .routing import block_routing
-from .xla import moe_scales, quantized_values, recipe_of
+from .xla import moe_scales, recipe_of, sorted_rows
 
 log = logging.getLogger(__name__)
 
@@ -371,17 +371,9 @@ def moe_pallas(
     br = block_routing(topk_ids, e, bm)
     em = br.sorted_route.shape[0]
     nb = em // bm
-    valid = br.sorted_route < n_routes
-    route = jnp.where(valid, br.sorted_route, 0)
-    tok = route // k
-    if activation_scale == "scalar":
-        xv = quantized_values(hidden, g1[0], recipe)[tok]
-    else:
-        row_expert = jnp.repeat(br.block_expert, bm)
-        xv = quantized_values(hidden[tok], g1[row_expert], recipe)
-    xv = jnp.where(valid[:, None], xv, jnp.zeros((), xv.dtype))
+    xv, wt, _ = sorted_rows(hidden, topk_weights, g1, br.sorted_route, br.block_expert, top_k=k,
+                            block_m=bm, recipe=recipe, activation_scale=activation_scale)
     xe, xo = xv[:, 0::2], xv[:, 1::2]
-    wt = jnp.where(valid, topk_weights.reshape(-1).astype(jnp.float32)[route], 0.0)
 
     c1c, c1s = _stack(fc1, c1)
     meta = (br.block_expert, br.num_blocks)

@@ -83,6 +83,30 @@ def quantized_values(x: jax.Array, encode_scale: jax.Array, recipe: str) -> jax.
     return vals.reshape(xf.shape).astype(jnp.bfloat16)
 
 
+def sorted_rows(hidden: jax.Array, topk_weights: jax.Array, g1: jax.Array, sorted_route: jax.Array,
+                block_expert: jax.Array, *, top_k: int, block_m: int, recipe: str,
+                activation_scale: str) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Per sorted row of a block routing (``routing.block_routing``), the grouped kernels' operands.
+
+    hidden bf16 [T, H]; topk_weights [T, k]; g1 fp32 [E] FC1 encode scales; sorted_route int32
+    [EM] (sentinel T*k on padding rows); block_expert int32 [EM/block_m]. Returns the quantized FC1
+    input ``q * sf`` bf16 [EM, H] (zero on padding rows), the router weight fp32 [EM] (0 on
+    padding rows) and each row's expert int32 [EM].
+    """
+    n_routes = topk_weights.size
+    valid = sorted_route < n_routes
+    route = jnp.where(valid, sorted_route, 0)
+    tok = route // top_k
+    row_expert = jnp.repeat(block_expert, block_m)
+    if activation_scale == "scalar":
+        xv = quantized_values(hidden, g1[0], recipe)[tok]
+    else:
+        xv = quantized_values(hidden[tok], g1[row_expert], recipe)
+    xv = jnp.where(valid[:, None], xv, jnp.zeros((), xv.dtype))
+    wt = jnp.where(valid, topk_weights.reshape(-1).astype(jnp.float32)[route], 0.0)
+    return xv, wt, row_expert
+
+
 def activate(u: jax.Array, activation: str, gate_up_order: str) -> jax.Array:
     """fp32 activation: ``relu(u)^2`` or ``silu(gate) * up`` with halves per gate_up_order."""
     if activation == "relu2":

@@ -9,21 +9,14 @@ import numpy as np
 import pytest
 
 import oracle
+from nvfp4_jax.gemm.api import _gpu_compute_capability
 from nvfp4_jax.gemm.mosaic import MosaicConfig, matmul_mosaic
 from nvfp4_jax.testing import assert_gemm_close
 
 pytestmark = pytest.mark.gpu
 
 
-def _is_sm90() -> bool:
-    try:
-        dev = jax.devices()[0]
-    except RuntimeError:
-        return False
-    return dev.platform == "gpu" and str(getattr(dev, "compute_capability", "")) == "9.0"
-
-
-if not _is_sm90():
+if _gpu_compute_capability() != 90:
     pytest.skip("needs an sm_90 (Hopper) NVIDIA GPU", allow_module_level=True)
 
 

@@ -19,6 +19,7 @@ import pytest
 from test_moe import to_jax
 from test_moe_cases import check_against_oracle, make_case_fast
 
+from nvfp4_jax.gemm.api import _gpu_compute_capability
 from nvfp4_jax.gemm.mosaic import MosaicConfig
 from nvfp4_jax.moe.mosaic import MosaicMoEConfig
 from nvfp4_jax.moe.pallas_triton import moe_pallas
@@ -26,15 +27,7 @@ from nvfp4_jax.moe.pallas_triton import moe_pallas
 pytestmark = pytest.mark.gpu
 
 
-def _is_sm90() -> bool:
-    try:
-        dev = jax.devices()[0]
-    except RuntimeError:
-        return False
-    return dev.platform == "gpu" and str(getattr(dev, "compute_capability", "")) == "9.0"
-
-
-if not _is_sm90():
+if _gpu_compute_capability() != 90:
     pytest.skip("needs an sm_90 (Hopper) NVIDIA GPU", allow_module_level=True)
 if "-nvptx-prec-divf32=2" not in os.environ.get("XLA_FLAGS", ""):
     pytest.skip("needs XLA_FLAGS=--xla_backend_extra_options=-nvptx-prec-divf32=2 (IEEE division "

@@ -40,9 +40,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ..gemm.mosaic import (
+from ..gemm.mosaic import (  # BLOCK_K: K % 256 for TMA; TOKEN_TILES: rows per block (wgmma N)
     _PERM,
+    BLOCK_K,
     POST_SCALE,
+    TOKEN_TILES,
     MosaicConfig,
     _pallas_mosaic_gpu,
     accumulate_tile,
@@ -60,8 +62,6 @@ from .xla import bf16_round as _bf16_round
 
 log = logging.getLogger(__name__)
 
-BLOCK_K = 256  # K % BLOCK_K == 0 for TMA (scale tile rows of 16 bytes)
-TOKEN_TILES = (8, 16, 32, 64)  # rows per routing block (wgmma N)
 N_SM = 132  # H200
 
 

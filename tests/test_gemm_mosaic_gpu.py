@@ -53,6 +53,13 @@ def _run(x, wo, out_dtype, cfg):
         # four 128-deep wgmmas per pipeline step (scale tile rows of 32 bytes)
         (16, 1000, 2048, 1.0, MosaicConfig(block_n=64, split_k=2, num_stages=3, block_k=512)),
         (37, 3000, 1536, 3.0, MosaicConfig(block_n=64, split_k=1, num_stages=2, block_k=512)),
+        # decode overlapping the previous wgmma, and L2 prefetch ahead of the TMA pipeline
+        (16, 4000, 4096, 1.0, MosaicConfig(block_n=64, split_k=2, num_stages=2, overlap=True)),
+        (64, 1000, 3072, 5.0, MosaicConfig(block_n=64, split_k=1, num_stages=2, block_k=512,
+                                           overlap=True)),
+        (5, 3000, 4096, 1.0, MosaicConfig(block_n=128, split_k=2, num_stages=2, prefetch=2)),
+        (33, 2048, 8192, 1.0, MosaicConfig(block_n=64, split_k=4, num_stages=3, prefetch=4,
+                                           overlap=True)),
     ],
 )
 @pytest.mark.parametrize("out_dtype", [jnp.float32, jnp.bfloat16])

@@ -32,11 +32,14 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import logging
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+
+log = logging.getLogger(__name__)
 
 MAX_M = 64
 TOKEN_TILES = (8, 16, 32, 64)
@@ -63,12 +66,19 @@ class MosaicConfig:
     split_k: K ranges run by separate CTAs (fp32 partials summed in XLA); reduced to a divisor
     of the number of K steps. num_stages: TMA pipeline depth. block_k: K elements per pipeline
     step (256 or 512: two or four 128-deep wgmmas per step; K must be a multiple of it).
+    prefetch: 0 (off) or the distance in K steps at which each CTA asks the L2 to prefetch its
+    weight codes and scales (one TMA bulk prefetch per tile, no shared memory): more weight bytes
+    in flight than the ``num_stages`` TMA stages alone. overlap: issue the next 128-deep group's
+    decode while the previous wgmma runs (``wgmma_wait(1)`` within a step, ``wgmma_wait(0)`` at
+    the step's end, before the pipeline releases the stage).
     """
 
     block_n: int = 128
     split_k: int = 1
     num_stages: int = 4
     block_k: int = 256
+    prefetch: int = 0
+    overlap: bool = False
 
     def __post_init__(self) -> None:
         if self.block_n not in (64, 128):
@@ -79,6 +89,10 @@ class MosaicConfig:
             raise ValueError(f"MosaicConfig.num_stages: expected 2..8, got {self.num_stages}")
         if self.block_k not in BLOCK_KS:
             raise ValueError(f"MosaicConfig.block_k: expected one of {BLOCK_KS}, got {self.block_k}")
+        if not 0 <= self.prefetch <= 16:
+            raise ValueError(f"MosaicConfig.prefetch: expected 0..16 steps, got {self.prefetch}")
+        if not isinstance(self.overlap, bool):
+            raise TypeError(f"MosaicConfig.overlap: expected a bool, got {self.overlap!r}")
 
     def smem_bytes(self, m_tile: int) -> int:
         """Shared memory of one CTA: pipeline stages (codes, scales, x) plus the fp32 output tile."""
@@ -316,13 +330,15 @@ def _pallas_mosaic_gpu():
     return pl, plgpu
 
 
-def accumulate_tile(sources, *, cfg: MosaicConfig, m_tile: int, steps: int):
+def accumulate_tile(sources, *, cfg: MosaicConfig, m_tile: int, steps: int, tiled: bool = False):
     """Kernel-body building block (dense and grouped kernels): stream ``steps`` K steps of one
     weight tile through the TMA pipeline, decode in registers and wgmma. ``sources()`` returns
     the GMEM refs (codes [block_n, steps*block_k/2] u8, scales [block_n, steps*block_k/16] u8,
     x [m_tile, steps*block_k] bf16); it is called inside the accumulator's scope, where the
-    kernels sliced them before they shared this code. Returns the fp32 accumulator
-    [block_n, m_tile] (times 2^-7, see POST_SCALE)."""
+    kernels sliced them before they shared this code. tiled: the codes and scales come as
+    [steps*block_n, block_k/2] and [steps*block_n, block_k/16] (``tile_weight``: each step's tile
+    is contiguous in memory). Returns the fp32 accumulator [block_n, m_tile] (times 2^-7, see
+    POST_SCALE)."""
     pl, plgpu = _pallas_mosaic_gpu()
     bn, bk = cfg.block_n, cfg.block_k
     groups = bk // 128
@@ -335,28 +351,49 @@ def accumulate_tile(sources, *, cfg: MosaicConfig, m_tile: int, steps: int):
     ]
     x_transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 
+    prefetch = getattr(plgpu, "async_prefetch", None) if cfg.prefetch else None
+    if cfg.prefetch and prefetch is None:
+        log.warning("MosaicConfig.prefetch=%d ignored: this JAX has no plgpu.async_prefetch",
+                    cfg.prefetch)
+
     def acc_scope(acc_ref):
-        def step(_, c_smem, s_smem, x_smem):
+        c_src, s_src, x_src = sources()
+
+        def step(idx, c_smem, s_smem, x_smem):
+            if prefetch is not None:
+                ahead = idx[0] + cfg.prefetch
+
+                @pl.when(ahead < steps)
+                def _():
+                    if tiled:
+                        prefetch(c_src.at[pl.ds(ahead * bn, bn)])
+                        prefetch(s_src.at[pl.ds(ahead * bn, bn)])
+                    else:
+                        prefetch(c_src.at[:, pl.ds(ahead * (bk // 2), bk // 2)])
+                        prefetch(s_src.at[:, pl.ds(ahead * (bk // 16), bk // 16)])
+
             for g in range(groups):
                 a = decode[g](c_smem, s_smem)
                 plgpu.wgmma(acc_ref, a, x_smem.at[:, pl.ds(128 * g, 128)].T)
-                # wgmma reads its A registers asynchronously and the next decode may be given
-                # the same physical registers: overlapping them gave garbage on the H200 (NaN /
-                # wrong tiles, timing dependent), so wait here. This also makes the stage free
-                # at the end of the step (all warps issued the wgmma, so all finished their
-                # ld.shared of it): delay_release = 0.
-                plgpu.wgmma_wait(0)
+                # wgmma reads its A registers and the x stage asynchronously. Without overlap,
+                # wait here: the next decode then cannot touch registers an in-flight wgmma
+                # reads. With overlap, at most one wgmma stays in flight while the next group
+                # decodes (ptxas tracks wgmma register operands: a decode that would reuse them
+                # is serialized, not raced). Either way nothing is in flight at the step's end,
+                # so the pipeline may release the stage then (delay_release = 0): an earlier
+                # variant that left a wgmma in flight across the release read overwritten x.
+                plgpu.wgmma_wait(1 if cfg.overlap and g + 1 < groups else 0)
 
         plgpu.emit_pipeline(
             step,
             grid=(steps,),
             in_specs=[
-                plgpu.BlockSpec((bn, bk // 2), lambda i: (0, i)),
-                plgpu.BlockSpec((bn, bk // 16), lambda i: (0, i)),
+                plgpu.BlockSpec((bn, bk // 2), (lambda i: (i, 0)) if tiled else (lambda i: (0, i))),
+                plgpu.BlockSpec((bn, bk // 16), (lambda i: (i, 0)) if tiled else (lambda i: (0, i))),
                 plgpu.BlockSpec((m_tile, bk), lambda i: (0, i), transforms=x_transforms),
             ],
             max_concurrent_steps=cfg.num_stages,
-        )(*sources())
+        )(c_src, s_src, x_src)
         plgpu.wgmma_wait(0)
         return acc_ref[...]
 
@@ -385,26 +422,49 @@ def mosaic_kernel(body, *, out_type, smem_scratch, grid, grid_names):
     return plgpu.kernel(body, grid=grid, grid_names=grid_names, **kw)
 
 
-def _build(m_tile: int, n: int, k: int, cfg: MosaicConfig, split: int):
+def tile_weight(codes: jax.Array, scales: jax.Array, block_n: int, block_k: int):
+    """Linear [N, K/2] codes and [N, K/16] scale bytes -> the tiled layout: tile (n, s) of
+    ``block_n`` rows x ``block_k`` K elements at rows ``(n * K/block_k + s) * block_n`` of
+    [N_pad/block_n * K/block_k * block_n, block_k/2] codes (and block_k/16 scale bytes), so that
+    every pipeline step reads one contiguous 9 KB (block_n 64, block_k 256) span instead of
+    block_n 128-byte pieces 2 KB-8 KB apart. Rows past N are zero."""
+    n, kh = codes.shape
+    k = 2 * kh
+    nt, st = -(-n // block_n), k // block_k
+
+    def t(a, width):
+        a = jnp.pad(a, ((0, nt * block_n - n), (0, 0)))
+        a = a.reshape(nt, block_n, st, width).transpose(0, 2, 1, 3)
+        return a.reshape(nt * st * block_n, width)
+
+    return t(codes, block_k // 2), t(scales, block_k // 16)
+
+
+def _build(m_tile: int, n: int, k: int, cfg: MosaicConfig, split: int, tiled: bool = False):
     pl, plgpu = _pallas_mosaic_gpu()
     bn = cfg.block_n
     n_tiles = -(-n // bn)
     ks = k // split
+    steps = ks // cfg.block_k
 
     def nvfp4_w4a16_mosaic(x_gmem, c_gmem, s_gmem, o_gmem, o_smem):  # the kernel's name
         ni = lax.axis_index("n")
         si = lax.axis_index("s")
         n0 = ni * bn
-        acc = accumulate_tile(
-            lambda: (
+        if tiled:
+            r0 = (ni * split + si) * steps * bn
+            srcs = lambda: (
+                c_gmem.at[pl.ds(r0, steps * bn)],
+                s_gmem.at[pl.ds(r0, steps * bn)],
+                x_gmem.at[:, pl.ds(si * ks, ks)],
+            )
+        else:
+            srcs = lambda: (
                 c_gmem.at[pl.ds(n0, bn), pl.ds(si * (ks // 2), ks // 2)],
                 s_gmem.at[pl.ds(n0, bn), pl.ds(si * (ks // 16), ks // 16)],
                 x_gmem.at[:, pl.ds(si * ks, ks)],
-            ),
-            cfg=cfg,
-            m_tile=m_tile,
-            steps=ks // cfg.block_k,
-        )
+            )
+        acc = accumulate_tile(srcs, cfg=cfg, m_tile=m_tile, steps=steps, tiled=tiled)
         store_tile(acc, o_smem, o_gmem.at[si, pl.ds(n0, bn)])
 
     out_type = jax.ShapeDtypeStruct((split, n_tiles * bn, m_tile), jnp.float32)
@@ -430,6 +490,7 @@ def matmul_mosaic(
     out_dtype=jnp.bfloat16,
     config: MosaicConfig | None = None,
     poison: bool = False,
+    tiled_n: int | None = None,
 ) -> jax.Array:
     """``alpha * x @ W^T`` with fp32 accumulation (Hopper, M <= 64).
 
@@ -450,12 +511,21 @@ def matmul_mosaic(
     if w_codes.ndim != 2 or w_codes.dtype != jnp.uint8:
         raise ValueError(f"w_codes: expected uint8 [N, K/2], got {w_codes.dtype} {w_codes.shape}")
     n = w_codes.shape[0]
-    if w_codes.shape != (n, k // 2) or k % 2:
-        raise ValueError(f"w_codes: expected shape {(n, k // 2)} for K={k}, got {w_codes.shape}")
+    tiled = tiled_n is not None
+    if tiled:
+        if config is None:
+            raise ValueError("config: the tiled weight layout needs the config it was tiled for")
+        n = tiled_n
+        rows = -(-n // config.block_n) * (k // config.block_k) * config.block_n
+        c_shape, s_shape = (rows, config.block_k // 2), (rows, config.block_k // 16)
+    else:
+        c_shape, s_shape = (n, k // 2), (n, k // 16)
+    if w_codes.shape != c_shape or k % 2:
+        raise ValueError(f"w_codes: expected shape {c_shape} for K={k}, got {w_codes.shape}")
     if w_scales.dtype not in (jnp.float8_e4m3fn, jnp.uint8):
         raise ValueError(f"w_scales: expected float8_e4m3fn or uint8, got {w_scales.dtype}")
-    if w_scales.shape != (n, k // 16):
-        raise ValueError(f"w_scales: expected shape {(n, k // 16)}, got {w_scales.shape}")
+    if w_scales.shape != s_shape:
+        raise ValueError(f"w_scales: expected shape {s_shape}, got {w_scales.shape}")
     if jnp.dtype(out_dtype) not in (jnp.bfloat16, jnp.float16, jnp.float32):
         raise ValueError(f"out_dtype: expected bfloat16, float16 or float32, got {out_dtype}")
     if config is not None and not isinstance(config, MosaicConfig):
@@ -467,7 +537,7 @@ def matmul_mosaic(
     if w_scales.dtype != jnp.uint8:
         w_scales = lax.bitcast_convert_type(w_scales, jnp.uint8)
     xp = permute_x(x, mt)
-    make, out_type = _build(mt, n, k, cfg, split)
+    make, out_type = _build(mt, n, k, cfg, split, tiled)
     if poison and not isinstance(x, jax.core.Tracer):
         # best effort (plgpu.kernel has no input_output_aliases): free a NaN buffer of the
         # output's size just before the call, so the allocator tends to hand that memory to

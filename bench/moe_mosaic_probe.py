@@ -65,6 +65,8 @@ def variants(base: MosaicMoEConfig, hidden: int, inter: int) -> list[tuple[str, 
 
     def add(name, **kw):
         def ok(k):
+            if k % 256 == 128:  # whole-K scales: block_k 256, split 1
+                return not {"block_k", "split_k"} & set(kw)
             return k % 256 == 0 and k % kw.get("block_k", 256) == 0
 
         f1 = _mc(base.fc1, **kw) if ok(hidden) else base.fc1
@@ -79,6 +81,7 @@ def variants(base: MosaicMoEConfig, hidden: int, inter: int) -> list[tuple[str, 
     if base.fc1.split_k > 1:
         add("split1", split_k=1)
     add("bk512_stages2", block_k=512)
+    add("overlap", overlap=True)
     if base.block_m == 8:
         out.append(("bm16", dataclasses.replace(base, block_m=16)))
     return out

@@ -35,6 +35,9 @@ def _grouped_args(nb, mt, e, n, k):
     (9, 8, 128, 2048, 768, MosaicConfig(block_n=64, split_k=3, num_stages=4)),      # qwen3 FC2
     (12, 16, 16, 1000, 1024, MosaicConfig(block_n=128, split_k=2, num_stages=3, block_k=512)),
     (3, 64, 4, 333, 512, MosaicConfig(block_n=64, split_k=1, num_stages=2)),
+    # K % 256 == 128: whole-K scales (nemotron FC2, K = 2688; the smallest such K, 384)
+    (25, 8, 512, 1024, 2688, MosaicConfig(block_n=128, split_k=1, num_stages=2)),
+    (6, 16, 4, 256, 384, MosaicConfig(block_n=64, split_k=2, num_stages=3, overlap=True)),
 ])
 def test_grouped_kernel_lowers_for_cuda(nb, mt, e, n, k, cfg):
     f = jax.jit(lambda x, c, s, be, nbk: grouped_matmul(x, c, s, be, nbk, block_m=mt, config=cfg))
@@ -44,9 +47,10 @@ def test_grouped_kernel_lowers_for_cuda(nb, mt, e, n, k, cfg):
     assert f"tensor<{split}x{nb}x{-(-n // cfg.block_n) * cfg.block_n}x{mt}xf32>" in text
 
 
-@pytest.mark.parametrize("activation,inter", [("swiglu", 768), ("relu2", 2688)])
+@pytest.mark.parametrize("activation,inter", [("swiglu", 768), ("relu2", 2688), ("relu2", 96)])
 def test_moe_mosaic_layer_lowers_for_cuda(activation, inter):
-    """The whole layer (routing, kernels, XLA epilogues; nemotron's FC2 on Pallas-Triton)."""
+    """The whole layer (routing, kernels, XLA epilogues): both GEMMs on Mosaic (nemotron's
+    FC2, K = 2688, with whole-K scales), or FC2 on Pallas-Triton (K = 96)."""
     e, h, t, k = 16, 1024, 3, 4
     r = 2 * inter if activation == "swiglu" else inter
     import nvfp4_jax
@@ -66,9 +70,9 @@ def test_moe_mosaic_layer_lowers_for_cuda(activation, inter):
             jax.ShapeDtypeStruct((t, k), jnp.float32), jax.ShapeDtypeStruct((e,), jnp.float32),
             jax.ShapeDtypeStruct((e,), jnp.float32))
     text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    assert text.count("mosaic_gpu") >= (2 if inter % 256 == 0 else 1)
-    if inter % 256:
-        assert "nvfp4_moe_fc2" in text  # the Pallas-Triton FC2
+    on2 = inter % 256 in (0, 128)
+    assert text.count("nvfp4_moe_mosaic") >= (2 if on2 else 1)
+    assert ("nvfp4_moe_fc2" in text) == (not on2)  # the Pallas-Triton FC2
 
 
 def _run(case, *, mode, activation, order="up_gate", config=None, kernel="mosaic", act_scale=None):
@@ -92,7 +96,9 @@ SPLIT = MosaicMoEConfig(block_m=16, fc1=MosaicConfig(block_n=64, split_k=2, num_
     # most experts without tokens, uneven blocks (skewed routing)
     ("skewed_relu2_b12x", "b12x", "relu2", "up_gate",
      {"t": 21, "h": 256, "inter": 512, "e": 32, "k": 2, "routing": "skewed"}, SPLIT),
-    # FC2 K = I not a multiple of 256: FC2 on Pallas-Triton (interpret), block_m 16
+    # FC2 K = I = 384 (128 mod 256): whole-K scales, block_m 8
+    ("wholek_fc2_relu2_trtllm", "trtllm_cutlass", "relu2", "up_gate", {"t": 5, "h": 256, "inter": 384, "e": 4, "k": 2}, None),
+    # FC2 K = I neither: FC2 on Pallas-Triton (interpret), block_m 16
     ("fc2_triton_relu2_trtllm", "trtllm_cutlass", "relu2", "up_gate", {"t": 5, "h": 256, "inter": 96, "e": 4, "k": 2}, None),
     ("fc2_triton_swiglu_b12x", "b12x", "swiglu", "up_gate", {"t": 3, "h": 256, "inter": 160, "e": 4, "k": 3}, None),
     ("subnormal_scales_b12x", "b12x", "relu2", "up_gate",
@@ -172,7 +178,13 @@ def test_validation_names_the_argument():
                        be, nb, block_m=64, reference=True,
                        config=MosaicConfig(block_n=128, num_stages=8, block_k=512))
     with pytest.raises(ValueError, match="^codes: the Mosaic grouped kernel needs K % 256"):
-        g(jnp.zeros((16, 128), jnp.bfloat16), c[:, :, :64], s[:, :, :8], be, nb)
+        g(jnp.zeros((16, 96), jnp.bfloat16), c[:, :, :48], s[:, :, :6], be, nb)
+    c3 = jnp.zeros((c.shape[0], 33, 192), jnp.uint8)  # K % 256 == 128 but N odd: no pair view
+    with pytest.raises(ValueError, match="^codes: .* N even .* got N=33, K=384"):
+        g(jnp.zeros((16, 384), jnp.bfloat16), c3, jnp.zeros((c.shape[0], 33, 24), jnp.uint8), be, nb)
+    with pytest.raises(ValueError, match="^config: K=384 .* needs block_k=256"):
+        g(jnp.zeros((16, 384), jnp.bfloat16), jnp.zeros((3, 64, 192), jnp.uint8),
+          jnp.zeros((3, 64, 24), jnp.uint8), be, nb, config=MosaicConfig(block_k=512))
     for bad in ({"block_m": 4}, {"fc1": "x"}, {"fc2_triton": 3}):
         with pytest.raises(ValueError, match="^MosaicMoEConfig"):
             MosaicMoEConfig(**bad)
@@ -189,7 +201,7 @@ def test_validation_names_the_argument():
         moe(hidden, kernel="triton", config=MosaicMoEConfig(), **kw)
     with pytest.raises(ValueError, match="^config: block_m=8; FC2 runs on Pallas-Triton"):
         moe(hidden, kernel="mosaic", config=MosaicMoEConfig(block_m=8), **kw)
-    case = make_case(np.random.default_rng(0), t=2, h=128, inter=64, e=2, k=1)
+    case = make_case(np.random.default_rng(0), t=2, h=96, inter=64, e=2, k=1)
     hidden, ids, w, fc1, fc2, s1, s2 = to_jax(case)
     kw.update({"fc1": fc1, "fc2": fc2, "fc1_input_scale": s1, "fc2_input_scale": s2, "topk_ids": ids,
                "topk_weights": w})
@@ -199,15 +211,16 @@ def test_validation_names_the_argument():
 
 def test_default_configs():
     nemo = default_config(22, 512, hidden=1024, rows1=2688, inter=2688)
-    assert nemo.block_m == 16  # FC2 (K = 2688) on Pallas-Triton, whose blocks are >= 16 rows
+    assert nemo.block_m == 8  # FC2 (K = 2688) on Mosaic with whole-K scales
+    assert default_config(22, 512, hidden=1024, rows1=2688, inter=2560 + 96).block_m == 16  # Triton FC2
     qwen = default_config(8, 128, hidden=2048, rows1=1536, inter=768)
     assert qwen.block_m == 8
     for cfg, k1, k2 in ((nemo, 1024, 2688), (qwen, 2048, 768)):
         assert (k1 // 256) % cfg.fc1.split_k == 0
         if k2 % 256 == 0:
             assert (k2 // 256) % cfg.fc2.split_k == 0
-        for c in (cfg.fc1, cfg.fc2):
-            assert c.smem_bytes(cfg.block_m) < 200 * 1024
+        for c, k in ((cfg.fc1, k1), (cfg.fc2, k2)):
+            assert c.smem_bytes(cfg.block_m, whole_k=k if k % 256 else None) < 200 * 1024
     for key, cfg in mm.AUTO_SM90.items():
         assert isinstance(cfg, MosaicMoEConfig) and len(key) == 5
 
@@ -232,3 +245,34 @@ def test_auto_table_holds_the_default_heuristic_where_measured():
         assert mm._bucket(routes) == b
         assert default_config(routes, e, hidden=h, rows1=r, inter=i) == cfg
         assert mm.auto_config(routes, e, hidden=h, rows1=r, inter=i) == cfg
+
+
+@pytest.mark.parametrize("n,k,bn", [(1024, 2688, 128), (1024, 2688, 64), (256, 384, 64), (300, 1152, 128)])
+def test_whole_k_scale_addressing(n, k, bn):
+    """The whole-K scale mode's byte arithmetic, replayed in numpy: the CTA's copy of the pair
+    view (``whole_k_pair_rows`` pair rows from row n0/2, zeros past N) read at the decoder's
+    offsets (step i: 16*i, row r: r*K/16, group g: 8*g) gives scale bytes [r, 16i + 8g, +8) of
+    the tile for every real K group, and stays inside the copy for the padding group."""
+    from nvfp4_jax.gemm.mosaic import whole_k_chunk, whole_k_pair_rows, whole_k_scale_view
+
+    rng = np.random.default_rng(k)
+    scales = rng.integers(0, 0x7F, (n, k // 16), dtype=np.uint8)
+    view = np.asarray(whole_k_scale_view(jnp.asarray(scales)))
+    c = whole_k_chunk(k)
+    assert c % 16 == 0 and c <= 256 and view.shape == (n // 2, 2 * (k // 16) // c, c)
+    p = whole_k_pair_rows(bn, k)
+    assert p > bn // 2 and (p * 2 * (k // 16)) % 128 == 0
+    steps = (k + 128) // 256
+    for n0 in range(0, n, bn):
+        copy = np.zeros((p,) + view.shape[1:], np.uint8)  # TMA: zeros past the last pair row
+        rows = view[n0 // 2 : n0 // 2 + p]
+        copy[: len(rows)] = rows
+        flat = copy.reshape(-1)
+        for i in range(steps):
+            for g in range(2):
+                for r in range(min(bn, n - n0)):
+                    off = 16 * i + r * (k // 16) + 8 * g
+                    assert off + 8 <= flat.size
+                    if 128 * (2 * i + g) < k:  # a real K group: its 8 scale bytes
+                        np.testing.assert_array_equal(
+                            flat[off : off + 8], scales[n0 + r, 16 * i + 8 * g : 16 * i + 8 * g + 8])

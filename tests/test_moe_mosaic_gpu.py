@@ -33,7 +33,7 @@ if "-nvptx-prec-divf32=2" not in os.environ.get("XLA_FLAGS", ""):
     pytest.skip("needs XLA_FLAGS=--xla_backend_extra_options=-nvptx-prec-divf32=2 (IEEE division "
                 "in the XLA requantization)", allow_module_level=True)
 
-NEMO = {"h": 1024, "inter": 2688, "activation": "relu2"}  # FC2 K = 2688: Pallas-Triton FC2
+NEMO = {"h": 1024, "inter": 2688, "activation": "relu2"}  # FC2 K = 2688: whole-K scales
 QWEN = {"h": 2048, "inter": 768, "activation": "swiglu"}  # both GEMMs on Mosaic
 ALT = MosaicMoEConfig(block_m=16, fc1=MosaicConfig(block_n=64, split_k=2, num_stages=3),
                       fc2=MosaicConfig(block_n=64, split_k=3, num_stages=2))

@@ -94,11 +94,17 @@ class MosaicConfig:
         if not isinstance(self.overlap, bool):
             raise TypeError(f"MosaicConfig.overlap: expected a bool, got {self.overlap!r}")
 
-    def smem_bytes(self, m_tile: int) -> int:
-        """Shared memory of one CTA: pipeline stages (codes, scales, x) plus the fp32 output tile."""
-        stage = self.block_n * self.block_k // 2 + self.block_n * self.block_k // 16
-        stage += m_tile * self.block_k * 2
-        return self.num_stages * stage + self.block_n * m_tile * 4
+    def smem_bytes(self, m_tile: int, whole_k: int | None = None) -> int:
+        """Shared memory of one CTA: pipeline stages (codes, scales, x) plus the fp32 output tile;
+        with whole-K scales (``accumulate_tile``) the scales are one [block_n/2 + 1, 2*K/16]
+        buffer instead of a tile per stage."""
+        stage = self.block_n * self.block_k // 2 + m_tile * self.block_k * 2
+        if whole_k is None:
+            stage += self.block_n * self.block_k // 16
+            extra = 0
+        else:
+            extra = whole_k_pair_rows(self.block_n, whole_k) * 2 * (whole_k // 16)
+        return self.num_stages * stage + extra + self.block_n * m_tile * 4
 
 
 # Shapes where backend="auto" picks this kernel on sm_90: (M bucket as configs.m_bucket, N, K)
@@ -219,10 +225,14 @@ fma.rn.bf16x2 $0, t, c2, $4;
 # bf16 2^120 = 0x7B80, 2^119 = 0x7B00).
 
 
-def _decode_fn(block_n: int, g: int, block_k: int = BLOCK_K):
+def _decode_fn(block_n: int, g: int, block_k: int = BLOCK_K, scale_stride: int | None = None):
     """inline_mgpu body: (codes_smem [block_n, block_k/2] u8, scales_smem [block_n, block_k/16]
-    u8) -> the bf16 WGMMA-layout fragment [block_n, 128] of 128-deep K group ``g`` of the step."""
-    cstride, sstride = block_k // 2, block_k // 16  # bytes per row of the code / scale tiles
+    u8) -> the bf16 WGMMA-layout fragment [block_n, 128] of 128-deep K group ``g`` of the step.
+    scale_stride: whole-K scale mode (``accumulate_tile``): the scales ref points at the step's
+    first scale byte of row 0 and rows are ``scale_stride`` (= K/16, a multiple of 8) bytes
+    apart; each (row, group) reads its 8 bytes with one 8-byte load."""
+    cstride = block_k // 2  # bytes per row of the code tile
+    sstride = block_k // 16 if scale_stride is None else scale_stride
     if not 0 <= g < block_k // 128:
         raise ValueError(f"g: expected 0 <= g < {block_k // 128}, got {g}")
     from jax._src.lib.mlir import ir
@@ -271,12 +281,18 @@ def _decode_fn(block_n: int, g: int, block_k: int = BLOCK_K):
                 row = arith.addi(
                     arith.addi(arith.muli(warp, c32(16)), r), c32(64 * rb + 8 * h)
                 )
-                # the 16 scale bytes holding group g's 8 (two groups per 16 bytes)
-                soff = arith.addi(arith.muli(row, c32(sstride)), c32(16 * (g // 2)))
-                srow = ld(sptr, soff, v4i32, 16)
-                sw = [llvm.extractelement(srow, c32(i)) for i in range(4)]
+                if scale_stride is None:
+                    # the 16 scale bytes holding group g's 8 (two groups per 16 bytes)
+                    soff = arith.addi(arith.muli(row, c32(sstride)), c32(16 * (g // 2)))
+                    srow = ld(sptr, soff, v4i32, 16)
+                    sw = [llvm.extractelement(srow, c32(i)) for i in range(4)]
+                    gl = g % 2
+                else:  # group g's 8 bytes (8-byte aligned: K/16 % 8 == 0)
+                    soff = arith.addi(arith.muli(row, c32(sstride)), c32(8 * g))
+                    srow = ld(sptr, soff, ir.VectorType.get((2,), i32), 8)
+                    sw = [llvm.extractelement(srow, c32(i)) for i in range(2)]
+                    gl = 0
                 cbase = arith.addi(arith.muli(row, c32(cstride)), arith.muli(cq, c32(16)))
-                gl = g % 2
                 pair = llvm.inline_asm(
                     i32, [sw[2 * gl], sw[2 * gl + 1], sel, neg_zero], _SCALE_PAIR, "=r,r,r,r,r"
                 )
@@ -304,16 +320,23 @@ def _decode_fn(block_n: int, g: int, block_k: int = BLOCK_K):
 
 def check_config(cfg: MosaicConfig, k: int, m_tile: int) -> int:
     """Raise ValueError naming ``config`` if ``cfg`` cannot run with this K and token tile
-    (``block_k`` must divide K; the CTA's shared memory must fit). Returns the split-K actually
-    used: the largest divisor of the number of K steps not above ``cfg.split_k``."""
-    if k % cfg.block_k:
+    (``block_k`` must divide K, or K % 256 == 128 with block_k 256: whole-K scales; the CTA's
+    shared memory must fit). Returns the split-K actually used: the largest divisor of the
+    number of K steps not above ``cfg.split_k`` (1 with whole-K scales)."""
+    whole = k % BLOCK_K == 128
+    if whole and cfg.block_k != BLOCK_K:
+        raise ValueError(f"config: K={k} (K % {BLOCK_K} == 128) needs block_k={BLOCK_K}, "
+                         f"got {cfg.block_k}")
+    if not whole and k % cfg.block_k:
         raise ValueError(f"config: block_k={cfg.block_k} does not divide K={k}")
-    smem = cfg.smem_bytes(m_tile)
+    smem = cfg.smem_bytes(m_tile, whole_k=k if whole else None)
     if smem > SMEM_LIMIT:
         raise ValueError(
             f"config: {cfg} needs {smem} bytes of shared memory with a {m_tile}-row token tile, "
             f"more than the {SMEM_LIMIT} a CTA can have; use fewer stages, block_n 64 or block_k 256"
         )
+    if whole:
+        return 1
     steps = k // cfg.block_k
     return max(s for s in range(1, min(cfg.split_k, steps) + 1) if steps % s == 0)
 
@@ -330,47 +353,104 @@ def _pallas_mosaic_gpu():
     return pl, plgpu
 
 
-def accumulate_tile(sources, *, cfg: MosaicConfig, m_tile: int, steps: int, tiled: bool = False):
+#: Whole-K scale mode (K % 256 == 128, e.g. Nemotron's FC2 with K = 2688): the scale rows
+#: (K/16 bytes: 8 mod 16) cannot be tiled by TMA, whose global strides are multiples of 16
+#: bytes. Pairs of rows (2*K/16 bytes, a multiple of 16) can: a CTA copies all its rows'
+#: scales at once through the contiguous view [N/2, 2*K/16 / chunk, chunk] (``chunk``: the
+#: largest multiple of 16 up to 256, TMA's box limit, dividing 2*K/16) and the decoder reads
+#: them as [rows, K/16] bytes.
+
+
+def whole_k_chunk(k: int) -> int:
+    """Bytes per innermost box row of the whole-K scale view (see above)."""
+    row2 = 2 * (k // 16)
+    return max(c for c in range(16, 257, 16) if row2 % c == 0)
+
+
+def whole_k_scale_view(scales: jax.Array) -> jax.Array:
+    """uint8 [..., N, K/16] -> the view [..., N/2, 2*K/16 / chunk, chunk] (a free reshape)."""
+    *lead, n, ks = scales.shape
+    c = whole_k_chunk(16 * ks)
+    return scales.reshape(*lead, n // 2, 2 * ks // c, c)
+
+
+def whole_k_pair_rows(block_n: int, k: int) -> int:
+    """Pair rows a CTA copies in whole-K scale mode: block_n/2 plus at least one more (the
+    last step's padding group reads up to 8 bytes past the tile's last row), rounded so that
+    the copy is a multiple of 128 bytes (Mosaic's copy_gmem_to_smem requirement)."""
+    p = block_n // 2 + 1
+    while p * 2 * (k // 16) % 128:
+        p += 1
+    return p
+
+
+def whole_k_supported(n: int, k: int) -> bool:
+    """K % 256 == 128 (so 2*K/16 % 16 == 0) with N even: whole-K scales."""
+    return k % BLOCK_K == 128 and n % 2 == 0
+
+
+def accumulate_tile(sources, *, cfg: MosaicConfig, m_tile: int, steps: int,
+                    whole_k: int | None = None):
     """Kernel-body building block (dense and grouped kernels): stream ``steps`` K steps of one
     weight tile through the TMA pipeline, decode in registers and wgmma. ``sources()`` returns
     the GMEM refs (codes [block_n, steps*block_k/2] u8, scales [block_n, steps*block_k/16] u8,
     x [m_tile, steps*block_k] bf16); it is called inside the accumulator's scope, where the
-    kernels sliced them before they shared this code. tiled: the codes and scales come as
-    [steps*block_n, block_k/2] and [steps*block_n, block_k/16] (``tile_weight``: each step's tile
-    is contiguous in memory). Returns the fp32 accumulator [block_n, m_tile] (times 2^-7, see
-    POST_SCALE)."""
+    kernels sliced them before they shared this code. Returns the fp32 accumulator
+    [block_n, m_tile] (times 2^-7, see POST_SCALE).
+
+    whole_k=K (K % 256 == 128, block_k 256): codes [block_n, K/2] and x [m_tile, K] are read
+    in ``steps = (K + 128) / 256`` steps, the last one half past the end (TMA fills zeros), and
+    the scales come as ``whole_k_scale_view`` rows [whole_k_pair_rows, ., chunk]: one copy
+    per CTA, before the pipeline. The extra pair rows (the next tile's, or zeros past N) keep
+    the last step's padding group reading finite scale bytes, which multiply zero codes and x.
+    """
     pl, plgpu = _pallas_mosaic_gpu()
     bn, bk = cfg.block_n, cfg.block_k
     groups = bk // 128
+    if whole_k is not None and (bk != BLOCK_K or whole_k % BLOCK_K != 128):
+        raise ValueError(f"config: whole-K scales need block_k={BLOCK_K} and K % 256 == 128, "
+                         f"got block_k={bk}, K={whole_k}")
+    sstride = None if whole_k is None else whole_k // 16
     decode = [
         plgpu.inline_mgpu(
             arg_types=(plgpu.RefType(), plgpu.RefType()),
             return_type=plgpu.ShapeDtypeStruct((bn, 128), jnp.bfloat16, layout=plgpu.Layout.WGMMA),
-        )(_decode_fn(bn, g, bk))
+        )(_decode_fn(bn, g, bk, scale_stride=sstride))
         for g in range(groups)
     ]
     x_transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
-
     prefetch = getattr(plgpu, "async_prefetch", None) if cfg.prefetch else None
     if cfg.prefetch and prefetch is None:
         log.warning("MosaicConfig.prefetch=%d ignored: this JAX has no plgpu.async_prefetch",
                     cfg.prefetch)
+    if whole_k is not None and cfg.prefetch:
+        log.warning("MosaicConfig.prefetch ignored with whole-K scales (K=%d)", whole_k)
+        prefetch = None
 
-    def acc_scope(acc_ref):
-        c_src, s_src, x_src = sources()
+    def acc_scope(acc_ref, s_all=None, barrier=None):
+        srcs = sources()
+        if whole_k is not None:
+            c_src, s_whole, x_src = srcs
+            plgpu.copy_gmem_to_smem(s_whole, s_all, barrier)
+            plgpu.barrier_wait(barrier)
+            srcs = (c_src, x_src)
+        c_src, s_src, x_src = srcs if whole_k is None else (srcs[0], None, srcs[1])
 
-        def step(idx, c_smem, s_smem, x_smem):
+        def step(idx, c_smem, *rest):
+            if whole_k is None:
+                s_smem, x_smem = rest
+            else:
+                (x_smem,) = rest
+                off = idx[0] * 16  # the step's 16 scale bytes within every row
+                chunk = whole_k_chunk(whole_k)
+                s_smem = s_all.at[:, pl.ds(off // chunk, 1), pl.ds(off % chunk, 16)]
             if prefetch is not None:
                 ahead = idx[0] + cfg.prefetch
 
                 @pl.when(ahead < steps)
                 def _():
-                    if tiled:
-                        prefetch(c_src.at[pl.ds(ahead * bn, bn)])
-                        prefetch(s_src.at[pl.ds(ahead * bn, bn)])
-                    else:
-                        prefetch(c_src.at[:, pl.ds(ahead * (bk // 2), bk // 2)])
-                        prefetch(s_src.at[:, pl.ds(ahead * (bk // 16), bk // 16)])
+                    prefetch(c_src.at[:, pl.ds(ahead * (bk // 2), bk // 2)])
+                    prefetch(s_src.at[:, pl.ds(ahead * (bk // 16), bk // 16)])
 
             for g in range(groups):
                 a = decode[g](c_smem, s_smem)
@@ -378,26 +458,29 @@ def accumulate_tile(sources, *, cfg: MosaicConfig, m_tile: int, steps: int, tile
                 # wgmma reads its A registers and the x stage asynchronously. Without overlap,
                 # wait here: the next decode then cannot touch registers an in-flight wgmma
                 # reads. With overlap, at most one wgmma stays in flight while the next group
-                # decodes (ptxas tracks wgmma register operands: a decode that would reuse them
-                # is serialized, not raced). Either way nothing is in flight at the step's end,
+                # decodes (ptxas sees the wgmma's register operands in the inline PTX; the GPU
+                # tests check the results). Either way nothing is in flight at the step's end,
                 # so the pipeline may release the stage then (delay_release = 0): an earlier
                 # variant that left a wgmma in flight across the release read overwritten x.
                 plgpu.wgmma_wait(1 if cfg.overlap and g + 1 < groups else 0)
 
+        specs = [plgpu.BlockSpec((bn, bk // 2), lambda i: (0, i))]
+        if whole_k is None:
+            specs.append(plgpu.BlockSpec((bn, bk // 16), lambda i: (0, i)))
+        specs.append(plgpu.BlockSpec((m_tile, bk), lambda i: (0, i), transforms=x_transforms))
         plgpu.emit_pipeline(
-            step,
-            grid=(steps,),
-            in_specs=[
-                plgpu.BlockSpec((bn, bk // 2), (lambda i: (i, 0)) if tiled else (lambda i: (0, i))),
-                plgpu.BlockSpec((bn, bk // 16), (lambda i: (i, 0)) if tiled else (lambda i: (0, i))),
-                plgpu.BlockSpec((m_tile, bk), lambda i: (0, i), transforms=x_transforms),
-            ],
-            max_concurrent_steps=cfg.num_stages,
-        )(c_src, s_src, x_src)
+            step, grid=(steps,), in_specs=specs, max_concurrent_steps=cfg.num_stages,
+        )(*(a for a in (c_src, s_src, x_src) if a is not None))
         plgpu.wgmma_wait(0)
         return acc_ref[...]
 
-    return pl.run_scoped(acc_scope, plgpu.ACC((bn, m_tile), jnp.float32))
+    scratch = [plgpu.ACC((bn, m_tile), jnp.float32)]
+    if whole_k is not None:
+        chunk = whole_k_chunk(whole_k)
+        scratch += [plgpu.SMEM((whole_k_pair_rows(bn, whole_k), 2 * (whole_k // 16) // chunk, chunk),
+                               jnp.uint8),
+                    plgpu.Barrier(num_arrivals=1)]
+    return pl.run_scoped(acc_scope, *scratch)
 
 
 def store_tile(acc, o_smem, o_dst) -> None:
@@ -422,25 +505,7 @@ def mosaic_kernel(body, *, out_type, smem_scratch, grid, grid_names):
     return plgpu.kernel(body, grid=grid, grid_names=grid_names, **kw)
 
 
-def tile_weight(codes: jax.Array, scales: jax.Array, block_n: int, block_k: int):
-    """Linear [N, K/2] codes and [N, K/16] scale bytes -> the tiled layout: tile (n, s) of
-    ``block_n`` rows x ``block_k`` K elements at rows ``(n * K/block_k + s) * block_n`` of
-    [N_pad/block_n * K/block_k * block_n, block_k/2] codes (and block_k/16 scale bytes), so that
-    every pipeline step reads one contiguous 9 KB (block_n 64, block_k 256) span instead of
-    block_n 128-byte pieces 2 KB-8 KB apart. Rows past N are zero."""
-    n, kh = codes.shape
-    k = 2 * kh
-    nt, st = -(-n // block_n), k // block_k
-
-    def t(a, width):
-        a = jnp.pad(a, ((0, nt * block_n - n), (0, 0)))
-        a = a.reshape(nt, block_n, st, width).transpose(0, 2, 1, 3)
-        return a.reshape(nt * st * block_n, width)
-
-    return t(codes, block_k // 2), t(scales, block_k // 16)
-
-
-def _build(m_tile: int, n: int, k: int, cfg: MosaicConfig, split: int, tiled: bool = False):
+def _build(m_tile: int, n: int, k: int, cfg: MosaicConfig, split: int):
     pl, plgpu = _pallas_mosaic_gpu()
     bn = cfg.block_n
     n_tiles = -(-n // bn)
@@ -451,20 +516,16 @@ def _build(m_tile: int, n: int, k: int, cfg: MosaicConfig, split: int, tiled: bo
         ni = lax.axis_index("n")
         si = lax.axis_index("s")
         n0 = ni * bn
-        if tiled:
-            r0 = (ni * split + si) * steps * bn
-            srcs = lambda: (
-                c_gmem.at[pl.ds(r0, steps * bn)],
-                s_gmem.at[pl.ds(r0, steps * bn)],
-                x_gmem.at[:, pl.ds(si * ks, ks)],
-            )
-        else:
-            srcs = lambda: (
+        acc = accumulate_tile(
+            lambda: (
                 c_gmem.at[pl.ds(n0, bn), pl.ds(si * (ks // 2), ks // 2)],
                 s_gmem.at[pl.ds(n0, bn), pl.ds(si * (ks // 16), ks // 16)],
                 x_gmem.at[:, pl.ds(si * ks, ks)],
-            )
-        acc = accumulate_tile(srcs, cfg=cfg, m_tile=m_tile, steps=steps, tiled=tiled)
+            ),
+            cfg=cfg,
+            m_tile=m_tile,
+            steps=steps,
+        )
         store_tile(acc, o_smem, o_gmem.at[si, pl.ds(n0, bn)])
 
     out_type = jax.ShapeDtypeStruct((split, n_tiles * bn, m_tile), jnp.float32)
@@ -490,7 +551,6 @@ def matmul_mosaic(
     out_dtype=jnp.bfloat16,
     config: MosaicConfig | None = None,
     poison: bool = False,
-    tiled_n: int | None = None,
 ) -> jax.Array:
     """``alpha * x @ W^T`` with fp32 accumulation (Hopper, M <= 64).
 
@@ -511,21 +571,12 @@ def matmul_mosaic(
     if w_codes.ndim != 2 or w_codes.dtype != jnp.uint8:
         raise ValueError(f"w_codes: expected uint8 [N, K/2], got {w_codes.dtype} {w_codes.shape}")
     n = w_codes.shape[0]
-    tiled = tiled_n is not None
-    if tiled:
-        if config is None:
-            raise ValueError("config: the tiled weight layout needs the config it was tiled for")
-        n = tiled_n
-        rows = -(-n // config.block_n) * (k // config.block_k) * config.block_n
-        c_shape, s_shape = (rows, config.block_k // 2), (rows, config.block_k // 16)
-    else:
-        c_shape, s_shape = (n, k // 2), (n, k // 16)
-    if w_codes.shape != c_shape or k % 2:
-        raise ValueError(f"w_codes: expected shape {c_shape} for K={k}, got {w_codes.shape}")
+    if w_codes.shape != (n, k // 2) or k % 2:
+        raise ValueError(f"w_codes: expected shape {(n, k // 2)} for K={k}, got {w_codes.shape}")
     if w_scales.dtype not in (jnp.float8_e4m3fn, jnp.uint8):
         raise ValueError(f"w_scales: expected float8_e4m3fn or uint8, got {w_scales.dtype}")
-    if w_scales.shape != s_shape:
-        raise ValueError(f"w_scales: expected shape {s_shape}, got {w_scales.shape}")
+    if w_scales.shape != (n, k // 16):
+        raise ValueError(f"w_scales: expected shape {(n, k // 16)}, got {w_scales.shape}")
     if jnp.dtype(out_dtype) not in (jnp.bfloat16, jnp.float16, jnp.float32):
         raise ValueError(f"out_dtype: expected bfloat16, float16 or float32, got {out_dtype}")
     if config is not None and not isinstance(config, MosaicConfig):
@@ -537,7 +588,7 @@ def matmul_mosaic(
     if w_scales.dtype != jnp.uint8:
         w_scales = lax.bitcast_convert_type(w_scales, jnp.uint8)
     xp = permute_x(x, mt)
-    make, out_type = _build(mt, n, k, cfg, split, tiled)
+    make, out_type = _build(mt, n, k, cfg, split)
     if poison and not isinstance(x, jax.core.Tracer):
         # best effort (plgpu.kernel has no input_output_aliases): free a NaN buffer of the
         # output's size just before the call, so the allocator tends to hand that memory to

@@ -17,14 +17,16 @@ inline PTX straight into the wgmma A fragment, K permutation ``_PERM`` applied t
   ``2^-7``: multiply by ``POST_SCALE``); rows of blocks past ``num_blocks`` are never written
   (garbage: the caller never reads them).
 
-TMA needs 16-byte rows of the scale tile, so K % 256 == 0 (``check_supported``). Nemotron's FC2
-(K = I = 2688: 168-byte scale rows, no TMA descriptor possible) keeps the Pallas-Triton kernel
-(``moe_mosaic`` logs it).
+TMA needs 16-byte rows of the scale tile, so K % 256 == 0, except K % 256 == 128 with N even
+(Nemotron's FC2: K = I = 2688, 168-byte scale rows): there a CTA copies its rows' scales for the
+whole K once, as pairs of rows (``gemm.mosaic.accumulate_tile``, whole-K scales), and the last
+K step reads half past the end of the codes and x (TMA fills zeros). Other K keep FC2 on the
+Pallas-Triton kernel (``moe_mosaic`` logs it).
 
 ``moe_mosaic`` is the routed MoE layer on top: block routing, FC1 (this kernel), the FC1
 epilogue in XLA (``* alpha1[e]``, trtllm_cutlass bf16 rounding, activation, bf16 ``h``,
 requantization with ``G2[e]``: the functions of ``xla.py``, bit-exact with the oracle), FC2
-(this kernel, or Pallas-Triton when ``I % 256 != 0``), ``* alpha2[e]`` (bf16 in
+(this kernel, or Pallas-Triton when ``check_supported`` fails), ``* alpha2[e]`` (bf16 in
 trtllm_cutlass), router weight, fp32 top-k sum. ``moe_pallas`` calls it on sm_90 at decode sizes
 (``pallas_triton.choose_kernel``). ``reference=True`` replaces the kernel by an XLA emulation with the same
 inputs and output layout (CPU tests of the dataflow around the kernel).
@@ -52,6 +54,9 @@ from ..gemm.mosaic import (  # BLOCK_K: K % 256 for TMA; TOKEN_TILES: rows per b
     mosaic_kernel,
     permute_x,
     store_tile,
+    whole_k_pair_rows,
+    whole_k_scale_view,
+    whole_k_supported,
 )
 from ..quantize import NVFP4Array
 from .configs import Config
@@ -112,11 +117,6 @@ _QWEN = (128, 2048, 1536, 768)
 #: default heuristic's configs, the only ones measured (the config sweep did not fit the device
 #: budget), listed so the measured points are data. Layer times Mosaic vs Pallas-Triton:
 AUTO_SM90: dict[tuple[int, int, int, int, int], MosaicMoEConfig] = {
-    # nemotron T = 1: 91.8 vs 96.1 us; T = 8: 365.9 vs 416.8 us; T = 64: 1040.4 vs 1169.4 us
-    # (FC2 on Pallas-Triton: I = 2688, hence block_m 16)
-    **{(*_NEMO, b): MosaicMoEConfig(block_m=16, fc1=MosaicConfig(block_n=128, split_k=1, num_stages=2),
-                                    fc2=MosaicConfig(block_n=128, split_k=1, num_stages=2))
-       for b in (32, 256, 2048)},
     # qwen3-30B T = 1: 48.1 vs 51.9 us
     (*_QWEN, 8): MosaicMoEConfig(block_m=8, fc1=MosaicConfig(block_n=128, split_k=2, num_stages=2),
                                  fc2=MosaicConfig(block_n=128, split_k=1, num_stages=2)),
@@ -143,7 +143,7 @@ def default_config(routes: int, num_experts: int, *, hidden: int, rows1: int, in
     """Heuristic: 8-row blocks (16 when FC2 falls back to Pallas-Triton), 128-row weight tiles,
     2 stages (the dense sweep's best at small M), split-K until the expected CTAs (touched
     experts x output tiles x split) reach about two per SM."""
-    bm = 8 if inter % BLOCK_K == 0 else 16
+    bm = 8 if mosaic_plan(hidden, inter, n1=rows1, n2=hidden)[1] else 16
     blocks = min(num_experts, routes)  # expected valid blocks at decode (one expert each)
     cfgs = []
     for n, k in ((rows1, hidden), (hidden, inter)):
@@ -159,11 +159,14 @@ def auto_config(routes: int, num_experts: int, *, hidden: int, rows1: int, inter
                                                 inter=inter)
 
 
-def check_supported(k: int, *, name: str = "w") -> None:
-    """Raise ValueError naming the argument if the grouped kernel cannot run with this K."""
-    if k % BLOCK_K:
-        raise ValueError(f"{name}: the Mosaic grouped kernel needs K % {BLOCK_K} == 0 "
-                         f"(16-byte TMA rows of scales), got K={k}")
+def check_supported(k: int, *, n: int = 2, name: str = "w") -> None:
+    """Raise ValueError naming the argument if the grouped kernel cannot run with this K (and
+    N): K % 256 == 0, or K % 256 == 128 with N even (whole-K scales,
+    ``gemm.mosaic.whole_k_supported``)."""
+    if k % BLOCK_K and not whole_k_supported(n, k):
+        raise ValueError(f"{name}: the Mosaic grouped kernel needs K % {BLOCK_K} == 0, or "
+                         f"K % {BLOCK_K} == 128 with N even (TMA needs 16-byte rows of scales, "
+                         f"or of pairs of them), got N={n}, K={k}")
 
 
 def permute_k(x: jax.Array) -> jax.Array:
@@ -179,6 +182,7 @@ def _build(mt: int, nb: int, n: int, k: int, cfg: MosaicConfig, split: int):
     bn = cfg.block_n
     n_tiles = _cdiv(n, bn)
     ks = k // split
+    whole = k % BLOCK_K != 0  # whole-K scales (split == 1, s_gmem is whole_k_scale_view's)
 
     def nvfp4_moe_mosaic(be_gmem, nb_gmem, x_gmem, c_gmem, s_gmem, o_gmem, o_smem):  # kernel name
         ni = lax.axis_index("n")
@@ -189,15 +193,22 @@ def _build(mt: int, nb: int, n: int, k: int, cfg: MosaicConfig, split: int):
         def _():
             e = be_gmem[b]  # scalar load from GMEM (memref.load)
             n0 = ni * bn
+
+            def sources():
+                if whole:
+                    return (c_gmem.at[e, pl.ds(n0, bn)],
+                            s_gmem.at[e, pl.ds(n0 // 2, whole_k_pair_rows(bn, k))],
+                            x_gmem.at[pl.ds(b * mt, mt)])
+                return (c_gmem.at[e, pl.ds(n0, bn), pl.ds(si * (ks // 2), ks // 2)],
+                        s_gmem.at[e, pl.ds(n0, bn), pl.ds(si * (ks // 16), ks // 16)],
+                        x_gmem.at[pl.ds(b * mt, mt), pl.ds(si * ks, ks)])
+
             acc = accumulate_tile(
-                lambda: (
-                    c_gmem.at[e, pl.ds(n0, bn), pl.ds(si * (ks // 2), ks // 2)],
-                    s_gmem.at[e, pl.ds(n0, bn), pl.ds(si * (ks // 16), ks // 16)],
-                    x_gmem.at[pl.ds(b * mt, mt), pl.ds(si * ks, ks)],
-                ),
+                sources,
                 cfg=cfg,
                 m_tile=mt,
-                steps=ks // cfg.block_k,
+                steps=_cdiv(ks, cfg.block_k),
+                whole_k=k if whole else None,
             )
             store_tile(acc, o_smem, o_gmem.at[si, b, pl.ds(n0, bn)])
 
@@ -250,7 +261,9 @@ def grouped_matmul(
     uint8 or float8_e4m3fn [E, N, K/16] (linear). block_expert: int32 [NB] in [0, E).
     num_blocks: int32 [1]. Returns fp32 ``[split, NB, N_pad, block_m]``: sum over axis 0, times
     ``POST_SCALE``, gives the accumulators; blocks ``b >= num_blocks`` and rows past N are
-    garbage. K % 256 == 0. ``reference``: XLA emulation (any device), same layout.
+    garbage. K % 256 == 0, or K % 256 == 128 with N even (whole-K scales, split 1: the last
+    K step runs half past the end, where TMA reads zeros). ``reference``: XLA emulation (any
+    device), same layout.
     Raises ValueError naming the argument for bad dtypes/shapes.
     """
     if block_m not in TOKEN_TILES:
@@ -276,7 +289,7 @@ def grouped_matmul(
         raise ValueError(f"num_blocks: expected int32 [1], got {num_blocks.dtype} {num_blocks.shape}")
     if config is not None and not isinstance(config, MosaicConfig):
         raise ValueError(f"config: expected a MosaicConfig, got {type(config).__name__}")
-    check_supported(k, name="codes")
+    check_supported(k, n=n, name="codes")
     cfg = config or MosaicConfig(block_n=128, split_k=1, num_stages=2)
     split = check_config(cfg, k, block_m)
     if scales.dtype != jnp.uint8:
@@ -286,6 +299,8 @@ def grouped_matmul(
     n_pad = _cdiv(n, cfg.block_n) * cfg.block_n
     if reference:
         return _reference(x, codes, scales, be, nbk, mt=block_m, n_pad=n_pad, split=split)
+    if k % BLOCK_K:  # whole-K scales: the kernel reads the pair-of-rows view
+        scales = whole_k_scale_view(scales)
     return _build(block_m, nb, n, k, cfg, split)(be, nbk, x, codes, scales)
 
 
@@ -299,9 +314,13 @@ def _block_rows(part: jax.Array, n: int) -> jax.Array:
 # ----------------------------------------------------------------------------- MoE layer
 
 
-def mosaic_plan(k1: int, k2: int) -> tuple[bool, bool]:
-    """(FC1 on Mosaic, FC2 on Mosaic) for FC1's K = H and FC2's K = I."""
-    return k1 % BLOCK_K == 0, k2 % BLOCK_K == 0
+def mosaic_plan(k1: int, k2: int, *, n1: int = 2, n2: int = 2) -> tuple[bool, bool]:
+    """(FC1 on Mosaic, FC2 on Mosaic) for FC1's K = H, N = R and FC2's K = I, N = H: K a
+    multiple of 256, or K % 256 == 128 with whole-K scales (``whole_k_supported``)."""
+    def ok(k, n):
+        return k % BLOCK_K == 0 or whole_k_supported(n, k)
+
+    return ok(k1, n1), ok(k2, n2)
 
 
 def moe_mosaic(
@@ -324,8 +343,8 @@ def moe_mosaic(
     """Routed MoE with Mosaic GPU grouped GEMMs -> bf16 [T, H] (+ per-route ``h`` [T*k, I]).
 
     Same arguments and semantics as ``pallas_triton.moe_pallas`` (validated by
-    ``nvfp4_jax.moe``); needs H % 256 == 0 (FC1's K). FC2 runs on Pallas-Triton when
-    I % 256 != 0 (logged). ``reference=True``: the kernels are replaced by their XLA emulation
+    ``nvfp4_jax.moe``); needs H % 256 == 0 (FC1's K). FC2 runs on Pallas-Triton when I is not
+    a multiple of 256 and not 128 mod 256 (logged). ``reference=True``: the kernels are replaced by their XLA emulation
     (and FC2's Pallas-Triton fallback runs in interpret mode), for CPU tests.
     """
     from .pallas_triton import fc2_triton
@@ -334,9 +353,9 @@ def moe_mosaic(
     e, r, h_dim = fc1.shape
     inter = fc2.shape[2]
     n_routes = t * k
-    on1, on2 = mosaic_plan(h_dim, inter)
+    on1, on2 = mosaic_plan(h_dim, inter, n1=r, n2=h_dim)
     if not on1:
-        check_supported(h_dim, name="fc1")
+        check_supported(h_dim, n=r, name="fc1")
     if config is None:
         config = auto_config(n_routes, e, hidden=h_dim, rows1=r, inter=inter)
     if not isinstance(config, MosaicMoEConfig):
@@ -349,8 +368,8 @@ def moe_mosaic(
         tcfg = config.fc2_triton or triton_default_config(
             n_routes, e, inter=inter, hidden=h_dim, gated=activation == "swiglu").fc2
         tcfg = dataclasses.replace(tcfg, block_m=bm, decode="bits" if reference else tcfg.decode)
-        log.info("nvfp4_jax.moe: mosaic FC1, Pallas-Triton FC2 (I=%d %% %d != 0: no TMA "
-                 "descriptor for %d-byte scale rows)", inter, BLOCK_K, inter // 16)
+        log.info("nvfp4_jax.moe: mosaic FC1, Pallas-Triton FC2 (I=%d, H=%d: no TMA descriptor "
+                 "for %d-byte scale rows)", inter, h_dim, inter // 16)
     recipe = recipe_of(mode)
 
     g1, g2, a1, a2 = moe_scales(fc1.decode_scale, fc2.decode_scale, fc1_input_scale,

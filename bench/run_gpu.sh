@@ -43,7 +43,7 @@ for s in $STEPS; do
       step "Nsight Compute: the Mosaic GEMM (${NCU_SHAPES:-28672x8192x16 28672x8192x64}, 2 launches each)"
       # no preallocation: kernel replay saves and restores all allocated device memory per pass
       # (JAX preallocates 75 % of the GPU by default, which made the first attempt time out)
-      XLA_PYTHON_CLIENT_PREALLOCATE=false timeout "${T_NCU:-150}" ncu -k regex:nvfp4 --launch-count 4 \
+      XLA_PYTHON_CLIENT_PREALLOCATE=false timeout "${T_NCU:-150}" ncu -k regex:nvfp4 --launch-count 4 --clock-control none \
         --section SpeedOfLight \
         --section Occupancy --section LaunchStats --section WarpStateStats \
         --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \

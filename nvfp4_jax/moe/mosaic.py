@@ -106,7 +106,7 @@ class MosaicMoEConfig:
 
 #: Routed rows (T * top_k) up to which ``moe_pallas`` ("auto") uses the Mosaic kernels on sm_90:
 #: the largest decode size measured faster than Pallas-Triton (nemotron T = 64: 1408 routes,
-#: 1040 vs 1169 us; bench/NOTES-moe.md "Mosaic GPU grouped GEMMs"). Larger T is unmeasured.
+#: 642 vs 1179 us with both GEMMs on Mosaic; bench/NOTES-moe.md). Larger T is unmeasured.
 MAX_ROUTES = 1408
 
 _NEMO = (512, 1024, 2688, 2688)  # (E, H, R, I)
@@ -116,7 +116,13 @@ _QWEN = (128, 2048, 1536, 768)
 #: bench/moe_mosaic_probe.py (in-graph layer time, random routing, 2026-11-29); these are the
 #: default heuristic's configs, the only ones measured (the config sweep did not fit the device
 #: budget), listed so the measured points are data. Layer times Mosaic vs Pallas-Triton:
+_NEMO_CFG = MosaicMoEConfig(block_m=8, fc1=MosaicConfig(block_n=128, split_k=1, num_stages=2),
+                            fc2=MosaicConfig(block_n=128, split_k=1, num_stages=2))
 AUTO_SM90: dict[tuple[int, int, int, int, int], MosaicMoEConfig] = {
+    # nemotron, FC2 (K = 2688) with whole-K scales, 2026-11-30 (session 4): T = 1: 77.6 vs
+    # 96.6 us; T = 8: 226.1 vs 415.6 us; T = 64: 641.9 vs 1178.6 us. Variants measured in the
+    # same run (3 stages, 4 stages, block_n 64, split-K x2 / x4) were within -3 %..+8 % of it.
+    **{(*_NEMO, b): _NEMO_CFG for b in (32, 256, 2048)},
     # qwen3-30B T = 1: 48.1 vs 51.9 us
     (*_QWEN, 8): MosaicMoEConfig(block_m=8, fc1=MosaicConfig(block_n=128, split_k=2, num_stages=2),
                                  fc2=MosaicConfig(block_n=128, split_k=1, num_stages=2)),

@@ -96,8 +96,8 @@ class MosaicConfig:
 
     def smem_bytes(self, m_tile: int, whole_k: int | None = None) -> int:
         """Shared memory of one CTA: pipeline stages (codes, scales, x) plus the fp32 output tile;
-        with whole-K scales (``accumulate_tile``) the scales are one [block_n/2 + 1, 2*K/16]
-        buffer instead of a tile per stage."""
+        with whole-K scales (``accumulate_tile``) the scales are one buffer of
+        ``whole_k_pair_rows`` x 2*K/16 bytes instead of a tile per stage."""
         stage = self.block_n * self.block_k // 2 + m_tile * self.block_k * 2
         if whole_k is None:
             stage += self.block_n * self.block_k // 16
@@ -428,13 +428,13 @@ def accumulate_tile(sources, *, cfg: MosaicConfig, m_tile: int, steps: int,
         prefetch = None
 
     def acc_scope(acc_ref, s_all=None, barrier=None):
-        srcs = sources()
-        if whole_k is not None:
-            c_src, s_whole, x_src = srcs
+        if whole_k is None:
+            c_src, s_src, x_src = sources()
+        else:  # all the CTA's scales, once, before the pipeline
+            c_src, s_whole, x_src = sources()
+            s_src = None
             plgpu.copy_gmem_to_smem(s_whole, s_all, barrier)
             plgpu.barrier_wait(barrier)
-            srcs = (c_src, x_src)
-        c_src, s_src, x_src = srcs if whole_k is None else (srcs[0], None, srcs[1])
 
         def step(idx, c_smem, *rest):
             if whole_k is None:

@@ -121,7 +121,7 @@ _NEMO_CFG = MosaicMoEConfig(block_m=8, fc1=MosaicConfig(block_n=128, split_k=1, 
 AUTO_SM90: dict[tuple[int, int, int, int, int], MosaicMoEConfig] = {
     # nemotron, FC2 (K = 2688) with whole-K scales, 2026-11-30 (session 4): T = 1: 77.6 vs
     # 96.6 us; T = 8: 226.1 vs 415.6 us; T = 64: 641.9 vs 1178.6 us. Variants measured in the
-    # same run (3 stages, 4 stages, block_n 64, split-K x2 / x4) were within -3 %..+8 % of it.
+    # same run (3 stages, 4 stages, block_n 64, split-K x2 / x4) were within -3 %..+9 % of it.
     **{(*_NEMO, b): _NEMO_CFG for b in (32, 256, 2048)},
     # qwen3-30B T = 1: 48.1 vs 51.9 us
     (*_QWEN, 8): MosaicMoEConfig(block_m=8, fc1=MosaicConfig(block_n=128, split_k=2, num_stages=2),

@@ -37,12 +37,17 @@ def _args(m, n, k, sdtype=jnp.float8_e4m3fn):
         (64, 2048, 1024, MosaicConfig(block_n=128, split_k=1, num_stages=3)),
         (16, 1000, 2048, MosaicConfig(block_n=64, split_k=2, num_stages=3, block_k=512)),
         (37, 3000, 1536, MosaicConfig(block_n=64, split_k=1, num_stages=2, block_k=512)),
+        # L2 prefetch ahead of the pipeline; decode overlapping the previous wgmma
+        (16, 4096, 4096, MosaicConfig(block_n=64, split_k=4, num_stages=2, prefetch=2)),
+        (37, 3000, 1536, MosaicConfig(block_n=64, split_k=1, num_stages=2, block_k=512,
+                                      overlap=True)),
     ],
 )
 def test_lowers_for_cuda(m, n, k, cfg):
     f = jax.jit(lambda x, c, s, a: matmul_mosaic(x, c, s, a, config=cfg))
     text = f.trace(*_args(m, n, k)).lower(lowering_platforms=("cuda",)).as_text()
     assert "fma.rn.bf16x2" in text  # the in-register decode made it into the Mosaic module
+    assert ("cp.async.bulk.prefetch" in text) == bool(cfg and cfg.prefetch)
 
 
 def test_permutation_matches_fragment_layout():
@@ -90,9 +95,11 @@ def test_validation_names_the_argument():
     with pytest.raises(ValueError, match="^w: the Mosaic kernel needs K % 256"):
         check_supported(4, 64, 528)
     for bad in ({"block_n": 96}, {"split_k": 0}, {"num_stages": 1}, {"num_stages": 9},
-                {"block_k": 384}):
+                {"block_k": 384}, {"prefetch": -1}, {"prefetch": 17}):
         with pytest.raises(ValueError, match="^MosaicConfig"):
             MosaicConfig(**bad)
+    with pytest.raises(TypeError, match="^MosaicConfig.overlap"):
+        MosaicConfig(overlap=1)
 
 
 def test_default_config_fills_the_gpu():

@@ -340,7 +340,7 @@ def moe_pallas(
     Arguments as :func:`nvfp4_jax.moe` (validated there); fc1/fc2 scales in the linear layout.
     ``kernel`` (see ``choose_kernel``): "triton" (the Pallas-Triton kernels of this module),
     "mosaic" (``mosaic.moe_mosaic``: Mosaic GPU grouped GEMMs on Hopper, FC2 on Pallas-Triton
-    when I % 256 != 0) or "auto" (mosaic on sm_90 at decode sizes, ``mosaic.MAX_ROUTES``; logged).
+    when I % 256 is neither 0 nor 128) or "auto" (mosaic on sm_90 at decode sizes, ``mosaic.MAX_ROUTES``; logged).
     ``config``: ``MoEConfig`` (Pallas-Triton tiles), ``mosaic.MosaicMoEConfig`` or None (defaults).
     """
     t, k = topk_ids.shape

@@ -113,9 +113,10 @@ _NEMO = (512, 1024, 2688, 2688)  # (E, H, R, I)
 _QWEN = (128, 2048, 1536, 768)
 #: Measured configs: (E, H, R, I, routes bucket) -> MosaicMoEConfig; anything else gets
 #: ``default_config``. Buckets: routes rounded up to a power of two. H200, JAX 0.11.2,
-#: bench/moe_mosaic_probe.py (in-graph layer time, random routing, 2026-11-29); these are the
-#: default heuristic's configs, the only ones measured (the config sweep did not fit the device
-#: budget), listed so the measured points are data. Layer times Mosaic vs Pallas-Triton:
+#: bench/moe_mosaic_probe.py (in-graph layer time, random routing). Every entry is the default
+#: heuristic's config: qwen3 (2026-11-29) was measured without a sweep (device budget); for
+#: nemotron (2026-11-30) five variants measured in the same run did not beat it. Layer times
+#: Mosaic vs Pallas-Triton:
 _NEMO_CFG = MosaicMoEConfig(block_m=8, fc1=MosaicConfig(block_n=128, split_k=1, num_stages=2),
                             fc2=MosaicConfig(block_n=128, split_k=1, num_stages=2))
 AUTO_SM90: dict[tuple[int, int, int, int, int], MosaicMoEConfig] = {

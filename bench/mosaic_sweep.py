@@ -20,7 +20,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import gemm_bench as gb
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -32,7 +31,6 @@ from nvfp4_jax.gemm.mosaic import (
     check_config,
     default_config,
     matmul_mosaic,
-    tile_weight,
     token_tile,
 )
 
@@ -46,18 +44,6 @@ def mosaic_fn(cfg):
         return matmul_mosaic(x, w.codes, w.scales, w.decode_scale, config=cfg)
 
     return fn
-
-
-def mosaic_tiled(cfg, n, ws):
-    """fn and weight copies in ``tile_weight``'s layout (re-tiled once, outside the timing)."""
-    def fn(x, w):
-        return matmul_mosaic(x, w[0], w[1], w[2], config=cfg, tiled_n=n)
-
-    wl = []
-    for w in ws:
-        sb = jax.lax.bitcast_convert_type(w.scales, jnp.uint8)
-        wl.append((*tile_weight(w.codes, sb, cfg.block_n, cfg.block_k), w.decode_scale))
-    return fn, wl
 
 
 def candidates(m, n, k, cap=10, cap_512=2):
@@ -104,22 +90,19 @@ def variants(m, n, k, spec):
     base = auto_config(m, n, k) or default_config(m, n, k)
     out = []
     for part in spec.split(";"):
-        kw, tiled = {}, False
+        kw = {}
         for item in filter(None, part.split(",")):
             if item == "base":
                 continue
             key, val = item.split("=")
-            if key == "tiled":
-                tiled = bool(int(val))
-            else:
-                kw[key] = bool(int(val)) if key == "overlap" else int(val)
+            kw[key] = bool(int(val)) if key == "overlap" else int(val)
         cfg = dataclasses.replace(base, **kw)
         try:
             check_config(cfg, k, token_tile(m))
         except ValueError as e:
             print(f"skip {cfg}: {e}", flush=True)
             continue
-        out.append((cfg, tiled))
+        out.append(cfg)
     return list(dict.fromkeys(out))
 
 
@@ -154,21 +137,15 @@ def main():
                 # the public API with backend="auto" (what gemm_bench times), same process
                 ("api_auto", lambda x, w: nvfp4_jax.matmul(x, w), ws, gb.nvfp4_bytes(n, k), None),
             ]
-            cands = (variants(m, n, k, a.variants) if a.variants
-                     else [(c, False) for c in candidates(m, n, k)])
-            for cfg, tiled in cands:
-                if tiled:
-                    fn, wl = mosaic_tiled(cfg, n, ws)
-                    impls.append(("mosaic_tiled", fn, wl, gb.nvfp4_bytes(n, k), cfg))
-                else:
-                    impls.append(("mosaic", mosaic_fn(cfg), ws, gb.nvfp4_bytes(n, k), cfg))
+            for cfg in (variants(m, n, k, a.variants) if a.variants else candidates(m, n, k)):
+                impls.append(("mosaic", mosaic_fn(cfg), ws, gb.nvfp4_bytes(n, k), cfg))
             for name, fn, wl, wbytes, cfg in impls:
                 if time.time() - t0 > a.budget_s:
                     break
                 row = {"impl": name, "N": n, "K": k, "M": m,
                        "config": cfg.__dict__ if isinstance(cfg, MosaicConfig) else cfg}
                 try:
-                    if name.startswith("mosaic"):
+                    if name == "mosaic":
                         got = np.asarray(fn(x, wl[0]), np.float32)
                         row["rel_err"] = float(np.abs(got - ref).max() / np.abs(ref).max())
                     t = gb.time_per_call(fn, x, wl, target_s=0.01)
@@ -193,7 +170,7 @@ def summarize(rows):
         rs = [r for r in rows if (r["N"], r["K"], r["M"]) == case]
         for r in sorted(rs, key=lambda r: r.get("median_us", 1e9)):
             c = r.get("config") or {}
-            desc = "/".join(str(v) for v in c.values()) if r["impl"].startswith("mosaic") else ""
+            desc = "/".join(str(v) for v in c.values()) if r["impl"] == "mosaic" else ""
             print(f"{r['impl']:9s} {r.get('median_us', float('nan')):8.1f} us "
                   f"{r.get('weight_tbps', float('nan')):5.2f} TB/s err {r.get('rel_err', 0):.1e} "
                   f"{desc} {r.get('error', '')[:80]}")

@@ -411,6 +411,7 @@ def accumulate_tile(sources, *, cfg: MosaicConfig, m_tile: int, steps: int,
         raise ValueError(f"config: whole-K scales need block_k={BLOCK_K} and K % 256 == 128, "
                          f"got block_k={bk}, K={whole_k}")
     sstride = None if whole_k is None else whole_k // 16
+    chunk = None if whole_k is None else whole_k_chunk(whole_k)
     decode = [
         plgpu.inline_mgpu(
             arg_types=(plgpu.RefType(), plgpu.RefType()),
@@ -442,7 +443,6 @@ def accumulate_tile(sources, *, cfg: MosaicConfig, m_tile: int, steps: int,
             else:
                 (x_smem,) = rest
                 off = idx[0] * 16  # the step's 16 scale bytes within every row
-                chunk = whole_k_chunk(whole_k)
                 s_smem = s_all.at[:, pl.ds(off // chunk, 1), pl.ds(off % chunk, 16)]
             if prefetch is not None:
                 ahead = idx[0] + cfg.prefetch
@@ -476,7 +476,6 @@ def accumulate_tile(sources, *, cfg: MosaicConfig, m_tile: int, steps: int,
 
     scratch = [plgpu.ACC((bn, m_tile), jnp.float32)]
     if whole_k is not None:
-        chunk = whole_k_chunk(whole_k)
         scratch += [plgpu.SMEM((whole_k_pair_rows(bn, whole_k), 2 * (whole_k // 16) // chunk, chunk),
                                jnp.uint8),
                     plgpu.Barrier(num_arrivals=1)]

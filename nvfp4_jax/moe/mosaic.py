@@ -166,11 +166,15 @@ def auto_config(routes: int, num_experts: int, *, hidden: int, rows1: int, inter
                                                 inter=inter)
 
 
+def supported(k: int, n: int) -> bool:
+    """Whether the grouped kernel runs with this K and N: K % 256 == 0, or K % 256 == 128 with
+    N even (whole-K scales, ``gemm.mosaic.whole_k_supported``)."""
+    return k % BLOCK_K == 0 or whole_k_supported(n, k)
+
+
 def check_supported(k: int, *, n: int = 2, name: str = "w") -> None:
-    """Raise ValueError naming the argument if the grouped kernel cannot run with this K (and
-    N): K % 256 == 0, or K % 256 == 128 with N even (whole-K scales,
-    ``gemm.mosaic.whole_k_supported``)."""
-    if k % BLOCK_K and not whole_k_supported(n, k):
+    """Raise ValueError naming the argument if ``supported(k, n)`` is false."""
+    if not supported(k, n):
         raise ValueError(f"{name}: the Mosaic grouped kernel needs K % {BLOCK_K} == 0, or "
                          f"K % {BLOCK_K} == 128 with N even (TMA needs 16-byte rows of scales, "
                          f"or of pairs of them), got N={n}, K={k}")
@@ -323,11 +327,8 @@ def _block_rows(part: jax.Array, n: int) -> jax.Array:
 
 def mosaic_plan(k1: int, k2: int, *, n1: int = 2, n2: int = 2) -> tuple[bool, bool]:
     """(FC1 on Mosaic, FC2 on Mosaic) for FC1's K = H, N = R and FC2's K = I, N = H: K a
-    multiple of 256, or K % 256 == 128 with whole-K scales (``whole_k_supported``)."""
-    def ok(k, n):
-        return k % BLOCK_K == 0 or whole_k_supported(n, k)
-
-    return ok(k1, n1), ok(k2, n2)
+    multiple of 256, or K % 256 == 128 with whole-K scales (``supported``)."""
+    return supported(k1, n1), supported(k2, n2)
 
 
 def moe_mosaic(

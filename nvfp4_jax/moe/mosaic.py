@@ -59,8 +59,10 @@ from ..gemm.mosaic import (  # BLOCK_K: K % 256 for TMA; TOKEN_TILES: rows per b
     whole_k_supported,
 )
 from ..quantize import NVFP4Array
+from ..quantize import _div as _ieee_div
 from .configs import Config
 from .configs import default_config as triton_default_config
+from .epilogue import combine, fc1_epilogue, fc1_operand
 from .routing import block_routing, max_blocks
 from .xla import activate, moe_scales, quantized_values, recipe_of, sorted_rows
 from .xla import bf16_round as _bf16_round
@@ -384,40 +386,43 @@ def moe_mosaic(
                                 fc2_input_scale, mode, activation_scale)
     br = block_routing(topk_ids, e, bm)
     em = br.sorted_route.shape[0]
-    nb = em // bm
-    assert nb == max_blocks(n_routes, e, bm)
-    xv, wt, row_expert = sorted_rows(hidden, topk_weights, g1, br.sorted_route, br.block_expert,
-                                     top_k=k, block_m=bm, recipe=recipe,
-                                     activation_scale=activation_scale)
+    assert em // bm == max_blocks(n_routes, e, bm)
+    meta = (br.block_expert, br.num_blocks)
 
     def scales_u8(w: NVFP4Array):
         return lax.bitcast_convert_type(w.linear_scales(), jnp.uint8)
 
     s1u, s2u = scales_u8(fc1), scales_u8(fc2)
-    meta = (br.block_expert, br.num_blocks)
 
-    # FC1 (grouped Mosaic GEMM) and its epilogue in XLA, as the Pallas-Triton FC1 kernel does it
-    part1 = grouped_matmul(permute_k(xv), fc1.codes, s1u, *meta, block_m=bm, config=config.fc1,
+    # FC1 operand (gather + quantize + K permutation, one Pallas-Triton launch), FC1 (Mosaic)
+    xp = fc1_operand(hidden, br.sorted_route, *meta, g1, _ieee_div(1.0, g1), top_k=k, block_m=bm,
+                     recipe=recipe, per_expert=activation_scale == "per_expert", interpret=reference)
+    part1 = grouped_matmul(xp, fc1.codes, s1u, *meta, block_m=bm, config=config.fc1,
                            reference=reference)
-    u = _block_rows(part1, r) * (a1[row_expert] * jnp.float32(POST_SCALE))[:, None]
-    if mode == "trtllm_cutlass":  # GEMM1 output buffer is bf16 in TRT-LLM CUTLASS
-        u = _bf16_round(u)
-    hf = _bf16_round(activate(u, activation, gate_up_order))  # bf16 values of h, in fp32
-    hb = hf.astype(jnp.bfloat16)  # [EM, I], exact
-    hv = quantized_values(hf, g2[row_expert], recipe)  # q * sf, bf16 (exact)
-
-    # FC2
     if on2:
-        part2 = grouped_matmul(permute_k(hv), fc2.codes, s2u, *meta, block_m=bm,
-                               config=config.fc2, reference=reference)
-        d = _block_rows(part2, h_dim) * (a2[row_expert] * jnp.float32(POST_SCALE))[:, None]
-        if mode == "trtllm_cutlass":  # GEMM2 output is bf16 in TRT-LLM CUTLASS
-            d = _bf16_round(d)
-        contrib = d * wt[:, None]
+        # FC1 epilogue (alpha, bf16, activation, requantization, K permutation), FC2 (Mosaic),
+        # combine (alpha2, bf16, router weight, top-k sum): one launch each
+        hvp, hb = fc1_epilogue(part1, *meta, a1, g2, _ieee_div(1.0, g2), inter=inter,
+                               activation=activation, gate_up_order=gate_up_order, mode=mode,
+                               recipe=recipe, return_h=return_intermediates, interpret=reference)
+        part2 = grouped_matmul(hvp, fc2.codes, s2u, *meta, block_m=bm, config=config.fc2,
+                               reference=reference)
+        out = combine(part2, br.route_pos, br.block_expert, topk_weights, a2, hidden=h_dim,
+                      mode=mode, interpret=reference)
     else:
+        # FC2 on Pallas-Triton (I % 128 != 0): the FC1 epilogue in XLA (the functions of xla.py)
+        _, wt, row_expert = sorted_rows(hidden, topk_weights, g1, br.sorted_route,
+                                        br.block_expert, top_k=k, block_m=bm, recipe=recipe,
+                                        activation_scale=activation_scale)
+        u = _block_rows(part1, r) * (a1[row_expert] * jnp.float32(POST_SCALE))[:, None]
+        if mode == "trtllm_cutlass":  # GEMM1 output buffer is bf16 in TRT-LLM CUTLASS
+            u = _bf16_round(u)
+        hf = _bf16_round(activate(u, activation, gate_up_order))  # bf16 values of h, in fp32
+        hb = hf.astype(jnp.bfloat16)  # [EM, I], exact
+        hv = quantized_values(hf, g2[row_expert], recipe)  # q * sf, bf16 (exact)
         contrib = fc2_triton(meta, hv[:, 0::2], hv[:, 1::2], fc2, a2, wt, cfg=tcfg, em=em,
                              h_dim=h_dim, inter=inter, mode=mode, interpret=reference)
-    out = contrib[br.route_pos].reshape(t, k, h_dim).sum(axis=1).astype(jnp.bfloat16)
+        out = contrib[br.route_pos].reshape(t, k, h_dim).sum(axis=1).astype(jnp.bfloat16)
     if return_intermediates:
         return out, {"h": hb[br.route_pos]}
     return out

@@ -118,6 +118,25 @@ def _requantize(hb, g, rg, recipe: str, exact_asm: bool):
     return jnp.where(y < 0, -mag, mag) * s[..., None]
 
 
+def fc1_activation(first, second, alpha, *, activation: str, gate_up_order: str, mode: str):
+    """FC1 epilogue in registers: accumulators fp32 [BN, BM] (the two halves' tiles for swiglu,
+    ``second`` None for relu2) ``* alpha`` (-> bf16 in trtllm_cutlass), activation in fp32 ->
+    ``h`` bf16 [BN, BM]."""
+
+    def scaled(acc):
+        u = acc * alpha
+        if mode == "trtllm_cutlass":  # GEMM1 output buffer is bf16 in TRT-LLM CUTLASS
+            u = u.astype(jnp.bfloat16).astype(jnp.float32)
+        return u
+
+    if activation == "relu2":
+        r = jnp.maximum(scaled(first), 0.0)
+        return (r * r).astype(jnp.bfloat16)
+    up, gate = (first, second) if gate_up_order == "up_gate" else (second, first)
+    up, gate = scaled(up), scaled(gate)
+    return (gate / (1.0 + jnp.exp(-gate)) * up).astype(jnp.bfloat16)
+
+
 def _grouped_tiles(xe_ref, xo_ref, c_ref, s_ref, e, m0, row0s, n_valid, K: int, cfg: Config):
     """sum_k W[e, row0 + i, k] * x[m0 + j, k] for each row0 in row0s -> list of fp32 [BN, BM]."""
     BM, BN, BK = cfg.block_m, cfg.block_n, cfg.block_k
@@ -192,22 +211,8 @@ def _fc1_kernel(be_ref, nb_ref, xe_ref, xo_ref, c_ref, s_ref, a1_ref, g2_ref, rg
                                            n_valid, H, cfg)
         else:
             (first,) = _grouped_tiles(xe_ref, xo_ref, c_ref, s_ref, e, m0, (n0,), n_valid, H, cfg)
-        alpha = a1_ref[e]
-
-        def scaled(acc):
-            u = acc * alpha
-            if mode == "trtllm_cutlass":  # GEMM1 output buffer is bf16 in TRT-LLM CUTLASS
-                u = u.astype(jnp.bfloat16).astype(jnp.float32)
-            return u
-
-        if activation == "relu2":
-            r = jnp.maximum(scaled(first), 0.0)
-            h = r * r
-        else:
-            up, gate = (first, second) if gate_up_order == "up_gate" else (second, first)
-            up, gate = scaled(up), scaled(gate)
-            h = gate / (1.0 + jnp.exp(-gate)) * up
-        h = h.astype(jnp.bfloat16)                            # [BN, BM]
+        h = fc1_activation(first, second if activation == "swiglu" else None, a1_ref[e],
+                           activation=activation, gate_up_order=gate_up_order, mode=mode)
         col_mask = (n0 + jnp.arange(BN)) < I
         if h_ref:
             plgpu.store(h_ref[0].at[pl.ds(m0, BM), pl.ds(n0, BN)], h.T, mask=col_mask[None, :])

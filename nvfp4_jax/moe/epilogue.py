@@ -1,0 +1,212 @@
+"""Pallas-Triton glue kernels of the Mosaic MoE path: the FC1 operand, the FC1 epilogue, the combine.
+
+The Mosaic grouped GEMM (``mosaic.grouped_matmul``) reads a K-permuted bf16 operand
+``[NB*mt, K]`` and writes fp32 swap-AB partials ``[split, NB, N_pad, mt]``. Done in XLA, the
+steps around it took ~20 small fusions per layer (gathers, 16-wide reductions, the K
+permutation, the transposes of the partials): 28-41 us of a 44-75 us decode layer, 160 us of
+650 at nemotron T = 64 (bench/NOTES-moe.md, profile of 2026-11-30). Here each step is one
+launch that touches only the blocks below ``num_blocks``:
+
+* :func:`fc1_operand`: one program per (sorted row, K tile): gather the row's token from
+  ``hidden``, quantize it with the mode's recipe (per-expert or scalar encode scale), store
+  ``q * sf`` bf16 in the kernel's K order (``gemm.mosaic._PERM``); zeros on padding rows.
+* :func:`fc1_epilogue`: one program per (row block, 128 columns of I): sum the split-K
+  partials, ``* alpha1[e]`` (bf16 in trtllm_cutlass), activation (``pallas_triton.fc1_activation``,
+  both halves' tiles for swiglu) -> ``h`` bf16, requantization with ``G2[e]``
+  (``pallas_triton._requantize``, the recipes' op order with IEEE division) -> the FC2 operand,
+  K-permuted.
+* :func:`combine`: one program per (token, 128 columns of H): for each of its k routes, the
+  route's partials column ``* alpha2[e]`` (bf16 in trtllm_cutlass) ``* router weight``, summed
+  in fp32 in route order -> bf16.
+
+The arithmetic is the XLA epilogue's (``mosaic.moe_mosaic`` before; ``xla.py``), op for op;
+only the fp32 summation order of the split-K partials and of the top-k sum is fixed here
+(index order) where XLA's reduction order is unspecified. ``interpret=True`` runs them through
+Pallas' interpreter (CPU tests; divisions then use ``quantize._div``).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from ..gemm.mosaic import POST_SCALE
+from .pallas_triton import _requantize, fc1_activation
+
+TILE = 128  # columns per program (I and H are multiples of 128 wherever these kernels run)
+
+
+def _permute(v: jax.Array) -> jax.Array:
+    """[..., n] (n % 128 == 0) -> the same values in the Mosaic kernel's K order: within each
+    128-group, position 32w + 8j + 2c + l holds element 32c + 8w + 4l + j (``_PERM``)."""
+    lead, n = v.shape[:-1], v.shape[-1]
+    r = len(lead)
+    v = v.reshape((*lead, n // 128, 4, 4, 2, 4))  # [..., g, c, w, l, j]
+    v = jnp.transpose(v, (*range(r), r, r + 2, r + 4, r + 1, r + 3))  # [..., g, w, j, c, l]
+    return v.reshape((*lead, n))
+
+
+def _row_tile(h: int) -> int:
+    """Largest power of two <= 2048 dividing h (h % 256 == 0): Triton blocks are powers of two."""
+    t = 2048
+    while h % t:
+        t //= 2
+    return t
+
+
+# ----------------------------------------------------------------------------- FC1 operand
+
+
+def _operand_kernel(route_ref, be_ref, nb_ref, x_ref, g_ref, rg_ref, o_ref, *, mt: int, top_k: int,
+                    n_routes: int, bk: int, recipe: str, per_expert: bool, exact_asm: bool):
+    p, kt = pl.program_id(0), pl.program_id(1)
+    b = p // mt
+
+    @pl.when(b < nb_ref[0])
+    def _():
+        route = route_ref[p]
+        valid = route < n_routes
+        tok = jnp.where(valid, route, 0) // top_k
+        e = be_ref[b] if per_expert else 0
+        x = plgpu.load(x_ref.at[tok, pl.ds(kt * bk, bk)]).astype(jnp.float32)
+        q = _requantize(x.reshape(bk // 16, 16), g_ref[e], rg_ref[e], recipe, exact_asm)
+        q = jnp.where(valid, q, 0.0)
+        plgpu.store(o_ref.at[p, pl.ds(kt * bk, bk)], _permute(q.reshape(bk)).astype(jnp.bfloat16))
+
+
+def fc1_operand(hidden: jax.Array, sorted_route: jax.Array, block_expert: jax.Array,
+                num_blocks: jax.Array, g1: jax.Array, rg1: jax.Array, *, top_k: int, block_m: int,
+                recipe: str, per_expert: bool, interpret: bool = False) -> jax.Array:
+    """The FC1 operand of the grouped kernel, K-permuted: bf16 [EM, H].
+
+    hidden bf16 [T, H] (H % 256 == 0); sorted_route int32 [EM] (sentinel T*k on padding rows);
+    block_expert int32 [EM/block_m]; num_blocks int32 [1]; g1 fp32 [E] encode scales and rg1 =
+    IEEE 1/g1 (the trtllm recipe's); ``per_expert`` False: every row uses g1[0]. Row ``p``
+    holds the quantized ``hidden[sorted_route[p] // top_k]`` as ``q * sf`` (exact in bf16),
+    zeros on padding rows; rows of blocks past ``num_blocks`` are not written.
+    """
+    t, h = hidden.shape
+    em = sorted_route.shape[0]
+    bk = _row_tile(h)
+    kern = functools.partial(_operand_kernel, mt=block_m, top_k=top_k, n_routes=t * top_k, bk=bk,
+                             recipe=recipe, per_expert=per_expert, exact_asm=not interpret)
+    return pl.pallas_call(
+        kern,
+        out_shape=jax.ShapeDtypeStruct((em, h), jnp.bfloat16),
+        grid=(em, h // bk),
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret,
+        name="nvfp4_moe_fc1_operand",
+    )(sorted_route, block_expert, num_blocks, hidden, g1, rg1)
+
+
+# ----------------------------------------------------------------------------- FC1 epilogue
+
+
+def _fc1_epilogue_kernel(be_ref, nb_ref, part_ref, a1_ref, g2_ref, rg2_ref, hv_ref, *h_ref,
+                         mt: int, split: int, inter: int, activation: str, gate_up_order: str,
+                         mode: str, recipe: str, exact_asm: bool):
+    n_tiles = inter // TILE
+    pid = pl.program_id(0)
+    b, c0 = pid // n_tiles, pid % n_tiles * TILE
+
+    @pl.when(b < nb_ref[0])
+    def _():
+        e = be_ref[b]
+
+        def acc(col0):  # [TILE, mt] fp32, split-K partials summed in index order
+            a = plgpu.load(part_ref.at[jnp.int32(0), b, pl.ds(col0, TILE), :])
+            for s in range(1, split):
+                a = a + plgpu.load(part_ref.at[jnp.int32(s), b, pl.ds(col0, TILE), :])
+            return a
+
+        second = acc(inter + c0) if activation == "swiglu" else None
+        h = fc1_activation(acc(c0), second, a1_ref[e] * POST_SCALE, activation=activation,
+                           gate_up_order=gate_up_order, mode=mode)  # bf16 [TILE, mt]
+        ht = h.T  # [mt, TILE]
+        if h_ref:
+            plgpu.store(h_ref[0].at[pl.ds(b * mt, mt), pl.ds(c0, TILE)], ht)
+        q = _requantize(ht.astype(jnp.float32).reshape(mt, TILE // 16, 16), g2_ref[e], rg2_ref[e],
+                        recipe, exact_asm)
+        plgpu.store(hv_ref.at[pl.ds(b * mt, mt), pl.ds(c0, TILE)],
+                    _permute(q.reshape(mt, TILE)).astype(jnp.bfloat16))
+
+
+def fc1_epilogue(part: jax.Array, block_expert: jax.Array, num_blocks: jax.Array, a1: jax.Array,
+                 g2: jax.Array, rg2: jax.Array, *, inter: int, activation: str, gate_up_order: str,
+                 mode: str, recipe: str, return_h: bool = False, interpret: bool = False):
+    """FC1 partials -> the FC2 operand (K-permuted ``q * sf`` bf16 [EM, I]) and, with
+    ``return_h``, ``h`` bf16 [EM, I] (natural order).
+
+    part fp32 [split, NB, R_pad, mt] (``mosaic.grouped_matmul``'s output, times 2^-7; R = I or
+    2I for swiglu, R_pad >= R); block_expert int32 [NB]; num_blocks int32 [1]; a1, g2, rg2 fp32
+    [E] (FC1 alpha, FC2 encode scale, IEEE 1/g2). I % 128 == 0. Rows of blocks past
+    ``num_blocks`` are not written.
+    """
+    split, nb, r_pad, mt = part.shape
+    if inter % TILE or r_pad < (2 * inter if activation == "swiglu" else inter):
+        raise ValueError(f"part: expected [split, NB, R_pad >= R, mt] with I % {TILE} == 0, got "
+                         f"{part.shape} for I={inter}, {activation}")
+    em = nb * mt
+    out = [jax.ShapeDtypeStruct((em, inter), jnp.bfloat16)] * (2 if return_h else 1)
+    kern = functools.partial(_fc1_epilogue_kernel, mt=mt, split=split, inter=inter,
+                             activation=activation, gate_up_order=gate_up_order, mode=mode,
+                             recipe=recipe, exact_asm=not interpret)
+    res = pl.pallas_call(
+        kern,
+        out_shape=tuple(out),
+        grid=(nb * (inter // TILE),),
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret,
+        name="nvfp4_moe_fc1_epilogue",
+    )(block_expert, num_blocks, part, a1, g2, rg2)
+    return (res[0], res[1]) if return_h else (res[0], None)
+
+
+# ----------------------------------------------------------------------------- combine
+
+
+def _combine_kernel(pos_ref, be_ref, w_ref, part_ref, a2_ref, o_ref, *, mt: int, split: int,
+                    top_k: int, mode: str):
+    t, c0 = pl.program_id(0), pl.program_id(1) * TILE
+    out = jnp.zeros((TILE,), jnp.float32)
+    for j in range(top_k):  # unrolled: the k loads are independent
+        p = pos_ref[t * top_k + j]
+        b, m = p // mt, p % mt
+        d = plgpu.load(part_ref.at[jnp.int32(0), b, pl.ds(c0, TILE), m])
+        for s in range(1, split):
+            d = d + plgpu.load(part_ref.at[jnp.int32(s), b, pl.ds(c0, TILE), m])
+        d = d * (a2_ref[be_ref[b]] * POST_SCALE)
+        if mode == "trtllm_cutlass":  # GEMM2 output is bf16 in TRT-LLM CUTLASS
+            d = d.astype(jnp.bfloat16).astype(jnp.float32)
+        out = out + d * w_ref[t * top_k + j]
+    plgpu.store(o_ref.at[t, pl.ds(c0, TILE)], out.astype(jnp.bfloat16))
+
+
+def combine(part: jax.Array, route_pos: jax.Array, block_expert: jax.Array, topk_weights: jax.Array,
+            a2: jax.Array, *, hidden: int, mode: str, interpret: bool = False) -> jax.Array:
+    """FC2 partials -> the layer output bf16 [T, H].
+
+    part fp32 [split, NB, H_pad, mt] (``mosaic.grouped_matmul``'s output, times 2^-7);
+    route_pos int32 [T*k] (each route's sorted row); block_expert int32 [NB]; topk_weights
+    [T, k]; a2 fp32 [E]. ``out[t] = sum_j w[t, j] * (alpha2[e] * acc[route_pos[t*k + j]])``
+    (the product bf16-rounded first in trtllm_cutlass), summed over j in fp32 in order.
+    """
+    split, _nb, h_pad, mt = part.shape
+    t, k = topk_weights.shape
+    if hidden % TILE or h_pad < hidden:
+        raise ValueError(f"part: expected [split, NB, H_pad >= H, mt] with H % {TILE} == 0, got "
+                         f"{part.shape} for H={hidden}")
+    kern = functools.partial(_combine_kernel, mt=mt, split=split, top_k=k, mode=mode)
+    return pl.pallas_call(
+        kern,
+        out_shape=jax.ShapeDtypeStruct((t, hidden), jnp.bfloat16),
+        grid=(t, hidden // TILE),
+        compiler_params=plgpu.CompilerParams(num_warps=1, num_stages=1),
+        interpret=interpret,
+        name="nvfp4_moe_combine",
+    )(route_pos, block_expert, topk_weights.reshape(-1).astype(jnp.float32), part, a2)

@@ -61,7 +61,7 @@ def device_events(trace_dir: str) -> tuple[list[dict], list[str]]:
     return keep, tracks
 
 
-def profile_case(sname: str, t: int, reps: int) -> dict:
+def profile_case(sname: str, t: int, reps: int, hlo_path: str | None = None) -> dict:
     s = {**SHAPES, **SMOKE}[sname]
     e, h, _i, k, act = s["experts"], s["hidden"], s["inter"], s["top_k"], s["activation"]
     _, _, q1, q2 = make_weights(jax.random.PRNGKey(1), s)
@@ -77,6 +77,9 @@ def profile_case(sname: str, t: int, reps: int) -> dict:
         return x
 
     p = (q1, q2, *input_scales(s))
+    if hlo_path:  # the optimized HLO (which fusions, copies and custom calls a layer launches)
+        with open(hlo_path, "w") as f:
+            f.write(layers.lower(x0, ids, wts, p).compile().as_text())
     layers(x0, ids, wts, p).block_until_ready()
     with tempfile.TemporaryDirectory() as d:
         with jax.profiler.trace(d, create_perfetto_trace=True):
@@ -105,13 +108,15 @@ def main():
     ap.add_argument("--out", default="/tmp")
     ap.add_argument("--cases", default="qwen3_30b:1,nemotron:1,nemotron:8,qwen3_30b:64")
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--hlo", action="store_true", help="write the first case's optimized HLO")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     res = []
     for case in args.cases.split(","):
         sname, t = case.split(":")
         try:
-            res.append(profile_case(sname, int(t), args.reps))
+            hlo = os.path.join(args.out, f"moe-hlo-{sname}-{t}.txt") if args.hlo and not res else None
+            res.append(profile_case(sname, int(t), args.reps, hlo))
         except Exception as exc:  # noqa: BLE001 - report and go on
             print(f"{case}: FAILED {type(exc).__name__}: {str(exc)[:400]}", flush=True)
             res.append({"case": case, "error": f"{type(exc).__name__}: {str(exc)[:400]}"})

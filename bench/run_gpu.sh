@@ -36,7 +36,7 @@ for s in $STEPS; do
         | grep -v Warning | tail -40 | tee -a "$OUT/run.log" ;;
     profile)
       step "moe profile"
-      timeout "$T_PROFILE" python3 bench/moe_profile.py --out "$OUT" --reps 2 \
+      timeout "$T_PROFILE" python3 bench/moe_profile.py --out "$OUT" --reps 2 ${PROFILE_HLO:+--hlo} \
         --cases "${PROFILE_CASES:-nemotron:4096,qwen3_30b:4096,qwen3_30b:1}" 2>&1 \
         | grep -v Warning | tail -45 | tee -a "$OUT/run.log" ;;
     ncu)

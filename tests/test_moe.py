@@ -91,12 +91,15 @@ def test_experts_without_tokens_cost_nothing():
     assert br.block_expert.shape[0] == max_blocks(6, 64, 16) == 7
 
 
-@pytest.mark.parametrize("t,k,e,bm", [(1, 1, 4, 16), (5, 2, 8, 16), (100, 4, 16, 16), (64, 8, 128, 32), (3, 3, 3, 16)])
-def test_block_routing_invariants(t, k, e, bm):
+@pytest.mark.parametrize("method", ["sort", "dense"])
+@pytest.mark.parametrize("t,k,e,bm", [(1, 1, 4, 16), (5, 2, 8, 16), (100, 4, 16, 16), (64, 8, 128, 32),
+                                      (3, 3, 3, 16), (64, 22, 512, 8)])
+def test_block_routing_invariants(t, k, e, bm, method):
     rng = np.random.default_rng(t * 131 + e)
     ids = np.argsort(rng.random((t, e)), axis=1)[:, :k]
     ids[: t // 2] = ids[0]  # skew
-    br = jax.jit(block_routing, static_argnums=(1, 2))(jnp.asarray(ids), e, bm)
+    br = jax.jit(functools.partial(block_routing, method=method), static_argnums=(1, 2))(
+        jnp.asarray(ids), e, bm)
     sr, be = np.asarray(br.sorted_route), np.asarray(br.block_expert)
     nb, pos = int(br.num_blocks[0]), np.asarray(br.route_pos)
     n = t * k
@@ -113,6 +116,18 @@ def test_block_routing_invariants(t, k, e, bm):
         assert len(rows) > 0 and np.all(flat[rows] == be[b])  # one expert per block
         assert np.all(np.diff(rows) > 0)  # stable: token order within an expert
     assert not valid[nb * bm:].any()
+
+
+def test_block_routing_methods_agree():
+    """The dense (sort-free) routing is the sort routing, array for array."""
+    rng = np.random.default_rng(7)
+    for t, k, e, bm in [(1, 8, 128, 8), (8, 22, 512, 8), (37, 4, 16, 16), (64, 8, 128, 64)]:
+        ids = jnp.asarray(np.argsort(rng.random((t, e)), axis=1)[:, :k])
+        a, b = (block_routing(ids, e, bm, method=m) for m in ("sort", "dense"))
+        for f in ("sorted_route", "block_expert", "num_blocks", "route_pos"):
+            np.testing.assert_array_equal(np.asarray(getattr(a, f)), np.asarray(getattr(b, f)), err_msg=f)
+    with pytest.raises(ValueError, match="method"):
+        block_routing(ids, e, bm, method="scan")
 
 
 def test_select_experts():

@@ -190,7 +190,7 @@ def permute_k(x: jax.Array) -> jax.Array:
 # ----------------------------------------------------------------------------- kernel
 
 
-def _build(mt: int, nb: int, n: int, k: int, cfg: MosaicConfig, split: int):
+def _build(mt: int, nb: int, n: int, k: int, cfg: MosaicConfig, split: int, name: str):
     pl, plgpu = _pallas_mosaic_gpu()
     bn = cfg.block_n
     n_tiles = _cdiv(n, bn)
@@ -225,6 +225,7 @@ def _build(mt: int, nb: int, n: int, k: int, cfg: MosaicConfig, split: int):
             )
             store_tile(acc, o_smem, o_gmem.at[si, b, pl.ds(n0, bn)])
 
+    nvfp4_moe_mosaic.__name__ = f"nvfp4_moe_mosaic_{name}" if name else "nvfp4_moe_mosaic"
     return mosaic_kernel(
         nvfp4_moe_mosaic,
         out_type=jax.ShapeDtypeStruct((split, nb, n_tiles * bn, mt), jnp.float32),
@@ -267,6 +268,7 @@ def grouped_matmul(
     block_m: int,
     config: MosaicConfig | None = None,
     reference: bool = False,
+    name: str = "",
 ) -> jax.Array:
     """Grouped ``x_b @ W[block_expert[b]]^T`` per block of ``block_m`` rows -> fp32 partials.
 
@@ -276,7 +278,8 @@ def grouped_matmul(
     ``POST_SCALE``, gives the accumulators; blocks ``b >= num_blocks`` and rows past N are
     garbage. K % 256 == 0, or K % 256 == 128 with N even (whole-K scales, split 1: the last
     K step runs half past the end, where TMA reads zeros). ``reference``: XLA emulation (any
-    device), same layout.
+    device), same layout. ``name``: suffix of the kernel's name (``nvfp4_moe_mosaic_<name>``:
+    profiles tell FC1 from FC2).
     Raises ValueError naming the argument for bad dtypes/shapes.
     """
     if block_m not in TOKEN_TILES:
@@ -314,7 +317,7 @@ def grouped_matmul(
         return _reference(x, codes, scales, be, nbk, mt=block_m, n_pad=n_pad, split=split)
     if k % BLOCK_K:  # whole-K scales: the kernel reads the pair-of-rows view
         scales = whole_k_scale_view(scales)
-    return _build(block_m, nb, n, k, cfg, split)(be, nbk, x, codes, scales)
+    return _build(block_m, nb, n, k, cfg, split, name)(be, nbk, x, codes, scales)
 
 
 def _block_rows(part: jax.Array, n: int) -> jax.Array:
@@ -398,7 +401,7 @@ def moe_mosaic(
     xp = fc1_operand(hidden, br.sorted_route, *meta, g1, _ieee_div(1.0, g1), top_k=k, block_m=bm,
                      recipe=recipe, per_expert=activation_scale == "per_expert", interpret=reference)
     part1 = grouped_matmul(xp, fc1.codes, s1u, *meta, block_m=bm, config=config.fc1,
-                           reference=reference)
+                           reference=reference, name="fc1")
     if on2:
         # FC1 epilogue (alpha, bf16, activation, requantization, K permutation), FC2 (Mosaic),
         # combine (alpha2, bf16, router weight, top-k sum): one launch each
@@ -406,8 +409,8 @@ def moe_mosaic(
                                activation=activation, gate_up_order=gate_up_order, mode=mode,
                                recipe=recipe, return_h=return_intermediates, interpret=reference)
         part2 = grouped_matmul(hvp, fc2.codes, s2u, *meta, block_m=bm, config=config.fc2,
-                               reference=reference)
-        out = combine(part2, br.route_pos, br.block_expert, topk_weights, a2, hidden=h_dim,
+                               reference=reference, name="fc2")
+        out = combine(part2, br.route_pos, topk_ids, topk_weights, a2, hidden=h_dim,
                       mode=mode, interpret=reference)
     else:
         # FC2 on Pallas-Triton (I % 128 != 0): the FC1 epilogue in XLA (the functions of xla.py)

@@ -40,14 +40,14 @@ from .pallas_triton import _requantize, fc1_activation
 TILE = 128  # columns per program (I and H are multiples of 128 wherever these kernels run)
 
 
-def _perm_cols(n: int) -> jax.Array:
-    """int32 [n]: the column of natural element e in the Mosaic kernel's K order. Within each
-    128-group, element 32c + 8w + 4l + j sits at 32w + 8j + 2c + l (``gemm.mosaic._PERM``'s
-    inverse). Computed from an iota: no constant array to pass into the kernel."""
-    e = jnp.arange(n, dtype=jnp.int32)
-    r = e % 128
-    c, w, l, j = r // 32, r // 8 % 4, r // 4 % 2, r % 4
-    return e - r + 32 * w + 8 * j + 2 * c + l
+def _permute(v: jax.Array) -> jax.Array:
+    """[..., n] (n % 128 == 0) -> the same values in the Mosaic kernel's K order: within each
+    128-group, position 32w + 8j + 2c + l holds element 32c + 8w + 4l + j (``_PERM``)."""
+    lead, n = v.shape[:-1], v.shape[-1]
+    r = len(lead)
+    v = v.reshape((*lead, n // 128, 4, 4, 2, 4))  # [..., g, c, w, l, j]
+    v = jnp.transpose(v, (*range(r), r, r + 2, r + 4, r + 1, r + 3))  # [..., g, w, j, c, l]
+    return v.reshape((*lead, n))
 
 
 def _row_tile(h: int) -> int:
@@ -56,12 +56,6 @@ def _row_tile(h: int) -> int:
     while h % t:
         t //= 2
     return t
-
-
-def _tiles_per_program(n_tiles: int) -> int:
-    """Column tiles one program handles (unrolled, loads issued together): the largest divisor
-    of n_tiles up to 4."""
-    return max(d for d in range(1, 5) if n_tiles % d == 0)
 
 
 # ----------------------------------------------------------------------------- FC1 operand
@@ -80,8 +74,8 @@ def _operand_kernel(route_ref, be_ref, nb_ref, x_ref, g_ref, rg_ref, o_ref, *, m
         e = be_ref[b] if per_expert else 0
         x = plgpu.load(x_ref.at[tok, pl.ds(kt * bk, bk)]).astype(jnp.float32)
         q = _requantize(x.reshape(bk // 16, 16), g_ref[e], rg_ref[e], recipe, exact_asm)
-        q = jnp.where(valid, q.reshape(bk), 0.0).astype(jnp.bfloat16)
-        o_ref[p, kt * bk + _perm_cols(bk)] = q  # K-permuted store (scatter within the row)
+        q = jnp.where(valid, q, 0.0)
+        plgpu.store(o_ref.at[p, pl.ds(kt * bk, bk)], _permute(q.reshape(bk)).astype(jnp.bfloat16))
 
 
 def fc1_operand(hidden: jax.Array, sorted_route: jax.Array, block_expert: jax.Array,
@@ -114,43 +108,39 @@ def fc1_operand(hidden: jax.Array, sorted_route: jax.Array, block_expert: jax.Ar
 
 
 def _fc1_epilogue_kernel(be_ref, nb_ref, part_ref, a1_ref, g2_ref, rg2_ref, hv_ref, *h_ref,
-                         mt: int, split: int, inter: int, per_program: int, activation: str,
-                         gate_up_order: str, mode: str, recipe: str, exact_asm: bool):
-    n_programs = inter // TILE // per_program
+                         mt: int, split: int, inter: int, activation: str, gate_up_order: str,
+                         mode: str, recipe: str, exact_asm: bool):
+    n_tiles = inter // TILE
     pid = pl.program_id(0)
-    b, c_first = pid // n_programs, pid % n_programs * per_program * TILE
-    # [TILE, mt] tiles are stored to [rows, cols] of the [EM, I] outputs through two broadcast
-    # integer indexers (a slice after an integer indexer does not lower to Triton correctly)
-    rows = (b * mt + jnp.arange(mt, dtype=jnp.int32))[None, :]
+    b, c0 = pid // n_tiles, pid % n_tiles * TILE
 
     @pl.when(b < nb_ref[0])
     def _():
         e = be_ref[b]
-        alpha, g, rg = a1_ref[e] * POST_SCALE, g2_ref[e], rg2_ref[e]
 
-        def acc(col0):  # [TILE, mt] fp32 (swap-AB: columns of I down, rows across), splits in order
+        def acc(col0):  # [TILE, mt] fp32, split-K partials summed in index order
             a = plgpu.load(part_ref.at[jnp.int32(0), b, pl.ds(col0, TILE), :])
             for s in range(1, split):
                 a = a + plgpu.load(part_ref.at[jnp.int32(s), b, pl.ds(col0, TILE), :])
             return a
 
-        for i in range(per_program):  # unrolled: the tiles' loads are independent
-            c0 = c_first + i * TILE
-            second = acc(inter + c0) if activation == "swiglu" else None
-            h = fc1_activation(acc(c0), second, alpha, activation=activation,
-                               gate_up_order=gate_up_order, mode=mode)  # bf16 [TILE, mt]
-            if h_ref:
-                h_ref[0][rows, (c0 + jnp.arange(TILE, dtype=jnp.int32))[:, None]] = h
-            q = _requantize(h.astype(jnp.float32).reshape(TILE // 16, 16, mt), g, rg, recipe,
-                            exact_asm, axis=1)
-            hv_ref[rows, (c0 + _perm_cols(TILE))[:, None]] = q.reshape(TILE, mt).astype(jnp.bfloat16)
+        second = acc(inter + c0) if activation == "swiglu" else None
+        h = fc1_activation(acc(c0), second, a1_ref[e] * POST_SCALE, activation=activation,
+                           gate_up_order=gate_up_order, mode=mode)  # bf16 [TILE, mt]
+        ht = h.T  # [mt, TILE]
+        if h_ref:
+            plgpu.store(h_ref[0].at[pl.ds(b * mt, mt), pl.ds(c0, TILE)], ht)
+        q = _requantize(ht.astype(jnp.float32).reshape(mt, TILE // 16, 16), g2_ref[e], rg2_ref[e],
+                        recipe, exact_asm)
+        plgpu.store(hv_ref.at[pl.ds(b * mt, mt), pl.ds(c0, TILE)],
+                    _permute(q.reshape(mt, TILE)).astype(jnp.bfloat16))
 
 
 def fc1_epilogue(part: jax.Array, block_expert: jax.Array, num_blocks: jax.Array, a1: jax.Array,
                  g2: jax.Array, rg2: jax.Array, *, inter: int, activation: str, gate_up_order: str,
                  mode: str, recipe: str, return_h: bool = False, interpret: bool = False):
     """FC1 partials -> the FC2 operand (K-permuted ``q * sf`` bf16 [EM, I]) and, with
-    ``return_h``, ``h`` bf16 [EM, I] (natural order; else None).
+    ``return_h``, ``h`` bf16 [EM, I] (natural order).
 
     part fp32 [split, NB, R_pad, mt] (``mosaic.grouped_matmul``'s output, times 2^-7; R = I or
     2I for swiglu, R_pad >= R); block_expert int32 [NB]; num_blocks int32 [1]; a1, g2, rg2 fp32
@@ -162,16 +152,14 @@ def fc1_epilogue(part: jax.Array, block_expert: jax.Array, num_blocks: jax.Array
         raise ValueError(f"part: expected [split, NB, R_pad >= R, mt] with I % {TILE} == 0, got "
                          f"{part.shape} for I={inter}, {activation}")
     em = nb * mt
-    per_program = _tiles_per_program(inter // TILE)
     out = [jax.ShapeDtypeStruct((em, inter), jnp.bfloat16)] * (2 if return_h else 1)
     kern = functools.partial(_fc1_epilogue_kernel, mt=mt, split=split, inter=inter,
-                             per_program=per_program, activation=activation,
-                             gate_up_order=gate_up_order, mode=mode, recipe=recipe,
-                             exact_asm=not interpret)
+                             activation=activation, gate_up_order=gate_up_order, mode=mode,
+                             recipe=recipe, exact_asm=not interpret)
     res = pl.pallas_call(
         kern,
         out_shape=tuple(out),
-        grid=(nb * (inter // TILE // per_program),),
+        grid=(nb * (inter // TILE),),
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
         interpret=interpret,
         name="nvfp4_moe_fc1_epilogue",

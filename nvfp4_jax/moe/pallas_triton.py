@@ -98,26 +98,24 @@ def _e2m1_magnitude(a):
     return 0.5 * half + f(a > 2.5) + f(a >= 3.5) + 2.0 * f(a > 5.0)
 
 
-def _requantize(hb, g, rg, recipe: str, exact_asm: bool, axis: int = -1):
-    """hb fp32 (bf16 values) with 16-element blocks along ``axis`` (e.g. [BM, nb, 16]), encode
-    scale g, rg = IEEE 1/g -> q*sf fp32 of hb's shape.
+def _requantize(hb, g, rg, recipe: str, exact_asm: bool):
+    """hb fp32 [BM, nb, 16] (bf16 values), encode scale g, rg = IEEE 1/g -> q*sf fp32 [BM, nb, 16].
 
     The recipes' fp32 op order (oracle.quantize): trtllm ``sf = vmax*(G*fp32(1/6))``,
     ``y = x * min(1/(sf8*(1/G)), FLT_MAX)``; b12x ``sf = (vmax*G)/6``, ``y = x / max(sf8/G, 1e-30)``.
     """
-    vmax = jnp.max(jnp.abs(hb), axis=axis)
-    per_elem = lambda v: jnp.broadcast_to(jnp.expand_dims(v, axis), hb.shape)
+    vmax = jnp.max(jnp.abs(hb), axis=-1)
     if recipe == "trtllm":
         sf = jnp.where(vmax == 0, 0.0, vmax * (g * jnp.float32(1.0 / 6.0)))
         s = _e4m3(sf)
         out_scale = jnp.minimum(_div_rn(1.0, s * rg, exact_asm), _FLT_MAX)
-        y = hb * per_elem(out_scale)
+        y = hb * out_scale[..., None]
     else:
         s = _e4m3(jnp.minimum(_div_rn(vmax * g, 6.0, exact_asm), 448.0))
         den = jnp.maximum(_div_rn(s, g, exact_asm), 1e-30)
-        y = _div_rn(hb, per_elem(den), exact_asm)
+        y = _div_rn(hb, jnp.broadcast_to(den[..., None], hb.shape), exact_asm)
     mag = _e2m1_magnitude(jnp.abs(y))
-    return jnp.where(y < 0, -mag, mag) * per_elem(s)
+    return jnp.where(y < 0, -mag, mag) * s[..., None]
 
 
 def fc1_activation(first, second, alpha, *, activation: str, gate_up_order: str, mode: str):

@@ -56,7 +56,8 @@ def block_routing(topk_ids: jax.Array, num_experts: int, block_m: int, *,
 
     method: "sort" (stable argsort, scatter-add counts, cumsums, two scatters), "dense" (no
     sort: counts, each route's rank among the routes of its expert and the padded cumsum as
-    compare-and-count reductions over [E, N], [N, N] and [E, E]; one scatter), or "auto"
+    compare-and-count reductions over [E, N], [N, N] and [E, E]; the inverse permutation by a
+    [EM, N] reduction while that is at most 2^20 elements, else one scatter), or "auto"
     (dense up to ``DENSE_MAX_ROUTES`` routes, where its ~5 fusions cost less than the sort
     path's ~10 launches; the quadratic terms grow past that). Both give the same routing.
     """
@@ -76,7 +77,11 @@ def block_routing(topk_ids: jax.Array, num_experts: int, block_m: int, *,
         rank = jnp.sum((flat[None, :] == flat[:, None]) & (p[None, :] < p[:, None]), axis=1,
                        dtype=jnp.int32)  # earlier routes of the same expert (stable order)
         route_pos = (pad_end - padded)[flat] + rank
-        sorted_route = jnp.full((em,), n, jnp.int32).at[route_pos].set(p)
+        if em * n <= 1 << 20:  # invert route_pos by one [EM, N] reduction (no scatter, no init copy)
+            hit = route_pos[None, :] == jnp.arange(em, dtype=jnp.int32)[:, None]
+            sorted_route = jnp.sum(jnp.where(hit, p[None, :] - n, 0), axis=1, dtype=jnp.int32) + n
+        else:
+            sorted_route = jnp.full((em,), n, jnp.int32).at[route_pos].set(p)
     else:
         order = jnp.argsort(flat, stable=True).astype(jnp.int32)
         counts = jnp.zeros((num_experts,), jnp.int32).at[flat].add(1)

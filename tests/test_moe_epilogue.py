@@ -1,0 +1,157 @@
+"""The Mosaic MoE path's Pallas-Triton glue kernels (moe/epilogue.py) in interpret mode, each
+against an independent reference: the XLA functions the path used before (``xla.py``:
+``sorted_rows``, ``activate``, ``quantized_values``, all bit-exact with the oracle, and
+``mosaic.permute_k``) or, for the combine, a numpy fp32 sum in route order. Bit-exact, on
+random partials at several magnitudes (E4M3-subnormal block scales included), uneven routing,
+both modes and activations, split-K 1 and 3."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from nvfp4_jax.gemm.mosaic import POST_SCALE
+from nvfp4_jax.moe import epilogue as ep
+from nvfp4_jax.moe.mosaic import permute_k
+from nvfp4_jax.moe.routing import block_routing
+from nvfp4_jax.moe.xla import (
+    activate,
+    bf16_round,
+    moe_scales,
+    quantized_values,
+    recipe_of,
+    sorted_rows,
+)
+from nvfp4_jax.quantize import _div
+
+
+def _routing(rng, t, k, e, bm, skew):
+    ids = np.argsort(rng.random((t, e)), axis=1)[:, :k]
+    if skew:
+        ids[: t // 2] = ids[0]
+    br = block_routing(jnp.asarray(ids, jnp.int32), e, bm)
+    return ids, br, int(br.num_blocks[0])
+
+
+def _scales(rng, e, mode, act_scale, in_mag=1.0):
+    """(g1, g2, a1, a2) as moe_scales makes them; in_mag scales the input scales (the encode
+    scales G = 1/input_scale shrink with it: E4M3-subnormal block scales for large in_mag)."""
+    ws2 = jnp.asarray(rng.uniform(0.5, 2.0, e), jnp.float32)
+    s_in = jnp.asarray(rng.uniform(0.5, 2.0, e) * in_mag, jnp.float32)
+    return moe_scales(ws2, ws2 * 0.7, s_in, s_in * 1.3, mode, act_scale)
+
+
+@pytest.mark.parametrize("mode,act_scale,in_mag,skew", [
+    ("trtllm_cutlass", "scalar", 1.0, False),
+    ("b12x", "per_expert", 1.0, True),
+    ("b12x", "scalar", 2.0**6, False),          # small G: most block scales E4M3 subnormals
+    ("trtllm_cutlass", "scalar", 2.0**6, True),
+    ("trtllm_cutlass", "scalar", 2.0**-6, False),  # large G: block scales saturate at 448
+])
+def test_fc1_operand_is_the_xla_operand(mode, act_scale, in_mag, skew):
+    rng = np.random.default_rng(int(in_mag * 7) + skew)
+    t, k, e, bm, h = 9, 3, 8, 8, 512
+    _, br, nb = _routing(rng, t, k, e, bm, skew)
+    hidden = jnp.asarray(rng.standard_normal((t, h)) * rng.choice([1e-3, 1.0, 50.0], (t, 1)), jnp.bfloat16)
+    g1, _, _, _ = _scales(rng, e, mode, act_scale, in_mag)
+    recipe = recipe_of(mode)
+    sf = np.abs(np.asarray(hidden, np.float32)).reshape(t, h // 16, 16).max(-1) * float(np.max(g1)) / 6
+    if in_mag > 1:
+        assert np.mean(sf < 2.0**-6) > 0.5  # the case drives the block scales into subnormals
+    got = ep.fc1_operand(hidden, br.sorted_route, br.block_expert, br.num_blocks, g1, _div(1.0, g1),
+                         top_k=k, block_m=bm, recipe=recipe, per_expert=act_scale == "per_expert",
+                         interpret=True)
+    wts = jnp.ones((t, k), jnp.float32)
+    xv, _, _ = sorted_rows(hidden, wts, g1, br.sorted_route, br.block_expert, top_k=k, block_m=bm,
+                           recipe=recipe, activation_scale=act_scale)
+    want = permute_k(xv)
+    rows = nb * bm
+    assert np.count_nonzero(np.asarray(want[:rows], np.float32)) > t * k * h // 4  # not all zeros
+    np.testing.assert_array_equal(np.asarray(got[:rows], np.float32), np.asarray(want[:rows], np.float32))
+
+
+@pytest.mark.parametrize("activation,order,mode,split,mag", [  # mag: size of the partials
+    ("relu2", "up_gate", "trtllm_cutlass", 1, 1.0),
+    ("swiglu", "gate_up", "b12x", 3, 1.0),
+    ("swiglu", "up_gate", "trtllm_cutlass", 1, 2.0**-9),  # small h: subnormal block scales
+    ("relu2", "up_gate", "b12x", 3, 2.0**6),
+])
+def test_fc1_epilogue_is_the_xla_epilogue(activation, order, mode, split, mag):
+    rng = np.random.default_rng(split * 11 + len(activation))
+    t, k, e, bm, inter = 7, 4, 6, 16, 256
+    r = 2 * inter if activation == "swiglu" else inter
+    r_pad = r + 128  # the kernel's output rows are padded to its block_n
+    _, br, nb = _routing(rng, t, k, e, bm, skew=True)
+    nbk = br.block_expert.shape[0]
+    part = jnp.asarray(rng.standard_normal((split, nbk, r_pad, bm)) * mag, jnp.float32)
+    _, g2, a1, _ = _scales(rng, e, mode, "scalar" if mode == "trtllm_cutlass" else "per_expert")
+    hv, hb = ep.fc1_epilogue(part, br.block_expert, br.num_blocks, a1, g2, _div(1.0, g2), inter=inter,
+                             activation=activation, gate_up_order=order, mode=mode,
+                             recipe=recipe_of(mode), return_h=True, interpret=True)
+    # reference: the XLA epilogue (moe_mosaic before the kernels), from the same partials
+    acc = jnp.swapaxes(part.sum(axis=0)[:, :r, :], 1, 2).reshape(nbk * bm, r)
+    row_expert = jnp.repeat(br.block_expert, bm)
+    u = acc * (a1[row_expert] * jnp.float32(POST_SCALE))[:, None]
+    if mode == "trtllm_cutlass":
+        u = bf16_round(u)
+    hf = bf16_round(activate(u, activation, order))
+    want_hv = permute_k(quantized_values(hf, g2[row_expert], recipe_of(mode)))
+    rows = nb * bm
+    f = lambda a: np.asarray(a[:rows], np.float32)
+    if mag < 1:  # the requantization's block scales fall into E4M3 subnormals
+        sf = np.abs(f(hf)).reshape(rows, inter // 16, 16).max(-1) * np.asarray(g2[row_expert])[:rows, None] / 6
+        assert np.mean((sf > 2.0**-10) & (sf < 2.0**-6)) > 0.3
+    assert np.count_nonzero(f(want_hv)) > t * k * inter // 8  # not all zeros
+    np.testing.assert_array_equal(f(hb), f(hf.astype(jnp.bfloat16)))
+    np.testing.assert_array_equal(f(hv), f(want_hv))
+
+
+@pytest.mark.parametrize("mode,split,mt", [("trtllm_cutlass", 1, 8), ("b12x", 3, 16), ("trtllm_cutlass", 2, 64)])
+def test_combine_is_the_route_order_fp32_sum(mode, split, mt):
+    rng = np.random.default_rng(split + mt)
+    t, k, e, h = 5, 6, 16, 256
+    ids, br, _ = _routing(rng, t, k, e, mt, skew=True)
+    nbk = br.block_expert.shape[0]
+    part = jnp.asarray(rng.standard_normal((split, nbk, h + 128, mt)) * 3.0, jnp.float32)
+    wts = jnp.asarray(rng.uniform(0.0, 1.0, (t, k)), jnp.float32)
+    a2 = jnp.asarray(rng.uniform(0.5, 2.0, e) * 2.0**-9, jnp.float32)
+    got = ep.combine(part, br.route_pos, jnp.asarray(ids), wts, a2, hidden=h, mode=mode, interpret=True)
+    # numpy fp32, route order j = 0..k-1, the mode's bf16 rounding of alpha2 * acc
+    p32, pos, w = np.asarray(part), np.asarray(br.route_pos), np.asarray(wts)
+    a2n = np.asarray(a2)
+    want = np.zeros((t, h), np.float32)
+    for ti in range(t):
+        for j in range(k):
+            q = pos[ti * k + j]
+            d = p32[0, q // mt, :h, q % mt]
+            for s in range(1, split):
+                d = d + p32[s, q // mt, :h, q % mt]
+            d = d * np.float32(a2n[ids[ti, j]] * POST_SCALE)
+            if mode == "trtllm_cutlass":
+                d = np.asarray(jnp.asarray(d).astype(jnp.bfloat16), np.float32)
+            want[ti] = want[ti] + d * w[ti, j]
+    np.testing.assert_array_equal(np.asarray(got, np.float32),
+                                  np.asarray(jnp.asarray(want).astype(jnp.bfloat16), np.float32))
+
+
+def test_glue_kernels_lower_for_cuda():
+    """The three kernels lower to Triton for CUDA (no GPU needed) under their names."""
+    e, t, k, bm, h, inter = 16, 3, 4, 8, 1024, 2688
+    br = jax.eval_shape(lambda i: block_routing(i, e, bm), jax.ShapeDtypeStruct((t, k), jnp.int32))
+    nb = br.block_expert.shape[0]
+    f32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)
+    i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)
+
+    def f(hidden, sr, be, nbk, pos, ids, wts, part1, part2, g, a):
+        xp = ep.fc1_operand(hidden, sr, be, nbk, g, g, top_k=k, block_m=bm, recipe="trtllm", per_expert=False)
+        hv, _ = ep.fc1_epilogue(part1, be, nbk, a, g, g, inter=inter, activation="relu2",
+                                gate_up_order="up_gate", mode="trtllm_cutlass", recipe="trtllm")
+        return xp, hv, ep.combine(part2, pos, ids, wts, a, hidden=h, mode="trtllm_cutlass")
+
+    args = (jax.ShapeDtypeStruct((t, h), jnp.bfloat16), i32(nb * bm), i32(nb), i32(1), i32(t * k),
+            i32(t, k), f32(t, k), f32(1, nb, inter, bm), f32(1, nb, h, bm), f32(e), f32(e))
+    text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    for name in ("nvfp4_moe_fc1_operand", "nvfp4_moe_fc1_epilogue", "nvfp4_moe_combine"):
+        assert name in text

@@ -1,9 +1,11 @@
 """Mosaic GPU grouped-GEMM MoE (Hopper) at realistic layer widths vs the oracle (stage-wise
 derived bounds of test_moe_cases). Skipped without an sm_90 GPU.
 
-The FC1 epilogue's requantization runs in XLA (``quantized_values``): bit-exactness with the
-oracle there needs IEEE fp32 division, ``XLA_FLAGS=--xla_backend_extra_options=-nvptx-prec-divf32=2``
-(bench/run_gpu.sh sets it for the GPU tests); without it the module is skipped.
+The scale expressions (``moe_scales``: G = 1/input_scale, the alphas) run in XLA, and so does
+the FC1 epilogue when FC2 falls back to Pallas-Triton: bit-exactness with the oracle there needs
+IEEE fp32 division, ``XLA_FLAGS=--xla_backend_extra_options=-nvptx-prec-divf32=2``
+(bench/run_gpu.sh sets it for the GPU tests); without it the module is skipped. (The glue
+kernels of ``moe/epilogue.py`` divide with ``div.rn.f32`` themselves.)
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """Routed NVFP4 mixture of experts: api.py (public ``moe``), routing.py, xla.py (reference
 path), pallas_triton.py (grouped Pallas-Triton kernels, and the kernel choice), mosaic.py
-(grouped Mosaic GPU kernels for Hopper at decode sizes), configs.py (tiles).
+(grouped Mosaic GPU kernels for Hopper at decode sizes), epilogue.py (the Mosaic path's
+Pallas-Triton glue: FC1 operand, FC1 epilogue, combine), configs.py (tiles).
 
 The package itself is callable (``nvfp4_jax.moe.moe(...)`` and ``nvfp4_jax.moe(...)`` are the
 same function), so a package ``__init__`` can export the subpackage under the function's name

@@ -1,7 +1,7 @@
 """Grouped NVFP4 GEMM for the routed MoE as a Pallas Mosaic GPU kernel (Hopper: TMA + wgmma).
 
 The dense kernel of ``gemm/mosaic.py`` (swap-AB, ``plgpu.emit_pipeline`` over K, E2M1 decode in
-inline PTX straight into the wgmma A fragment, K permutation ``_PERM`` applied to x in XLA,
+inline PTX straight into the wgmma A fragment, x K-permuted by ``_PERM`` before the kernel,
 ``wgmma_wait(0)`` after every wgmma) with one expert per block of routed rows:
 
 * inputs: ``x [NB*mt, K]`` bf16, the routed rows already gathered block by block (block ``b``
@@ -23,13 +23,17 @@ whole K once, as pairs of rows (``gemm.mosaic.accumulate_tile``, whole-K scales)
 K step reads half past the end of the codes and x (TMA fills zeros). Other K keep FC2 on the
 Pallas-Triton kernel (``moe_mosaic`` logs it).
 
-``moe_mosaic`` is the routed MoE layer on top: block routing, FC1 (this kernel), the FC1
-epilogue in XLA (``* alpha1[e]``, trtllm_cutlass bf16 rounding, activation, bf16 ``h``,
-requantization with ``G2[e]``: the functions of ``xla.py``, bit-exact with the oracle), FC2
-(this kernel, or Pallas-Triton when ``check_supported`` fails), ``* alpha2[e]`` (bf16 in
-trtllm_cutlass), router weight, fp32 top-k sum. ``moe_pallas`` calls it on sm_90 at decode sizes
-(``pallas_triton.choose_kernel``). ``reference=True`` replaces the kernel by an XLA emulation with the same
-inputs and output layout (CPU tests of the dataflow around the kernel).
+``moe_mosaic`` is the routed MoE layer on top: block routing (``routing.block_routing``, sort-
+free at decode sizes), then five launches (``epilogue.py``): the FC1 operand (gather, quantize,
+K permutation; Pallas-Triton), FC1 (this kernel), the FC1 epilogue (split-K sum, ``* alpha1[e]``,
+trtllm_cutlass bf16 rounding, activation, bf16 ``h``, requantization with ``G2[e]``, K
+permutation; Pallas-Triton), FC2 (this kernel), the combine (``* alpha2[e]``, bf16 in
+trtllm_cutlass, router weight, fp32 top-k sum; Pallas-Triton). When FC2 cannot run here
+(``check_supported``) it runs on Pallas-Triton, with the FC1 epilogue in XLA (the functions of
+``xla.py``). ``moe_pallas`` calls ``moe_mosaic`` on sm_90 at decode sizes
+(``pallas_triton.choose_kernel``). ``reference=True`` replaces the Mosaic kernel by an XLA
+emulation with the same inputs and output layout and runs the Pallas-Triton kernels in
+interpret mode (CPU tests of the dataflow around the kernel).
 """
 
 from __future__ import annotations
@@ -357,8 +361,8 @@ def moe_mosaic(
 
     Same arguments and semantics as ``pallas_triton.moe_pallas`` (validated by
     ``nvfp4_jax.moe``); needs H % 256 == 0 (FC1's K). FC2 runs on Pallas-Triton when I is not
-    a multiple of 256 and not 128 mod 256 (logged). ``reference=True``: the kernels are replaced by their XLA emulation
-    (and FC2's Pallas-Triton fallback runs in interpret mode), for CPU tests.
+    a multiple of 256 and not 128 mod 256 (logged). ``reference=True``: the Mosaic kernels are
+    replaced by their XLA emulation and the Pallas-Triton ones run in interpret mode (CPU tests).
     """
     from .pallas_triton import fc2_triton
 

@@ -22,7 +22,8 @@ R = I or 2I, EM = BM * max_blocks sorted rows, see routing.py):
 4. XLA: gather each route's row, sum over the k routes in fp32, cast to bf16.
 
 On sm_90 at decode sizes ``moe_pallas`` runs ``mosaic.moe_mosaic`` instead (``kernel="auto"``,
-see ``choose_kernel``): Mosaic GPU grouped GEMMs with the epilogues in XLA.
+see ``choose_kernel``): Mosaic GPU grouped GEMMs, with the operand, epilogue and combine as
+Pallas-Triton kernels of their own (``epilogue.py``).
 
 Each block reads its expert's weights once; its activation rows are read from HBM once and
 then from L2 by its other output tiles, and consecutive blocks of one expert find the expert's

@@ -60,19 +60,21 @@ def _mc(c: MosaicConfig, **kw) -> MosaicConfig:
 
 
 def variants(base: MosaicMoEConfig, hidden: int, inter: int) -> list[tuple[str, MosaicMoEConfig]]:
-    """Single-knob moves around the default, applied to both Mosaic GEMMs (where valid)."""
+    """Single-knob moves around the default, applied to both Mosaic GEMMs (where valid), or to
+    one of them (``gemms``)."""
     out = []
 
-    def add(name, **kw):
+    def add(name, gemms=("fc1", "fc2"), **kw):
         def ok(k):
             if k % 256 == 128:  # whole-K scales: block_k 256, split 1
                 return not {"block_k", "split_k"} & set(kw)
             return k % 256 == 0 and k % kw.get("block_k", 256) == 0
 
-        f1 = _mc(base.fc1, **kw) if ok(hidden) else base.fc1
-        f2 = _mc(base.fc2, **kw) if ok(inter) else base.fc2
+        f1 = _mc(base.fc1, **kw) if ok(hidden) and "fc1" in gemms else base.fc1
+        f2 = _mc(base.fc2, **kw) if ok(inter) and "fc2" in gemms else base.fc2
         out.append((name, dataclasses.replace(base, fc1=f1, fc2=f2)))
 
+    add("fc2_bn64", gemms=("fc2",), block_n=64)  # FC2 (N = H) has the fewest CTAs at small T
     add("stages3", num_stages=3)
     add("stages4", num_stages=4)
     add("bn64", block_n=64)

@@ -50,6 +50,12 @@ def _permute(v: jax.Array) -> jax.Array:
     return v.reshape((*lead, n))
 
 
+def _call(kernel, out_shape, grid, *, num_warps: int, name: str, interpret: bool):
+    """``pl.pallas_call`` of one glue kernel (single-stage: no K loop to pipeline)."""
+    return pl.pallas_call(kernel, out_shape=out_shape, grid=grid, interpret=interpret, name=name,
+                          compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1))
+
+
 def _row_tile(h: int) -> int:
     """Largest power of two <= 2048 dividing h (h % 256 == 0): Triton blocks are powers of two."""
     t = 2048
@@ -94,14 +100,9 @@ def fc1_operand(hidden: jax.Array, sorted_route: jax.Array, block_expert: jax.Ar
     bk = _row_tile(h)
     kern = functools.partial(_operand_kernel, mt=block_m, top_k=top_k, n_routes=t * top_k, bk=bk,
                              recipe=recipe, per_expert=per_expert, exact_asm=not interpret)
-    return pl.pallas_call(
-        kern,
-        out_shape=jax.ShapeDtypeStruct((em, h), jnp.bfloat16),
-        grid=(em, h // bk),
-        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
-        interpret=interpret,
-        name="nvfp4_moe_fc1_operand",
-    )(sorted_route, block_expert, num_blocks, hidden, g1, rg1)
+    return _call(kern, jax.ShapeDtypeStruct((em, h), jnp.bfloat16), (em, h // bk), num_warps=4,
+                 name="nvfp4_moe_fc1_operand", interpret=interpret)(
+        sorted_route, block_expert, num_blocks, hidden, g1, rg1)
 
 
 # ----------------------------------------------------------------------------- FC1 epilogue
@@ -156,14 +157,8 @@ def fc1_epilogue(part: jax.Array, block_expert: jax.Array, num_blocks: jax.Array
     kern = functools.partial(_fc1_epilogue_kernel, mt=mt, split=split, inter=inter,
                              activation=activation, gate_up_order=gate_up_order, mode=mode,
                              recipe=recipe, exact_asm=not interpret)
-    res = pl.pallas_call(
-        kern,
-        out_shape=tuple(out),
-        grid=(nb * (inter // TILE),),
-        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
-        interpret=interpret,
-        name="nvfp4_moe_fc1_epilogue",
-    )(block_expert, num_blocks, part, a1, g2, rg2)
+    res = _call(kern, tuple(out), (nb * (inter // TILE),), num_warps=4, name="nvfp4_moe_fc1_epilogue",
+                interpret=interpret)(block_expert, num_blocks, part, a1, g2, rg2)
     return (res[0], res[1]) if return_h else (res[0], None)
 
 
@@ -202,12 +197,7 @@ def combine(part: jax.Array, route_pos: jax.Array, topk_ids: jax.Array, topk_wei
         raise ValueError(f"part: expected [split, NB, H_pad >= H, mt] with H % {TILE} == 0, got "
                          f"{part.shape} for H={hidden}")
     kern = functools.partial(_combine_kernel, mt=mt, split=split, top_k=k, mode=mode)
-    return pl.pallas_call(
-        kern,
-        out_shape=jax.ShapeDtypeStruct((t, hidden), jnp.bfloat16),
-        grid=(t, hidden // TILE),
-        compiler_params=plgpu.CompilerParams(num_warps=1, num_stages=1),
-        interpret=interpret,
-        name="nvfp4_moe_combine",
-    )(route_pos, topk_ids.reshape(-1).astype(jnp.int32), topk_weights.reshape(-1).astype(jnp.float32),
-      part, a2)
+    return _call(kern, jax.ShapeDtypeStruct((t, hidden), jnp.bfloat16), (t, hidden // TILE),
+                 num_warps=1, name="nvfp4_moe_combine", interpret=interpret)(
+        route_pos, topk_ids.reshape(-1).astype(jnp.int32),
+        topk_weights.reshape(-1).astype(jnp.float32), part, a2)

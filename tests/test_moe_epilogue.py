@@ -155,3 +155,21 @@ def test_glue_kernels_lower_for_cuda():
     text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     for name in ("nvfp4_moe_fc1_operand", "nvfp4_moe_fc1_epilogue", "nvfp4_moe_combine"):
         assert name in text
+
+
+def test_glue_kernels_name_the_bad_argument():
+    z = jnp.zeros
+    with pytest.raises(ValueError, match="hidden: expected"):
+        ep.fc1_operand(z((2, 320), jnp.bfloat16), z(8, jnp.int32), z(1, jnp.int32), z(1, jnp.int32),
+                       z(4), z(4), top_k=2, block_m=8, recipe="trtllm", per_expert=False, interpret=True)
+    with pytest.raises(ValueError, match="part: expected"):  # I not a multiple of 128
+        ep.fc1_epilogue(z((1, 2, 256, 8)), z(2, jnp.int32), z(1, jnp.int32), z(4), z(4), z(4), inter=192,
+                        activation="relu2", gate_up_order="up_gate", mode="b12x", recipe="b12x",
+                        interpret=True)
+    with pytest.raises(ValueError, match="part: expected"):  # swiglu needs 2I rows of partials
+        ep.fc1_epilogue(z((1, 2, 256, 8)), z(2, jnp.int32), z(1, jnp.int32), z(4), z(4), z(4), inter=256,
+                        activation="swiglu", gate_up_order="up_gate", mode="b12x", recipe="b12x",
+                        interpret=True)
+    with pytest.raises(ValueError, match="part: expected"):  # H_pad < H
+        ep.combine(z((1, 2, 128, 8)), z(4, jnp.int32), z((2, 2), jnp.int32), z((2, 2)), z(4),
+                   hidden=256, mode="b12x", interpret=True)

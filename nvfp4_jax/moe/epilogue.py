@@ -96,6 +96,8 @@ def fc1_operand(hidden: jax.Array, sorted_route: jax.Array, block_expert: jax.Ar
     zeros on padding rows; rows of blocks past ``num_blocks`` are not written.
     """
     t, h = hidden.shape
+    if h % 256:
+        raise ValueError(f"hidden: expected [T, H] with H % 256 == 0 (the grouped kernel's K), got {hidden.shape}")
     em = sorted_route.shape[0]
     bk = _row_tile(h)
     kern = functools.partial(_operand_kernel, mt=block_m, top_k=top_k, n_routes=t * top_k, bk=bk,

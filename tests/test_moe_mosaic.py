@@ -1,7 +1,8 @@
 """Mosaic GPU grouped-GEMM MoE on CPU: the grouped kernel lowers for CUDA (Pallas -> Mosaic GPU,
 no GPU needed), argument validation names the argument, the kernel choice is logged, and the
-dataflow around the kernel (block routing, K permutation, partial layout, XLA epilogues, the
-Pallas-Triton FC2 fallback) matches the oracle with the kernel replaced by its XLA emulation."""
+dataflow around the kernel (block routing, the Pallas-Triton glue kernels in interpret mode, K
+permutation, partial layout, the Pallas-Triton FC2 fallback with its XLA epilogue) matches the
+oracle with the kernel replaced by its XLA emulation."""
 
 from __future__ import annotations
 
@@ -49,8 +50,9 @@ def test_grouped_kernel_lowers_for_cuda(nb, mt, e, n, k, cfg):
 
 @pytest.mark.parametrize("activation,inter", [("swiglu", 768), ("relu2", 2688), ("relu2", 96)])
 def test_moe_mosaic_layer_lowers_for_cuda(activation, inter):
-    """The whole layer (routing, kernels, XLA epilogues): both GEMMs on Mosaic (nemotron's
-    FC2, K = 2688, with whole-K scales), or FC2 on Pallas-Triton (K = 96)."""
+    """The whole layer (routing, kernels, glue): both GEMMs on Mosaic (nemotron's FC2, K = 2688,
+    with whole-K scales) and the three Pallas-Triton glue kernels, or FC2 on Pallas-Triton
+    (K = 96) with the XLA epilogue."""
     e, h, t, k = 16, 1024, 3, 4
     r = 2 * inter if activation == "swiglu" else inter
     import nvfp4_jax
@@ -73,6 +75,9 @@ def test_moe_mosaic_layer_lowers_for_cuda(activation, inter):
     on2 = inter % 256 in (0, 128)
     assert text.count("nvfp4_moe_mosaic") >= (2 if on2 else 1)
     assert ("nvfp4_moe_fc2" in text) == (not on2)  # the Pallas-Triton FC2
+    assert "nvfp4_moe_fc1_operand" in text
+    for glue in ("nvfp4_moe_fc1_epilogue", "nvfp4_moe_combine"):  # only with FC2 on Mosaic
+        assert (glue in text) == on2
 
 
 def _run(case, *, mode, activation, order="up_gate", config=None, kernel="mosaic", act_scale=None):

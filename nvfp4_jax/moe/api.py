@@ -99,8 +99,9 @@ def moe(
     b12x). ``backend``: "pallas" (Pallas-Triton kernels; ``interpret=True`` runs them on CPU),
     "xla", or "auto" (pallas on a GPU, else xla). ``kernel`` (pallas backend only): "triton"
     (Pallas-Triton grouped GEMMs, fused epilogues), "mosaic" (Pallas Mosaic GPU grouped GEMMs,
-    Hopper only, H % 256 == 0; FC2 stays on Pallas-Triton when I % 256 != 0; epilogues in XLA;
-    with ``interpret`` an XLA emulation of the kernels) or "auto" (mosaic on an sm_90 GPU when
+    Hopper only, H % 256 == 0; FC2 stays on Pallas-Triton when I % 256 is neither 0 nor 128;
+    operand, epilogue and combine as Pallas-Triton kernels; with ``interpret`` an XLA emulation
+    of the grouped GEMMs) or "auto" (mosaic on an sm_90 GPU when
     T*k <= ``moe.mosaic.MAX_ROUTES``, no Pallas-Triton ``config`` was given and H % 256 == 0,
     else triton; logged). ``config``: ``MoEConfig`` (Pallas-Triton tiles) or
     ``moe.mosaic.MosaicMoEConfig`` (Mosaic tiles), None for the defaults.

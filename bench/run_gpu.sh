@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # GPU tests (incl. the SM12x compile check) and both benchmarks on the GPU machine.
 # Usage (device tool): NVFP4_COMMIT=<hash> STEPS="tests gemm moe ncu" bash bench/run_gpu.sh
-# Each step has its own timeout (T_TESTS, T_GEMM, T_MOE, T_PROFILE seconds); GEMM_SHAPES, GEMM_MS
+# Steps: tests gemm moe profile probe ncu. Each has its own timeout (T_TESTS, T_GEMM, T_MOE,
+# T_PROFILE, T_PROBE, T_NCU seconds; all GPU test modules take ~290 s); GEMM_SHAPES, GEMM_MS
 # and MOE_TOKENS narrow the benches (bench/merge_results.py merges a partial run into the
 # committed JSON); everything lands
 # under $OUT (run.log plus each tool's JSON/PNG). Pass the commit: the device copy's .git is the session's base.
@@ -12,7 +13,7 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export NVFP4_COMMIT=${NVFP4_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
 STEPS=${STEPS:-"tests gemm moe"}
-T_TESTS=${T_TESTS:-240} T_GEMM=${T_GEMM:-330} T_MOE=${T_MOE:-300} T_PROFILE=${T_PROFILE:-90}
+T_TESTS=${T_TESTS:-330} T_GEMM=${T_GEMM:-330} T_MOE=${T_MOE:-300} T_PROFILE=${T_PROFILE:-90}
 step() { echo "=== $1 ($(date +%T))" | tee -a "$OUT/run.log"; }
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader | tee -a "$OUT/run.log"
 for s in $STEPS; do
@@ -39,6 +40,12 @@ for s in $STEPS; do
       timeout "$T_PROFILE" python3 bench/moe_profile.py --out "$OUT" --reps 2 ${PROFILE_HLO:+--hlo} \
         --cases "${PROFILE_CASES:-nemotron:4096,qwen3_30b:4096,qwen3_30b:1}" 2>&1 \
         | grep -v Warning | tail -45 | tee -a "$OUT/run.log" ;;
+    probe)
+      step "moe mosaic probe (Mosaic vs Pallas-Triton layer; config variants with PROBE_SWEEP=1)"
+      timeout "${T_PROBE:-200}" python3 bench/moe_mosaic_probe.py --out "$OUT" \
+        --shapes "${PROBE_SHAPES:-nemotron,qwen3_30b}" --tokens "${PROBE_TOKENS:-1,8,64}" \
+        --budget-s $((${T_PROBE:-200} - 40)) ${PROBE_SWEEP:+--sweep} 2>&1 \
+        | grep -v Warning | tail -40 | tee -a "$OUT/run.log" ;;
     ncu)
       step "Nsight Compute: the Mosaic GEMM (${NCU_SHAPES:-28672x8192x16 28672x8192x64}, 2 launches each)"
       # no preallocation: kernel replay saves and restores all allocated device memory per pass

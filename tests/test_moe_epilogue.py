@@ -1,7 +1,7 @@
 """The Mosaic MoE path's Pallas-Triton glue kernels (moe/epilogue.py) in interpret mode, each
 against an independent reference: the XLA functions the path used before (``xla.py``:
-``sorted_rows``, ``activate``, ``quantized_values``, all bit-exact with the oracle, and
-``mosaic.permute_k``) or, for the combine, a numpy fp32 sum in route order. Bit-exact, on
+``sorted_rows``, ``activate``, ``quantized_values``, all bit-exact with the oracle) with the
+K permutation applied as a gather by ``gemm.mosaic._PERM`` or, for the combine, a numpy fp32 sum in route order. Bit-exact, on
 random partials at several magnitudes (E4M3-subnormal block scales included), uneven routing,
 both modes and activations, split-K 1 and 3."""
 
@@ -12,9 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from nvfp4_jax.gemm.mosaic import POST_SCALE
+from nvfp4_jax.gemm.mosaic import _PERM, POST_SCALE
 from nvfp4_jax.moe import epilogue as ep
-from nvfp4_jax.moe.mosaic import permute_k
 from nvfp4_jax.moe.routing import block_routing
 from nvfp4_jax.moe.xla import (
     activate,
@@ -25,6 +24,13 @@ from nvfp4_jax.moe.xla import (
     sorted_rows,
 )
 from nvfp4_jax.quantize import _div
+
+
+def _permuted(x):
+    """[S, K] -> K permuted as the grouped kernel reads it: column p of each 128-group holds
+    element _PERM[p] (a gather: independent of the kernels' reshape-and-transpose)."""
+    k = x.shape[1]
+    return x[:, (np.arange(k) // 128 * 128) + np.tile(_PERM, k // 128)]
 
 
 def _routing(rng, t, k, e, bm, skew):
@@ -66,7 +72,7 @@ def test_fc1_operand_is_the_xla_operand(mode, act_scale, in_mag, skew):
     wts = jnp.ones((t, k), jnp.float32)
     xv, _, _ = sorted_rows(hidden, wts, g1, br.sorted_route, br.block_expert, top_k=k, block_m=bm,
                            recipe=recipe, activation_scale=act_scale)
-    want = permute_k(xv)
+    want = _permuted(xv)
     rows = nb * bm
     assert np.count_nonzero(np.asarray(want[:rows], np.float32)) > t * k * h // 4  # not all zeros
     np.testing.assert_array_equal(np.asarray(got[:rows], np.float32), np.asarray(want[:rows], np.float32))
@@ -97,7 +103,7 @@ def test_fc1_epilogue_is_the_xla_epilogue(activation, order, mode, split, mag):
     if mode == "trtllm_cutlass":
         u = bf16_round(u)
     hf = bf16_round(activate(u, activation, order))
-    want_hv = permute_k(quantized_values(hf, g2[row_expert], recipe_of(mode)))
+    want_hv = _permuted(quantized_values(hf, g2[row_expert], recipe_of(mode)))
     rows = nb * bm
     f = lambda a: np.asarray(a[:rows], np.float32)
     if mag < 1:  # the requantization's block scales fall into E4M3 subnormals

@@ -45,7 +45,7 @@ MAX_M = 64
 TOKEN_TILES = (8, 16, 32, 64)
 BLOCK_K = 256  # smallest K per pipeline step (scales tile = 16 bytes per row: the TMA minimum)
 BLOCK_KS = (256, 512)
-SMEM_LIMIT = 227 * 1024  # shared memory one CTA may use on sm_90  # K elements per pipeline step (MosaicConfig.block_k)
+SMEM_LIMIT = 227 * 1024  # shared memory one CTA may use on sm_90
 POST_SCALE = 2.0**7  # the decode hands wgmma e2m1 * e4m3 * 2^-7 (see module docstring)
 
 # K permutation within each 128-element group: fragment column p = 32w + 8j + 2c + l holds
@@ -169,11 +169,20 @@ def check_supported(m: int, n: int, k: int) -> None:
         raise ValueError(f"w: expected N >= 1, got N={n}")
 
 
+def permute_k_order(v: jax.Array) -> jax.Array:
+    """[..., K] (K % 128 == 0) -> K permuted within 128-groups as the wgmma A fragment: position
+    32w + 8j + 2c + l holds element 32c + 8w + 4l + j (``_PERM``). Reshapes and a transpose
+    only, so Pallas kernels call it too (the MoE glue, ``moe/epilogue.py``)."""
+    *lead, k = v.shape
+    r = len(lead)
+    v = v.reshape(*lead, k // 128, 4, 4, 2, 4)  # [..., g, c, w, l, j]
+    v = jnp.transpose(v, (*range(r), r, r + 2, r + 4, r + 1, r + 3))  # [..., g, w, j, c, l]
+    return v.reshape(*lead, k)
+
+
 def permute_x(x: jax.Array, mt: int) -> jax.Array:
     """x [M, K] -> [mt, K] bf16: zero-padded tokens, K permuted within 128-groups (``_PERM``)."""
-    m, k = x.shape
-    xp = x.reshape(m, k // 128, 4, 4, 2, 4).transpose(0, 1, 3, 5, 2, 4).reshape(m, k)
-    return jnp.pad(xp, ((0, mt - m), (0, 0)))
+    return jnp.pad(permute_k_order(x), ((0, mt - x.shape[0]), (0, 0)))
 
 
 # ----------------------------------------------------------------------------- decode (PTX)

@@ -9,7 +9,7 @@ launch that touches only the blocks below ``num_blocks``:
 
 * :func:`fc1_operand`: one program per (sorted row, K tile): gather the row's token from
   ``hidden``, quantize it with the mode's recipe (per-expert or scalar encode scale), store
-  ``q * sf`` bf16 in the kernel's K order (``gemm.mosaic._PERM``); zeros on padding rows.
+  ``q * sf`` bf16 in the kernel's K order (``gemm.mosaic.permute_k_order``); zeros on padding rows.
 * :func:`fc1_epilogue`: one program per (row block, 128 columns of I): sum the split-K
   partials, ``* alpha1[e]`` (bf16 in trtllm_cutlass), activation (``pallas_triton.fc1_activation``,
   both halves' tiles for swiglu) -> ``h`` bf16, requantization with ``G2[e]``
@@ -34,20 +34,10 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from ..gemm.mosaic import POST_SCALE
+from ..gemm.mosaic import POST_SCALE, permute_k_order
 from .pallas_triton import _requantize, fc1_activation
 
 TILE = 128  # columns per program (I and H are multiples of 128 wherever these kernels run)
-
-
-def _permute(v: jax.Array) -> jax.Array:
-    """[..., n] (n % 128 == 0) -> the same values in the Mosaic kernel's K order: within each
-    128-group, position 32w + 8j + 2c + l holds element 32c + 8w + 4l + j (``_PERM``)."""
-    lead, n = v.shape[:-1], v.shape[-1]
-    r = len(lead)
-    v = v.reshape((*lead, n // 128, 4, 4, 2, 4))  # [..., g, c, w, l, j]
-    v = jnp.transpose(v, (*range(r), r, r + 2, r + 4, r + 1, r + 3))  # [..., g, w, j, c, l]
-    return v.reshape((*lead, n))
 
 
 def _call(kernel, out_shape, grid, *, num_warps: int, name: str, interpret: bool):
@@ -81,7 +71,7 @@ def _operand_kernel(route_ref, be_ref, nb_ref, x_ref, g_ref, rg_ref, o_ref, *, m
         x = plgpu.load(x_ref.at[tok, pl.ds(kt * bk, bk)]).astype(jnp.float32)
         q = _requantize(x.reshape(bk // 16, 16), g_ref[e], rg_ref[e], recipe, exact_asm)
         q = jnp.where(valid, q, 0.0)
-        plgpu.store(o_ref.at[p, pl.ds(kt * bk, bk)], _permute(q.reshape(bk)).astype(jnp.bfloat16))
+        plgpu.store(o_ref.at[p, pl.ds(kt * bk, bk)], permute_k_order(q.reshape(bk)).astype(jnp.bfloat16))
 
 
 def fc1_operand(hidden: jax.Array, sorted_route: jax.Array, block_expert: jax.Array,
@@ -136,7 +126,7 @@ def _fc1_epilogue_kernel(be_ref, nb_ref, part_ref, a1_ref, g2_ref, rg2_ref, hv_r
         q = _requantize(ht.astype(jnp.float32).reshape(mt, TILE // 16, 16), g2_ref[e], rg2_ref[e],
                         recipe, exact_asm)
         plgpu.store(hv_ref.at[pl.ds(b * mt, mt), pl.ds(c0, TILE)],
-                    _permute(q.reshape(mt, TILE)).astype(jnp.bfloat16))
+                    permute_k_order(q.reshape(mt, TILE)).astype(jnp.bfloat16))
 
 
 def fc1_epilogue(part: jax.Array, block_expert: jax.Array, num_blocks: jax.Array, a1: jax.Array,

@@ -6,7 +6,7 @@ inline PTX straight into the wgmma A fragment, x K-permuted by ``_PERM`` before 
 
 * inputs: ``x [NB*mt, K]`` bf16, the routed rows already gathered block by block (block ``b``
   owns rows ``[b*mt, (b+1)*mt)``, one expert each, see ``routing.block_routing``) and
-  K-permuted (``permute_k``); weight codes uint8 ``[E, N, K/2]`` and E4M3 scales uint8
+  K-permuted (``gemm.mosaic.permute_k_order``); weight codes uint8 ``[E, N, K/2]`` and E4M3 scales uint8
   ``[E, N, K/16]`` (linear layout); ``block_expert`` int32 ``[NB]``; ``num_blocks`` int32 ``[1]``;
 * grid ``(cdiv(N, block_n), split, NB)``, output tiles fastest (the CTAs running together share
   a block's x rows in L2, as the Pallas-Triton MoE grid does); a CTA whose block is past
@@ -56,7 +56,6 @@ from ..gemm.mosaic import (  # BLOCK_K: K % 256 for TMA; TOKEN_TILES: rows per b
     accumulate_tile,
     check_config,
     mosaic_kernel,
-    permute_x,
     store_tile,
     whole_k_pair_rows,
     whole_k_scale_view,
@@ -186,11 +185,6 @@ def check_supported(k: int, *, n: int = 2, name: str = "w") -> None:
                          f"or of pairs of them), got N={n}, K={k}")
 
 
-def permute_k(x: jax.Array) -> jax.Array:
-    """x [S, K] -> x with K permuted within 128-groups as the kernel's A fragment (``_PERM``)."""
-    return permute_x(x, x.shape[0])
-
-
 # ----------------------------------------------------------------------------- kernel
 
 
@@ -276,7 +270,7 @@ def grouped_matmul(
 ) -> jax.Array:
     """Grouped ``x_b @ W[block_expert[b]]^T`` per block of ``block_m`` rows -> fp32 partials.
 
-    x: bf16 [NB*block_m, K], K-permuted (``permute_k``). codes: uint8 [E, N, K/2]. scales:
+    x: bf16 [NB*block_m, K], K-permuted (``gemm.mosaic.permute_k_order``). codes: uint8 [E, N, K/2]. scales:
     uint8 or float8_e4m3fn [E, N, K/16] (linear). block_expert: int32 [NB] in [0, E).
     num_blocks: int32 [1]. Returns fp32 ``[split, NB, N_pad, block_m]``: sum over axis 0, times
     ``POST_SCALE``, gives the accumulators; blocks ``b >= num_blocks`` and rows past N are

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU tests (incl. the SM12x compile check) and both benchmarks on the GPU machine.
 # Usage (device tool): NVFP4_COMMIT=<hash> STEPS="tests gemm moe ncu" bash bench/run_gpu.sh
-# Steps: tests gemm moe profile probe ncu. Each has its own timeout (T_TESTS, T_GEMM, T_MOE,
+# Steps: tests gemm moe profile gprofile probe ncu. Each has its own timeout (T_TESTS, T_GEMM, T_MOE,
 # T_PROFILE, T_PROBE, T_NCU seconds; all GPU test modules take ~290 s); GEMM_SHAPES, GEMM_MS
 # and MOE_TOKENS narrow the benches (bench/merge_results.py merges a partial run into the
 # committed JSON); everything lands
@@ -40,6 +40,11 @@ for s in $STEPS; do
       timeout "$T_PROFILE" python3 bench/moe_profile.py --out "$OUT" --reps 2 ${PROFILE_HLO:+--hlo} \
         --cases "${PROFILE_CASES:-nemotron:4096,qwen3_30b:4096,qwen3_30b:1}" 2>&1 \
         | grep -v Warning | tail -45 | tee -a "$OUT/run.log" ;;
+    gprofile)
+      step "gemm profile (per-kernel time of one matmul call)"
+      timeout "${T_GPROFILE:-120}" python3 bench/gemm_profile.py --out "$OUT" \
+        --cases "${GPROFILE_CASES:-28672x8192x1,28672x8192x16,28672x8192x64,4096x14336x16}" 2>&1 \
+        | grep -v Warning | tail -60 | tee -a "$OUT/run.log" ;;
     probe)
       step "moe mosaic probe (Mosaic vs Pallas-Triton layer; config variants with PROBE_SWEEP=1)"
       timeout "${T_PROBE:-200}" python3 bench/moe_mosaic_probe.py --out "$OUT" \

@@ -78,26 +78,27 @@ def test_fc1_operand_is_the_xla_operand(mode, act_scale, in_mag, skew):
     np.testing.assert_array_equal(np.asarray(got[:rows], np.float32), np.asarray(want[:rows], np.float32))
 
 
-@pytest.mark.parametrize("activation,order,mode,split,mag", [  # mag: size of the partials
-    ("relu2", "up_gate", "trtllm_cutlass", 1, 1.0),
-    ("swiglu", "gate_up", "b12x", 3, 1.0),
-    ("swiglu", "up_gate", "trtllm_cutlass", 1, 2.0**-9),  # small h: subnormal block scales
-    ("relu2", "up_gate", "b12x", 3, 2.0**6),
+@pytest.mark.parametrize("activation,order,mode,split,mag,bm,inter,per", [  # mag: size of the partials
+    ("relu2", "up_gate", "trtllm_cutlass", 1, 1.0, 16, 256, 2),  # per: column tiles per program
+    ("swiglu", "gate_up", "b12x", 3, 1.0, 16, 256, 1),
+    ("swiglu", "up_gate", "trtllm_cutlass", 1, 2.0**-9, 8, 384, 1),  # small h: subnormal block scales
+    ("relu2", "up_gate", "b12x", 3, 2.0**6, 8, 384, 3),
 ])
-def test_fc1_epilogue_is_the_xla_epilogue(activation, order, mode, split, mag):
+def test_fc1_epilogue_is_the_xla_epilogue(activation, order, mode, split, mag, bm, inter, per):
     rng = np.random.default_rng(split * 11 + len(activation))
-    t, k, e, bm, inter = 7, 4, 6, 16, 256
+    t, k, e = 7, 4, 6
+    assert ep.tiles_per_program(inter // ep.TILE, bm, 2 if activation == "swiglu" else 1) == per
     r = 2 * inter if activation == "swiglu" else inter
     r_pad = r + 128  # the kernel's output rows are padded to its block_n
     _, br, nb = _routing(rng, t, k, e, bm, skew=True)
     nbk = br.block_expert.shape[0]
-    part = jnp.asarray(rng.standard_normal((split, nbk, r_pad, bm)) * mag, jnp.float32)
+    part = jnp.asarray(rng.standard_normal((split, nbk * bm, r_pad)) * mag, jnp.float32)
     _, g2, a1, _ = _scales(rng, e, mode, "scalar" if mode == "trtllm_cutlass" else "per_expert")
     hv, hb = ep.fc1_epilogue(part, br.block_expert, br.num_blocks, a1, g2, _div(1.0, g2), inter=inter,
                              activation=activation, gate_up_order=order, mode=mode,
                              recipe=recipe_of(mode), return_h=True, interpret=True)
     # reference: the XLA epilogue (moe_mosaic before the kernels), from the same partials
-    acc = jnp.swapaxes(part.sum(axis=0)[:, :r, :], 1, 2).reshape(nbk * bm, r)
+    acc = part.sum(axis=0)[:, :r]  # token-major: row b*bm + m is row m of block b
     row_expert = jnp.repeat(br.block_expert, bm)
     u = acc * (a1[row_expert] * jnp.float32(POST_SCALE))[:, None]
     if mode == "trtllm_cutlass":
@@ -120,7 +121,7 @@ def test_combine_is_the_route_order_fp32_sum(mode, split, mt):
     t, k, e, h = 5, 6, 16, 256
     ids, br, _ = _routing(rng, t, k, e, mt, skew=True)
     nbk = br.block_expert.shape[0]
-    part = jnp.asarray(rng.standard_normal((split, nbk, h + 128, mt)) * 3.0, jnp.float32)
+    part = jnp.asarray(rng.standard_normal((split, nbk * mt, h + 128)) * 3.0, jnp.float32)
     wts = jnp.asarray(rng.uniform(0.0, 1.0, (t, k)), jnp.float32)
     a2 = jnp.asarray(rng.uniform(0.5, 2.0, e) * 2.0**-9, jnp.float32)
     got = ep.combine(part, br.route_pos, jnp.asarray(ids), wts, a2, hidden=h, mode=mode, interpret=True)
@@ -131,9 +132,9 @@ def test_combine_is_the_route_order_fp32_sum(mode, split, mt):
     for ti in range(t):
         for j in range(k):
             q = pos[ti * k + j]
-            d = p32[0, q // mt, :h, q % mt]
+            d = p32[0, q, :h]
             for s in range(1, split):
-                d = d + p32[s, q // mt, :h, q % mt]
+                d = d + p32[s, q, :h]
             d = d * np.float32(a2n[ids[ti, j]] * POST_SCALE)
             if mode == "trtllm_cutlass":
                 d = np.asarray(jnp.asarray(d).astype(jnp.bfloat16), np.float32)
@@ -157,7 +158,7 @@ def test_glue_kernels_lower_for_cuda():
         return xp, hv, ep.combine(part2, pos, ids, wts, a, hidden=h, mode="trtllm_cutlass")
 
     args = (jax.ShapeDtypeStruct((t, h), jnp.bfloat16), i32(nb * bm), i32(nb), i32(1), i32(t * k),
-            i32(t, k), f32(t, k), f32(1, nb, inter, bm), f32(1, nb, h, bm), f32(e), f32(e))
+            i32(t, k), f32(t, k), f32(1, nb * bm, inter), f32(1, nb * bm, h), f32(e), f32(e))
     text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     for name in ("nvfp4_moe_fc1_operand", "nvfp4_moe_fc1_epilogue", "nvfp4_moe_combine"):
         assert name in text
@@ -169,13 +170,13 @@ def test_glue_kernels_name_the_bad_argument():
         ep.fc1_operand(z((2, 320), jnp.bfloat16), z(8, jnp.int32), z(1, jnp.int32), z(1, jnp.int32),
                        z(4), z(4), top_k=2, block_m=8, recipe="trtllm", per_expert=False, interpret=True)
     with pytest.raises(ValueError, match="part: expected"):  # I not a multiple of 128
-        ep.fc1_epilogue(z((1, 2, 256, 8)), z(2, jnp.int32), z(1, jnp.int32), z(4), z(4), z(4), inter=192,
+        ep.fc1_epilogue(z((1, 16, 256)), z(2, jnp.int32), z(1, jnp.int32), z(4), z(4), z(4), inter=192,
                         activation="relu2", gate_up_order="up_gate", mode="b12x", recipe="b12x",
                         interpret=True)
     with pytest.raises(ValueError, match="part: expected"):  # swiglu needs 2I rows of partials
-        ep.fc1_epilogue(z((1, 2, 256, 8)), z(2, jnp.int32), z(1, jnp.int32), z(4), z(4), z(4), inter=256,
+        ep.fc1_epilogue(z((1, 16, 256)), z(2, jnp.int32), z(1, jnp.int32), z(4), z(4), z(4), inter=256,
                         activation="swiglu", gate_up_order="up_gate", mode="b12x", recipe="b12x",
                         interpret=True)
     with pytest.raises(ValueError, match="part: expected"):  # H_pad < H
-        ep.combine(z((1, 2, 128, 8)), z(4, jnp.int32), z((2, 2), jnp.int32), z((2, 2)), z(4),
+        ep.combine(z((1, 16, 128)), z(4, jnp.int32), z((2, 2), jnp.int32), z((2, 2)), z(4),
                    hidden=256, mode="b12x", interpret=True)

@@ -45,7 +45,7 @@ def test_grouped_kernel_lowers_for_cuda(nb, mt, e, n, k, cfg):
     text = f.trace(*_grouped_args(nb, mt, e, n, k)).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text and "fma.rn.bf16x2" in text and "nvfp4_moe_mosaic" in text
     split = check_config(cfg, k, mt)
-    assert f"tensor<{split}x{nb}x{-(-n // cfg.block_n) * cfg.block_n}x{mt}xf32>" in text
+    assert f"tensor<{split}x{nb * mt}x{-(-n // cfg.block_n) * cfg.block_n}xf32>" in text  # token-major
 
 
 @pytest.mark.parametrize("activation,inter", [("swiglu", 768), ("relu2", 2688), ("relu2", 96)])

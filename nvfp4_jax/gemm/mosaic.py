@@ -20,8 +20,9 @@ Kernel (``_kernel``), one screen:
   every 128 elements), chosen so that each thread's 16 contiguous code bytes fill its fragment
   registers; x is permuted the same way outside the kernel (one small XLA transpose);
 * two wgmmas (K = 128 each) per step against the x tile in SMEM (B = x^T);
-* output: fp32 partials ``[split_k, N_pad, mt]`` through SMEM + TMA; XLA sums the splits,
-  multiplies by alpha, casts and transposes (one small fusion).
+* output: fp32 partials ``[split_k, mt, N_pad]``, token-major: the accumulator is transposed
+  on its way to SMEM (``store_tile``) and written by TMA; XLA sums the splits, multiplies by
+  alpha and casts (one small fusion, no transpose).
 
 Supported shapes: M <= 64, K % 256 == 0 (TMA needs 16-byte rows of scales), any N (TMA
 zero-fills rows past N; the padded output rows are dropped). Anything else raises ValueError
@@ -440,17 +441,21 @@ def accumulate_tile(sources, *, cfg: MosaicConfig, m_tile: int, steps: int,
     def acc_scope(acc_ref, s_all=None, barrier=None):
         if whole_k is None:
             c_src, s_src, x_src = sources()
-        else:  # all the CTA's scales, once, before the pipeline
+        else:  # all the CTA's scales, once: issued before the pipeline, awaited in its first step
             c_src, s_whole, x_src = sources()
             s_src = None
             plgpu.copy_gmem_to_smem(s_whole, s_all, barrier)
-            plgpu.barrier_wait(barrier)
 
         def step(idx, c_smem, *rest):
             if whole_k is None:
                 s_smem, x_smem = rest
             else:
                 (x_smem,) = rest
+
+                @pl.when(idx[0] == 0)  # the pipeline's first copies are in flight by now
+                def _():
+                    plgpu.barrier_wait(barrier)
+
                 off = idx[0] * 16  # the step's 16 scale bytes within every row
                 s_smem = s_all.at[:, pl.ds(off // chunk, 1), pl.ds(off % chunk, 16)]
             if prefetch is not None:
@@ -492,9 +497,12 @@ def accumulate_tile(sources, *, cfg: MosaicConfig, m_tile: int, steps: int,
 
 
 def store_tile(acc, o_smem, o_dst) -> None:
-    """Kernel-body building block: fp32 accumulator -> SMEM scratch -> GMEM ref by TMA."""
+    """Kernel-body building block: the fp32 accumulator [block_n, m_tile] -> SMEM scratch
+    [m_tile, block_n] (transposed: one shuffle and permute per register pair, the
+    WGMMA_TRANSPOSED layout) -> GMEM ref [m_tile, block_n] by TMA. The partials come out
+    token-major, so the consumers read contiguous rows and no XLA transpose runs."""
     _, plgpu = _pallas_mosaic_gpu()
-    o_smem[...] = acc
+    o_smem.T[...] = plgpu.layout_cast(acc, plgpu.Layout.WGMMA_TRANSPOSED)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(o_smem, o_dst)
     plgpu.wait_smem_to_gmem(0)
@@ -534,15 +542,15 @@ def _build(m_tile: int, n: int, k: int, cfg: MosaicConfig, split: int):
             m_tile=m_tile,
             steps=steps,
         )
-        store_tile(acc, o_smem, o_gmem.at[si, pl.ds(n0, bn)])
+        store_tile(acc, o_smem, o_gmem.at[si, :, pl.ds(n0, bn)])
 
-    out_type = jax.ShapeDtypeStruct((split, n_tiles * bn, m_tile), jnp.float32)
+    out_type = jax.ShapeDtypeStruct((split, m_tile, n_tiles * bn), jnp.float32)
 
     def make(out):
         return mosaic_kernel(
             nvfp4_w4a16_mosaic,
             out_type=out,
-            smem_scratch=plgpu.SMEM((bn, m_tile), jnp.float32),
+            smem_scratch=plgpu.SMEM((m_tile, bn), jnp.float32),
             grid=(n_tiles, split),
             grid_names=("n", "s"),
         )
@@ -602,7 +610,7 @@ def matmul_mosaic(
         # output's size just before the call, so the allocator tends to hand that memory to
         # the kernel's output and a skipped tile reads NaN (or stale data from another call)
         jax.block_until_ready(jnp.full(out_type.shape, jnp.nan, jnp.float32)).delete()
-    part = make(out_type)(xp, w_codes, w_scales)  # [split, N_pad, mt] fp32
+    part = make(out_type)(xp, w_codes, w_scales)  # [split, mt, N_pad] fp32
     a = jnp.asarray(alpha, jnp.float32) * POST_SCALE
-    out = part.sum(axis=0)[:n, :m] * a
-    return out.T.astype(out_dtype)
+    out = part.sum(axis=0)[:m, :n] * a
+    return out.astype(out_dtype)

@@ -1,7 +1,8 @@
 """Pallas-Triton glue kernels of the Mosaic MoE path: the FC1 operand, the FC1 epilogue, the combine.
 
 The Mosaic grouped GEMM (``mosaic.grouped_matmul``) reads a K-permuted bf16 operand
-``[NB*mt, K]`` and writes fp32 swap-AB partials ``[split, NB, N_pad, mt]``. Done in XLA, the
+``[NB*mt, K]`` and writes fp32 partials ``[split, NB*mt, N_pad]``, one row per routed row
+(token-major: the kernel transposes its swap-AB accumulator on the way out). Done in XLA, the
 steps around it took ~20 small fusions per layer (gathers, 16-wide reductions, the K
 permutation, the transposes of the partials): 28-41 us of a 44-75 us decode layer, 160 us of
 650 at nemotron T = 64 (bench/NOTES-moe.md, profile of 2026-11-30). Here each step is one
@@ -10,13 +11,14 @@ launch that touches only the blocks below ``num_blocks``:
 * :func:`fc1_operand`: one program per (sorted row, K tile): gather the row's token from
   ``hidden``, quantize it with the mode's recipe (per-expert or scalar encode scale), store
   ``q * sf`` bf16 in the kernel's K order (``gemm.mosaic.permute_k_order``); zeros on padding rows.
-* :func:`fc1_epilogue`: one program per (row block, 128 columns of I): sum the split-K
+* :func:`fc1_epilogue`: one program per (row block, ``tiles_per_program`` x 128 columns of I;
+  every tile's loads issued before any arithmetic): sum the split-K
   partials, ``* alpha1[e]`` (bf16 in trtllm_cutlass), activation (``pallas_triton.fc1_activation``,
   both halves' tiles for swiglu) -> ``h`` bf16, requantization with ``G2[e]``
   (``pallas_triton._requantize``, the recipes' op order with IEEE division) -> the FC2 operand,
   K-permuted.
-* :func:`combine`: one program per (token, 128 columns of H): for each of its k routes, the
-  route's partials column ``* alpha2[e]`` (bf16 in trtllm_cutlass) ``* router weight``, summed
+* :func:`combine`: one program per (token, 256 columns of H): for each of its k routes (all
+  k contiguous row loads issued first), the route's partials row ``* alpha2[e]`` (bf16 in trtllm_cutlass) ``* router weight``, summed
   in fp32 in route order -> bf16.
 
 The arithmetic is the XLA epilogue's (``mosaic.moe_mosaic`` before; ``xla.py``), op for op;
@@ -65,9 +67,9 @@ def _operand_kernel(route_ref, be_ref, nb_ref, x_ref, g_ref, rg_ref, o_ref, *, m
     @pl.when(b < nb_ref[0])
     def _():
         route = route_ref[p]
+        e = be_ref[b] if per_expert else 0  # issued before the first use of route
         valid = route < n_routes
         tok = jnp.where(valid, route, 0) // top_k
-        e = be_ref[b] if per_expert else 0
         x = plgpu.load(x_ref.at[tok, pl.ds(kt * bk, bk)]).astype(jnp.float32)
         q = _requantize(x.reshape(bk // 16, 16), g_ref[e], rg_ref[e], recipe, exact_asm)
         q = jnp.where(valid, q, 0.0)
@@ -99,34 +101,54 @@ def fc1_operand(hidden: jax.Array, sorted_route: jax.Array, block_expert: jax.Ar
 
 # ----------------------------------------------------------------------------- FC1 epilogue
 
+#: fp32 accumulator elements one FC1-epilogue program holds (loaded up front, both halves for
+#: swiglu): 4096 over 128 threads is 32 registers.
+EPILOGUE_ELEMS = 4096
+
+
+def tiles_per_program(n_tiles: int, rows: int, halves: int) -> int:
+    """Largest divisor d of ``n_tiles`` with ``d * rows * TILE * halves <= EPILOGUE_ELEMS`` (>= 1):
+    one program covers d column tiles of its block, so that the per-program latency (the
+    scalar loads of num_blocks, the block's expert and its scales) is paid once per d tiles
+    and all d tiles' loads are in flight together."""
+    best = 1
+    for d in range(1, n_tiles + 1):
+        if n_tiles % d == 0 and d * rows * TILE * halves <= EPILOGUE_ELEMS:
+            best = d
+    return best
+
 
 def _fc1_epilogue_kernel(be_ref, nb_ref, part_ref, a1_ref, g2_ref, rg2_ref, hv_ref, *h_ref,
-                         mt: int, split: int, inter: int, activation: str, gate_up_order: str,
-                         mode: str, recipe: str, exact_asm: bool):
-    n_tiles = inter // TILE
+                         mt: int, split: int, inter: int, per: int, activation: str,
+                         gate_up_order: str, mode: str, recipe: str, exact_asm: bool):
+    n_groups = inter // (TILE * per)
     pid = pl.program_id(0)
-    b, c0 = pid // n_tiles, pid % n_tiles * TILE
+    b, c0 = pid // n_groups, pid % n_groups * (TILE * per)
 
     @pl.when(b < nb_ref[0])
     def _():
-        e = be_ref[b]
+        rows = pl.ds(b * mt, mt)
 
-        def acc(col0):  # [TILE, mt] fp32, split-K partials summed in index order
-            a = plgpu.load(part_ref.at[jnp.int32(0), b, pl.ds(col0, TILE), :])
+        def acc(col0):  # [mt, TILE] fp32, split-K partials summed in index order
+            a = plgpu.load(part_ref.at[jnp.int32(0), rows, pl.ds(col0, TILE)])
             for s in range(1, split):
-                a = a + plgpu.load(part_ref.at[jnp.int32(s), b, pl.ds(col0, TILE), :])
+                a = a + plgpu.load(part_ref.at[jnp.int32(s), rows, pl.ds(col0, TILE)])
             return a
 
-        second = acc(inter + c0) if activation == "swiglu" else None
-        h = fc1_activation(acc(c0), second, a1_ref[e] * POST_SCALE, activation=activation,
-                           gate_up_order=gate_up_order, mode=mode)  # bf16 [TILE, mt]
-        ht = h.T  # [mt, TILE]
-        if h_ref:
-            plgpu.store(h_ref[0].at[pl.ds(b * mt, mt), pl.ds(c0, TILE)], ht)
-        q = _requantize(ht.astype(jnp.float32).reshape(mt, TILE // 16, 16), g2_ref[e], rg2_ref[e],
-                        recipe, exact_asm)
-        plgpu.store(hv_ref.at[pl.ds(b * mt, mt), pl.ds(c0, TILE)],
-                    permute_k_order(q.reshape(mt, TILE)).astype(jnp.bfloat16))
+        # loads in issue order (a GPU stalls at the first use of a pending load): the block's
+        # expert, every tile's partials (no store in between), then the expert's scales
+        e = be_ref[b]
+        firsts = [acc(c0 + j * TILE) for j in range(per)]
+        seconds = [acc(inter + c0 + j * TILE) if activation == "swiglu" else None for j in range(per)]
+        alpha, g, rg = a1_ref[e] * POST_SCALE, g2_ref[e], rg2_ref[e]
+        for j in range(per):
+            cols = pl.ds(c0 + j * TILE, TILE)
+            h = fc1_activation(firsts[j], seconds[j], alpha, activation=activation,
+                               gate_up_order=gate_up_order, mode=mode)  # bf16 [mt, TILE]
+            if h_ref:
+                plgpu.store(h_ref[0].at[rows, cols], h)
+            q = _requantize(h.astype(jnp.float32).reshape(mt, TILE // 16, 16), g, rg, recipe, exact_asm)
+            plgpu.store(hv_ref.at[rows, cols], permute_k_order(q.reshape(mt, TILE)).astype(jnp.bfloat16))
 
 
 def fc1_epilogue(part: jax.Array, block_expert: jax.Array, num_blocks: jax.Array, a1: jax.Array,
@@ -135,61 +157,77 @@ def fc1_epilogue(part: jax.Array, block_expert: jax.Array, num_blocks: jax.Array
     """FC1 partials -> the FC2 operand (K-permuted ``q * sf`` bf16 [EM, I]) and, with
     ``return_h``, ``h`` bf16 [EM, I] (natural order).
 
-    part fp32 [split, NB, R_pad, mt] (``mosaic.grouped_matmul``'s output, times 2^-7; R = I or
-    2I for swiglu, R_pad >= R); block_expert int32 [NB]; num_blocks int32 [1]; a1, g2, rg2 fp32
-    [E] (FC1 alpha, FC2 encode scale, IEEE 1/g2). I % 128 == 0. Rows of blocks past
-    ``num_blocks`` are not written.
+    part fp32 [split, EM, R_pad] (``mosaic.grouped_matmul``'s output, token-major, times 2^-7;
+    R = I or 2I for swiglu, R_pad >= R; EM = NB * block_m); block_expert int32 [NB];
+    num_blocks int32 [1]; a1, g2, rg2 fp32 [E] (FC1 alpha, FC2 encode scale, IEEE 1/g2).
+    I % 128 == 0. Rows of blocks past ``num_blocks`` are not written.
     """
-    split, nb, r_pad, mt = part.shape
-    if inter % TILE or r_pad < (2 * inter if activation == "swiglu" else inter):
-        raise ValueError(f"part: expected [split, NB, R_pad >= R, mt] with I % {TILE} == 0, got "
-                         f"{part.shape} for I={inter}, {activation}")
-    em = nb * mt
+    if part.ndim != 3:
+        raise ValueError(f"part: expected fp32 [split, EM, R_pad], got shape {part.shape}")
+    split, em, r_pad = part.shape
+    nb = block_expert.shape[0]
+    if inter % TILE or r_pad < (2 * inter if activation == "swiglu" else inter) or em % max(nb, 1):
+        raise ValueError(f"part: expected [split, EM = NB*block_m, R_pad >= R] with I % {TILE} == 0 "
+                         f"and NB = {nb} blocks, got {part.shape} for I={inter}, {activation}")
+    mt = em // nb
+    per = tiles_per_program(inter // TILE, mt, 2 if activation == "swiglu" else 1)
     out = [jax.ShapeDtypeStruct((em, inter), jnp.bfloat16)] * (2 if return_h else 1)
-    kern = functools.partial(_fc1_epilogue_kernel, mt=mt, split=split, inter=inter,
+    kern = functools.partial(_fc1_epilogue_kernel, mt=mt, split=split, inter=inter, per=per,
                              activation=activation, gate_up_order=gate_up_order, mode=mode,
                              recipe=recipe, exact_asm=not interpret)
-    res = _call(kern, tuple(out), (nb * (inter // TILE),), num_warps=4, name="nvfp4_moe_fc1_epilogue",
-                interpret=interpret)(block_expert, num_blocks, part, a1, g2, rg2)
+    res = _call(kern, tuple(out), (nb * (inter // (TILE * per)),), num_warps=4,
+                name="nvfp4_moe_fc1_epilogue", interpret=interpret)(block_expert, num_blocks, part, a1, g2, rg2)
     return (res[0], res[1]) if return_h else (res[0], None)
 
 
 # ----------------------------------------------------------------------------- combine
 
+COMBINE_WIDTH = 256  # columns per combine program (two warps, one 16-byte load per thread and route)
 
-def _combine_kernel(pos_ref, ids_ref, w_ref, part_ref, a2_ref, o_ref, *, mt: int, split: int,
-                    top_k: int, mode: str):
-    t, c0 = pl.program_id(0), pl.program_id(1) * TILE
-    out = jnp.zeros((TILE,), jnp.float32)
-    for j in range(top_k):  # unrolled: the k loads are independent
-        p = pos_ref[t * top_k + j]
-        b, m = p // mt, p % mt
-        d = plgpu.load(part_ref.at[jnp.int32(0), b, pl.ds(c0, TILE), m])
+
+def _combine_kernel(pos_ref, ids_ref, w_ref, part_ref, a2_ref, o_ref, *, split: int, top_k: int,
+                    mode: str, width: int):
+    t, c0 = pl.program_id(0), pl.program_id(1) * width
+    cols = pl.ds(c0, width)
+    # the scalar loads first, each kind for all k routes: a GPU issues in order, so a row load
+    # placed right after the load of its position stalls the next routes' loads behind it
+    # (k dependent round trips: 8.3 us for nemotron's T = 1 written that way, 5.3 us hoisted)
+    pos = [pos_ref[t * top_k + j] for j in range(top_k)]
+    ids = [ids_ref[t * top_k + j] for j in range(top_k)]
+    wts = [w_ref[t * top_k + j] for j in range(top_k)]
+    a2s = [a2_ref[i] * POST_SCALE for i in ids]  # the route's expert
+    ds = []
+    for p in pos:  # all k contiguous row loads in flight together
+        d = plgpu.load(part_ref.at[jnp.int32(0), p, cols])
         for s in range(1, split):
-            d = d + plgpu.load(part_ref.at[jnp.int32(s), b, pl.ds(c0, TILE), m])
-        d = d * (a2_ref[ids_ref[t * top_k + j]] * POST_SCALE)  # the route's expert, not via b
+            d = d + plgpu.load(part_ref.at[jnp.int32(s), p, cols])
+        ds.append(d)
+    out = jnp.zeros((width,), jnp.float32)
+    for d, a2, w in zip(ds, a2s, wts):
+        d = d * a2
         if mode == "trtllm_cutlass":  # GEMM2 output is bf16 in TRT-LLM CUTLASS
             d = d.astype(jnp.bfloat16).astype(jnp.float32)
-        out = out + d * w_ref[t * top_k + j]
-    plgpu.store(o_ref.at[t, pl.ds(c0, TILE)], out.astype(jnp.bfloat16))
+        out = out + d * w
+    plgpu.store(o_ref.at[t, cols], out.astype(jnp.bfloat16))
 
 
 def combine(part: jax.Array, route_pos: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array,
             a2: jax.Array, *, hidden: int, mode: str, interpret: bool = False) -> jax.Array:
     """FC2 partials -> the layer output bf16 [T, H].
 
-    part fp32 [split, NB, H_pad, mt] (``mosaic.grouped_matmul``'s output, times 2^-7);
+    part fp32 [split, EM, H_pad] (``mosaic.grouped_matmul``'s output, token-major, times 2^-7);
     route_pos int32 [T*k] (each route's sorted row); topk_ids int [T, k] and topk_weights
     [T, k]; a2 fp32 [E]. ``out[t] = sum_j w[t, j] * (alpha2[e] * acc[route_pos[t*k + j]])``
     (the product bf16-rounded first in trtllm_cutlass), summed over j in fp32 in order.
     """
-    split, _nb, h_pad, mt = part.shape
     t, k = topk_weights.shape
-    if hidden % TILE or h_pad < hidden:
-        raise ValueError(f"part: expected [split, NB, H_pad >= H, mt] with H % {TILE} == 0, got "
+    if part.ndim != 3 or hidden % TILE or part.shape[2] < hidden:
+        raise ValueError(f"part: expected fp32 [split, EM, H_pad >= H] with H % {TILE} == 0, got "
                          f"{part.shape} for H={hidden}")
-    kern = functools.partial(_combine_kernel, mt=mt, split=split, top_k=k, mode=mode)
-    return _call(kern, jax.ShapeDtypeStruct((t, hidden), jnp.bfloat16), (t, hidden // TILE),
-                 num_warps=1, name="nvfp4_moe_combine", interpret=interpret)(
+    split = part.shape[0]
+    width = COMBINE_WIDTH if hidden % COMBINE_WIDTH == 0 else TILE
+    kern = functools.partial(_combine_kernel, split=split, top_k=k, mode=mode, width=width)
+    return _call(kern, jax.ShapeDtypeStruct((t, hidden), jnp.bfloat16), (t, hidden // width),
+                 num_warps=width // 128, name="nvfp4_moe_combine", interpret=interpret)(
         route_pos, topk_ids.reshape(-1).astype(jnp.int32),
         topk_weights.reshape(-1).astype(jnp.float32), part, a2)

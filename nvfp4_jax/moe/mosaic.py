@@ -13,8 +13,9 @@ inline PTX straight into the wgmma A fragment, x K-permuted by ``_PERM`` before 
   ``num_blocks`` exits before any copy (no weight traffic: experts without tokens cost a CTA
   launch); else it reads ``e = block_expert[b]`` by a scalar load from GMEM and streams
   ``codes[e, n0:n0+bn, k-range]`` / ``scales[e, ...]`` and its block's x rows by TMA;
-* output fp32 partials ``[split, NB, N_pad, mt]`` (swap-AB accumulators ``[bn, mt]``, times
-  ``2^-7``: multiply by ``POST_SCALE``); rows of blocks past ``num_blocks`` are never written
+* output fp32 partials ``[split, NB*mt, N_pad]``, one row per routed row like x (the swap-AB
+  accumulator ``[bn, mt]`` is transposed on its way to SMEM, ``gemm.mosaic.store_tile``), times
+  ``2^-7``: multiply by ``POST_SCALE``; rows of blocks past ``num_blocks`` are never written
   (garbage: the caller never reads them).
 
 TMA needs 16-byte rows of the scale tile, so K % 256 == 0, except K % 256 == 128 with N even
@@ -221,13 +222,13 @@ def _build(mt: int, nb: int, n: int, k: int, cfg: MosaicConfig, split: int, name
                 steps=_cdiv(ks, cfg.block_k),
                 whole_k=k if whole else None,
             )
-            store_tile(acc, o_smem, o_gmem.at[si, b, pl.ds(n0, bn)])
+            store_tile(acc, o_smem, o_gmem.at[si, pl.ds(b * mt, mt), pl.ds(n0, bn)])
 
     nvfp4_moe_mosaic.__name__ = f"nvfp4_moe_mosaic_{name}" if name else "nvfp4_moe_mosaic"
     return mosaic_kernel(
         nvfp4_moe_mosaic,
-        out_type=jax.ShapeDtypeStruct((split, nb, n_tiles * bn, mt), jnp.float32),
-        smem_scratch=plgpu.SMEM((bn, mt), jnp.float32),
+        out_type=jax.ShapeDtypeStruct((split, nb * mt, n_tiles * bn), jnp.float32),
+        smem_scratch=plgpu.SMEM((mt, bn), jnp.float32),
         grid=(n_tiles, split, nb),
         grid_names=("n", "s", "b"),
     )
@@ -249,11 +250,11 @@ def _reference(xp, codes, scales, block_expert, num_blocks, *, mt, n_pad, split)
     wb = w[block_expert]  # [NB, N, K]
     xb = xp.astype(jnp.float32).reshape(nb, mt, split, k // split)
     wb = wb.reshape(nb, n, split, k // split)
-    part = jnp.einsum("bnsk,bmsk->sbnm", wb, xb, precision=lax.Precision.HIGHEST)
+    part = jnp.einsum("bnsk,bmsk->sbmn", wb, xb, precision=lax.Precision.HIGHEST)
     part = part * jnp.float32(1.0 / POST_SCALE)
     valid = (jnp.arange(nb) < num_blocks[0])[None, :, None, None]
-    part = jnp.where(valid, part, jnp.nan)  # skipped blocks: garbage, never read
-    return jnp.pad(part, ((0, 0), (0, 0), (0, n_pad - n), (0, 0)), constant_values=jnp.nan)
+    part = jnp.where(valid, part, jnp.nan).reshape(split, nb * mt, n)  # skipped blocks: garbage
+    return jnp.pad(part, ((0, 0), (0, 0), (0, n_pad - n)), constant_values=jnp.nan)
 
 
 def grouped_matmul(
@@ -272,7 +273,8 @@ def grouped_matmul(
 
     x: bf16 [NB*block_m, K], K-permuted (``gemm.mosaic.permute_k_order``). codes: uint8 [E, N, K/2]. scales:
     uint8 or float8_e4m3fn [E, N, K/16] (linear). block_expert: int32 [NB] in [0, E).
-    num_blocks: int32 [1]. Returns fp32 ``[split, NB, N_pad, block_m]``: sum over axis 0, times
+    num_blocks: int32 [1]. Returns fp32 ``[split, NB*block_m, N_pad]`` (row ``b*block_m + m``:
+    row m of block b, as x's rows): sum over axis 0, times
     ``POST_SCALE``, gives the accumulators; blocks ``b >= num_blocks`` and rows past N are
     garbage. K % 256 == 0, or K % 256 == 128 with N even (whole-K scales, split 1: the last
     K step runs half past the end, where TMA reads zeros). ``reference``: XLA emulation (any
@@ -319,10 +321,8 @@ def grouped_matmul(
 
 
 def _block_rows(part: jax.Array, n: int) -> jax.Array:
-    """fp32 partials [split, NB, N_pad, mt] -> accumulators [NB*mt, N] (times POST_SCALE)."""
-    s, nb, _, mt = part.shape
-    acc = part.sum(axis=0)[:, :n, :] if s > 1 else part[0, :, :n, :]
-    return jnp.swapaxes(acc, 1, 2).reshape(nb * mt, n)
+    """fp32 partials [split, NB*mt, N_pad] -> accumulators [NB*mt, N] (times POST_SCALE)."""
+    return part.sum(axis=0)[:, :n] if part.shape[0] > 1 else part[0, :, :n]
 
 
 # ----------------------------------------------------------------------------- MoE layer

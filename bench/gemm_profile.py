@@ -11,7 +11,6 @@ against its glue (x permutation, split-K sum, alpha and transpose) and the per-l
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import os
 import sys
@@ -24,7 +23,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from gemm_bench import impl_bf16_dot, impl_ours_w4a16, make_weights, make_x, n_copies, nvfp4_bytes
-from moe_profile import device_events
+from moe_profile import device_events, kernel_table
 
 import nvfp4_jax
 
@@ -46,14 +45,10 @@ def profile(fn, x, ws, reps: int) -> dict:
                 x, _ = prog(x, ws)
             jax.block_until_ready(x)
         evs, _tracks = device_events(d)
-    calls = reps * len(ws)
-    per = collections.defaultdict(lambda: [0.0, 0])
-    for ev in evs:
-        per[ev["name"]][0] += float(ev.get("dur", 0.0))
-        per[ev["name"]][1] += 1
-    rows = sorted(((v[0] / calls, v[1] / calls, n) for n, v in per.items()), reverse=True)
-    span = (max(e["ts"] + e.get("dur", 0) for e in evs) - min(e["ts"] for e in evs)) / calls
-    return {"busy_us_per_call": sum(r[0] for r in rows), "span_us_per_call": span,
+    if not evs:
+        raise RuntimeError("no GPU stream events in the trace (this tool profiles a GPU)")
+    rows, busy, span = kernel_table(evs, reps * len(ws))
+    return {"busy_us_per_call": busy, "span_us_per_call": span,
             "kernels": [{"name": n[:160], "us_per_call": u, "calls_per_call": c} for u, c, n in rows[:20]]}
 
 

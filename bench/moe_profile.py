@@ -61,6 +61,18 @@ def device_events(trace_dir: str) -> tuple[list[dict], list[str]]:
     return keep, tracks
 
 
+def kernel_table(evs: list[dict], units: int) -> tuple[list[tuple[float, float, str]], float, float]:
+    """Device events -> ([(us per unit, launches per unit, kernel name)], largest first; busy us
+    per unit; span us per unit: first start to last end over ``units``)."""
+    per = collections.defaultdict(lambda: [0.0, 0])
+    for ev in evs:
+        per[ev["name"]][0] += float(ev.get("dur", 0.0))
+        per[ev["name"]][1] += 1
+    rows = sorted(((v[0] / units, v[1] / units, name) for name, v in per.items()), reverse=True)
+    span = (max(e["ts"] + e.get("dur", 0) for e in evs) - min(e["ts"] for e in evs)) / units if evs else 0.0
+    return rows, sum(r[0] for r in rows), span
+
+
 def profile_case(sname: str, t: int, reps: int, hlo_path: str | None = None) -> dict:
     s = {**SHAPES, **SMOKE}[sname]
     e, h, _i, k, act = s["experts"], s["hidden"], s["inter"], s["top_k"], s["activation"]
@@ -87,14 +99,7 @@ def profile_case(sname: str, t: int, reps: int, hlo_path: str | None = None) -> 
                 x0 = layers(x0, ids, wts, p)
             x0.block_until_ready()
         evs, tracks = device_events(d)
-    n_layers = reps * NROT
-    per = collections.defaultdict(lambda: [0.0, 0])
-    for ev in evs:
-        per[ev["name"]][0] += float(ev.get("dur", 0.0))
-        per[ev["name"]][1] += 1
-    rows = sorted(((v[0] / n_layers, v[1] / n_layers, name) for name, v in per.items()), reverse=True)
-    busy = sum(r[0] for r in rows)
-    span = (max(ev["ts"] + ev.get("dur", 0) for ev in evs) - min(ev["ts"] for ev in evs)) / n_layers if evs else 0.0
+    rows, busy, span = kernel_table(evs, reps * NROT)
     print(f"\n{sname} T={t}: {len(evs)} device events, {busy:.1f} us busy / {span:.1f} us span per layer")
     for us, cnt, name in rows[:25]:
         print(f"  {us:8.2f} us  x{cnt:5.2f}  {name[:110]}")

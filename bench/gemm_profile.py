@@ -14,7 +14,6 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -23,7 +22,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from gemm_bench import impl_bf16_dot, impl_ours_w4a16, make_weights, make_x, n_copies, nvfp4_bytes
-from moe_profile import device_events, kernel_table
+from moe_profile import kernel_table, traced_events
 
 import nvfp4_jax
 
@@ -38,13 +37,7 @@ def profile(fn, x, ws, reps: int) -> dict:
             x = x + (out.reshape(-1)[0].astype(jnp.float32) * 0.0).astype(x.dtype)
         return x, outs
 
-    jax.block_until_ready(prog(x, ws))
-    with tempfile.TemporaryDirectory() as d:
-        with jax.profiler.trace(d, create_perfetto_trace=True):
-            for _ in range(reps):
-                x, _ = prog(x, ws)
-            jax.block_until_ready(x)
-        evs, _tracks = device_events(d)
+    evs, _tracks = traced_events(lambda x: prog(x, ws)[0], x, reps)
     if not evs:
         raise RuntimeError("no GPU stream events in the trace (this tool profiles a GPU)")
     rows, busy, span = kernel_table(evs, reps * len(ws))

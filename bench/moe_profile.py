@@ -61,6 +61,18 @@ def device_events(trace_dir: str) -> tuple[list[dict], list[str]]:
     return keep, tracks
 
 
+def traced_events(step, state, reps: int) -> tuple[list[dict], list[str]]:
+    """``state = step(state)`` once to compile and warm up, then ``reps`` times under
+    ``jax.profiler.trace``; returns ``device_events`` of that trace (the steps' launches)."""
+    jax.block_until_ready(step(state))
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d, create_perfetto_trace=True):
+            for _ in range(reps):
+                state = step(state)
+            jax.block_until_ready(state)
+        return device_events(d)
+
+
 def kernel_table(evs: list[dict], units: int) -> tuple[list[tuple[float, float, str]], float, float]:
     """Device events -> ([(us per unit, launches per unit, kernel name)], largest first; busy us
     per unit; span us per unit: first start to last end over ``units``)."""
@@ -92,13 +104,7 @@ def profile_case(sname: str, t: int, reps: int, hlo_path: str | None = None) -> 
     if hlo_path:  # the optimized HLO (which fusions, copies and custom calls a layer launches)
         with open(hlo_path, "w") as f:
             f.write(layers.lower(x0, ids, wts, p).compile().as_text())
-    layers(x0, ids, wts, p).block_until_ready()
-    with tempfile.TemporaryDirectory() as d:
-        with jax.profiler.trace(d, create_perfetto_trace=True):
-            for _ in range(reps):
-                x0 = layers(x0, ids, wts, p)
-            x0.block_until_ready()
-        evs, tracks = device_events(d)
+    evs, tracks = traced_events(lambda x: layers(x, ids, wts, p), x0, reps)
     rows, busy, span = kernel_table(evs, reps * NROT)
     print(f"\n{sname} T={t}: {len(evs)} device events, {busy:.1f} us busy / {span:.1f} us span per layer")
     for us, cnt, name in rows[:25]:

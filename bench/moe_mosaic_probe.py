@@ -1,7 +1,7 @@
 """Mosaic GPU grouped-GEMM MoE vs the Pallas-Triton MoE at decode sizes, same process (H200).
 
 Usage: python3 bench/moe_mosaic_probe.py --out DIR [--budget-s 120] [--shapes nemotron,qwen3_30b]
-       [--tokens 1,8,64] [--sweep]
+       [--tokens 1,8,64] [--sweep] [--configs bm64,bm64_bn64,bm32_s3]
 Times the whole layer with moe_bench's harness (``timed_loop`` / ``measure``: in-graph, NROT
 layers with different random routings per loop iteration, difference of two loop lengths) for
 ``kernel="triton"`` and ``kernel="mosaic"`` (default config, ``moe.mosaic.auto_config``), then,
@@ -9,6 +9,10 @@ with ``--sweep`` and while the budget lasts, Mosaic config variants (block_n, st
 block_m, block_k). Each Mosaic config's output is compared with the Triton path's (max |diff| /
 max |ref|: both are within the oracle bounds, so this is a sanity check only). Bytes: touched
 experts' NVFP4 weights (0.5625 B/weight), averaged over the NROT routings.
+``--configs``: named Mosaic configs measured on every case after the defaults (before the
+sweep): ``_``-joined knobs applied to both GEMMs of the case's default config: ``bm<N>``
+(block_m), ``bn<N>`` (block_n), ``s<N>`` (stages), ``k<N>`` (split_k, where K allows it),
+``ov`` (overlap), ``bk512``.
 Writes DIR/moe-mosaic-probe-h200.json progressively.
 """
 
@@ -18,6 +22,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import sys
 import time
 
@@ -89,6 +94,32 @@ def variants(base: MosaicMoEConfig, hidden: int, inter: int) -> list[tuple[str, 
     return out
 
 
+def named_config(name: str, base: MosaicMoEConfig, hidden: int, inter: int) -> MosaicMoEConfig:
+    """``bm64_bn64_s3`` -> ``base`` with block_m 64, block_n 64 and 3 stages (see --configs)."""
+    top, gemm = {}, {}
+    for knob in name.split("_"):
+        m = re.fullmatch(r"(bm|bn|s|k|bk)(\d+)|ov", knob)
+        if m is None:
+            raise ValueError(f"--configs: unknown knob {knob!r} in {name!r}")
+        if knob == "ov":
+            gemm["overlap"] = True
+            continue
+        key, v = m.group(1), int(m.group(2))
+        if key == "bm":
+            top["block_m"] = v
+        else:
+            gemm[{"bn": "block_n", "s": "num_stages", "k": "split_k", "bk": "block_k"}[key]] = v
+
+    def apply(c: MosaicConfig, k: int) -> MosaicConfig:
+        kw = dict(gemm)
+        if k % 256:  # whole-K scales: block_k 256, split 1
+            kw.pop("split_k", None)
+            kw.pop("block_k", None)
+        return _mc(c, **kw)
+
+    return dataclasses.replace(base, **top, fc1=apply(base.fc1, hidden), fc2=apply(base.fc2, inter))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench/results")
@@ -97,6 +128,8 @@ def main():
     ap.add_argument("--budget-s", type=float, default=120.0)
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--sweep-tokens", default="1,8")
+    ap.add_argument("--configs", default="", help="named configs, e.g. bm64,bm64_bn64 (see above)")
+    ap.add_argument("--no-triton", action="store_true", help="skip the Pallas-Triton reference")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     t0 = time.time()
@@ -156,10 +189,17 @@ def main():
         if time.time() - t0 > args.budget_s:
             print(f"budget: skipped {sname} T={t}", flush=True)
             continue
-        refs[(sname, t)] = run_one(*c, "triton", "default", None)
+        if not args.no_triton:
+            refs[(sname, t)] = run_one(*c, "triton", "default", None)
         cfg = auto_config(t * s["top_k"], s["experts"], hidden=s["hidden"],
                           rows1=(2 if s["activation"] == "swiglu" else 1) * s["inter"], inter=s["inter"])
-        run_one(*c, "mosaic", "default", cfg, ref=refs[(sname, t)])
+        run_one(*c, "mosaic", "default", cfg, ref=refs.get((sname, t)))
+        for name in filter(None, args.configs.split(",")):
+            if time.time() - t0 > args.budget_s:
+                print(f"budget: skipped {sname} T={t} {name}", flush=True)
+                break
+            run_one(*c, "mosaic", name, named_config(name, cfg, s["hidden"], s["inter"]),
+                    ref=refs.get((sname, t)))
     if args.sweep:  # priority 2: variants, round robin over the cases
         sweep_t = set(map(int, args.sweep_tokens.split(",")))
         plans = []

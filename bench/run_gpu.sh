@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU tests (incl. the SM12x compile check) and both benchmarks on the GPU machine.
 # Usage (device tool): NVFP4_COMMIT=<hash> STEPS="tests gemm moe ncu" bash bench/run_gpu.sh
-# Steps: tests gemm moe profile gprofile probe ncu. Each has its own timeout (T_TESTS, T_GEMM, T_MOE,
+# Steps: tests gemm moe profile gprofile probe ncu mncu. Each has its own timeout (T_TESTS, T_GEMM, T_MOE,
 # T_PROFILE, T_PROBE, T_NCU seconds; all GPU test modules take ~290 s); GEMM_SHAPES, GEMM_MS
 # and MOE_TOKENS narrow the benches (bench/merge_results.py merges a partial run into the
 # committed JSON); everything lands
@@ -49,7 +49,8 @@ for s in $STEPS; do
       step "moe mosaic probe (Mosaic vs Pallas-Triton layer; config variants with PROBE_SWEEP=1)"
       timeout "${T_PROBE:-200}" python3 bench/moe_mosaic_probe.py --out "$OUT" \
         --shapes "${PROBE_SHAPES:-nemotron,qwen3_30b}" --tokens "${PROBE_TOKENS:-1,8,64}" \
-        --budget-s $((${T_PROBE:-200} - 40)) ${PROBE_SWEEP:+--sweep} 2>&1 \
+        --budget-s $((${T_PROBE:-200} - 40)) ${PROBE_SWEEP:+--sweep} ${PROBE_CONFIGS:+--configs $PROBE_CONFIGS} \
+        ${PROBE_NO_TRITON:+--no-triton} 2>&1 \
         | grep -v Warning | tail -40 | tee -a "$OUT/run.log" ;;
     ncu)
       step "Nsight Compute: the Mosaic GEMM (${NCU_SHAPES:-28672x8192x16 28672x8192x64}, 2 launches each)"
@@ -61,6 +62,15 @@ for s in $STEPS; do
         --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
         python3 bench/mosaic_ncu.py ${NCU_SHAPES:-28672x8192x16 28672x8192x64} > "$OUT/ncu-mosaic.txt" 2>&1
       grep -v "^==PROF==" "$OUT/ncu-mosaic.txt" | tail -60 | tee -a "$OUT/run.log" ;;
+    mncu)
+      step "Nsight Compute: one MoE layer's five kernels (${MNCU_CASES:-nemotron:8})"
+      XLA_PYTHON_CLIENT_PREALLOCATE=false timeout "${T_MNCU:-150}" ncu -k regex:nvfp4_moe \
+        --launch-skip 5 --launch-count 5 --clock-control none \
+        --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+        --section MemoryWorkloadAnalysis \
+        python3 bench/moe_ncu.py ${MNCU_CASES:-nemotron:8} > "$OUT/ncu-moe.txt" 2>&1
+      grep -v "^==PROF==" "$OUT/ncu-moe.txt" | grep -E "nvfp4|Duration|Throughput|Registers|Achieved Occ|Theoretical Occ|Block Limit|Warp Cycles|Shared Memory Config|Dynamic Shared|Waves" \
+        | head -120 | tee -a "$OUT/run.log" ;;
     *) echo "unknown step $s" | tee -a "$OUT/run.log" ;;
   esac
 done

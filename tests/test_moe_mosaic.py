@@ -39,6 +39,9 @@ def _grouped_args(nb, mt, e, n, k):
     # K % 256 == 128: whole-K scales (nemotron FC2, K = 2688; the smallest such K, 384)
     (25, 8, 512, 1024, 2688, MosaicConfig(block_n=128, split_k=1, num_stages=2)),
     (6, 16, 4, 256, 384, MosaicConfig(block_n=64, split_k=2, num_stages=3, overlap=True)),
+    # 128-row blocks (prefill-sized routings): block_n 64 keeps the 64 KB x stages in SMEM
+    (9, 128, 8, 2688, 1024, MosaicConfig(block_n=64, split_k=1, num_stages=2)),
+    (9, 128, 8, 1024, 2688, MosaicConfig(block_n=64, split_k=1, num_stages=2)),
 ])
 def test_grouped_kernel_lowers_for_cuda(nb, mt, e, n, k, cfg):
     f = jax.jit(lambda x, c, s, be, nbk: grouped_matmul(x, c, s, be, nbk, block_m=mt, config=cfg))
@@ -106,6 +109,11 @@ SPLIT = MosaicMoEConfig(block_m=16, fc1=MosaicConfig(block_n=64, split_k=2, num_
     # FC2 K = I neither: FC2 on Pallas-Triton (interpret), block_m 16
     ("fc2_triton_relu2_trtllm", "trtllm_cutlass", "relu2", "up_gate", {"t": 5, "h": 256, "inter": 96, "e": 4, "k": 2}, None),
     ("fc2_triton_swiglu_b12x", "b12x", "swiglu", "up_gate", {"t": 3, "h": 256, "inter": 160, "e": 4, "k": 3}, None),
+    # 128-row blocks: uneven groups, FC1 split-K, FC2 with whole-K scales (K = 384)
+    ("bm128_relu2_trtllm", "trtllm_cutlass", "relu2", "up_gate",
+     {"t": 70, "h": 256, "inter": 384, "e": 3, "k": 2, "routing": "skewed"},
+     MosaicMoEConfig(block_m=128, fc1=MosaicConfig(block_n=64, split_k=2, num_stages=2),
+                     fc2=MosaicConfig(block_n=64, split_k=1, num_stages=2))),
     ("subnormal_scales_b12x", "b12x", "relu2", "up_gate",
      {"t": 6, "h": 256, "inter": 256, "e": 3, "k": 2, "scale_factor": 2.0**15}, None),
 ])
@@ -228,6 +236,13 @@ def test_default_configs():
             assert c.smem_bytes(cfg.block_m, whole_k=k if k % 256 else None) < 200 * 1024
     for key, cfg in mm.AUTO_SM90.items():
         assert isinstance(cfg, MosaicMoEConfig) and len(key) == 5
+    # prefill-sized routings: the block holds the mean rows per expert (at most 64), and the
+    # tiles still fit the shared memory
+    for routes, want in ((22 * 512, 32), (22 * 4096, 64), (22 * 64, 8)):
+        cfg = default_config(routes, 512, hidden=1024, rows1=2688, inter=2688)
+        assert cfg.block_m == want, (routes, cfg)
+        for c, k in ((cfg.fc1, 1024), (cfg.fc2, 2688)):
+            assert c.smem_bytes(cfg.block_m, whole_k=k if k % 256 else None) <= 227 * 1024
 
 
 def test_bf16_round_is_the_bf16_conversion():

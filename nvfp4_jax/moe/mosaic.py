@@ -51,6 +51,7 @@ from ..gemm.mosaic import (  # BLOCK_K: K % 256 for TMA; TOKEN_TILES: rows per b
     _PERM,
     BLOCK_K,
     POST_SCALE,
+    SMEM_LIMIT,
     TOKEN_TILES,
     MosaicConfig,
     _pallas_mosaic_gpu,
@@ -74,6 +75,9 @@ from .xla import bf16_round as _bf16_round
 log = logging.getLogger(__name__)
 
 N_SM = 132  # H200
+#: Routed rows per block (the wgmma N slot): the dense kernel's token tiles plus 128 for
+#: prefill-sized routings (a 128-row x stage is 64 KB: block_n 64 with 2 stages fits one CTA).
+GROUPED_TOKEN_TILES = (*TOKEN_TILES, 128)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -87,7 +91,7 @@ def _cdiv(a: int, b: int) -> int:
 class MosaicMoEConfig:
     """Launch configuration of the Mosaic MoE path (data, see ``AUTO_SM90``).
 
-    block_m: routed rows per routing block (the wgmma N slot: 8, 16, 32 or 64; 16 or more when
+    block_m: routed rows per routing block (the wgmma N slot: 8, 16, 32, 64 or 128; 16 or more when
     FC2 runs on Pallas-Triton, whose blocks are >= 16 rows). fc1 / fc2: ``MosaicConfig`` of the
     two grouped GEMMs (block_n, split_k, num_stages, block_k). fc2_triton: Pallas-Triton tiles
     for FC2 when its K = I is not a multiple of 256 (None: ``configs.default_config``'s).
@@ -99,8 +103,9 @@ class MosaicMoEConfig:
     fc2_triton: Config | None = None
 
     def __post_init__(self) -> None:
-        if self.block_m not in TOKEN_TILES:
-            raise ValueError(f"MosaicMoEConfig.block_m: expected one of {TOKEN_TILES}, got {self.block_m}")
+        if self.block_m not in GROUPED_TOKEN_TILES:
+            raise ValueError(f"MosaicMoEConfig.block_m: expected one of {GROUPED_TOKEN_TILES}, "
+                             f"got {self.block_m}")
         for name in ("fc1", "fc2"):
             if not isinstance(getattr(self, name), MosaicConfig):
                 raise ValueError(f"MosaicMoEConfig.{name}: expected a MosaicConfig, "  # noqa: TRY004
@@ -153,15 +158,22 @@ def _split_for(tiles: int, steps: int, want: int) -> int:
 
 
 def default_config(routes: int, num_experts: int, *, hidden: int, rows1: int, inter: int) -> MosaicMoEConfig:
-    """Heuristic: 8-row blocks (16 when FC2 falls back to Pallas-Triton), 128-row weight tiles,
-    2 stages (the dense sweep's best at small M), split-K until the expected CTAs (touched
-    experts x output tiles x split) reach about two per SM."""
-    bm = 8 if mosaic_plan(hidden, inter, n1=rows1, n2=hidden)[1] else 16
-    blocks = min(num_experts, routes)  # expected valid blocks at decode (one expert each)
+    """Heuristic: blocks of the smallest token tile that holds the mean routed rows per touched
+    expert (8 at decode, 16 or more when FC2 falls back to Pallas-Triton, at most 64), 128-row
+    weight tiles (64 where 128 would not fit the shared memory), 2 stages (the dense sweep's
+    best at small M), split-K until the expected CTAs (blocks x output tiles x split) reach
+    about two per SM."""
+    lo = 8 if mosaic_plan(hidden, inter, n1=rows1, n2=hidden)[1] else 16
+    per_expert = -(-routes // max(1, min(num_experts, routes)))
+    bm = next((t for t in TOKEN_TILES if t >= max(lo, per_expert)), TOKEN_TILES[-1])
+    blocks = max(min(num_experts, routes), routes // bm)  # expected valid blocks
     cfgs = []
     for n, k in ((rows1, hidden), (hidden, inter)):
+        whole = k % BLOCK_K != 0
         bn = 128
-        split = _split_for(blocks * _cdiv(n, bn), k // BLOCK_K, 2 * N_SM) if k % BLOCK_K == 0 else 1
+        if MosaicConfig(block_n=bn, num_stages=2).smem_bytes(bm, whole_k=k if whole else None) > SMEM_LIMIT:
+            bn = 64
+        split = 1 if whole else _split_for(blocks * _cdiv(n, bn), k // BLOCK_K, 2 * N_SM)
         cfgs.append(MosaicConfig(block_n=bn, split_k=split, num_stages=2))
     return MosaicMoEConfig(block_m=bm, fc1=cfgs[0], fc2=cfgs[1])
 
@@ -282,8 +294,8 @@ def grouped_matmul(
     profiles tell FC1 from FC2).
     Raises ValueError naming the argument for bad dtypes/shapes.
     """
-    if block_m not in TOKEN_TILES:
-        raise ValueError(f"block_m: expected one of {TOKEN_TILES}, got {block_m}")
+    if block_m not in GROUPED_TOKEN_TILES:
+        raise ValueError(f"block_m: expected one of {GROUPED_TOKEN_TILES}, got {block_m}")
     if x.ndim != 2 or x.dtype != jnp.bfloat16:
         raise ValueError(f"x: expected bfloat16 [NB*block_m, K], got {x.dtype} {x.shape}")
     nbm, k = x.shape

@@ -42,6 +42,9 @@ ALT = MosaicMoEConfig(block_m=16, fc1=MosaicConfig(block_n=64, split_k=2, num_st
 ALT8 = MosaicMoEConfig(block_m=8, fc1=MosaicConfig(block_n=128, split_k=2, num_stages=3, block_k=512),
                        fc2=MosaicConfig(block_n=128, split_k=1, num_stages=4))
 
+BM128 = MosaicMoEConfig(block_m=128, fc1=MosaicConfig(block_n=64, split_k=1, num_stages=2),
+                        fc2=MosaicConfig(block_n=64, split_k=1, num_stages=2))
+
 
 def _run(case, *, mode, activation, order="up_gate", config=None, kernel="mosaic"):
     act_scale = "scalar" if mode == "trtllm_cutlass" else "per_expert"
@@ -68,6 +71,12 @@ def _run(case, *, mode, activation, order="up_gate", config=None, kernel="mosaic
     ("subnormal_swiglu_b12x", "b12x", {"h": 768, "inter": 512, "activation": "swiglu",
                                        "t": 3, "e": 8, "k": 3, "scale_factor": 2.0**15}, "gate_up", ALT),
     ("nemotron_T1_b12x", "b12x", {**NEMO, "t": 1, "e": 16, "k": 6}, "up_gate", None),
+    # top-22 (the combine's 32-row gather, 8 warps)
+    ("nemotron_top22_trtllm", "trtllm_cutlass", {**NEMO, "t": 6, "e": 24, "k": 22}, "up_gate", None),
+    # prefill-sized groups: the default config picks 64-row blocks (64 routes per expert)
+    ("nemotron_T64_bm64_trtllm", "trtllm_cutlass", {**NEMO, "t": 64, "e": 4, "k": 4}, "up_gate", None),
+    # 128-row blocks
+    ("qwen_bm128_b12x", "b12x", {**QWEN, "t": 96, "e": 4, "k": 4}, "up_gate", BM128),
 ])
 def test_moe_mosaic_gpu_matches_oracle(name, mode, shape, order, config):
     case = make_case_fast(np.random.default_rng(len(name)), **shape)

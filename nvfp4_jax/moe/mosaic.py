@@ -116,9 +116,11 @@ class MosaicMoEConfig:
 
 
 #: Routed rows (T * top_k) up to which ``moe_pallas`` ("auto") uses the Mosaic kernels on sm_90:
-#: the largest decode size measured faster than Pallas-Triton (nemotron T = 64: 1408 routes,
-#: 642 vs 1179 us with both GEMMs on Mosaic; bench/NOTES-moe.md). Larger T is unmeasured.
-MAX_ROUTES = 1408
+#: the largest routing measured faster than Pallas-Triton (H200, 2026-11-30, default configs,
+#: bench/results/moe-mosaic-probe-round4-h200.json against the bench's Pallas-Triton layer:
+#: nemotron T = 512 / 4096: 1059 / 4592 us vs 1563 / 5258; qwen3 T = 512 / 4096: 315 / 1589 vs
+#: 514 / 1715). Beyond nemotron T = 4096 (90112 routes) it is unmeasured.
+MAX_ROUTES = 90112
 
 _NEMO = (512, 1024, 2688, 2688)  # (E, H, R, I)
 _QWEN = (128, 2048, 1536, 768)

@@ -21,7 +21,7 @@ R = I or 2I, EM = BM * max_blocks sorted rows, see routing.py):
    (fp32), store fp32 ``[EM, H]`` rows.
 4. XLA: gather each route's row, sum over the k routes in fp32, cast to bf16.
 
-On sm_90 at decode sizes ``moe_pallas`` runs ``mosaic.moe_mosaic`` instead (``kernel="auto"``,
+On sm_90 up to ``mosaic.MAX_ROUTES`` routed rows ``moe_pallas`` runs ``mosaic.moe_mosaic`` instead (``kernel="auto"``,
 see ``choose_kernel``): Mosaic GPU grouped GEMMs, with the operand, epilogue and combine as
 Pallas-Triton kernels of their own (``epilogue.py``).
 
@@ -346,7 +346,7 @@ def moe_pallas(
     Arguments as :func:`nvfp4_jax.moe` (validated there); fc1/fc2 scales in the linear layout.
     ``kernel`` (see ``choose_kernel``): "triton" (the Pallas-Triton kernels of this module),
     "mosaic" (``mosaic.moe_mosaic``: Mosaic GPU grouped GEMMs on Hopper, FC2 on Pallas-Triton
-    when I % 256 is neither 0 nor 128) or "auto" (mosaic on sm_90 at decode sizes, ``mosaic.MAX_ROUTES``; logged).
+    when I % 256 is neither 0 nor 128) or "auto" (mosaic on sm_90 up to ``mosaic.MAX_ROUTES`` routed rows; logged).
     ``config``: ``MoEConfig`` (Pallas-Triton tiles), ``mosaic.MosaicMoEConfig`` or None (defaults).
     """
     t, k = topk_ids.shape

@@ -83,12 +83,48 @@ def test_moe_mosaic_layer_lowers_for_cuda(activation, inter):
         assert (glue in text) == on2
 
 
-def _run(case, *, mode, activation, order="up_gate", config=None, kernel="mosaic", act_scale=None):
+@pytest.mark.parametrize("nb,mt,e,n,k,cfg", [
+    (25, 8, 512, 1024, 2688, MosaicConfig(block_n=128, split_k=1, num_stages=2)),  # nemotron FC2
+    (25, 8, 512, 2688, 1024, MosaicConfig(block_n=128, split_k=2, num_stages=2)),  # nemotron FC1
+    (9, 16, 8, 333, 512, MosaicConfig(block_n=128, split_k=1, num_stages=3, block_k=512)),
+])
+def test_grouped_kernel_with_swizzled_scales_lowers_for_cuda(nb, mt, e, n, k, cfg):
+    from oracle.layouts import padded_shape
+
+    np_, kp = padded_shape(n, k // 16, "swizzled_128x4")
+    args = list(_grouped_args(nb, mt, e, n, k))
+    args[2] = jax.ShapeDtypeStruct((e, np_ * kp), jnp.uint8)
+    f = jax.jit(lambda x, c, s, be, nbk: grouped_matmul(x, c, s, be, nbk, block_m=mt, config=cfg,
+                                                        scale_layout="swizzled_128x4"))
+    text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text and "nvfp4_moe_mosaic" in text
+    # the decode reads each (row, group)'s scales as two 4-byte words 512 bytes apart
+    with pytest.raises(ValueError, match="^config: swizzled_128x4 scales need block_n=128"):
+        f2 = jax.jit(lambda x, c, s, be, nbk: grouped_matmul(
+            x, c, s, be, nbk, block_m=mt, config=MosaicConfig(block_n=64), scale_layout="swizzled_128x4"))
+        f2.trace(*args).lower(lowering_platforms=("cuda",))
+    with pytest.raises(ValueError, match="^scales: expected swizzled_128x4 scales"):
+        args[2] = jax.ShapeDtypeStruct((e, np_ * kp - 4), jnp.uint8)
+        f.trace(*args).lower(lowering_platforms=("cuda",))
+
+
+def _swizzle_case(case, which=("fc1", "fc2")):
+    """The case with its weight stacks' scales in swizzled_128x4 (as TensorRT-LLM loads them)."""
+    hidden, ids, w, fc1, fc2, s1, s2 = to_jax(case)
+    if "fc1" in which:
+        fc1 = fc1.with_layout("swizzled_128x4")
+    if "fc2" in which:
+        fc2 = fc2.with_layout("swizzled_128x4")
+    return hidden, ids, w, fc1, fc2, s1, s2
+
+
+def _run(case, *, mode, activation, order="up_gate", config=None, kernel="mosaic", act_scale=None,
+         swizzle=()):
     act_scale = act_scale or ("scalar" if mode == "trtllm_cutlass" else "per_expert")
     fn = functools.partial(moe_pallas, activation=activation, gate_up_order=order, mode=mode,
                            activation_scale=act_scale, config=config, kernel=kernel, interpret=True,
                            return_intermediates=True)
-    out, inter = jax.jit(fn)(*to_jax(case))
+    out, inter = jax.jit(fn)(*_swizzle_case(case, swizzle))
     f = lambda a: np.asarray(a.astype(jnp.float32), np.float64)
     return f(out), f(inter["h"])
 
@@ -123,6 +159,23 @@ def test_moe_mosaic_dataflow_matches_oracle(name, mode, activation, order, kw, c
         assert np.mean(case[3].scales < 0x08) > 0.5
     out, h = _run(case, mode=mode, activation=activation, order=order, config=config)
     check_against_oracle(case, out, h, mode=mode, activation=activation, gate_up_order=order)
+
+
+@pytest.mark.parametrize("inter,swizzle", [(384, ("fc1", "fc2")), (256, ("fc2",))])
+def test_moe_mosaic_dataflow_swizzled_weights(inter, swizzle, caplog):
+    """swizzled_128x4 weight stacks go to the grouped kernel as they are (no conversion, no
+    warning) at block_n 128, and the layer still matches the oracle; at block_n 64 they are
+    converted to linear on every call, with a warning."""
+    case = make_case(np.random.default_rng(inter), t=7, h=256, inter=inter, e=5, k=2, activation="relu2")
+    with caplog.at_level(logging.WARNING, logger="nvfp4_jax.moe"):
+        out, h = _run(case, mode="trtllm_cutlass", activation="relu2", swizzle=swizzle)
+    assert "converted to linear" not in caplog.text
+    check_against_oracle(case, out, h, mode="trtllm_cutlass", activation="relu2")
+    bn64 = MosaicMoEConfig(block_m=8, fc1=MosaicConfig(block_n=64), fc2=MosaicConfig(block_n=64))
+    with caplog.at_level(logging.WARNING, logger="nvfp4_jax.moe"):
+        out, h = _run(case, mode="trtllm_cutlass", activation="relu2", swizzle=swizzle, config=bn64)
+    assert "converted to linear on every call" in caplog.text
+    check_against_oracle(case, out, h, mode="trtllm_cutlass", activation="relu2")
 
 
 def test_moe_mosaic_b12x_scalar_activation_scale():

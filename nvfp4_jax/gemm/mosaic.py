@@ -235,12 +235,18 @@ fma.rn.bf16x2 $0, t, c2, $4;
 # bf16 2^120 = 0x7B80, 2^119 = 0x7B00).
 
 
-def _decode_fn(block_n: int, g: int, block_k: int = BLOCK_K, scale_stride: int | None = None):
+def _decode_fn(block_n: int, g: int, block_k: int = BLOCK_K, scale_stride: int | None = None,
+               swizzled: bool = False):
     """inline_mgpu body: (codes_smem [block_n, block_k/2] u8, scales_smem [block_n, block_k/16]
     u8) -> the bf16 WGMMA-layout fragment [block_n, 128] of 128-deep K group ``g`` of the step.
     scale_stride: whole-K scale mode (``accumulate_tile``): the scales ref points at the step's
     first scale byte of row 0 and rows are ``scale_stride`` (= K/16, a multiple of 8) bytes
-    apart; each (row, group) reads its 8 bytes with one 8-byte load."""
+    apart; each (row, group) reads its 8 bytes with one 8-byte load.
+    swizzled: the step's scales are block_k/64 contiguous 512-byte blocks of the
+    ``swizzled_128x4`` layout (block_n 128): block c holds scale columns 4c..4c+3 of all 128
+    rows, row r's 4 bytes at (r % 32) * 16 + (r // 32) * 4; each (row, group) reads two words."""
+    if swizzled and (block_n != 128 or scale_stride is not None):
+        raise ValueError("swizzled scales need block_n 128 and per-step scale tiles")
     cstride = block_k // 2  # bytes per row of the code tile
     sstride = block_k // 16 if scale_stride is None else scale_stride
     if not 0 <= g < block_k // 128:
@@ -291,7 +297,14 @@ def _decode_fn(block_n: int, g: int, block_k: int = BLOCK_K, scale_stride: int |
                 row = arith.addi(
                     arith.addi(arith.muli(warp, c32(16)), r), c32(64 * rb + 8 * h)
                 )
-                if scale_stride is None:
+                if swizzled:  # blocks 2g and 2g + 1: columns 8g..8g+3 and 8g+4..8g+7
+                    soff = arith.addi(
+                        arith.muli(arith.remui(row, c32(32)), c32(16)),
+                        arith.addi(arith.muli(arith.divui(row, c32(32)), c32(4)), c32(1024 * g)),
+                    )
+                    sw = [ld(sptr, soff, i32, 4), ld(sptr, arith.addi(soff, c32(512)), i32, 4)]
+                    gl = 0
+                elif scale_stride is None:
                     # the 16 scale bytes holding group g's 8 (two groups per 16 bytes)
                     soff = arith.addi(arith.muli(row, c32(sstride)), c32(16 * (g // 2)))
                     srow = ld(sptr, soff, v4i32, 16)
@@ -328,18 +341,21 @@ def _decode_fn(block_n: int, g: int, block_k: int = BLOCK_K, scale_stride: int |
 # ----------------------------------------------------------------------------- kernel
 
 
-def check_config(cfg: MosaicConfig, k: int, m_tile: int) -> int:
+def check_config(cfg: MosaicConfig, k: int, m_tile: int, *, swizzled: bool = False) -> int:
     """Raise ValueError naming ``config`` if ``cfg`` cannot run with this K and token tile
     (``block_k`` must divide K, or K % 256 == 128 with block_k 256: whole-K scales; the CTA's
     shared memory must fit). Returns the split-K actually used: the largest divisor of the
-    number of K steps not above ``cfg.split_k`` (1 with whole-K scales)."""
+    number of K steps not above ``cfg.split_k`` (1 with whole-K scales). ``swizzled``:
+    ``swizzled_128x4`` scales, read per step (block_n 128; no whole-K buffer)."""
+    if swizzled and cfg.block_n != 128:
+        raise ValueError(f"config: swizzled_128x4 scales need block_n=128, got {cfg.block_n}")
     whole = k % BLOCK_K == 128
     if whole and cfg.block_k != BLOCK_K:
         raise ValueError(f"config: K={k} (K % {BLOCK_K} == 128) needs block_k={BLOCK_K}, "
                          f"got {cfg.block_k}")
     if not whole and k % cfg.block_k:
         raise ValueError(f"config: block_k={cfg.block_k} does not divide K={k}")
-    smem = cfg.smem_bytes(m_tile, whole_k=k if whole else None)
+    smem = cfg.smem_bytes(m_tile, whole_k=k if whole and not swizzled else None)
     if smem > SMEM_LIMIT:
         raise ValueError(
             f"config: {cfg} needs {smem} bytes of shared memory with a {m_tile}-row token tile, "
@@ -394,13 +410,26 @@ def whole_k_pair_rows(block_n: int, k: int) -> int:
     return p
 
 
+def swizzled_tile_view(scales: jax.Array, n: int, k: int) -> jax.Array:
+    """``swizzled_128x4`` scales flat ``[..., Np*Kp]`` of an [N, K] weight -> the per-tile view
+    ``[..., Np/128, Kp/2, 256]`` (a free reshape): tile t's scale columns 4c..4c+3 are the 512
+    bytes at rows 2c, 2c + 1 (TMA boxes are at most 256 elements wide)."""
+    from oracle.layouts import padded_shape
+
+    np_, kp = padded_shape(n, k // 16, "swizzled_128x4")
+    if scales.shape[-1] != np_ * kp:
+        raise ValueError(f"scales: expected swizzled_128x4 scales with last dimension {np_ * kp} "
+                         f"for an [{n}, {k}] weight, got {scales.shape}")
+    return scales.reshape(*scales.shape[:-1], np_ // 128, kp // 2, 256)
+
+
 def whole_k_supported(n: int, k: int) -> bool:
     """K % 256 == 128 (so 2*K/16 % 16 == 0) with N even: whole-K scales."""
     return k % BLOCK_K == 128 and n % 2 == 0
 
 
 def accumulate_tile(sources, *, cfg: MosaicConfig, m_tile: int, steps: int,
-                    whole_k: int | None = None):
+                    whole_k: int | None = None, swizzled: bool = False):
     """Kernel-body building block (dense and grouped kernels): stream ``steps`` K steps of one
     weight tile through the TMA pipeline, decode in registers and wgmma. ``sources()`` returns
     the GMEM refs (codes [block_n, steps*block_k/2] u8, scales [block_n, steps*block_k/16] u8,
@@ -413,6 +442,11 @@ def accumulate_tile(sources, *, cfg: MosaicConfig, m_tile: int, steps: int,
     the scales come as ``whole_k_scale_view`` rows [whole_k_pair_rows, ., chunk]: one copy
     per CTA, before the pipeline. The extra pair rows (the next tile's, or zeros past N) keep
     the last step's padding group reading finite scale bytes, which multiply zero codes and x.
+
+    swizzled=True (block_n 128): the scales are the CTA's 128-row tile of ``swizzled_128x4``
+    scales viewed as [Kp/2, 256] bytes (``swizzled_tile_view``): each step copies its
+    block_k/32 rows (2 KB at block_k 256, contiguous), K % 256 == 128 included (the half step's
+    missing blocks read as zeros), with no whole-K buffer.
     """
     pl, plgpu = _pallas_mosaic_gpu()
     bn, bk = cfg.block_n, cfg.block_k
@@ -420,13 +454,17 @@ def accumulate_tile(sources, *, cfg: MosaicConfig, m_tile: int, steps: int,
     if whole_k is not None and (bk != BLOCK_K or whole_k % BLOCK_K != 128):
         raise ValueError(f"config: whole-K scales need block_k={BLOCK_K} and K % 256 == 128, "
                          f"got block_k={bk}, K={whole_k}")
+    if swizzled:
+        if bn != 128:
+            raise ValueError(f"config: swizzled_128x4 scales need block_n=128, got {bn}")
+        whole_k = None  # per-step tiles whatever K % 256
     sstride = None if whole_k is None else whole_k // 16
     chunk = None if whole_k is None else whole_k_chunk(whole_k)
     decode = [
         plgpu.inline_mgpu(
             arg_types=(plgpu.RefType(), plgpu.RefType()),
             return_type=plgpu.ShapeDtypeStruct((bn, 128), jnp.bfloat16, layout=plgpu.Layout.WGMMA),
-        )(_decode_fn(bn, g, bk, scale_stride=sstride))
+        )(_decode_fn(bn, g, bk, scale_stride=sstride, swizzled=swizzled))
         for g in range(groups)
     ]
     x_transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
@@ -479,7 +517,9 @@ def accumulate_tile(sources, *, cfg: MosaicConfig, m_tile: int, steps: int,
                 plgpu.wgmma_wait(1 if cfg.overlap and g + 1 < groups else 0)
 
         specs = [plgpu.BlockSpec((bn, bk // 2), lambda i: (0, i))]
-        if whole_k is None:
+        if swizzled:
+            specs.append(plgpu.BlockSpec((bk // 32, 256), lambda i: (i, 0)))
+        elif whole_k is None:
             specs.append(plgpu.BlockSpec((bn, bk // 16), lambda i: (0, i)))
         specs.append(plgpu.BlockSpec((m_tile, bk), lambda i: (0, i), transforms=x_transforms))
         plgpu.emit_pipeline(

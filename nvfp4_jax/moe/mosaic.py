@@ -59,10 +59,12 @@ from ..gemm.mosaic import (  # BLOCK_K: K % 256 for TMA; TOKEN_TILES: rows per b
     check_config,
     mosaic_kernel,
     store_tile,
+    swizzled_tile_view,
     whole_k_pair_rows,
     whole_k_scale_view,
     whole_k_supported,
 )
+from ..layouts import unswizzle
 from ..quantize import NVFP4Array
 from ..quantize import _div as _ieee_div
 from .configs import Config
@@ -203,12 +205,15 @@ def check_supported(k: int, *, n: int = 2, name: str = "w") -> None:
 # ----------------------------------------------------------------------------- kernel
 
 
-def _build(mt: int, nb: int, n: int, k: int, cfg: MosaicConfig, split: int, name: str):
+def _build(mt: int, nb: int, n: int, k: int, cfg: MosaicConfig, split: int, name: str,
+           swizzled: bool = False):
     pl, plgpu = _pallas_mosaic_gpu()
     bn = cfg.block_n
     n_tiles = _cdiv(n, bn)
     ks = k // split
-    whole = k % BLOCK_K != 0  # whole-K scales (split == 1, s_gmem is whole_k_scale_view's)
+    # whole-K scales (split == 1, s_gmem is whole_k_scale_view's) unless swizzled (s_gmem is
+    # swizzled_tile_view's [E, Np/128, Kp/2, 256]: per-step tiles for any K)
+    whole = k % BLOCK_K != 0 and not swizzled
 
     def nvfp4_moe_mosaic(be_gmem, nb_gmem, x_gmem, c_gmem, s_gmem, o_gmem, o_smem):  # kernel name
         ni = lax.axis_index("n")
@@ -221,6 +226,11 @@ def _build(mt: int, nb: int, n: int, k: int, cfg: MosaicConfig, split: int, name
             n0 = ni * bn
 
             def sources():
+                if swizzled:  # split > 1 only with K % 256 == 0 (then Kp/2 = K/32)
+                    srows = ks // 32 if split > 1 else s_gmem.shape[2]
+                    return (c_gmem.at[e, pl.ds(n0, bn), pl.ds(si * (ks // 2), ks // 2)],
+                            s_gmem.at[e, ni, pl.ds(si * (ks // 32), srows)],
+                            x_gmem.at[pl.ds(b * mt, mt), pl.ds(si * ks, ks)])
                 if whole:
                     return (c_gmem.at[e, pl.ds(n0, bn)],
                             s_gmem.at[e, pl.ds(n0 // 2, whole_k_pair_rows(bn, k))],
@@ -235,6 +245,7 @@ def _build(mt: int, nb: int, n: int, k: int, cfg: MosaicConfig, split: int, name
                 m_tile=mt,
                 steps=_cdiv(ks, cfg.block_k),
                 whole_k=k if whole else None,
+                swizzled=swizzled,
             )
             store_tile(acc, o_smem, o_gmem.at[si, pl.ds(b * mt, mt), pl.ds(n0, bn)])
 
@@ -282,11 +293,15 @@ def grouped_matmul(
     config: MosaicConfig | None = None,
     reference: bool = False,
     name: str = "",
+    scale_layout: str = "linear",
 ) -> jax.Array:
     """Grouped ``x_b @ W[block_expert[b]]^T`` per block of ``block_m`` rows -> fp32 partials.
 
     x: bf16 [NB*block_m, K], K-permuted (``gemm.mosaic.permute_k_order``). codes: uint8 [E, N, K/2]. scales:
-    uint8 or float8_e4m3fn [E, N, K/16] (linear). block_expert: int32 [NB] in [0, E).
+    uint8 or float8_e4m3fn [E, N, K/16] (``scale_layout="linear"``) or [E, Np*Kp]
+    (``"swizzled_128x4"``, flat per expert as ``NVFP4Array`` holds them; block_n 128: each K
+    step copies 2 KB of contiguous scales, and K % 256 == 128 needs no whole-K buffer).
+    block_expert: int32 [NB] in [0, E).
     num_blocks: int32 [1]. Returns fp32 ``[split, NB*block_m, N_pad]`` (row ``b*block_m + m``:
     row m of block b, as x's rows): sum over axis 0, times
     ``POST_SCALE``, gives the accumulators; blocks ``b >= num_blocks`` and rows past N are
@@ -311,7 +326,14 @@ def grouped_matmul(
         raise ValueError(f"codes: expected shape {(e, n, k // 2)} for K={k}, got {codes.shape}")
     if scales.dtype not in (jnp.uint8, jnp.float8_e4m3fn):
         raise ValueError(f"scales: expected uint8 or float8_e4m3fn, got {scales.dtype}")
-    if scales.shape != (e, n, k // 16):
+    if scale_layout not in ("linear", "swizzled_128x4"):
+        raise ValueError(f"scale_layout: expected 'linear' or 'swizzled_128x4', got {scale_layout!r}")
+    swizzled = scale_layout == "swizzled_128x4"
+    if swizzled:
+        view = swizzled_tile_view(scales, n, k)  # validates the flat length
+        if view.shape[0] != e:
+            raise ValueError(f"scales: expected {e} experts, got shape {scales.shape}")
+    elif scales.shape != (e, n, k // 16):
         raise ValueError(f"scales: expected shape {(e, n, k // 16)}, got {scales.shape}")
     if block_expert.shape != (nb,) or not jnp.issubdtype(block_expert.dtype, jnp.integer):
         raise ValueError(f"block_expert: expected int32 [{nb}], got {block_expert.dtype} {block_expert.shape}")
@@ -321,17 +343,20 @@ def grouped_matmul(
         raise ValueError(f"config: expected a MosaicConfig, got {type(config).__name__}")
     check_supported(k, n=n, name="codes")
     cfg = config or MosaicConfig(block_n=128, split_k=1, num_stages=2)
-    split = check_config(cfg, k, block_m)
+    split = check_config(cfg, k, block_m, swizzled=swizzled)
     if scales.dtype != jnp.uint8:
         scales = lax.bitcast_convert_type(scales, jnp.uint8)
     be = block_expert.astype(jnp.int32)
     nbk = num_blocks.astype(jnp.int32)
     n_pad = _cdiv(n, cfg.block_n) * cfg.block_n
     if reference:
-        return _reference(x, codes, scales, be, nbk, mt=block_m, n_pad=n_pad, split=split)
-    if k % BLOCK_K:  # whole-K scales: the kernel reads the pair-of-rows view
+        lin = unswizzle(scales, n, k // 16, scale_layout) if swizzled else scales
+        return _reference(x, codes, lin, be, nbk, mt=block_m, n_pad=n_pad, split=split)
+    if swizzled:
+        scales = swizzled_tile_view(scales, n, k)
+    elif k % BLOCK_K:  # whole-K scales: the kernel reads the pair-of-rows view
         scales = whole_k_scale_view(scales)
-    return _build(block_m, nb, n, k, cfg, split, name)(be, nbk, x, codes, scales)
+    return _build(block_m, nb, n, k, cfg, split, name, swizzled)(be, nbk, x, codes, scales)
 
 
 def _block_rows(part: jax.Array, n: int) -> jax.Array:
@@ -404,24 +429,33 @@ def moe_mosaic(
     assert em // bm == max_blocks(n_routes, e, bm)
     meta = (br.block_expert, br.num_blocks)
 
-    def scales_u8(w: NVFP4Array):
-        return lax.bitcast_convert_type(w.linear_scales(), jnp.uint8)
+    def scales_u8(w: NVFP4Array, cfg: MosaicConfig, name: str):
+        """(uint8 scales, their layout) as the grouped kernel reads them: swizzled_128x4
+        directly at block_n 128 (per-step 2 KB tiles), anything else as linear scales."""
+        if w.layout == "swizzled_128x4" and cfg.block_n == 128:
+            return lax.bitcast_convert_type(w.scales, jnp.uint8), "swizzled_128x4"
+        if w.layout != "linear":
+            log.warning("nvfp4_jax.moe: %s scales in layout %s are converted to linear on every "
+                        "call (the Mosaic kernel reads linear, or swizzled_128x4 at block_n 128)",
+                        name, w.layout)
+        return lax.bitcast_convert_type(w.linear_scales(), jnp.uint8), "linear"
 
-    s1u, s2u = scales_u8(fc1), scales_u8(fc2)
+    s1u, lay1 = scales_u8(fc1, config.fc1, "fc1")
 
     # FC1 operand (gather + quantize + K permutation, one Pallas-Triton launch), FC1 (Mosaic)
     xp = fc1_operand(hidden, br.sorted_route, *meta, g1, _ieee_div(1.0, g1), top_k=k, block_m=bm,
                      recipe=recipe, per_expert=activation_scale == "per_expert", interpret=reference)
     part1 = grouped_matmul(xp, fc1.codes, s1u, *meta, block_m=bm, config=config.fc1,
-                           reference=reference, name="fc1")
+                           reference=reference, name="fc1", scale_layout=lay1)
     if on2:
         # FC1 epilogue (alpha, bf16, activation, requantization, K permutation), FC2 (Mosaic),
         # combine (alpha2, bf16, router weight, top-k sum): one launch each
         hvp, hb = fc1_epilogue(part1, *meta, a1, g2, _ieee_div(1.0, g2), inter=inter,
                                activation=activation, gate_up_order=gate_up_order, mode=mode,
                                recipe=recipe, return_h=return_intermediates, interpret=reference)
+        s2u, lay2 = scales_u8(fc2, config.fc2, "fc2")
         part2 = grouped_matmul(hvp, fc2.codes, s2u, *meta, block_m=bm, config=config.fc2,
-                               reference=reference, name="fc2")
+                               reference=reference, name="fc2", scale_layout=lay2)
         out = combine(part2, br.route_pos, topk_ids, topk_weights, a2, hidden=h_dim,
                       mode=mode, interpret=reference)
     else:

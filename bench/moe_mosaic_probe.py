@@ -12,7 +12,8 @@ experts' NVFP4 weights (0.5625 B/weight), averaged over the NROT routings.
 ``--configs``: named Mosaic configs measured on every case after the defaults (before the
 sweep): ``_``-joined knobs applied to both GEMMs of the case's default config: ``bm<N>``
 (block_m), ``bn<N>`` (block_n), ``s<N>`` (stages), ``k<N>`` (split_k, where K allows it),
-``ov`` (overlap), ``bk512``.
+``ov`` (overlap), ``bk512``. ``--swizzled``: the default config again with the weights' scales
+in ``swizzled_128x4`` (read per step by the kernel; no whole-K buffer for K % 256 == 128).
 Writes DIR/moe-mosaic-probe-h200.json progressively.
 """
 
@@ -130,6 +131,9 @@ def main():
     ap.add_argument("--sweep-tokens", default="1,8")
     ap.add_argument("--configs", default="", help="named configs, e.g. bm64,bm64_bn64 (see above)")
     ap.add_argument("--no-triton", action="store_true", help="skip the Pallas-Triton reference")
+    ap.add_argument("--swizzled", action="store_true",
+                    help="also time the Mosaic default with both weight stacks' scales in "
+                         "swizzled_128x4 (variant 'swizzled')")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     t0 = time.time()
@@ -194,6 +198,10 @@ def main():
         cfg = auto_config(t * s["top_k"], s["experts"], hidden=s["hidden"],
                           rows1=(2 if s["activation"] == "swiglu" else 1) * s["inter"], inter=s["inter"])
         run_one(*c, "mosaic", "default", cfg, ref=refs.get((sname, t)))
+        if args.swizzled:
+            q1, q2, s1, s2 = c[3]
+            sw = (q1.with_layout("swizzled_128x4"), q2.with_layout("swizzled_128x4"), s1, s2)
+            run_one(*c[:3], sw, *c[4:], "mosaic", "swizzled", cfg, ref=refs.get((sname, t)))
         for name in filter(None, args.configs.split(",")):
             if time.time() - t0 > args.budget_s:
                 print(f"budget: skipped {sname} T={t} {name}", flush=True)

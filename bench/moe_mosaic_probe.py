@@ -12,7 +12,8 @@ experts' NVFP4 weights (0.5625 B/weight), averaged over the NROT routings.
 ``--configs``: named Mosaic configs measured on every case after the defaults (before the
 sweep): ``_``-joined knobs applied to both GEMMs of the case's default config: ``bm<N>``
 (block_m), ``bn<N>`` (block_n), ``s<N>`` (stages), ``k<N>`` (split_k, where K allows it),
-``ov`` (overlap), ``bk512``. ``--swizzled``: the default config again with the weights' scales
+``ov`` (overlap), ``bk512``; prefixed ``f1``/``f2``, to one GEMM only. With ``--swizzled`` the
+named configs run on the swizzled weights. ``--swizzled``: the default config again with the weights' scales
 in ``swizzled_128x4`` (read per step by the kernel; no whole-K buffer for K % 256 == 128).
 Writes DIR/moe-mosaic-probe-h200.json progressively.
 """
@@ -96,29 +97,33 @@ def variants(base: MosaicMoEConfig, hidden: int, inter: int) -> list[tuple[str, 
 
 
 def named_config(name: str, base: MosaicMoEConfig, hidden: int, inter: int) -> MosaicMoEConfig:
-    """``bm64_bn64_s3`` -> ``base`` with block_m 64, block_n 64 and 3 stages (see --configs)."""
-    top, gemm = {}, {}
+    """``bm64_bn64_s3`` -> ``base`` with block_m 64, block_n 64 and 3 stages (see --configs);
+    a knob prefixed ``f1`` / ``f2`` (``f2k3``) applies to that GEMM only."""
+    top, gemm = {}, {"fc1": {}, "fc2": {}}
     for knob in name.split("_"):
-        m = re.fullmatch(r"(bm|bn|s|k|bk)(\d+)|ov", knob)
+        m = re.fullmatch(r"(f[12])?(?:(bm|bn|s|k|bk)(\d+)|(ov))", knob)
         if m is None:
             raise ValueError(f"--configs: unknown knob {knob!r} in {name!r}")
-        if knob == "ov":
-            gemm["overlap"] = True
+        which = [m.group(1).replace("f", "fc")] if m.group(1) else ["fc1", "fc2"]
+        if m.group(4):
+            for w in which:
+                gemm[w]["overlap"] = True
             continue
-        key, v = m.group(1), int(m.group(2))
+        key, v = m.group(2), int(m.group(3))
         if key == "bm":
             top["block_m"] = v
-        else:
-            gemm[{"bn": "block_n", "s": "num_stages", "k": "split_k", "bk": "block_k"}[key]] = v
+            continue
+        for w in which:
+            gemm[w][{"bn": "block_n", "s": "num_stages", "k": "split_k", "bk": "block_k"}[key]] = v
 
-    def apply(c: MosaicConfig, k: int) -> MosaicConfig:
-        kw = dict(gemm)
-        if k % 256:  # whole-K scales: block_k 256, split 1
-            kw.pop("split_k", None)
+    def apply(c: MosaicConfig, kw: dict, k: int) -> MosaicConfig:
+        kw = dict(kw)
+        if k % 256:  # block_k 256 (split_k: uneven with swizzled scales, else ignored)
             kw.pop("block_k", None)
         return _mc(c, **kw)
 
-    return dataclasses.replace(base, **top, fc1=apply(base.fc1, hidden), fc2=apply(base.fc2, inter))
+    return dataclasses.replace(base, **top, fc1=apply(base.fc1, gemm["fc1"], hidden),
+                               fc2=apply(base.fc2, gemm["fc2"], inter))
 
 
 def main():
@@ -206,7 +211,8 @@ def main():
             if time.time() - t0 > args.budget_s:
                 print(f"budget: skipped {sname} T={t} {name}", flush=True)
                 break
-            run_one(*c, "mosaic", name, named_config(name, cfg, s["hidden"], s["inter"]),
+            cc = (*c[:3], sw, *c[4:]) if args.swizzled else c
+            run_one(*cc, "mosaic", name, named_config(name, cfg, s["hidden"], s["inter"]),
                     ref=refs.get((sname, t)))
     if args.sweep:  # priority 2: variants, round robin over the cases
         sweep_t = set(map(int, args.sweep_tokens.split(",")))

@@ -171,6 +171,12 @@ def test_moe_mosaic_dataflow_swizzled_weights(inter, swizzle, caplog):
         out, h = _run(case, mode="trtllm_cutlass", activation="relu2", swizzle=swizzle)
     assert "converted to linear" not in caplog.text
     check_against_oracle(case, out, h, mode="trtllm_cutlass", activation="relu2")
+    # FC2 split-K over the (K + 128) / 256 steps (uneven at K % 256 == 128: the last split
+    # runs past K), only possible with swizzled scales
+    split = MosaicMoEConfig(block_m=8, fc1=MosaicConfig(block_n=128, split_k=2),
+                            fc2=MosaicConfig(block_n=128, split_k=3))
+    out, h = _run(case, mode="trtllm_cutlass", activation="relu2", swizzle=swizzle, config=split)
+    check_against_oracle(case, out, h, mode="trtllm_cutlass", activation="relu2")
     bn64 = MosaicMoEConfig(block_m=8, fc1=MosaicConfig(block_n=64), fc2=MosaicConfig(block_n=64))
     with caplog.at_level(logging.WARNING, logger="nvfp4_jax.moe"):
         out, h = _run(case, mode="trtllm_cutlass", activation="relu2", swizzle=swizzle, config=bn64)

@@ -124,11 +124,16 @@ def test_grouped_kernel_swizzled_scales_equal_linear(n, k, split, bk):
     np.testing.assert_array_equal(b, a)
 
 
-def test_moe_mosaic_gpu_swizzled_weights_match_oracle():
+@pytest.mark.parametrize("fc2_split", [1, 2, 3])
+def test_moe_mosaic_gpu_swizzled_weights_match_oracle(fc2_split):
+    """Swizzled weight stacks, FC2 (K = 2688) split unevenly over its 11 steps."""
     case = make_case_fast(np.random.default_rng(11), **{**NEMO, "t": 5, "e": 12, "k": 6})
     hidden, ids, w, fc1, fc2, s1, s2 = to_jax(case)
+    cfg = MosaicMoEConfig(block_m=8, fc1=MosaicConfig(block_n=128, split_k=2, num_stages=2),
+                          fc2=MosaicConfig(block_n=128, split_k=fc2_split, num_stages=2))
     fn = functools.partial(moe_pallas, activation="relu2", gate_up_order="up_gate", mode="trtllm_cutlass",
-                           activation_scale="scalar", kernel="mosaic", return_intermediates=True)
+                           activation_scale="scalar", kernel="mosaic", return_intermediates=True,
+                           config=cfg)
     out, inter = jax.jit(fn)(hidden, ids, w, fc1.with_layout("swizzled_128x4"),
                              fc2.with_layout("swizzled_128x4"), s1, s2)
     f = lambda a: np.asarray(a.astype(jnp.float32), np.float64)

@@ -346,7 +346,9 @@ def check_config(cfg: MosaicConfig, k: int, m_tile: int, *, swizzled: bool = Fal
     (``block_k`` must divide K, or K % 256 == 128 with block_k 256: whole-K scales; the CTA's
     shared memory must fit). Returns the split-K actually used: the largest divisor of the
     number of K steps not above ``cfg.split_k`` (1 with whole-K scales). ``swizzled``:
-    ``swizzled_128x4`` scales, read per step (block_n 128; no whole-K buffer)."""
+    ``swizzled_128x4`` scales, read per step (block_n 128; no whole-K buffer); with
+    K % 256 == 128 the (K + 128) / 256 steps then split unevenly (``split_steps``): the
+    largest split up to ``cfg.split_k`` that leaves no split empty."""
     if swizzled and cfg.block_n != 128:
         raise ValueError(f"config: swizzled_128x4 scales need block_n=128, got {cfg.block_n}")
     whole = k % BLOCK_K == 128
@@ -362,9 +364,23 @@ def check_config(cfg: MosaicConfig, k: int, m_tile: int, *, swizzled: bool = Fal
             f"more than the {SMEM_LIMIT} a CTA can have; use fewer stages, block_n 64 or block_k 256"
         )
     if whole:
-        return 1
+        if not swizzled:
+            return 1
+        total = (k + BLOCK_K // 2) // BLOCK_K
+        per = -(-total // min(cfg.split_k, total))
+        return -(-total // per)
     steps = k // cfg.block_k
     return max(s for s in range(1, min(cfg.split_k, steps) + 1) if steps % s == 0)
+
+
+def split_steps(k: int, block_k: int, split: int) -> int:
+    """K steps per split-K CTA: K / block_k / split, or for K % 256 == 128 (swizzled scales,
+    block_k 256) ceil((K + 128) / 256 / split), the last split's range running past K (TMA
+    reads zeros there, for codes, scales and x alike)."""
+    if k % block_k == 0:
+        return k // block_k // split
+    total = (k + BLOCK_K // 2) // BLOCK_K
+    return -(-total // split)
 
 
 def _pallas_mosaic_gpu():

@@ -58,6 +58,7 @@ from ..gemm.mosaic import (  # BLOCK_K: K % 256 for TMA; TOKEN_TILES: rows per b
     accumulate_tile,
     check_config,
     mosaic_kernel,
+    split_steps,
     store_tile,
     swizzled_tile_view,
     whole_k_pair_rows,
@@ -210,7 +211,8 @@ def _build(mt: int, nb: int, n: int, k: int, cfg: MosaicConfig, split: int, name
     pl, plgpu = _pallas_mosaic_gpu()
     bn = cfg.block_n
     n_tiles = _cdiv(n, bn)
-    ks = k // split
+    steps = split_steps(k, cfg.block_k, split)
+    ks = steps * cfg.block_k  # K per split (K % 256 == 128: the last split runs past K)
     # whole-K scales (split == 1, s_gmem is whole_k_scale_view's) unless swizzled (s_gmem is
     # swizzled_tile_view's [E, Np/128, Kp/2, 256]: per-step tiles for any K)
     whole = k % BLOCK_K != 0 and not swizzled
@@ -226,10 +228,12 @@ def _build(mt: int, nb: int, n: int, k: int, cfg: MosaicConfig, split: int, name
             n0 = ni * bn
 
             def sources():
-                if swizzled:  # split > 1 only with K % 256 == 0 (then Kp/2 = K/32)
-                    srows = ks // 32 if split > 1 else s_gmem.shape[2]
+                if swizzled and split == 1:  # whole rows (past K at K % 256 == 128: zeros)
+                    return (c_gmem.at[e, pl.ds(n0, bn)], s_gmem.at[e, ni],
+                            x_gmem.at[pl.ds(b * mt, mt)])
+                if swizzled:  # the last split's range may run past K (dynamic start: zeros)
                     return (c_gmem.at[e, pl.ds(n0, bn), pl.ds(si * (ks // 2), ks // 2)],
-                            s_gmem.at[e, ni, pl.ds(si * (ks // 32), srows)],
+                            s_gmem.at[e, ni, pl.ds(si * (ks // 32), ks // 32)],
                             x_gmem.at[pl.ds(b * mt, mt), pl.ds(si * ks, ks)])
                 if whole:
                     return (c_gmem.at[e, pl.ds(n0, bn)],
@@ -243,7 +247,7 @@ def _build(mt: int, nb: int, n: int, k: int, cfg: MosaicConfig, split: int, name
                 sources,
                 cfg=cfg,
                 m_tile=mt,
-                steps=_cdiv(ks, cfg.block_k),
+                steps=steps,
                 whole_k=k if whole else None,
                 swizzled=swizzled,
             )
@@ -273,8 +277,14 @@ def _reference(xp, codes, scales, block_expert, num_blocks, *, mt, n_pad, split)
     perm = (np.arange(k) // 128 * 128) + np.tile(_PERM, k // 128)
     w = w[..., perm]  # the fragment's K order (x is permuted the same way)
     wb = w[block_expert]  # [NB, N, K]
-    xb = xp.astype(jnp.float32).reshape(nb, mt, split, k // split)
-    wb = wb.reshape(nb, n, split, k // split)
+    xf = xp.astype(jnp.float32)
+    kk = k
+    if k % (split * 128):  # uneven splits (swizzled, K % 256 == 128): K padded with zeros
+        kk = split_steps(k, BLOCK_K, split) * BLOCK_K * split
+        xf = jnp.pad(xf, ((0, 0), (0, kk - k)))
+        wb = jnp.pad(wb, ((0, 0), (0, 0), (0, kk - k)))
+    xb = xf.reshape(nb, mt, split, kk // split)
+    wb = wb.reshape(nb, n, split, kk // split)
     part = jnp.einsum("bnsk,bmsk->sbmn", wb, xb, precision=lax.Precision.HIGHEST)
     part = part * jnp.float32(1.0 / POST_SCALE)
     valid = (jnp.arange(nb) < num_blocks[0])[None, :, None, None]

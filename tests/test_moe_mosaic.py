@@ -317,13 +317,17 @@ def test_bf16_round_is_the_bf16_conversion():
     np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
 
 
-def test_auto_table_holds_the_default_heuristic_where_measured():
-    """The measured entries are what default_config gave when they were measured."""
+def test_auto_table_entries_are_valid_and_looked_up():
+    """The measured entries run (check_config passes for both GEMMs, linear and swizzled
+    scales), keep the default heuristic's block size, and auto_config returns them."""
     for (e, h, r, i, b), cfg in mm.AUTO_SM90.items():
         routes = {32: 22, 256: 176, 2048: 1408, 8: 8, 64: 64}[b]
         assert mm._bucket(routes) == b
-        assert default_config(routes, e, hidden=h, rows1=r, inter=i) == cfg
+        assert default_config(routes, e, hidden=h, rows1=r, inter=i).block_m == cfg.block_m
         assert mm.auto_config(routes, e, hidden=h, rows1=r, inter=i) == cfg
+        for c, k in ((cfg.fc1, h), (cfg.fc2, i)):
+            for swz in (False, True):
+                assert check_config(c, k, cfg.block_m, swizzled=swz) >= 1
 
 
 @pytest.mark.parametrize("n,k,bn", [(1024, 2688, 128), (1024, 2688, 64), (256, 384, 64), (300, 1152, 128)])

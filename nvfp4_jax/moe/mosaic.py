@@ -139,7 +139,13 @@ AUTO_SM90: dict[tuple[int, int, int, int, int], MosaicMoEConfig] = {
     # nemotron, FC2 (K = 2688) with whole-K scales, 2026-11-30 (session 4): T = 1: 77.6 vs
     # 96.6 us; T = 8: 226.1 vs 415.6 us; T = 64: 641.9 vs 1178.6 us. Variants measured in the
     # same run (3 stages, 4 stages, block_n 64, split-K x2 / x4) were within -3 %..+9 % of it.
-    **{(*_NEMO, b): _NEMO_CFG for b in (32, 256, 2048)},
+    # FC2 split-K (uneven over its 11 steps; only with swizzled_128x4 scales, else split 1),
+    # 2026-11-30 (session 7, bench/results/moe-mosaic-probe-round5-h200.json, swizzled
+    # weights): T = 1 split 3: 50.8 us vs 53.8 unsplit; T = 8 split 2: 189.0 vs 192.6;
+    # T = 64: no gain (544.7 / 551.3 vs 542.8).
+    (*_NEMO, 32): dataclasses.replace(_NEMO_CFG, fc2=MosaicConfig(block_n=128, split_k=3, num_stages=2)),
+    (*_NEMO, 256): dataclasses.replace(_NEMO_CFG, fc2=MosaicConfig(block_n=128, split_k=2, num_stages=2)),
+    (*_NEMO, 2048): _NEMO_CFG,
     # qwen3-30B T = 1: 48.1 vs 51.9 us
     (*_QWEN, 8): MosaicMoEConfig(block_m=8, fc1=MosaicConfig(block_n=128, split_k=2, num_stages=2),
                                  fc2=MosaicConfig(block_n=128, split_k=1, num_stages=2)),

@@ -192,12 +192,14 @@ def test_w4a4_prequantized_activation():
     _assert_within(out, ref, bound)
 
 
-def test_swizzled_weight_is_unswizzled():
+def test_swizzled_weight_is_unswizzled(caplog):
     rng = np.random.default_rng(14)
     wo = _weights(rng, 40, 64)
     x = _x(rng, 3, 64)
     lin = matmul(jnp.asarray(x), nvfp4_jax.from_oracle(wo), backend="xla")
-    swz = matmul(jnp.asarray(x), nvfp4_jax.from_oracle(wo, layout="swizzled_128x4"), backend="xla")
+    with caplog.at_level("WARNING", logger="nvfp4_jax.gemm.api"):
+        swz = matmul(jnp.asarray(x), nvfp4_jax.from_oracle(wo, layout="swizzled_128x4"), backend="xla")
+    assert "converted to linear on every call" in caplog.text  # the per-call cost is said
     np.testing.assert_array_equal(np.asarray(lin), np.asarray(swz))
 
 

@@ -177,7 +177,8 @@ def matmul(
 
     x: bf16/fp16 ``[..., K]`` (W4A16, or W4A4 when ``input_scale`` is given), or an
     :class:`NVFP4Array` ``[..., K]`` (W4A4, alpha = x.decode_scale * w.decode_scale).
-    w: NVFP4Array ``[N, K]`` (swizzled scales are unswizzled first).
+    w: NVFP4Array ``[N, K]`` (swizzled scales are unswizzled on every call, with a warning:
+    convert once with ``w.with_layout("linear")``).
     input_scale: ModelOpt ``input_scale`` (decode form, amax/2688, fp32 scalar) -> W4A4.
     out_dtype: bf16 (default), fp16 or fp32. Returns out_dtype ``[..., N]``. Jittable.
     """
@@ -188,6 +189,10 @@ def matmul(
     if jnp.dtype(out_dtype) not in (jnp.bfloat16, jnp.float16, jnp.float32):
         raise ValueError(f"out_dtype: expected bfloat16, float16 or float32, got {out_dtype}")
     impl = resolve_backend(backend)
+    if w.layout != "linear":
+        log.warning("nvfp4_jax.matmul: w's %s scales are converted to linear on every call "
+                    "(an XLA transpose of N*K/16 bytes); pass w.with_layout('linear') once",
+                    w.layout)
     w_scales = w.linear_scales() if w.layout != "linear" else w.scales
     w_decode = jnp.asarray(w.decode_scale, jnp.float32)
 

@@ -12,7 +12,8 @@ experts' NVFP4 weights (0.5625 B/weight), averaged over the NROT routings.
 ``--configs``: named Mosaic configs measured on every case after the defaults (before the
 sweep): ``_``-joined knobs applied to both GEMMs of the case's default config: ``bm<N>``
 (block_m), ``bn<N>`` (block_n), ``s<N>`` (stages), ``k<N>`` (split_k, where K allows it),
-``ov`` (overlap), ``bk512``; prefixed ``f1``/``f2``, to one GEMM only. With ``--swizzled`` the
+``ov`` (overlap), ``bk512``; prefixed ``f1``/``f2``, to one GEMM only; ``rk``: the one-launch
+routing kernel (``MosaicMoEConfig.routing="kernel"``). With ``--swizzled`` the
 named configs run on the swizzled weights. ``--swizzled``: the default config again with the weights' scales
 in ``swizzled_128x4`` (read per step by the kernel; no whole-K buffer for K % 256 == 128).
 Writes DIR/moe-mosaic-probe-h200.json progressively.
@@ -101,6 +102,9 @@ def named_config(name: str, base: MosaicMoEConfig, hidden: int, inter: int) -> M
     a knob prefixed ``f1`` / ``f2`` (``f2k3``) applies to that GEMM only."""
     top, gemm = {}, {"fc1": {}, "fc2": {}}
     for knob in name.split("_"):
+        if knob == "rk":  # the one-launch routing kernel
+            top["routing"] = "kernel"
+            continue
         m = re.fullmatch(r"(f[12])?(?:(bm|bn|s|k|bk)(\d+)|(ov))", knob)
         if m is None:
             raise ValueError(f"--configs: unknown knob {knob!r} in {name!r}")

@@ -210,3 +210,61 @@ def test_glue_kernels_name_the_bad_argument():
     with pytest.raises(ValueError, match="part: expected"):  # H_pad < H
         ep.combine(z((1, 16, 128)), z(4, jnp.int32), z((2, 2), jnp.int32), z((2, 2)), z(4),
                    hidden=256, mode="b12x", interpret=True)
+
+
+def _numpy_block_routing(ids, e, bm):
+    """Independent reference: stable sort of the routes by expert, each expert's group padded
+    to a multiple of bm (sentinel n), one expert per block (the last real one past the end)."""
+    flat = ids.reshape(-1)
+    n = flat.size
+    nb = min(e, n) + -(-n // bm)
+    srt = np.full(nb * bm, n, np.int32)
+    pos = np.zeros(n, np.int32)
+    be = np.full(nb, e - 1, np.int32)
+    row = 0
+    for ex in range(e):
+        routes = np.nonzero(flat == ex)[0]  # token order
+        if routes.size == 0:
+            continue
+        srt[row:row + routes.size] = routes
+        pos[routes] = row + np.arange(routes.size)
+        blocks = -(-routes.size // bm)
+        be[row // bm: row // bm + blocks] = ex
+        row += blocks * bm
+    be[row // bm:] = e - 1
+    return srt, be, np.int32([row // bm]), pos
+
+
+@pytest.mark.parametrize("t,k,e,bm,kind", [
+    (1, 8, 128, 8, "random"), (8, 8, 128, 8, "random"), (1, 22, 512, 8, "random"),
+    (5, 3, 7, 16, "random"), (9, 4, 16, 8, "skewed"), (6, 2, 5, 8, "one_expert"),
+    (2, 22, 512, 16, "random"),
+])
+def test_routing_kernel_is_the_block_routing(t, k, e, bm, kind):
+    """The one-launch routing kernel (interpret mode) gives exactly the numpy grouping and
+    exactly what the XLA ``block_routing`` gives: uneven groups, experts without tokens, all
+    tokens on one expert, E not a power of two."""
+    rng = np.random.default_rng(t * 100 + k)
+    ids = np.argsort(rng.random((t, e)), axis=1)[:, :k].astype(np.int32)
+    if kind == "skewed":
+        ids[: t // 2] = ids[0]
+    if kind == "one_expert":
+        ids[:, 0] = 3  # every token's first route on expert 3
+        ids[:, 1:] = (ids[:, 1:] % 2) + 0
+        ids[:, 1] = np.where(ids[:, 1] == 3, 0, ids[:, 1])
+    assert ep.routing_kernel_fits(t * k, e, bm)
+    got = ep.routing_kernel(jnp.asarray(ids), e, bm, interpret=True)
+    want = _numpy_block_routing(ids, e, bm)
+    xla = block_routing(jnp.asarray(ids), e, bm)
+    for name, w in zip(("sorted_route", "block_expert", "num_blocks", "route_pos"), want):
+        np.testing.assert_array_equal(np.asarray(getattr(got, name)), w, err_msg=name)
+        np.testing.assert_array_equal(np.asarray(getattr(xla, name)), w, err_msg=name)
+
+
+def test_routing_kernel_lowers_and_refuses_large_routings():
+    f = jax.jit(lambda ids: ep.routing_kernel(ids, 512, 8))
+    text = f.trace(jax.ShapeDtypeStruct((1, 22), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
+    assert "nvfp4_moe_routing" in text
+    assert not ep.routing_kernel_fits(8 * 22, 512, 8)  # nemotron T = 8: XLA routing
+    with pytest.raises(ValueError, match="^topk_ids: 176 routes over 512 experts"):
+        ep.routing_kernel(jnp.zeros((8, 22), jnp.int32), 512, 8, interpret=True)

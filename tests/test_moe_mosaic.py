@@ -150,6 +150,10 @@ SPLIT = MosaicMoEConfig(block_m=16, fc1=MosaicConfig(block_n=64, split_k=2, num_
      {"t": 70, "h": 256, "inter": 384, "e": 3, "k": 2, "routing": "skewed"},
      MosaicMoEConfig(block_m=128, fc1=MosaicConfig(block_n=64, split_k=2, num_stages=2),
                      fc2=MosaicConfig(block_n=64, split_k=1, num_stages=2))),
+    # the one-launch routing kernel instead of the XLA routing
+    ("routing_kernel_swiglu_trtllm", "trtllm_cutlass", "swiglu", "up_gate",
+     {"t": 5, "h": 256, "inter": 256, "e": 8, "k": 3, "routing": "skewed"},
+     MosaicMoEConfig(block_m=8, routing="kernel")),
     ("subnormal_scales_b12x", "b12x", "relu2", "up_gate",
      {"t": 6, "h": 256, "inter": 256, "e": 3, "k": 2, "scale_factor": 2.0**15}, None),
 ])
@@ -257,7 +261,7 @@ def test_validation_names_the_argument():
     with pytest.raises(ValueError, match="^config: K=384 .* needs block_k=256"):
         g(jnp.zeros((16, 384), jnp.bfloat16), jnp.zeros((3, 64, 192), jnp.uint8),
           jnp.zeros((3, 64, 24), jnp.uint8), be, nb, config=MosaicConfig(block_k=512))
-    for bad in ({"block_m": 4}, {"fc1": "x"}, {"fc2_triton": 3}):
+    for bad in ({"block_m": 4}, {"fc1": "x"}, {"fc2_triton": 3}, {"routing": "sort"}):
         with pytest.raises(ValueError, match="^MosaicMoEConfig"):
             MosaicMoEConfig(**bad)
     # public API: the kernel name and the kernel/config pairing

@@ -77,6 +77,9 @@ def _run(case, *, mode, activation, order="up_gate", config=None, kernel="mosaic
     ("nemotron_T64_bm64_trtllm", "trtllm_cutlass", {**NEMO, "t": 64, "e": 4, "k": 4}, "up_gate", None),
     # 128-row blocks
     ("qwen_bm128_b12x", "b12x", {**QWEN, "t": 96, "e": 4, "k": 4}, "up_gate", BM128),
+    # the one-launch routing kernel (Pallas-Triton) instead of the XLA routing
+    ("nemotron_routing_kernel_trtllm", "trtllm_cutlass", {**NEMO, "t": 3, "e": 24, "k": 6}, "up_gate",
+     MosaicMoEConfig(block_m=8, routing="kernel")),
 ])
 def test_moe_mosaic_gpu_matches_oracle(name, mode, shape, order, config):
     case = make_case_fast(np.random.default_rng(len(name)), **shape)

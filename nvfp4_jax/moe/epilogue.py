@@ -21,6 +21,8 @@ launch that touches only the blocks below ``num_blocks``:
   [kp, 64] gather (positions, experts and router weights loaded, then a CTA barrier, then the
   rows: one round trip each), ``* alpha2[e]`` (bf16 in trtllm_cutlass) ``* router weight``,
   summed over the routes in fp32 (a tree order) -> bf16.
+* :func:`routing_kernel` (opt-in, ``MosaicMoEConfig.routing="kernel"``): the block routing of
+  small routings in one launch instead of ~5 XLA fusions (compiled for sm_90, not measured yet).
 
 The arithmetic is the XLA epilogue's (``mosaic.moe_mosaic`` before; ``xla.py``), op for op;
 only the fp32 summation order of the split-K partials is fixed here (index order) where XLA's
@@ -250,3 +252,80 @@ def combine(part: jax.Array, route_pos: jax.Array, topk_ids: jax.Array, topk_wei
                  num_warps=nw, name="nvfp4_moe_combine", interpret=interpret)(
         route_pos, topk_ids.reshape(-1).astype(jnp.int32),
         topk_weights.reshape(-1).astype(jnp.float32), part, a2)
+
+
+# ----------------------------------------------------------------------------- routing
+
+#: ``routing_kernel`` handles routings whose [E, N] and [NB, E] compare tiles (powers of two)
+#: have at most this many elements (one program holds them in registers).
+ROUTING_KERNEL_MAX_ELEMS = 1 << 15
+
+
+def _pow2(v: int) -> int:
+    return 1 << max(0, (v - 1).bit_length())
+
+
+def _routing_kernel(ids_ref, sorted_ref, be_ref, nb_ref, pos_ref, *, n: int, num_experts: int,
+                    block_m: int, nb: int, em: int, interpret: bool):
+    np_, ep, emp, nbp = _pow2(n), _pow2(num_experts), _pow2(em), _pow2(nb)
+    j = lax.broadcasted_iota(jnp.int32, (np_,), 0)
+    valid = j < n
+    jc = jnp.minimum(j, n - 1)
+    ids = jnp.where(valid, plgpu.load(ids_ref.at[jc]), -1)  # -1 matches no expert
+    e = lax.broadcasted_iota(jnp.int32, (ep, 1), 0)
+    onehot = (e == ids[None, :]).astype(jnp.int32)  # [ep, np]
+    counts = jnp.sum(onehot, axis=1)
+    padded = (counts + block_m - 1) // block_m * block_m
+    pad_end = jnp.cumsum(padded, axis=0)  # inclusive
+    pad_start = pad_end - padded
+    earlier = jnp.cumsum(onehot, axis=1) - onehot  # routes of the same expert before j
+    rank = jnp.sum(onehot * earlier, axis=0)
+    pos = jnp.sum(onehot * pad_start[:, None], axis=0) + rank  # [np]
+    # masked lanes index out of range (not clamped): interpret mode drops them, and a clamped
+    # duplicate index would race with the valid lane's store
+    plgpu.store(pos_ref.at[j], pos, mask=valid)
+    pi = lax.broadcasted_iota(jnp.int32, (emp,), 0)
+    plgpu.store(sorted_ref.at[pi], jnp.full((emp,), n, jnp.int32), mask=pi < em)  # sentinel n
+    if not interpret:
+        plgpu.debug_barrier()  # every sentinel is written before any route's row
+    plgpu.store(sorted_ref.at[jnp.where(valid, pos, em + j)], j, mask=valid)
+    b = lax.broadcasted_iota(jnp.int32, (nbp, 1), 0) * block_m
+    real = lax.broadcasted_iota(jnp.int32, (1, ep), 1) < num_experts
+    bexp = jnp.minimum(jnp.sum(((pad_end[None, :] <= b) & real).astype(jnp.int32), axis=1),
+                       num_experts - 1)
+    bi = lax.broadcasted_iota(jnp.int32, (nbp,), 0)
+    plgpu.store(be_ref.at[bi], bexp, mask=bi < nb)
+    total = jnp.sum(padded) // block_m
+    plgpu.store(nb_ref.at[lax.broadcasted_iota(jnp.int32, (1,), 0)], jnp.full((1,), total, jnp.int32))
+
+
+def routing_kernel_fits(n_routes: int, num_experts: int, block_m: int) -> bool:
+    """Whether ``routing_kernel`` takes this routing (its compare tiles fit one program)."""
+    from .routing import max_blocks
+
+    nb = max_blocks(n_routes, num_experts, block_m)
+    return _pow2(num_experts) * max(_pow2(n_routes), _pow2(nb)) <= ROUTING_KERNEL_MAX_ELEMS
+
+
+def routing_kernel(topk_ids: jax.Array, num_experts: int, block_m: int, *,
+                   interpret: bool = False):
+    """``routing.block_routing`` as one Pallas-Triton launch (one program) instead of ~5 XLA
+    fusions: counts, padded cumsum and each route's rank among its expert's routes from an
+    [E, N] one-hot tile, the block experts from an [NB, E] compare tile, the inverse
+    permutation as sentinel stores, a CTA barrier, then one scatter. Same outputs, bit for bit
+    (integers). For small routings only (``routing_kernel_fits``)."""
+    from .routing import BlockRouting, max_blocks
+
+    flat = topk_ids.reshape(-1).astype(jnp.int32)
+    n = flat.shape[0]
+    if not routing_kernel_fits(n, num_experts, block_m):
+        raise ValueError(f"topk_ids: {n} routes over {num_experts} experts are too many for the "
+                         f"one-program routing kernel (routing_kernel_fits); use block_routing")
+    nb = max_blocks(n, num_experts, block_m)
+    em = nb * block_m
+    kern = functools.partial(_routing_kernel, n=n, num_experts=num_experts, block_m=block_m,
+                             nb=nb, em=em, interpret=interpret)
+    i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)
+    srt, be, nbk, pos = _call(kern, (i32(em), i32(nb), i32(1), i32(n)), (1,), num_warps=4,
+                              name="nvfp4_moe_routing", interpret=interpret)(flat)
+    return BlockRouting(srt, be, nbk, pos)

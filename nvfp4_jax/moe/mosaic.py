@@ -70,7 +70,7 @@ from ..quantize import NVFP4Array
 from ..quantize import _div as _ieee_div
 from .configs import Config
 from .configs import default_config as triton_default_config
-from .epilogue import combine, fc1_epilogue, fc1_operand
+from .epilogue import combine, fc1_epilogue, fc1_operand, routing_kernel, routing_kernel_fits
 from .routing import block_routing, max_blocks
 from .xla import activate, moe_scales, quantized_values, recipe_of, sorted_rows
 from .xla import bf16_round as _bf16_round
@@ -98,14 +98,22 @@ class MosaicMoEConfig:
     FC2 runs on Pallas-Triton, whose blocks are >= 16 rows). fc1 / fc2: ``MosaicConfig`` of the
     two grouped GEMMs (block_n, split_k, num_stages, block_k). fc2_triton: Pallas-Triton tiles
     for FC2 when its K = I is not a multiple of 256 (None: ``configs.default_config``'s).
+    routing: "xla" (``routing.block_routing``: ~5 small XLA fusions) or "kernel"
+    (``epilogue.routing_kernel``: one Pallas-Triton launch, for routings whose compare tiles
+    fit one program, ``routing_kernel_fits``; larger ones use "xla", logged). Both give the
+    same routing; "kernel" compiles for sm_90 (checked with ptxas) but is not yet measured,
+    so "xla" is the default.
     """
 
     block_m: int = 8
     fc1: MosaicConfig = MosaicConfig(block_n=128, split_k=1, num_stages=2)  # noqa: RUF009 - frozen
     fc2: MosaicConfig = MosaicConfig(block_n=128, split_k=1, num_stages=2)  # noqa: RUF009 - frozen
     fc2_triton: Config | None = None
+    routing: str = "xla"
 
     def __post_init__(self) -> None:
+        if self.routing not in ("xla", "kernel"):
+            raise ValueError(f"MosaicMoEConfig.routing: expected 'xla' or 'kernel', got {self.routing!r}")
         if self.block_m not in GROUPED_TOKEN_TILES:
             raise ValueError(f"MosaicMoEConfig.block_m: expected one of {GROUPED_TOKEN_TILES}, "
                              f"got {self.block_m}")
@@ -440,7 +448,13 @@ def moe_mosaic(
 
     g1, g2, a1, a2 = moe_scales(fc1.decode_scale, fc2.decode_scale, fc1_input_scale,
                                 fc2_input_scale, mode, activation_scale)
-    br = block_routing(topk_ids, e, bm)
+    if config.routing == "kernel" and routing_kernel_fits(n_routes, e, bm):
+        br = routing_kernel(topk_ids, e, bm, interpret=reference)
+    else:
+        if config.routing == "kernel":
+            log.info("nvfp4_jax.moe: routing kernel does not fit %d routes x %d experts; XLA "
+                     "routing", n_routes, e)
+        br = block_routing(topk_ids, e, bm)
     em = br.sorted_route.shape[0]
     assert em // bm == max_blocks(n_routes, e, bm)
     meta = (br.block_expert, br.num_blocks)

@@ -268,3 +268,39 @@ def test_routing_kernel_lowers_and_refuses_large_routings():
     assert not ep.routing_kernel_fits(8 * 22, 512, 8)  # nemotron T = 8: XLA routing
     with pytest.raises(ValueError, match="^topk_ids: 176 routes over 512 experts"):
         ep.routing_kernel(jnp.zeros((8, 22), jnp.int32), 512, 8, interpret=True)
+
+
+@pytest.mark.parametrize("activation,split", [("relu2", 1), ("swiglu", 2)])
+def test_skip_padding_rows_keeps_the_routed_rows(activation, split):
+    """skip_padding (operand) and sorted_route (epilogue): the routed rows are bit for bit the
+    full kernels' rows; the padding rows are not written (the partials' padding rows hold NaN
+    here, as garbage would on the GPU, and no NaN reaches a routed row)."""
+    rng = np.random.default_rng(5 + split)
+    t, k, e, bm, h, inter = 6, 3, 8, 8, 256, 256
+    _, br, nb = _routing(rng, t, k, e, bm, skew=True)
+    hidden = jnp.asarray(rng.standard_normal((t, h)), jnp.bfloat16)
+    g1, g2, a1, _ = _scales(rng, e, "trtllm_cutlass", "scalar")
+    kw = {"top_k": k, "block_m": bm, "recipe": "trtllm", "per_expert": False, "interpret": True}
+    full = ep.fc1_operand(hidden, br.sorted_route, br.block_expert, br.num_blocks, g1, _div(1.0, g1), **kw)
+    skip = ep.fc1_operand(hidden, br.sorted_route, br.block_expert, br.num_blocks, g1, _div(1.0, g1),
+                          skip_padding=True, **kw)
+    live = np.asarray(br.sorted_route) < t * k
+    live[nb * bm:] = False
+    assert 0 < live.sum() < nb * bm  # some padding rows inside the valid blocks
+    np.testing.assert_array_equal(np.asarray(skip, np.float32)[live], np.asarray(full, np.float32)[live])
+    r = 2 * inter if activation == "swiglu" else inter
+    part = rng.standard_normal((split, live.size, r + 128)).astype(np.float32)
+    part[:, ~live] = np.nan  # what unwritten operand rows would give
+    part = jnp.asarray(part)
+    ekw = {"inter": inter, "activation": activation, "gate_up_order": "up_gate", "mode": "trtllm_cutlass",
+           "recipe": "trtllm", "return_h": True, "interpret": True}
+    hv_f, hb_f = ep.fc1_epilogue(jnp.nan_to_num(part), br.block_expert, br.num_blocks, a1, g2,
+                                 _div(1.0, g2), **ekw)
+    hv_s, hb_s = ep.fc1_epilogue(part, br.block_expert, br.num_blocks, a1, g2, _div(1.0, g2),
+                                 sorted_route=br.sorted_route, n_routes=t * k, **ekw)
+    for got, want in ((hv_s, hv_f), (hb_s, hb_f)):
+        g, w = np.asarray(got, np.float32)[live], np.asarray(want, np.float32)[live]
+        assert np.all(np.isfinite(g)) and np.count_nonzero(w) > w.size // 4
+        np.testing.assert_array_equal(g, w)
+    with pytest.raises(ValueError, match="^sorted_route and n_routes"):
+        ep.fc1_epilogue(part, br.block_expert, br.num_blocks, a1, g2, g2, sorted_route=br.sorted_route, **ekw)

@@ -154,6 +154,12 @@ SPLIT = MosaicMoEConfig(block_m=16, fc1=MosaicConfig(block_n=64, split_k=2, num_
     ("routing_kernel_swiglu_trtllm", "trtllm_cutlass", "swiglu", "up_gate",
      {"t": 5, "h": 256, "inter": 256, "e": 8, "k": 3, "routing": "skewed"},
      MosaicMoEConfig(block_m=8, routing="kernel")),
+    # padding rows skipped by the FC1 operand and epilogue kernels (both activations, split-K)
+    ("skip_padding_relu2_b12x", "b12x", "relu2", "up_gate",
+     {"t": 9, "h": 512, "inter": 256, "e": 6, "k": 3, "routing": "skewed"},
+     MosaicMoEConfig(block_m=8, skip_padding=True, fc1=MosaicConfig(split_k=2))),
+    ("skip_padding_swiglu_trtllm", "trtllm_cutlass", "swiglu", "gate_up",
+     {"t": 4, "h": 256, "inter": 384, "e": 5, "k": 2}, MosaicMoEConfig(block_m=16, skip_padding=True)),
     ("subnormal_scales_b12x", "b12x", "relu2", "up_gate",
      {"t": 6, "h": 256, "inter": 256, "e": 3, "k": 2, "scale_factor": 2.0**15}, None),
 ])
@@ -264,6 +270,8 @@ def test_validation_names_the_argument():
     for bad in ({"block_m": 4}, {"fc1": "x"}, {"fc2_triton": 3}, {"routing": "sort"}):
         with pytest.raises(ValueError, match="^MosaicMoEConfig"):
             MosaicMoEConfig(**bad)
+    with pytest.raises(TypeError, match="^MosaicMoEConfig.skip_padding"):
+        MosaicMoEConfig(skip_padding=1)
     # public API: the kernel name and the kernel/config pairing
     case = make_case(np.random.default_rng(0), t=2, h=256, inter=96, e=2, k=1)
     hidden, ids, w, fc1, fc2, s1, s2 = to_jax(case)

@@ -80,6 +80,9 @@ def _run(case, *, mode, activation, order="up_gate", config=None, kernel="mosaic
     # the one-launch routing kernel (Pallas-Triton) instead of the XLA routing
     ("nemotron_routing_kernel_trtllm", "trtllm_cutlass", {**NEMO, "t": 3, "e": 24, "k": 6}, "up_gate",
      MosaicMoEConfig(block_m=8, routing="kernel")),
+    # padding rows skipped (left unwritten: whatever the memory held stays in unread rows)
+    ("qwen_skip_padding_b12x", "b12x", {**QWEN, "t": 6, "e": 16, "k": 4, "routing": "skewed"}, "up_gate",
+     MosaicMoEConfig(block_m=8, skip_padding=True)),
 ])
 def test_moe_mosaic_gpu_matches_oracle(name, mode, shape, order, config):
     case = make_case_fast(np.random.default_rng(len(name)), **shape)

@@ -23,6 +23,8 @@ launch that touches only the blocks below ``num_blocks``:
   summed over the routes in fp32 (a tree order) -> bf16.
 * :func:`routing_kernel` (opt-in, ``MosaicMoEConfig.routing="kernel"``): the block routing of
   small routings in one launch instead of ~5 XLA fusions (compiled for sm_90, not measured yet).
+* ``skip_padding`` (opt-in, ``MosaicMoEConfig.skip_padding``): the operand and epilogue kernels
+  leave the blocks' padding rows unread and unwritten (compiled for sm_90, not measured yet).
 
 The arithmetic is the XLA epilogue's (``mosaic.moe_mosaic`` before; ``xla.py``), op for op;
 only the fp32 summation order of the split-K partials is fixed here (index order) where XLA's
@@ -64,7 +66,8 @@ def _row_tile(h: int) -> int:
 
 
 def _operand_kernel(route_ref, be_ref, nb_ref, x_ref, g_ref, rg_ref, o_ref, *, mt: int, top_k: int,
-                    n_routes: int, bk: int, recipe: str, per_expert: bool, exact_asm: bool):
+                    n_routes: int, bk: int, recipe: str, per_expert: bool, exact_asm: bool,
+                    skip_padding: bool):
     p, kt = pl.program_id(0), pl.program_id(1)
     b = p // mt
 
@@ -73,23 +76,33 @@ def _operand_kernel(route_ref, be_ref, nb_ref, x_ref, g_ref, rg_ref, o_ref, *, m
         route = route_ref[p]
         e = be_ref[b] if per_expert else 0  # issued before the first use of route
         valid = route < n_routes
-        tok = jnp.where(valid, route, 0) // top_k
-        x = plgpu.load(x_ref.at[tok, pl.ds(kt * bk, bk)]).astype(jnp.float32)
-        q = _requantize(x.reshape(bk // 16, 16), g_ref[e], rg_ref[e], recipe, exact_asm)
-        q = jnp.where(valid, q, 0.0)
-        plgpu.store(o_ref.at[p, pl.ds(kt * bk, bk)], permute_k_order(q.reshape(bk)).astype(jnp.bfloat16))
+
+        def row():
+            tok = jnp.where(valid, route, 0) // top_k
+            x = plgpu.load(x_ref.at[tok, pl.ds(kt * bk, bk)]).astype(jnp.float32)
+            q = _requantize(x.reshape(bk // 16, 16), g_ref[e], rg_ref[e], recipe, exact_asm)
+            q = jnp.where(valid, q, 0.0)
+            plgpu.store(o_ref.at[p, pl.ds(kt * bk, bk)],
+                        permute_k_order(q.reshape(bk)).astype(jnp.bfloat16))
+
+        if skip_padding:  # padding rows stay unwritten: their GEMM rows are never read
+            pl.when(valid)(row)
+        else:
+            row()
 
 
 def fc1_operand(hidden: jax.Array, sorted_route: jax.Array, block_expert: jax.Array,
                 num_blocks: jax.Array, g1: jax.Array, rg1: jax.Array, *, top_k: int, block_m: int,
-                recipe: str, per_expert: bool, interpret: bool = False) -> jax.Array:
+                recipe: str, per_expert: bool, skip_padding: bool = False,
+                interpret: bool = False) -> jax.Array:
     """The FC1 operand of the grouped kernel, K-permuted: bf16 [EM, H].
 
     hidden bf16 [T, H] (H % 256 == 0); sorted_route int32 [EM] (sentinel T*k on padding rows);
     block_expert int32 [EM/block_m]; num_blocks int32 [1]; g1 fp32 [E] encode scales and rg1 =
     IEEE 1/g1 (the trtllm recipe's); ``per_expert`` False: every row uses g1[0]. Row ``p``
     holds the quantized ``hidden[sorted_route[p] // top_k]`` as ``q * sf`` (exact in bf16),
-    zeros on padding rows; rows of blocks past ``num_blocks`` are not written.
+    zeros on padding rows (``skip_padding``: padding rows are not written either; nothing
+    downstream reads their results); rows of blocks past ``num_blocks`` are not written.
     """
     t, h = hidden.shape
     if h % 256:
@@ -97,7 +110,8 @@ def fc1_operand(hidden: jax.Array, sorted_route: jax.Array, block_expert: jax.Ar
     em = sorted_route.shape[0]
     bk = _row_tile(h)
     kern = functools.partial(_operand_kernel, mt=block_m, top_k=top_k, n_routes=t * top_k, bk=bk,
-                             recipe=recipe, per_expert=per_expert, exact_asm=not interpret)
+                             recipe=recipe, per_expert=per_expert, exact_asm=not interpret,
+                             skip_padding=skip_padding)
     return _call(kern, jax.ShapeDtypeStruct((em, h), jnp.bfloat16), (em, h // bk), num_warps=4,
                  name="nvfp4_moe_fc1_operand", interpret=interpret)(
         sorted_route, block_expert, num_blocks, hidden, g1, rg1)
@@ -122,9 +136,10 @@ def tiles_per_program(n_tiles: int, rows: int, halves: int) -> int:
     return best
 
 
-def _fc1_epilogue_kernel(be_ref, nb_ref, part_ref, a1_ref, g2_ref, rg2_ref, hv_ref, *h_ref,
+def _fc1_epilogue_kernel(route_ref, be_ref, nb_ref, part_ref, a1_ref, g2_ref, rg2_ref, hv_ref, *h_ref,
                          mt: int, split: int, inter: int, per: int, activation: str,
-                         gate_up_order: str, mode: str, recipe: str, exact_asm: bool):
+                         gate_up_order: str, mode: str, recipe: str, exact_asm: bool,
+                         n_routes: int | None):
     n_groups = inter // (TILE * per)
     pid = pl.program_id(0)
     b, c0 = pid // n_groups, pid % n_groups * (TILE * per)
@@ -132,11 +147,15 @@ def _fc1_epilogue_kernel(be_ref, nb_ref, part_ref, a1_ref, g2_ref, rg2_ref, hv_r
     @pl.when(b < nb_ref[0])
     def _():
         rows = pl.ds(b * mt, mt)
+        live = None  # n_routes given: only the block's routed rows are read and written
+        if n_routes is not None:
+            live = (plgpu.load(route_ref.at[rows]) < n_routes)[:, None]
 
         def acc(col0):  # [mt, TILE] fp32, split-K partials summed in index order
-            a = plgpu.load(part_ref.at[jnp.int32(0), rows, pl.ds(col0, TILE)])
+            kw = {} if live is None else {"mask": live, "other": 0.0}
+            a = plgpu.load(part_ref.at[jnp.int32(0), rows, pl.ds(col0, TILE)], **kw)
             for s in range(1, split):
-                a = a + plgpu.load(part_ref.at[jnp.int32(s), rows, pl.ds(col0, TILE)])
+                a = a + plgpu.load(part_ref.at[jnp.int32(s), rows, pl.ds(col0, TILE)], **kw)
             return a
 
         # loads in issue order (a GPU stalls at the first use of a pending load): the block's
@@ -149,17 +168,24 @@ def _fc1_epilogue_kernel(be_ref, nb_ref, part_ref, a1_ref, g2_ref, rg2_ref, hv_r
             cols = pl.ds(c0 + j * TILE, TILE)
             h = fc1_activation(firsts[j], seconds[j], alpha, activation=activation,
                                gate_up_order=gate_up_order, mode=mode)  # bf16 [mt, TILE]
+            kw = {} if live is None else {"mask": live}
             if h_ref:
-                plgpu.store(h_ref[0].at[rows, cols], h)
+                plgpu.store(h_ref[0].at[rows, cols], h, **kw)
             q = _requantize(h.astype(jnp.float32).reshape(mt, TILE // 16, 16), g, rg, recipe, exact_asm)
-            plgpu.store(hv_ref.at[rows, cols], permute_k_order(q.reshape(mt, TILE)).astype(jnp.bfloat16))
+            plgpu.store(hv_ref.at[rows, cols], permute_k_order(q.reshape(mt, TILE)).astype(jnp.bfloat16),
+                        **kw)
 
 
 def fc1_epilogue(part: jax.Array, block_expert: jax.Array, num_blocks: jax.Array, a1: jax.Array,
                  g2: jax.Array, rg2: jax.Array, *, inter: int, activation: str, gate_up_order: str,
-                 mode: str, recipe: str, return_h: bool = False, interpret: bool = False):
+                 mode: str, recipe: str, return_h: bool = False, interpret: bool = False,
+                 sorted_route: jax.Array | None = None, n_routes: int | None = None):
     """FC1 partials -> the FC2 operand (K-permuted ``q * sf`` bf16 [EM, I]) and, with
     ``return_h``, ``h`` bf16 [EM, I] (natural order).
+
+    ``sorted_route`` int32 [EM] with ``n_routes`` (= T*k, the padding sentinel): padding rows
+    are neither read (masked loads: no memory traffic) nor written; without them every row
+    of the valid blocks is processed.
 
     part fp32 [split, EM, R_pad] (``mosaic.grouped_matmul``'s output, token-major, times 2^-7;
     R = I or 2I for swiglu, R_pad >= R; EM = NB * block_m); block_expert int32 [NB];
@@ -178,9 +204,14 @@ def fc1_epilogue(part: jax.Array, block_expert: jax.Array, num_blocks: jax.Array
     out = [jax.ShapeDtypeStruct((em, inter), jnp.bfloat16)] * (2 if return_h else 1)
     kern = functools.partial(_fc1_epilogue_kernel, mt=mt, split=split, inter=inter, per=per,
                              activation=activation, gate_up_order=gate_up_order, mode=mode,
-                             recipe=recipe, exact_asm=not interpret)
+                             recipe=recipe, exact_asm=not interpret,
+                             n_routes=None if sorted_route is None else n_routes)
+    if (sorted_route is None) != (n_routes is None):
+        raise ValueError("sorted_route and n_routes: give both (skip padding rows) or neither")
+    route = sorted_route if sorted_route is not None else jnp.zeros((1,), jnp.int32)  # unread
     res = _call(kern, tuple(out), (nb * (inter // (TILE * per)),), num_warps=4,
-                name="nvfp4_moe_fc1_epilogue", interpret=interpret)(block_expert, num_blocks, part, a1, g2, rg2)
+                name="nvfp4_moe_fc1_epilogue", interpret=interpret)(
+        route, block_expert, num_blocks, part, a1, g2, rg2)
     return (res[0], res[1]) if return_h else (res[0], None)
 
 

@@ -43,7 +43,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from ..gemm.mosaic import POST_SCALE, permute_k_order
-from .pallas_triton import _requantize, fc1_activation
+from .pallas_triton import _requantize, bf16_rne, fc1_activation
 
 TILE = 128  # columns per program (I and H are multiples of 128 wherever these kernels run)
 
@@ -167,7 +167,7 @@ def _fc1_epilogue_kernel(route_ref, be_ref, nb_ref, part_ref, a1_ref, g2_ref, rg
         for j in range(per):
             cols = pl.ds(c0 + j * TILE, TILE)
             h = fc1_activation(firsts[j], seconds[j], alpha, activation=activation,
-                               gate_up_order=gate_up_order, mode=mode)  # bf16 [mt, TILE]
+                               gate_up_order=gate_up_order, mode=mode, exact_asm=exact_asm)  # bf16 [mt, TILE]
             kw = {} if live is None else {"mask": live}
             if h_ref:
                 plgpu.store(h_ref[0].at[rows, cols], h, **kw)
@@ -251,10 +251,7 @@ def _combine_kernel(pos_ref, ids_ref, w_ref, part_ref, a2_ref, o_ref, *, split: 
         d = d + plgpu.load(part_ref.at[jnp.int32(s), rows, cols], mask=m2, other=0.0)
     d = d * a2[:, None]
     if mode == "trtllm_cutlass":  # GEMM2 output is bf16 in TRT-LLM CUTLASS
-        # interpret mode runs this through XLA, whose excess-precision simplifier may drop a
-        # convert pair; reduce_precision is the same rounding and is never dropped
-        d = (lax.reduce_precision(d, exponent_bits=8, mantissa_bits=7) if interpret
-             else d.astype(jnp.bfloat16).astype(jnp.float32))
+        d = bf16_rne(d, exact_asm=not interpret)
     out = jnp.sum(d * wts[:, None], axis=0)  # fp32; masked rows add 0
     plgpu.store(o_ref.at[t, pl.ds(c0, width)], out.astype(jnp.bfloat16))
 

@@ -119,15 +119,25 @@ def _requantize(hb, g, rg, recipe: str, exact_asm: bool):
     return jnp.where(y < 0, -mag, mag) * s[..., None]
 
 
-def fc1_activation(first, second, alpha, *, activation: str, gate_up_order: str, mode: str):
+def bf16_rne(v, exact_asm: bool):
+    """fp32 -> nearest bf16 value, kept in fp32, inside a kernel: the convert pair on the GPU
+    (Triton emits both conversions); ``lax.reduce_precision`` in interpret mode
+    (``exact_asm`` False), where XLA's excess-precision simplifier may drop a convert pair."""
+    if exact_asm:
+        return v.astype(jnp.bfloat16).astype(jnp.float32)
+    return lax.reduce_precision(v, exponent_bits=8, mantissa_bits=7)
+
+
+def fc1_activation(first, second, alpha, *, activation: str, gate_up_order: str, mode: str,
+                   exact_asm: bool = True):
     """FC1 epilogue in registers: accumulators fp32 [BN, BM] (the two halves' tiles for swiglu,
     ``second`` None for relu2) ``* alpha`` (-> bf16 in trtllm_cutlass), activation in fp32 ->
-    ``h`` bf16 [BN, BM]."""
+    ``h`` bf16 [BN, BM]. ``exact_asm`` False: interpret mode (see ``bf16_rne``)."""
 
     def scaled(acc):
         u = acc * alpha
         if mode == "trtllm_cutlass":  # GEMM1 output buffer is bf16 in TRT-LLM CUTLASS
-            u = u.astype(jnp.bfloat16).astype(jnp.float32)
+            u = bf16_rne(u, exact_asm)
         return u
 
     if activation == "relu2":
@@ -213,7 +223,8 @@ def _fc1_kernel(be_ref, nb_ref, xe_ref, xo_ref, c_ref, s_ref, a1_ref, g2_ref, rg
         else:
             (first,) = _grouped_tiles(xe_ref, xo_ref, c_ref, s_ref, e, m0, (n0,), n_valid, H, cfg)
         h = fc1_activation(first, second if activation == "swiglu" else None, a1_ref[e],
-                           activation=activation, gate_up_order=gate_up_order, mode=mode)
+                           activation=activation, gate_up_order=gate_up_order, mode=mode,
+                           exact_asm=exact_asm)
         col_mask = (n0 + jnp.arange(BN)) < I
         if h_ref:
             plgpu.store(h_ref[0].at[pl.ds(m0, BM), pl.ds(n0, BN)], h.T, mask=col_mask[None, :])
@@ -228,7 +239,7 @@ def _fc1_kernel(be_ref, nb_ref, xe_ref, xo_ref, c_ref, s_ref, a1_ref, g2_ref, rg
 
 
 def _fc2_kernel(be_ref, nb_ref, xe_ref, xo_ref, c_ref, s_ref, a2_ref, w_ref, o_ref, *,
-                cfg: Config, H: int, I: int, mode: str):
+                cfg: Config, H: int, I: int, mode: str, exact_asm: bool):
     BM, BN = cfg.block_m, cfg.block_n
     b, n = _block_and_tile(_cdiv(H, BN))
 
@@ -239,7 +250,7 @@ def _fc2_kernel(be_ref, nb_ref, xe_ref, xo_ref, c_ref, s_ref, a2_ref, w_ref, o_r
         (acc,) = _grouped_tiles(xe_ref, xo_ref, c_ref, s_ref, e, m0, (n0,), H - n0, I, cfg)
         d = acc * a2_ref[e]
         if mode == "trtllm_cutlass":  # GEMM2 output is bf16 in TRT-LLM CUTLASS
-            d = d.astype(jnp.bfloat16).astype(jnp.float32)
+            d = bf16_rne(d, exact_asm)
         wt = w_ref[pl.ds(m0, BM)]
         contrib = d * wt[None, :]
         col_mask = (n0 + jnp.arange(BN)) < H
@@ -309,7 +320,7 @@ def fc2_triton(meta, he, ho, fc2: NVFP4Array, a2, wt, *, cfg: Config, em: int, h
     (``q * sf`` bf16 [EM, I/2]); wt: fp32 router weight per sorted row [EM]."""
     codes, scales = _stack(fc2, cfg)
     return pl.pallas_call(
-        functools.partial(_fc2_kernel, cfg=cfg, H=h_dim, I=inter, mode=mode),
+        functools.partial(_fc2_kernel, cfg=cfg, H=h_dim, I=inter, mode=mode, exact_asm=not interpret),
         out_shape=jax.ShapeDtypeStruct((em, h_dim), jnp.float32),
         grid=(em // cfg.block_m * _cdiv(h_dim, cfg.block_n),),
         compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),

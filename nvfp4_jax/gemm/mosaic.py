@@ -366,9 +366,8 @@ def check_config(cfg: MosaicConfig, k: int, m_tile: int, *, swizzled: bool = Fal
     if whole:
         if not swizzled:
             return 1
-        total = (k + BLOCK_K // 2) // BLOCK_K
-        per = -(-total // min(cfg.split_k, total))
-        return -(-total // per)
+        total = split_steps(k, BLOCK_K, 1)
+        return -(-total // split_steps(k, BLOCK_K, min(cfg.split_k, total)))
     steps = k // cfg.block_k
     return max(s for s in range(1, min(cfg.split_k, steps) + 1) if steps % s == 0)
 
@@ -470,9 +469,7 @@ def accumulate_tile(sources, *, cfg: MosaicConfig, m_tile: int, steps: int,
     if whole_k is not None and (bk != BLOCK_K or whole_k % BLOCK_K != 128):
         raise ValueError(f"config: whole-K scales need block_k={BLOCK_K} and K % 256 == 128, "
                          f"got block_k={bk}, K={whole_k}")
-    if swizzled:
-        if bn != 128:
-            raise ValueError(f"config: swizzled_128x4 scales need block_n=128, got {bn}")
+    if swizzled:  # block_n 128: check_config and the decode (_decode_fn) require it
         whole_k = None  # per-step tiles whatever K % 256
     sstride = None if whole_k is None else whole_k // 16
     chunk = None if whole_k is None else whole_k_chunk(whole_k)

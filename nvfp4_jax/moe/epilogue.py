@@ -54,6 +54,11 @@ def _call(kernel, out_shape, grid, *, num_warps: int, name: str, interpret: bool
                           compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1))
 
 
+def _pow2(v: int) -> int:
+    """Smallest power of two >= v (>= 1): Triton block shapes are powers of two."""
+    return 1 << max(0, (v - 1).bit_length())
+
+
 def _row_tile(h: int) -> int:
     """Largest power of two <= 2048 dividing h (h % 256 == 0): Triton blocks are powers of two."""
     t = 2048
@@ -147,15 +152,15 @@ def _fc1_epilogue_kernel(route_ref, be_ref, nb_ref, part_ref, a1_ref, g2_ref, rg
     @pl.when(b < nb_ref[0])
     def _():
         rows = pl.ds(b * mt, mt)
-        live = None  # n_routes given: only the block's routed rows are read and written
+        load_kw, store_kw = {}, {}  # n_routes given: only the block's routed rows are read and written
         if n_routes is not None:
             live = (plgpu.load(route_ref.at[rows]) < n_routes)[:, None]
+            load_kw, store_kw = {"mask": live, "other": 0.0}, {"mask": live}
 
         def acc(col0):  # [mt, TILE] fp32, split-K partials summed in index order
-            kw = {} if live is None else {"mask": live, "other": 0.0}
-            a = plgpu.load(part_ref.at[jnp.int32(0), rows, pl.ds(col0, TILE)], **kw)
+            a = plgpu.load(part_ref.at[jnp.int32(0), rows, pl.ds(col0, TILE)], **load_kw)
             for s in range(1, split):
-                a = a + plgpu.load(part_ref.at[jnp.int32(s), rows, pl.ds(col0, TILE)], **kw)
+                a = a + plgpu.load(part_ref.at[jnp.int32(s), rows, pl.ds(col0, TILE)], **load_kw)
             return a
 
         # loads in issue order (a GPU stalls at the first use of a pending load): the block's
@@ -168,12 +173,11 @@ def _fc1_epilogue_kernel(route_ref, be_ref, nb_ref, part_ref, a1_ref, g2_ref, rg
             cols = pl.ds(c0 + j * TILE, TILE)
             h = fc1_activation(firsts[j], seconds[j], alpha, activation=activation,
                                gate_up_order=gate_up_order, mode=mode, exact_asm=exact_asm)  # bf16 [mt, TILE]
-            kw = {} if live is None else {"mask": live}
             if h_ref:
-                plgpu.store(h_ref[0].at[rows, cols], h, **kw)
+                plgpu.store(h_ref[0].at[rows, cols], h, **store_kw)
             q = _requantize(h.astype(jnp.float32).reshape(mt, TILE // 16, 16), g, rg, recipe, exact_asm)
             plgpu.store(hv_ref.at[rows, cols], permute_k_order(q.reshape(mt, TILE)).astype(jnp.bfloat16),
-                        **kw)
+                        **store_kw)
 
 
 def fc1_epilogue(part: jax.Array, block_expert: jax.Array, num_blocks: jax.Array, a1: jax.Array,
@@ -199,15 +203,14 @@ def fc1_epilogue(part: jax.Array, block_expert: jax.Array, num_blocks: jax.Array
     if inter % TILE or r_pad < (2 * inter if activation == "swiglu" else inter) or em % max(nb, 1):
         raise ValueError(f"part: expected [split, EM = NB*block_m, R_pad >= R] with I % {TILE} == 0 "
                          f"and NB = {nb} blocks, got {part.shape} for I={inter}, {activation}")
+    if (sorted_route is None) != (n_routes is None):
+        raise ValueError("sorted_route and n_routes: give both (skip padding rows) or neither")
     mt = em // nb
     per = tiles_per_program(inter // TILE, mt, 2 if activation == "swiglu" else 1)
     out = [jax.ShapeDtypeStruct((em, inter), jnp.bfloat16)] * (2 if return_h else 1)
     kern = functools.partial(_fc1_epilogue_kernel, mt=mt, split=split, inter=inter, per=per,
                              activation=activation, gate_up_order=gate_up_order, mode=mode,
-                             recipe=recipe, exact_asm=not interpret,
-                             n_routes=None if sorted_route is None else n_routes)
-    if (sorted_route is None) != (n_routes is None):
-        raise ValueError("sorted_route and n_routes: give both (skip padding rows) or neither")
+                             recipe=recipe, exact_asm=not interpret, n_routes=n_routes)
     route = sorted_route if sorted_route is not None else jnp.zeros((1,), jnp.int32)  # unread
     res = _call(kern, tuple(out), (nb * (inter // (TILE * per)),), num_warps=4,
                 name="nvfp4_moe_fc1_epilogue", interpret=interpret)(
@@ -272,7 +275,7 @@ def combine(part: jax.Array, route_pos: jax.Array, topk_ids: jax.Array, topk_wei
                          f"{part.shape} for H={hidden}")
     split = part.shape[0]
     width = COMBINE_WIDTH if hidden % COMBINE_WIDTH == 0 else TILE
-    kp = 1 << max(0, (k - 1).bit_length())
+    kp = _pow2(k)
     nw = max(1, min(8, kp * width // (32 * COMBINE_ELEMS)))
     kern = functools.partial(_combine_kernel, split=split, top_k=k, kp=kp, mode=mode, width=width,
                              interpret=interpret)
@@ -287,10 +290,6 @@ def combine(part: jax.Array, route_pos: jax.Array, topk_ids: jax.Array, topk_wei
 #: ``routing_kernel`` handles routings whose [E, N] and [NB, E] compare tiles (powers of two)
 #: have at most this many elements (one program holds them in registers).
 ROUTING_KERNEL_MAX_ELEMS = 1 << 15
-
-
-def _pow2(v: int) -> int:
-    return 1 << max(0, (v - 1).bit_length())
 
 
 def _routing_kernel(ids_ref, sorted_ref, be_ref, nb_ref, pos_ref, *, n: int, num_experts: int,

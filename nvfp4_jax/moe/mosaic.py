@@ -70,7 +70,7 @@ from ..quantize import NVFP4Array
 from ..quantize import _div as _ieee_div
 from .configs import Config
 from .configs import default_config as triton_default_config
-from .epilogue import combine, fc1_epilogue, fc1_operand, routing_kernel, routing_kernel_fits
+from .epilogue import _pow2, combine, fc1_epilogue, fc1_operand, routing_kernel, routing_kernel_fits
 from .routing import block_routing, max_blocks
 from .xla import activate, moe_scales, quantized_values, recipe_of, sorted_rows
 from .xla import bf16_round as _bf16_round
@@ -171,7 +171,7 @@ AUTO_SM90: dict[tuple[int, int, int, int, int], MosaicMoEConfig] = {
 
 
 def _bucket(routes: int) -> int:
-    return 1 << max(0, (routes - 1).bit_length())
+    return _pow2(routes)
 
 
 def _split_for(tiles: int, steps: int, want: int) -> int:

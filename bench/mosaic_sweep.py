@@ -114,6 +114,9 @@ def main():
     p.add_argument("--variants", default="",
                    help="instead of the wave-model candidates: variants of each case's auto (or "
                         "default) config, e.g. 'base;prefetch=2;overlap=1;block_k=512,overlap=1'")
+    p.add_argument("--target-s", type=float, default=0.05,
+                   help="seconds of looped calls per timing (longer: less spread; round 6 saw "
+                        "+-30 %% outliers at 0.01)")
     a = p.parse_args()
     os.makedirs(a.out, exist_ok=True)
     path = os.path.join(a.out, "mosaic-sweep-h200.json")
@@ -148,7 +151,7 @@ def main():
                     if name == "mosaic":
                         got = np.asarray(fn(x, wl[0]), np.float32)
                         row["rel_err"] = float(np.abs(got - ref).max() / np.abs(ref).max())
-                    t = gb.time_per_call(fn, x, wl, target_s=0.01)
+                    t = gb.time_per_call(fn, x, wl, target_s=a.target_s)
                     row.update(median_us=t * 1e6, weight_tbps=wbytes / t / 1e12)
                 except Exception as e:  # noqa: BLE001 - record and continue the sweep
                     row["error"] = repr(e)[:600]

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU tests (incl. the SM12x compile check) and both benchmarks on the GPU machine.
 # Usage (device tool): NVFP4_COMMIT=<hash> STEPS="tests gemm moe ncu" bash bench/run_gpu.sh
-# Steps: tests gemm moe profile gprofile probe ncu mncu. Each has its own timeout (T_TESTS, T_GEMM, T_MOE,
+# Steps: tests gemm moe profile gprofile probe sweep ncu mncu. Each has its own timeout (T_TESTS, T_GEMM, T_MOE,
 # T_PROFILE, T_PROBE, T_NCU seconds; all GPU test modules take ~290 s); GEMM_SHAPES, GEMM_MS
 # and MOE_TOKENS narrow the benches (bench/merge_results.py merges a partial run into the
 # committed JSON); everything lands
@@ -52,6 +52,11 @@ for s in $STEPS; do
         --budget-s $((${T_PROBE:-200} - 40)) ${PROBE_SWEEP:+--sweep} ${PROBE_CONFIGS:+--configs $PROBE_CONFIGS} \
         ${PROBE_NO_TRITON:+--no-triton} ${PROBE_SWIZZLED:+--swizzled} 2>&1 \
         | grep -v Warning | tail -40 | tee -a "$OUT/run.log" ;;
+    sweep)
+      step "mosaic GEMM config sweep (${SWEEP_PLAN:-default plan})"
+      timeout "${T_SWEEP:-240}" python3 bench/mosaic_sweep.py --out "$OUT" --budget-s $((${T_SWEEP:-240} - 30)) \
+        ${SWEEP_PLAN:+--plan "$SWEEP_PLAN"} ${SWEEP_VARIANTS:+--variants "$SWEEP_VARIANTS"} 2>&1 \
+        | grep -v Warning | grep -v '^{' | tail -60 | tee -a "$OUT/run.log" ;;
     ncu)
       step "Nsight Compute: the Mosaic GEMM (${NCU_SHAPES:-28672x8192x16 28672x8192x64}, 2 launches each)"
       # no preallocation: kernel replay saves and restores all allocated device memory per pass

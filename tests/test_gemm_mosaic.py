@@ -88,7 +88,7 @@ def test_validation_names_the_argument():
     ck, sk = jnp.zeros((64, 384), jnp.uint8), jnp.zeros((64, 48), jnp.uint8)
     with pytest.raises(ValueError, match="^config: block_k=512 does not divide K=768"):
         matmul_mosaic(xk, ck, sk, 1.0, config=MosaicConfig(block_n=64, block_k=512))
-    big = MosaicConfig(block_n=128, split_k=1, num_stages=2, block_k=512)  # 232 KB at 64 tokens
+    big = MosaicConfig(block_n=128, split_k=1, num_stages=3, block_k=512)  # 300 KB at 64 tokens
     with pytest.raises(ValueError, match="^config: .* shared memory"):
         matmul_mosaic(jnp.zeros((64, 1024), jnp.bfloat16), jnp.zeros((64, 512), jnp.uint8),
                       jnp.zeros((64, 64), jnp.uint8), 1.0, config=big)
@@ -100,6 +100,16 @@ def test_validation_names_the_argument():
             MosaicConfig(**bad)
     with pytest.raises(TypeError, match="^MosaicConfig.overlap"):
         MosaicConfig(overlap=1)
+
+
+def test_smem_bytes_output_tile_reuses_the_pipeline():
+    # stages: codes bn*bk/2 + scales bn*bk/16 + x mt*bk*2 bytes each; the fp32 output tile
+    # (bn*mt*4) lives in a later scope, so a CTA needs the larger of the two, not the sum
+    assert MosaicConfig(block_n=128, num_stages=2).smem_bytes(64) == 2 * (16384 + 2048 + 32768)
+    assert MosaicConfig(block_n=64, num_stages=2).smem_bytes(16) == 2 * (8192 + 1024 + 8192)
+    # whole-K scales: one [pair rows, 2K/16] buffer instead of per-stage scale tiles
+    whole = MosaicConfig(block_n=128, num_stages=2).smem_bytes(8, whole_k=2688)
+    assert whole == 2 * (16384 + 4096) + 72 * 336  # 72 = 64 + 1 pair rows, to a 128-byte copy
 
 
 def test_default_config_fills_the_gpu():

@@ -96,16 +96,18 @@ class MosaicConfig:
             raise TypeError(f"MosaicConfig.overlap: expected a bool, got {self.overlap!r}")
 
     def smem_bytes(self, m_tile: int, whole_k: int | None = None) -> int:
-        """Shared memory of one CTA: pipeline stages (codes, scales, x) plus the fp32 output tile;
-        with whole-K scales (``accumulate_tile``) the scales are one buffer of
-        ``whole_k_pair_rows`` x 2*K/16 bytes instead of a tile per stage."""
+        """Shared memory of one CTA: the larger of the pipeline stages (codes, scales, x) and
+        the fp32 output tile, which ``store_tile`` allocates in a scope after the pipeline's
+        (Mosaic's scoped SMEM is a stack, so the two reuse the same bytes); with whole-K scales
+        (``accumulate_tile``) the scales are one buffer of ``whole_k_pair_rows`` x 2*K/16
+        bytes instead of a tile per stage."""
         stage = self.block_n * self.block_k // 2 + m_tile * self.block_k * 2
         if whole_k is None:
             stage += self.block_n * self.block_k // 16
             extra = 0
         else:
             extra = whole_k_pair_rows(self.block_n, whole_k) * 2 * (whole_k // 16)
-        return self.num_stages * stage + extra + self.block_n * m_tile * 4
+        return max(self.num_stages * stage + extra, self.block_n * m_tile * 4)
 
 
 # Shapes where backend="auto" picks this kernel on sm_90: (M bucket as configs.m_bucket, N, K)
@@ -549,39 +551,47 @@ def accumulate_tile(sources, *, cfg: MosaicConfig, m_tile: int, steps: int,
     return pl.run_scoped(acc_scope, *scratch)
 
 
-def store_tile(acc, o_smem, o_dst) -> None:
-    """Kernel-body building block: the fp32 accumulator [block_n, m_tile] -> SMEM scratch
+def store_tile(acc, o_dst) -> None:
+    """Kernel-body building block: the fp32 accumulator [block_n, m_tile] -> an SMEM tile
     [m_tile, block_n] (transposed: one shuffle and permute per register pair, the
     WGMMA_TRANSPOSED layout) -> GMEM ref [m_tile, block_n] by TMA. The partials come out
-    token-major, so the consumers read contiguous rows and no XLA transpose runs."""
-    _, plgpu = _pallas_mosaic_gpu()
-    o_smem.T[...] = plgpu.layout_cast(acc, plgpu.Layout.WGMMA_TRANSPOSED)
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(o_smem, o_dst)
-    plgpu.wait_smem_to_gmem(0)
+    token-major, so the consumers read contiguous rows and no XLA transpose runs.
+
+    The SMEM tile is allocated here, in a scope that starts after ``accumulate_tile``'s has
+    ended (all its TMA copies consumed, all wgmmas waited for): it reuses the pipeline's bytes,
+    so a CTA needs max(stages, output tile) of SMEM, not their sum (``smem_bytes``). At a
+    64-token tile that is what lets two 128-row CTAs share an SM."""
+    pl, plgpu = _pallas_mosaic_gpu()
+    bn, mt = acc.shape
+
+    def scope(o_smem):
+        o_smem.T[...] = plgpu.layout_cast(acc, plgpu.Layout.WGMMA_TRANSPOSED)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem, o_dst)
+        plgpu.wait_smem_to_gmem(0)
+
+    pl.run_scoped(scope, plgpu.SMEM((mt, bn), jnp.float32))
 
 
-def mosaic_kernel(body, *, out_type, smem_scratch, grid, grid_names):
+def mosaic_kernel(body, *, out_type, grid, grid_names):
     """``plgpu.kernel`` across JAX versions (``out_type``/``scratch_types`` in JAX >= 0.10.2,
-    ``out_shape``/``scratch_shapes`` before). The kernel is named after ``body``."""
+    ``out_shape``/``scratch_shapes`` before), with no kernel-level scratch: the body allocates
+    its SMEM in scopes (``accumulate_tile``, ``store_tile``). Named after ``body``."""
     _, plgpu = _pallas_mosaic_gpu()
     params = inspect.signature(plgpu.kernel).parameters
     new_api = "out_type" in params and "scratch_types" in params
-    kw = {
-        "out_type" if new_api else "out_shape": out_type,
-        "scratch_types" if new_api else "scratch_shapes": [smem_scratch],
-    }
+    kw = {"out_type" if new_api else "out_shape": out_type}
     return plgpu.kernel(body, grid=grid, grid_names=grid_names, **kw)
 
 
 def _build(m_tile: int, n: int, k: int, cfg: MosaicConfig, split: int):
-    pl, plgpu = _pallas_mosaic_gpu()
+    pl, _ = _pallas_mosaic_gpu()
     bn = cfg.block_n
     n_tiles = -(-n // bn)
     ks = k // split
     steps = ks // cfg.block_k
 
-    def nvfp4_w4a16_mosaic(x_gmem, c_gmem, s_gmem, o_gmem, o_smem):  # the kernel's name
+    def nvfp4_w4a16_mosaic(x_gmem, c_gmem, s_gmem, o_gmem):  # the kernel's name
         ni = lax.axis_index("n")
         si = lax.axis_index("s")
         n0 = ni * bn
@@ -595,7 +605,7 @@ def _build(m_tile: int, n: int, k: int, cfg: MosaicConfig, split: int):
             m_tile=m_tile,
             steps=steps,
         )
-        store_tile(acc, o_smem, o_gmem.at[si, :, pl.ds(n0, bn)])
+        store_tile(acc, o_gmem.at[si, :, pl.ds(n0, bn)])
 
     out_type = jax.ShapeDtypeStruct((split, m_tile, n_tiles * bn), jnp.float32)
 
@@ -603,7 +613,6 @@ def _build(m_tile: int, n: int, k: int, cfg: MosaicConfig, split: int):
         return mosaic_kernel(
             nvfp4_w4a16_mosaic,
             out_type=out,
-            smem_scratch=plgpu.SMEM((m_tile, bn), jnp.float32),
             grid=(n_tiles, split),
             grid_names=("n", "s"),
         )

@@ -101,12 +101,13 @@ class MosaicMoEConfig:
     routing: "xla" (``routing.block_routing``: ~5 small XLA fusions) or "kernel"
     (``epilogue.routing_kernel``: one Pallas-Triton launch, for routings whose compare tiles
     fit one program, ``routing_kernel_fits``; larger ones use "xla", logged). Both give the
-    same routing; "kernel" compiles for sm_90 (checked with ptxas) but is not yet measured,
-    so "xla" is the default.
+    same routing. Measured on the H200: faster for qwen3 at T <= 8 (-2.4..-3.5 us), slower for
+    nemotron T = 1 (+7 us: one program compares 512 experts), so ``AUTO_SM90`` sets it per
+    shape and "xla" is the default.
     skip_padding: the FC1 operand and FC1 epilogue kernels leave the blocks' padding rows
     alone (no quantization, no reads of their partials, no writes; nothing downstream reads
     them) instead of processing whole blocks: at decode most block rows are padding (nemotron
-    T = 8: ~1.1 of 8). Opt-in until measured on the GPU.
+    T = 8: ~1.1 of 8). Measured 0-1 us faster at T <= 8; set in ``AUTO_SM90`` there.
     """
 
     block_m: int = 8
@@ -158,15 +159,24 @@ AUTO_SM90: dict[tuple[int, int, int, int, int], MosaicMoEConfig] = {
     # 2026-11-30 (session 7, bench/results/moe-mosaic-probe-round5-h200.json, swizzled
     # weights): T = 1 split 3: 50.8 us vs 53.8 unsplit; T = 8 split 2: 189.0 vs 192.6;
     # T = 64: no gain (544.7 / 551.3 vs 542.8).
-    (*_NEMO, 32): dataclasses.replace(_NEMO_CFG, fc2=MosaicConfig(block_n=128, split_k=3, num_stages=2)),
-    (*_NEMO, 256): dataclasses.replace(_NEMO_CFG, fc2=MosaicConfig(block_n=128, split_k=2, num_stages=2)),
+    # skip_padding (session 8, 2026-11-30, bench/results/moe-mosaic-probe-round6-h200.json,
+    # swizzled weights): T = 1 50.5 vs 51.1 us; T = 8 183.8 vs 184.6. The routing kernel was
+    # slower at T = 1 (58.3: one program over 512 experts) and does not fit T = 8.
+    (*_NEMO, 32): dataclasses.replace(_NEMO_CFG, skip_padding=True,
+                                      fc2=MosaicConfig(block_n=128, split_k=3, num_stages=2)),
+    (*_NEMO, 256): dataclasses.replace(_NEMO_CFG, skip_padding=True,
+                                       fc2=MosaicConfig(block_n=128, split_k=2, num_stages=2)),
     (*_NEMO, 2048): _NEMO_CFG,
-    # qwen3-30B T = 1: 48.1 vs 51.9 us
+    # qwen3-30B T = 1: 48.1 vs 51.9 us; routing kernel + skip_padding (session 8, same file):
+    # 32.0 vs 35.4 us (routing kernel alone 31.9, skip_padding alone 35.4)
     (*_QWEN, 8): MosaicMoEConfig(block_m=8, fc1=MosaicConfig(block_n=128, split_k=2, num_stages=2),
-                                 fc2=MosaicConfig(block_n=128, split_k=1, num_stages=2)),
-    # qwen3-30B T = 8: 101.0 vs 143.7 us
+                                 fc2=MosaicConfig(block_n=128, split_k=1, num_stages=2),
+                                 routing="kernel", skip_padding=True),
+    # qwen3-30B T = 8: 101.0 vs 143.7 us; routing kernel + skip_padding: 76.7 vs 79.1 us
+    # (routing kernel alone 76.9, skip_padding alone 78.3)
     (*_QWEN, 64): MosaicMoEConfig(block_m=8, fc1=MosaicConfig(block_n=128, split_k=1, num_stages=2),
-                                  fc2=MosaicConfig(block_n=128, split_k=1, num_stages=2)),
+                                  fc2=MosaicConfig(block_n=128, split_k=1, num_stages=2),
+                                  routing="kernel", skip_padding=True),
 }
 
 
@@ -229,7 +239,7 @@ def check_supported(k: int, *, n: int = 2, name: str = "w") -> None:
 
 def _build(mt: int, nb: int, n: int, k: int, cfg: MosaicConfig, split: int, name: str,
            swizzled: bool = False):
-    pl, plgpu = _pallas_mosaic_gpu()
+    pl, _ = _pallas_mosaic_gpu()
     bn = cfg.block_n
     n_tiles = _cdiv(n, bn)
     steps = split_steps(k, cfg.block_k, split)
@@ -238,7 +248,7 @@ def _build(mt: int, nb: int, n: int, k: int, cfg: MosaicConfig, split: int, name
     # swizzled_tile_view's [E, Np/128, Kp/2, 256]: per-step tiles for any K)
     whole = k % BLOCK_K != 0 and not swizzled
 
-    def nvfp4_moe_mosaic(be_gmem, nb_gmem, x_gmem, c_gmem, s_gmem, o_gmem, o_smem):  # kernel name
+    def nvfp4_moe_mosaic(be_gmem, nb_gmem, x_gmem, c_gmem, s_gmem, o_gmem):  # kernel name
         ni = lax.axis_index("n")
         si = lax.axis_index("s")
         b = lax.axis_index("b")
@@ -272,13 +282,12 @@ def _build(mt: int, nb: int, n: int, k: int, cfg: MosaicConfig, split: int, name
                 whole_k=k if whole else None,
                 swizzled=swizzled,
             )
-            store_tile(acc, o_smem, o_gmem.at[si, pl.ds(b * mt, mt), pl.ds(n0, bn)])
+            store_tile(acc, o_gmem.at[si, pl.ds(b * mt, mt), pl.ds(n0, bn)])
 
     nvfp4_moe_mosaic.__name__ = f"nvfp4_moe_mosaic_{name}" if name else "nvfp4_moe_mosaic"
     return mosaic_kernel(
         nvfp4_moe_mosaic,
         out_type=jax.ShapeDtypeStruct((split, nb * mt, n_tiles * bn), jnp.float32),
-        smem_scratch=plgpu.SMEM((mt, bn), jnp.float32),
         grid=(n_tiles, split, nb),
         grid_names=("n", "s", "b"),
     )

@@ -118,15 +118,19 @@ class MosaicConfig:
 AUTO_SM90: dict[tuple[int, int, int], MosaicConfig] = {
     # 54.1 / 101.5 / 133.9 (2.44 TB/s); the previous entry (64, 2, 4 stages): 62.6
     (16, 28672, 8192): MosaicConfig(block_n=64, split_k=4, num_stages=2),
-    # 93.5 / 152.5 / 128.9; the previous entry (4 stages: 180 KB SMEM, 1 CTA per SM): 117.8
-    (64, 28672, 8192): MosaicConfig(block_n=64, split_k=2, num_stages=2),
+    # 82.3 / 151.6 / 128.6 (session 8, bench/results/mosaic-sweep-round7-h200.json): block_n
+    # 128 fits two CTAs per SM since the output tile reuses the stage buffers (100 KB, was
+    # 132); the previous entry (64, split 2, 2 stages) 94.1 in the same run
+    (64, 28672, 8192): MosaicConfig(block_n=128, split_k=1, num_stages=2),
+    # 11.1 / 20.7 / 15.8 (same run; next 128/4/2 12.4); this bucket used Pallas-Triton before
+    (64, 4096, 4096): MosaicConfig(block_n=64, split_k=4, num_stages=2),
     # 13.5 / 36.9 / 39.3 (next best config 17.4)
     (16, 4096, 14336): MosaicConfig(block_n=128, split_k=8, num_stages=2),
     # 23.1 / 49.2 / 46.0
     (64, 4096, 14336): MosaicConfig(block_n=64, split_k=4, num_stages=2),
     # 17.5 / 38.2 / 42.4
     (16, 14336, 4096): MosaicConfig(block_n=64, split_k=8, num_stages=2),
-    # 25.7 / 62.9 / 44.2
+    # 25.7 / 62.9 / 44.2 (session 8: 26.1 vs 25.4 for 128/2/2, within spread; kept)
     (64, 14336, 4096): MosaicConfig(block_n=64, split_k=1, num_stages=2),
     # 5.6 / 15.3 / 12.5; the other seven configs 8.2-9.1 (the round-3 entry, 4 stages: 9.1).
     # At ~10 us a call is ~3 launches and moves by up to 2x between runs (NOTES-gemm.md).

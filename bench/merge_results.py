@@ -19,11 +19,16 @@ KEYS = {"gemm": ("impl", "N", "K", "M"), "moe": ("impl", "shape", "routing", "T"
 
 
 def merge(kind: str, old: dict, new: dict) -> dict:
-    keys = KEYS[kind]
+    """New records replace old ones with the same key; an ``hbm_copy`` record is keyed by its
+    commit too, so that rows kept from an older run keep the copy rate of their own run."""
+    def key(r: dict) -> tuple:
+        keys = (*KEYS[kind], "commit") if r.get("impl") == "hbm_copy" else KEYS[kind]
+        return tuple(r.get(k) for k in keys)
+
     stamp = {"commit": new.get("commit"), "date": new.get("date")}
     fresh = [{**r, **{k: v for k, v in stamp.items() if k not in r}} for r in new["records"]]
-    seen = {tuple(r.get(k) for k in keys) for r in fresh}
-    kept = [r for r in old["records"] if tuple(r.get(k) for k in keys) not in seen]
+    seen = {key(r) for r in fresh}
+    kept = [r for r in old["records"] if key(r) not in seen]
     return {**{k: v for k, v in new.items() if k != "records"}, "records": fresh + kept}
 
 

@@ -4,7 +4,8 @@ Usage: python bench/tables.py [gemm|moe] [--results DIR]
 GEMM: per (N x K, M) our W4A16 (with the kernel auto chose), W4A4, bf16 jnp.dot, and the ratios
 (the slower of our two against scaled_matmul and XLA dequantize-then-dot). MoE: ours vs the
 bf16 ragged_dot and dequantize+ragged_dot baselines, TB/s over touched-expert NVFP4 bytes as a
-fraction of the HBM copy record of the same file. A record older than the file's commit is
+fraction of the HBM copy measured in the same run (the hbm_copy record with the row's commit;
+the newest one if none). A record older than the file's commit is
 marked with *.
 """
 
@@ -60,7 +61,8 @@ def gemm(doc: dict) -> str:
 
 
 def moe(doc: dict) -> str:
-    copy = next((r["tbps"] for r in doc["records"] if r["impl"] == "hbm_copy"), None)
+    copies = {r.get("commit"): r["tbps"] for r in reversed(doc["records"]) if r["impl"] == "hbm_copy"}
+    latest = next((r["tbps"] for r in doc["records"] if r["impl"] == "hbm_copy"), None)
     by = {(r["impl"], r["shape"], r["routing"], r["T"]): r for r in doc["records"]
           if r["impl"] != "hbm_copy"}
     head = doc.get("commit")
@@ -85,6 +87,7 @@ def moe(doc: dict) -> str:
                 return "skipped" if "skipped" in r.get("error", "") else "failed"
             return f"{r['median_us']:.0f}" + ("*" if r.get("commit", head) != head else "")
 
+        copy = copies.get(o.get("commit"), latest)  # the copy measured in the row's own run
         tb = f"{o['tbps']:.2f} ({100 * o['tbps'] / copy:.0f} %)" if copy and t <= 512 else "-"
         ratio = (f" ({b['median_us'] / o['median_us']:.1f}x)"
                  if b and "median_us" in b else "")

@@ -1,0 +1,40 @@
+"""The benchmark bookkeeping (bench/merge_results.py, bench/tables.py): merged records keep
+the HBM copy rate of their own run, and the README's MoE percentages use it."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "bench", f"{name}.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _rec(impl, t, us, tbps, commit):
+    return {"impl": impl, "shape": "nemotron", "routing": "random", "T": t, "median_us": us,
+            "tbps": tbps, "tflops": 1.0, "commit": commit}
+
+
+def test_merge_keeps_each_runs_copy_rate_and_tables_use_it():
+    merge, tables = _load("merge_results").merge, _load("tables").moe
+    old = {"commit": "a", "records": [
+        {"impl": "hbm_copy", "tbps": 4.0, "commit": "a"},
+        _rec("nvfp4_moe", 1, 50.0, 1.0, "a"), _rec("nvfp4_moe", 64, 500.0, 2.0, "a")]}
+    new = {"commit": "b", "date": "d", "records": [
+        {"impl": "hbm_copy", "tbps": 2.0}, _rec("nvfp4_moe", 1, 40.0, 1.0, None)]}
+    new["records"][1].pop("commit")
+    doc = merge("moe", old, new)
+    copies = sorted((r["commit"], r["tbps"]) for r in doc["records"] if r["impl"] == "hbm_copy")
+    assert copies == [("a", 4.0), ("b", 2.0)]
+    ours = {r["T"]: r for r in doc["records"] if r["impl"] == "nvfp4_moe"}
+    assert ours[1]["median_us"] == 40.0 and ours[1]["commit"] == "b"  # replaced, stamped
+    assert ours[64]["median_us"] == 500.0  # kept from the older run
+    rows = {line.split(" | ")[1]: line for line in tables(doc).splitlines()[2:]}
+    assert "1.00 (50 %)" in rows["1"]  # 1.0 TB/s against its own run's 2.0
+    assert "2.00 (50 %)" in rows["64"] and "500*" in rows["64"]  # 2.0 against 4.0, older run

@@ -13,7 +13,7 @@ experts' NVFP4 weights (0.5625 B/weight), averaged over the NROT routings.
 sweep): ``_``-joined knobs applied to both GEMMs of the case's default config: ``bm<N>``
 (block_m), ``bn<N>`` (block_n), ``s<N>`` (stages), ``k<N>`` (split_k, where K allows it),
 ``ov`` (overlap), ``bk512``; prefixed ``f1``/``f2``, to one GEMM only; ``rk``: the one-launch
-routing kernel (``MosaicMoEConfig.routing="kernel"``); ``sp``: ``skip_padding``. With ``--swizzled`` the
+routing kernel (``MosaicMoEConfig.routing="kernel"``); ``sp``: ``skip_padding``; ``bf``: ``bf16_partials``. With ``--swizzled`` the
 named configs run on the swizzled weights. ``--swizzled``: the default config again with the weights' scales
 in ``swizzled_128x4`` (read per step by the kernel; no whole-K buffer for K % 256 == 128).
 Writes DIR/moe-mosaic-probe-h200.json progressively.
@@ -107,6 +107,9 @@ def named_config(name: str, base: MosaicMoEConfig, hidden: int, inter: int) -> M
             continue
         if knob == "sp":  # skip the blocks' padding rows in the FC1 operand and epilogue
             top["skip_padding"] = True
+            continue
+        if knob == "bf":  # unsplit GEMMs store bf16(alpha * acc) (trtllm_cutlass)
+            top["bf16_partials"] = True
             continue
         m = re.fullmatch(r"(f[12])?(?:(bm|bn|s|k|bk)(\d+)|(ov))", knob)
         if m is None:

@@ -6,6 +6,7 @@ oracle with the kernel replaced by its XLA emulation."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 
@@ -51,11 +52,15 @@ def test_grouped_kernel_lowers_for_cuda(nb, mt, e, n, k, cfg):
     assert f"tensor<{split}x{nb * mt}x{-(-n // cfg.block_n) * cfg.block_n}xf32>" in text  # token-major
 
 
-@pytest.mark.parametrize("activation,inter", [("swiglu", 768), ("relu2", 2688), ("relu2", 96)])
-def test_moe_mosaic_layer_lowers_for_cuda(activation, inter):
+@pytest.mark.parametrize("activation,inter,config", [
+    ("swiglu", 768, None), ("relu2", 2688, None), ("relu2", 96, None),
+    ("relu2", 2688, MosaicMoEConfig(block_m=64, bf16_partials=True)),
+    ("swiglu", 768, MosaicMoEConfig(block_m=8, bf16_partials=True, skip_padding=True, routing="kernel")),
+])
+def test_moe_mosaic_layer_lowers_for_cuda(activation, inter, config):
     """The whole layer (routing, kernels, glue): both GEMMs on Mosaic (nemotron's FC2, K = 2688,
     with whole-K scales) and the three Pallas-Triton glue kernels, or FC2 on Pallas-Triton
-    (K = 96) with the XLA epilogue."""
+    (K = 96) with the XLA epilogue; with bf16_partials both GEMMs return bf16 products."""
     e, h, t, k = 16, 1024, 3, 4
     r = 2 * inter if activation == "swiglu" else inter
     import nvfp4_jax
@@ -69,7 +74,7 @@ def test_moe_mosaic_layer_lowers_for_cuda(activation, inter):
 
     def f(x, ids, w, s1, s2):
         return moe_mosaic(x, ids, w, fc1, fc2, s1, s2, activation=activation, gate_up_order="up_gate",
-                          mode="trtllm_cutlass", activation_scale="scalar")
+                          mode="trtllm_cutlass", activation_scale="scalar", config=config)
 
     args = (jax.ShapeDtypeStruct((t, h), jnp.bfloat16), jax.ShapeDtypeStruct((t, k), jnp.int32),
             jax.ShapeDtypeStruct((t, k), jnp.float32), jax.ShapeDtypeStruct((e,), jnp.float32),
@@ -81,6 +86,10 @@ def test_moe_mosaic_layer_lowers_for_cuda(activation, inter):
     assert "nvfp4_moe_fc1_operand" in text
     for glue in ("nvfp4_moe_fc1_epilogue", "nvfp4_moe_combine"):  # only with FC2 on Mosaic
         assert (glue in text) == on2
+    if config is not None and config.bf16_partials:
+        em = config.block_m * mm.max_blocks(t * k, e, config.block_m)
+        for n in (r, h):  # FC1's and FC2's outputs: bf16 products, unsplit
+            assert f"tensor<1x{em}x{n}xbf16>" in text
 
 
 @pytest.mark.parametrize("nb,mt,e,n,k,cfg", [
@@ -162,6 +171,14 @@ SPLIT = MosaicMoEConfig(block_m=16, fc1=MosaicConfig(block_n=64, split_k=2, num_
      {"t": 4, "h": 256, "inter": 384, "e": 5, "k": 2}, MosaicMoEConfig(block_m=16, skip_padding=True)),
     ("subnormal_scales_b12x", "b12x", "relu2", "up_gate",
      {"t": 6, "h": 256, "inter": 256, "e": 3, "k": 2, "scale_factor": 2.0**15}, None),
+    # the GEMMs store bf16(alpha * acc) (trtllm_cutlass's rounding points) instead of fp32
+    # partials: both GEMMs (relu2, FC2 with K = 384), and swiglu with FC1 split (fp32 there)
+    ("bf16_partials_relu2_trtllm", "trtllm_cutlass", "relu2", "up_gate",
+     {"t": 9, "h": 256, "inter": 384, "e": 6, "k": 3, "routing": "skewed", "scale_factor": 2.0**15},
+     MosaicMoEConfig(block_m=8, bf16_partials=True)),
+    ("bf16_partials_swiglu_trtllm", "trtllm_cutlass", "swiglu", "gate_up",
+     {"t": 7, "h": 512, "inter": 256, "e": 5, "k": 2},
+     MosaicMoEConfig(block_m=16, bf16_partials=True, skip_padding=True, fc1=MosaicConfig(split_k=2))),
 ])
 def test_moe_mosaic_dataflow_matches_oracle(name, mode, activation, order, kw, config):
     case = make_case(np.random.default_rng(len(name)), activation=activation, **kw)
@@ -192,6 +209,52 @@ def test_moe_mosaic_dataflow_swizzled_weights(inter, swizzle, caplog):
         out, h = _run(case, mode="trtllm_cutlass", activation="relu2", swizzle=swizzle, config=bn64)
     assert "converted to linear on every call" in caplog.text
     check_against_oracle(case, out, h, mode="trtllm_cutlass", activation="relu2")
+
+
+@pytest.mark.parametrize("mode,activation", [("trtllm_cutlass", "relu2"), ("trtllm_cutlass", "swiglu"),
+                                             ("b12x", "relu2")])
+def test_bf16_partials_same_numbers_as_fp32_partials(mode, activation, caplog):
+    """bf16 products stored by the GEMM are the rounding the fp32 path does in the next kernel
+    (one fp32 multiply by alpha, round to nearest even), so the layer is bit-identical; b12x
+    has no such rounding point: fp32 partials, with a log line."""
+    case = make_case(np.random.default_rng(11), t=6, h=256, inter=256, e=4, k=3, activation=activation)
+    base = MosaicMoEConfig(block_m=8)
+    with caplog.at_level(logging.INFO, logger="nvfp4_jax.moe"):
+        got = _run(case, mode=mode, activation=activation, config=dataclasses.replace(base, bf16_partials=True))
+    want = _run(case, mode=mode, activation=activation, config=base)
+    np.testing.assert_array_equal(got[0], want[0])
+    np.testing.assert_array_equal(got[1], want[1])
+    assert ("bf16_partials ignored in mode b12x" in caplog.text) == (mode == "b12x")
+
+
+def test_grouped_kernel_bf16_products():
+    """grouped_matmul(alpha=...): bf16 [1, EM, N_pad] = bf16(alpha[e] * acc) per block, lowered
+    for CUDA with a bf16 output; validation names the argument."""
+    nb, mt, e, n, k = 4, 8, 3, 256, 512
+    args = (*_grouped_args(nb, mt, e, n, k), jax.ShapeDtypeStruct((e,), jnp.float32))
+    f = jax.jit(lambda x, c, s, be, nbk, a: grouped_matmul(x, c, s, be, nbk, block_m=mt, alpha=a))
+    text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "nvfp4_moe_mosaic" in text and f"tensor<1x{nb * mt}x{n}xbf16>" in text
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((nb * mt, k)), jnp.bfloat16)
+    c = jnp.asarray(rng.integers(0, 256, (e, n, k // 2)), jnp.uint8)
+    sc = jnp.asarray(rng.integers(0x20, 0x48, (e, n, k // 16)), jnp.uint8)
+    be, nbk = jnp.asarray([2, 0, 1, 0], jnp.int32), jnp.asarray([3], jnp.int32)
+    alpha = jnp.asarray([3e-3, 0.5, 7.0], jnp.float32)
+    g = functools.partial(grouped_matmul, block_m=mt, reference=True)
+    part = np.asarray(g(x, c, sc, be, nbk))[0]  # fp32 accumulators times 2^-7
+    prod = np.asarray(g(x, c, sc, be, nbk, alpha=alpha).astype(jnp.float32))[0]
+    # expected from the fp32 partials with numpy: fp32 product, then bf16 round to nearest even
+    import ml_dtypes
+    a_rows = np.repeat(np.asarray(alpha)[np.asarray(be)] * np.float32(128.0), mt)[:, None]
+    want = (part * a_rows).astype(np.float32).astype(ml_dtypes.bfloat16).astype(np.float32)
+    rows = slice(0, 3 * mt)  # blocks past num_blocks are garbage in both
+    np.testing.assert_array_equal(prod[rows], want[rows])
+    assert np.all(np.isfinite(prod[rows])) and np.abs(prod[rows]).max() > 0
+    with pytest.raises(ValueError, match="^alpha: expected float32"):
+        g(x, c, sc, be, nbk, alpha=alpha[:2])
+    with pytest.raises(ValueError, match="^config: alpha .* needs split_k=1"):
+        g(x, c, sc, be, nbk, alpha=alpha, config=MosaicConfig(split_k=2))
 
 
 def test_moe_mosaic_b12x_scalar_activation_scale():

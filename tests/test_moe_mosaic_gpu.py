@@ -83,6 +83,12 @@ def _run(case, *, mode, activation, order="up_gate", config=None, kernel="mosaic
     # padding rows skipped (left unwritten: whatever the memory held stays in unread rows)
     ("qwen_skip_padding_b12x", "b12x", {**QWEN, "t": 6, "e": 16, "k": 4, "routing": "skewed"}, "up_gate",
      MosaicMoEConfig(block_m=8, skip_padding=True)),
+    # the GEMMs store bf16(alpha * acc) instead of fp32 partials (64-row blocks; nemotron's
+    # FC2 with whole-K scales), and at decode with skip_padding (qwen3, swiglu)
+    ("nemotron_bf16_partials_trtllm", "trtllm_cutlass", {**NEMO, "t": 64, "e": 4, "k": 4}, "up_gate",
+     MosaicMoEConfig(block_m=64, bf16_partials=True)),
+    ("qwen_bf16_partials_trtllm", "trtllm_cutlass", {**QWEN, "t": 5, "e": 16, "k": 4}, "up_gate",
+     MosaicMoEConfig(block_m=8, bf16_partials=True, skip_padding=True)),
 ])
 def test_moe_mosaic_gpu_matches_oracle(name, mode, shape, order, config):
     case = make_case_fast(np.random.default_rng(len(name)), **shape)

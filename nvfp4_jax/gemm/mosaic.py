@@ -555,7 +555,7 @@ def accumulate_tile(sources, *, cfg: MosaicConfig, m_tile: int, steps: int,
     return pl.run_scoped(acc_scope, *scratch)
 
 
-def store_tile(acc, o_dst) -> None:
+def store_tile(acc, o_dst, *, scale=None) -> None:
     """Kernel-body building block: the fp32 accumulator [block_n, m_tile] -> an SMEM tile
     [m_tile, block_n] (transposed: one shuffle and permute per register pair, the
     WGMMA_TRANSPOSED layout) -> GMEM ref [m_tile, block_n] by TMA. The partials come out
@@ -564,9 +564,17 @@ def store_tile(acc, o_dst) -> None:
     The SMEM tile is allocated here, in a scope that starts after ``accumulate_tile``'s has
     ended (all its TMA copies consumed, all wgmmas waited for): it reuses the pipeline's bytes,
     so a CTA needs max(stages, output tile) of SMEM, not their sum (``smem_bytes``). At a
-    64-token tile that is what lets two 128-row CTAs share an SM."""
+    64-token tile that is what lets two 128-row CTAs share an SM.
+
+    scale: None, or an fp32 scalar: the tile is stored as bf16(acc * scale) (one fp32 multiply,
+    one round to nearest even) into a bf16 ``o_dst``: half the bytes of fp32 partials, for
+    consumers whose first step is exactly that rounding (TensorRT-LLM's bf16 GEMM outputs).
+    """
     pl, plgpu = _pallas_mosaic_gpu()
     bn, mt = acc.shape
+    dtype = jnp.float32 if scale is None else jnp.bfloat16
+    if scale is not None:
+        acc = (acc * scale).astype(jnp.bfloat16)
 
     def scope(o_smem):
         o_smem.T[...] = plgpu.layout_cast(acc, plgpu.Layout.WGMMA_TRANSPOSED)
@@ -574,7 +582,7 @@ def store_tile(acc, o_dst) -> None:
         plgpu.copy_smem_to_gmem(o_smem, o_dst)
         plgpu.wait_smem_to_gmem(0)
 
-    pl.run_scoped(scope, plgpu.SMEM((mt, bn), jnp.float32))
+    pl.run_scoped(scope, plgpu.SMEM((mt, bn), dtype))
 
 
 def mosaic_kernel(body, *, out_type, grid, grid_names):

@@ -122,6 +122,21 @@ def fc1_operand(hidden: jax.Array, sorted_route: jax.Array, block_expert: jax.Ar
         sorted_route, block_expert, num_blocks, hidden, g1, rg1)
 
 
+def _check_prescaled(part: jax.Array, mode: str) -> bool:
+    """Whether GEMM partials are the bf16 products bf16(alpha * acc) (True) or fp32 split-K
+    partials (False); raises ValueError naming ``part`` for anything else."""
+    if part.dtype == jnp.float32:
+        return False
+    if part.dtype != jnp.bfloat16:
+        raise ValueError(f"part: expected float32 partials or bfloat16 products, got {part.dtype}")
+    if part.shape[0] != 1:
+        raise ValueError(f"part: bf16 products come unsplit ([1, EM, N]), got shape {part.shape}")
+    if mode != "trtllm_cutlass":
+        raise ValueError(f"part: bf16 products are TensorRT-LLM CUTLASS's rounding point; mode "
+                         f"{mode!r} needs fp32 partials")
+    return True
+
+
 # ----------------------------------------------------------------------------- FC1 epilogue
 
 #: fp32 accumulator elements one FC1-epilogue program holds (loaded up front, both halves for
@@ -144,7 +159,7 @@ def tiles_per_program(n_tiles: int, rows: int, halves: int) -> int:
 def _fc1_epilogue_kernel(route_ref, be_ref, nb_ref, part_ref, a1_ref, g2_ref, rg2_ref, hv_ref, *h_ref,
                          mt: int, split: int, inter: int, per: int, activation: str,
                          gate_up_order: str, mode: str, recipe: str, exact_asm: bool,
-                         n_routes: int | None):
+                         n_routes: int | None, prescaled: bool):
     n_groups = inter // (TILE * per)
     pid = pl.program_id(0)
     b, c0 = pid // n_groups, pid % n_groups * (TILE * per)
@@ -158,6 +173,9 @@ def _fc1_epilogue_kernel(route_ref, be_ref, nb_ref, part_ref, a1_ref, g2_ref, rg
             load_kw, store_kw = {"mask": live, "other": 0.0}, {"mask": live}
 
         def acc(col0):  # [mt, TILE] fp32, split-K partials summed in index order
+            if prescaled:  # bf16(alpha * acc) from the GEMM's store: already the rounding point
+                a = plgpu.load(part_ref.at[jnp.int32(0), rows, pl.ds(col0, TILE)], **load_kw)
+                return a.astype(jnp.float32)
             a = plgpu.load(part_ref.at[jnp.int32(0), rows, pl.ds(col0, TILE)], **load_kw)
             for s in range(1, split):
                 a = a + plgpu.load(part_ref.at[jnp.int32(s), rows, pl.ds(col0, TILE)], **load_kw)
@@ -168,7 +186,8 @@ def _fc1_epilogue_kernel(route_ref, be_ref, nb_ref, part_ref, a1_ref, g2_ref, rg
         e = be_ref[b]
         firsts = [acc(c0 + j * TILE) for j in range(per)]
         seconds = [acc(inter + c0 + j * TILE) if activation == "swiglu" else None for j in range(per)]
-        alpha, g, rg = a1_ref[e] * POST_SCALE, g2_ref[e], rg2_ref[e]
+        alpha = None if prescaled else a1_ref[e] * POST_SCALE
+        g, rg = g2_ref[e], rg2_ref[e]
         for j in range(per):
             cols = pl.ds(c0 + j * TILE, TILE)
             h = fc1_activation(firsts[j], seconds[j], alpha, activation=activation,
@@ -192,13 +211,16 @@ def fc1_epilogue(part: jax.Array, block_expert: jax.Array, num_blocks: jax.Array
     of the valid blocks is processed.
 
     part fp32 [split, EM, R_pad] (``mosaic.grouped_matmul``'s output, token-major, times 2^-7;
-    R = I or 2I for swiglu, R_pad >= R; EM = NB * block_m); block_expert int32 [NB];
+    R = I or 2I for swiglu, R_pad >= R; EM = NB * block_m), or bf16 [1, EM, R_pad]: the
+    products bf16(alpha1 * acc) that ``grouped_matmul(alpha=a1)`` stores (trtllm_cutlass only:
+    its GEMM1 output is bf16; a1 is then unread); block_expert int32 [NB];
     num_blocks int32 [1]; a1, g2, rg2 fp32 [E] (FC1 alpha, FC2 encode scale, IEEE 1/g2).
     I % 128 == 0. Rows of blocks past ``num_blocks`` are not written.
     """
     if part.ndim != 3:
         raise ValueError(f"part: expected fp32 [split, EM, R_pad], got shape {part.shape}")
     split, em, r_pad = part.shape
+    prescaled = _check_prescaled(part, mode)
     nb = block_expert.shape[0]
     if inter % TILE or r_pad < (2 * inter if activation == "swiglu" else inter) or em % max(nb, 1):
         raise ValueError(f"part: expected [split, EM = NB*block_m, R_pad >= R] with I % {TILE} == 0 "
@@ -210,7 +232,8 @@ def fc1_epilogue(part: jax.Array, block_expert: jax.Array, num_blocks: jax.Array
     out = [jax.ShapeDtypeStruct((em, inter), jnp.bfloat16)] * (2 if return_h else 1)
     kern = functools.partial(_fc1_epilogue_kernel, mt=mt, split=split, inter=inter, per=per,
                              activation=activation, gate_up_order=gate_up_order, mode=mode,
-                             recipe=recipe, exact_asm=not interpret, n_routes=n_routes)
+                             recipe=recipe, exact_asm=not interpret, n_routes=n_routes,
+                             prescaled=prescaled)
     route = sorted_route if sorted_route is not None else jnp.zeros((1,), jnp.int32)  # unread
     res = _call(kern, tuple(out), (nb * (inter // (TILE * per)),), num_warps=4,
                 name="nvfp4_moe_fc1_epilogue", interpret=interpret)(
@@ -225,7 +248,7 @@ COMBINE_ELEMS = 8  # route-row elements each thread holds: num_warps = kp * widt
 
 
 def _combine_kernel(pos_ref, ids_ref, w_ref, part_ref, a2_ref, o_ref, *, split: int, top_k: int,
-                    kp: int, mode: str, width: int, interpret: bool):
+                    kp: int, mode: str, width: int, interpret: bool, prescaled: bool):
     """One token's ``width`` output columns from its ``top_k`` route rows, as one 2-D gather.
 
     The k route rows are read as a single [kp, width] tile (kp: k rounded up to a power of two,
@@ -241,7 +264,8 @@ def _combine_kernel(pos_ref, ids_ref, w_ref, part_ref, a2_ref, o_ref, *, split: 
     pos = plgpu.load(pos_ref.at[r], mask=valid, other=0)
     ids = plgpu.load(ids_ref.at[r], mask=valid, other=0)
     wts = plgpu.load(w_ref.at[r], mask=valid, other=0.0)
-    a2 = plgpu.load(a2_ref.at[ids], mask=valid, other=0.0) * POST_SCALE
+    if not prescaled:
+        a2 = plgpu.load(a2_ref.at[ids], mask=valid, other=0.0) * POST_SCALE
     if not interpret:
         # every position (and alpha) has arrived before the first row load: ptxas otherwise
         # chains position -> row -> use per route, a few routes at a time
@@ -250,11 +274,14 @@ def _combine_kernel(pos_ref, ids_ref, w_ref, part_ref, a2_ref, o_ref, *, split: 
     rows = pos[:, None]
     m2 = valid[:, None] & (cols >= 0)
     d = plgpu.load(part_ref.at[jnp.int32(0), rows, cols], mask=m2, other=0.0)
-    for s in range(1, split):
-        d = d + plgpu.load(part_ref.at[jnp.int32(s), rows, cols], mask=m2, other=0.0)
-    d = d * a2[:, None]
-    if mode == "trtllm_cutlass":  # GEMM2 output is bf16 in TRT-LLM CUTLASS
-        d = bf16_rne(d, exact_asm=not interpret)
+    if prescaled:  # bf16(alpha2 * acc) from the GEMM's store: TRT-LLM's bf16 GEMM2 output
+        d = d.astype(jnp.float32)
+    else:
+        for s in range(1, split):
+            d = d + plgpu.load(part_ref.at[jnp.int32(s), rows, cols], mask=m2, other=0.0)
+        d = d * a2[:, None]
+        if mode == "trtllm_cutlass":  # GEMM2 output is bf16 in TRT-LLM CUTLASS
+            d = bf16_rne(d, exact_asm=not interpret)
     out = jnp.sum(d * wts[:, None], axis=0)  # fp32; masked rows add 0
     plgpu.store(o_ref.at[t, pl.ds(c0, width)], out.astype(jnp.bfloat16))
 
@@ -263,8 +290,9 @@ def combine(part: jax.Array, route_pos: jax.Array, topk_ids: jax.Array, topk_wei
             a2: jax.Array, *, hidden: int, mode: str, interpret: bool = False) -> jax.Array:
     """FC2 partials -> the layer output bf16 [T, H].
 
-    part fp32 [split, EM, H_pad] (``mosaic.grouped_matmul``'s output, token-major, times 2^-7);
-    route_pos int32 [T*k] (each route's sorted row); topk_ids int [T, k] and topk_weights
+    part fp32 [split, EM, H_pad] (``mosaic.grouped_matmul``'s output, token-major, times 2^-7),
+    or bf16 [1, EM, H_pad]: bf16(alpha2 * acc) as ``grouped_matmul(alpha=a2)`` stores it
+    (trtllm_cutlass only; a2 is then unread); route_pos int32 [T*k] (each route's sorted row); topk_ids int [T, k] and topk_weights
     [T, k]; a2 fp32 [E]. ``out[t] = sum_j w[t, j] * (alpha2[e] * acc[route_pos[t*k + j]])``
     (the product bf16-rounded first in trtllm_cutlass), summed over j in fp32 (a tree order:
     the oracle's sum is exact, and the tests bound this one).
@@ -274,11 +302,12 @@ def combine(part: jax.Array, route_pos: jax.Array, topk_ids: jax.Array, topk_wei
         raise ValueError(f"part: expected fp32 [split, EM, H_pad >= H] with H % {TILE} == 0, got "
                          f"{part.shape} for H={hidden}")
     split = part.shape[0]
+    prescaled = _check_prescaled(part, mode)
     width = COMBINE_WIDTH if hidden % COMBINE_WIDTH == 0 else TILE
     kp = _pow2(k)
     nw = max(1, min(8, kp * width // (32 * COMBINE_ELEMS)))
     kern = functools.partial(_combine_kernel, split=split, top_k=k, kp=kp, mode=mode, width=width,
-                             interpret=interpret)
+                             interpret=interpret, prescaled=prescaled)
     return _call(kern, jax.ShapeDtypeStruct((t, hidden), jnp.bfloat16), (t, hidden // width),
                  num_warps=nw, name="nvfp4_moe_combine", interpret=interpret)(
         route_pos, topk_ids.reshape(-1).astype(jnp.int32),

@@ -108,6 +108,12 @@ class MosaicMoEConfig:
     alone (no quantization, no reads of their partials, no writes; nothing downstream reads
     them) instead of processing whole blocks: at decode most block rows are padding (nemotron
     T = 8: ~1.1 of 8). Measured 0-1 us faster at T <= 8; set in ``AUTO_SM90`` there.
+    bf16_partials: in ``trtllm_cutlass`` mode, an unsplit grouped GEMM stores bf16(alpha *
+    acc), TensorRT-LLM CUTLASS's bf16 GEMM output, instead of fp32 partials for the next
+    kernel to scale and round: the same numbers, half the bytes written and read (at nemotron
+    T = 4096 the FC1 partials are 968 MB in fp32). Ignored, with a log line, in ``b12x`` mode
+    (no rounding there) and for a split GEMM. Opt-in: tested on the CPU (the kernels'
+    emulation and interpret mode) and lowered for sm_90, not yet run on a GPU.
     """
 
     block_m: int = 8
@@ -116,10 +122,12 @@ class MosaicMoEConfig:
     fc2_triton: Config | None = None
     routing: str = "xla"
     skip_padding: bool = False
+    bf16_partials: bool = False
 
     def __post_init__(self) -> None:
-        if not isinstance(self.skip_padding, bool):
-            raise TypeError(f"MosaicMoEConfig.skip_padding: expected a bool, got {self.skip_padding!r}")
+        for name in ("skip_padding", "bf16_partials"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"MosaicMoEConfig.{name}: expected a bool, got {getattr(self, name)!r}")
         if self.routing not in ("xla", "kernel"):
             raise ValueError(f"MosaicMoEConfig.routing: expected 'xla' or 'kernel', got {self.routing!r}")
         if self.block_m not in GROUPED_TOKEN_TILES:
@@ -238,7 +246,7 @@ def check_supported(k: int, *, n: int = 2, name: str = "w") -> None:
 
 
 def _build(mt: int, nb: int, n: int, k: int, cfg: MosaicConfig, split: int, name: str,
-           swizzled: bool = False):
+           swizzled: bool = False, scaled: bool = False):
     pl, _ = _pallas_mosaic_gpu()
     bn = cfg.block_n
     n_tiles = _cdiv(n, bn)
@@ -248,7 +256,8 @@ def _build(mt: int, nb: int, n: int, k: int, cfg: MosaicConfig, split: int, name
     # swizzled_tile_view's [E, Np/128, Kp/2, 256]: per-step tiles for any K)
     whole = k % BLOCK_K != 0 and not swizzled
 
-    def nvfp4_moe_mosaic(be_gmem, nb_gmem, x_gmem, c_gmem, s_gmem, o_gmem):  # kernel name
+    def nvfp4_moe_mosaic(be_gmem, nb_gmem, x_gmem, c_gmem, s_gmem, *rest):  # kernel name
+        a_gmem, o_gmem = rest if scaled else (None, rest[0])
         ni = lax.axis_index("n")
         si = lax.axis_index("s")
         b = lax.axis_index("b")
@@ -282,12 +291,15 @@ def _build(mt: int, nb: int, n: int, k: int, cfg: MosaicConfig, split: int, name
                 whole_k=k if whole else None,
                 swizzled=swizzled,
             )
-            store_tile(acc, o_gmem.at[si, pl.ds(b * mt, mt), pl.ds(n0, bn)])
+            # scaled: bf16(acc * alpha[e]) (alpha times POST_SCALE, exact), split 1
+            scale = a_gmem[e] * jnp.float32(POST_SCALE) if scaled else None
+            store_tile(acc, o_gmem.at[si, pl.ds(b * mt, mt), pl.ds(n0, bn)], scale=scale)
 
     nvfp4_moe_mosaic.__name__ = f"nvfp4_moe_mosaic_{name}" if name else "nvfp4_moe_mosaic"
     return mosaic_kernel(
         nvfp4_moe_mosaic,
-        out_type=jax.ShapeDtypeStruct((split, nb * mt, n_tiles * bn), jnp.float32),
+        out_type=jax.ShapeDtypeStruct((split, nb * mt, n_tiles * bn),
+                                      jnp.bfloat16 if scaled else jnp.float32),
         grid=(n_tiles, split, nb),
         grid_names=("n", "s", "b"),
     )
@@ -334,8 +346,10 @@ def grouped_matmul(
     reference: bool = False,
     name: str = "",
     scale_layout: str = "linear",
+    alpha: jax.Array | None = None,
 ) -> jax.Array:
-    """Grouped ``x_b @ W[block_expert[b]]^T`` per block of ``block_m`` rows -> fp32 partials.
+    """Grouped ``x_b @ W[block_expert[b]]^T`` per block of ``block_m`` rows -> fp32 partials
+    (or, with ``alpha``, the bf16 products).
 
     x: bf16 [NB*block_m, K], K-permuted (``gemm.mosaic.permute_k_order``). codes: uint8 [E, N, K/2]. scales:
     uint8 or float8_e4m3fn [E, N, K/16] (``scale_layout="linear"``) or [E, Np*Kp]
@@ -349,6 +363,10 @@ def grouped_matmul(
     K step runs half past the end, where TMA reads zeros). ``reference``: XLA emulation (any
     device), same layout. ``name``: suffix of the kernel's name (``nvfp4_moe_mosaic_<name>``:
     profiles tell FC1 from FC2).
+    alpha: None, or fp32 [E]: the kernel multiplies each block's accumulator by
+    ``alpha[block_expert[b]]`` and rounds to bf16 (nearest even) before storing; returns bf16
+    ``[1, NB*block_m, N_pad]`` = bf16(alpha * acc), half the bytes of fp32 partials
+    (TensorRT-LLM CUTLASS's bf16 GEMM outputs). Needs an unsplit K (split 1).
     Raises ValueError naming the argument for bad dtypes/shapes.
     """
     if block_m not in GROUPED_TOKEN_TILES:
@@ -384,6 +402,12 @@ def grouped_matmul(
     check_supported(k, n=n, name="codes")
     cfg = config or MosaicConfig(block_n=128, split_k=1, num_stages=2)
     split = check_config(cfg, k, block_m, swizzled=swizzled)
+    if alpha is not None:
+        if alpha.shape != (e,) or alpha.dtype != jnp.float32:
+            raise ValueError(f"alpha: expected float32 [{e}], got {alpha.dtype} {alpha.shape}")
+        if split != 1:
+            raise ValueError(f"config: alpha (bf16 output) needs split_k=1, got {cfg.split_k} "
+                             f"(effective split {split})")
     if scales.dtype != jnp.uint8:
         scales = lax.bitcast_convert_type(scales, jnp.uint8)
     be = block_expert.astype(jnp.int32)
@@ -391,12 +415,17 @@ def grouped_matmul(
     n_pad = _cdiv(n, cfg.block_n) * cfg.block_n
     if reference:
         lin = unswizzle(scales, n, k // 16, scale_layout) if swizzled else scales
-        return _reference(x, codes, lin, be, nbk, mt=block_m, n_pad=n_pad, split=split)
+        part = _reference(x, codes, lin, be, nbk, mt=block_m, n_pad=n_pad, split=split)
+        if alpha is None:
+            return part
+        a = jnp.repeat(alpha[be] * jnp.float32(POST_SCALE), block_m)[None, :, None]
+        return (part * a).astype(jnp.bfloat16)
     if swizzled:
         scales = swizzled_tile_view(scales, n, k)
     elif k % BLOCK_K:  # whole-K scales: the kernel reads the pair-of-rows view
         scales = whole_k_scale_view(scales)
-    return _build(block_m, nb, n, k, cfg, split, name, swizzled)(be, nbk, x, codes, scales)
+    operands = (be, nbk, x, codes, scales) + (() if alpha is None else (alpha,))
+    return _build(block_m, nb, n, k, cfg, split, name, swizzled, scaled=alpha is not None)(*operands)
 
 
 def _block_rows(part: jax.Array, n: int) -> jax.Array:
@@ -488,12 +517,26 @@ def moe_mosaic(
 
     s1u, lay1 = scales_u8(fc1, config.fc1, "fc1")
 
+    def products(alpha: jax.Array, cfg: MosaicConfig, k_dim: int, lay: str, name: str):
+        """alpha for a GEMM that stores bf16(alpha * acc) (``bf16_partials``), else None."""
+        if not config.bf16_partials:
+            return None
+        if mode != "trtllm_cutlass":
+            log.info("nvfp4_jax.moe: bf16_partials ignored in mode %s (fp32 partials)", mode)
+            return None
+        split = check_config(cfg, k_dim, bm, swizzled=lay == "swizzled_128x4")
+        if split != 1:
+            log.info("nvfp4_jax.moe: bf16_partials: %s runs split-K (%d), fp32 partials", name, split)
+            return None
+        return alpha.astype(jnp.float32)
+
     # FC1 operand (gather + quantize + K permutation, one Pallas-Triton launch), FC1 (Mosaic)
     xp = fc1_operand(hidden, br.sorted_route, *meta, g1, _ieee_div(1.0, g1), top_k=k, block_m=bm,
                      recipe=recipe, per_expert=activation_scale == "per_expert",
                      skip_padding=config.skip_padding, interpret=reference)
     part1 = grouped_matmul(xp, fc1.codes, s1u, *meta, block_m=bm, config=config.fc1,
-                           reference=reference, name="fc1", scale_layout=lay1)
+                           reference=reference, name="fc1", scale_layout=lay1,
+                           alpha=products(a1, config.fc1, h_dim, lay1, "fc1") if on2 else None)
     if on2:
         # FC1 epilogue (alpha, bf16, activation, requantization, K permutation), FC2 (Mosaic),
         # combine (alpha2, bf16, router weight, top-k sum): one launch each
@@ -503,7 +546,8 @@ def moe_mosaic(
                                recipe=recipe, return_h=return_intermediates, interpret=reference)
         s2u, lay2 = scales_u8(fc2, config.fc2, "fc2")
         part2 = grouped_matmul(hvp, fc2.codes, s2u, *meta, block_m=bm, config=config.fc2,
-                               reference=reference, name="fc2", scale_layout=lay2)
+                               reference=reference, name="fc2", scale_layout=lay2,
+                               alpha=products(a2, config.fc2, inter, lay2, "fc2"))
         out = combine(part2, br.route_pos, topk_ids, topk_weights, a2, hidden=h_dim,
                       mode=mode, interpret=reference)
     else:

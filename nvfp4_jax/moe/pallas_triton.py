@@ -132,9 +132,13 @@ def fc1_activation(first, second, alpha, *, activation: str, gate_up_order: str,
                    exact_asm: bool = True):
     """FC1 epilogue in registers: accumulators fp32 [BN, BM] (the two halves' tiles for swiglu,
     ``second`` None for relu2) ``* alpha`` (-> bf16 in trtllm_cutlass), activation in fp32 ->
-    ``h`` bf16 [BN, BM]. ``exact_asm`` False: interpret mode (see ``bf16_rne``)."""
+    ``h`` bf16 [BN, BM]. ``exact_asm`` False: interpret mode (see ``bf16_rne``). ``alpha``
+    None: the accumulators are already bf16(alpha * acc) (trtllm_cutlass products stored by
+    the GEMM, ``mosaic.grouped_matmul(alpha=...)``), in fp32."""
 
     def scaled(acc):
+        if alpha is None:
+            return acc
         u = acc * alpha
         if mode == "trtllm_cutlass":  # GEMM1 output buffer is bf16 in TRT-LLM CUTLASS
             u = bf16_rne(u, exact_asm)

@@ -292,8 +292,8 @@ def combine(part: jax.Array, route_pos: jax.Array, topk_ids: jax.Array, topk_wei
 
     part fp32 [split, EM, H_pad] (``mosaic.grouped_matmul``'s output, token-major, times 2^-7),
     or bf16 [1, EM, H_pad]: bf16(alpha2 * acc) as ``grouped_matmul(alpha=a2)`` stores it
-    (trtllm_cutlass only; a2 is then unread); route_pos int32 [T*k] (each route's sorted row); topk_ids int [T, k] and topk_weights
-    [T, k]; a2 fp32 [E]. ``out[t] = sum_j w[t, j] * (alpha2[e] * acc[route_pos[t*k + j]])``
+    (trtllm_cutlass only; a2 is then unread); route_pos int32 [T*k] (each route's sorted
+    row); topk_ids int [T, k] and topk_weights [T, k]; a2 fp32 [E]. ``out[t] = sum_j w[t, j] * (alpha2[e] * acc[route_pos[t*k + j]])``
     (the product bf16-rounded first in trtllm_cutlass), summed over j in fp32 (a tree order:
     the oracle's sum is exact, and the tests bound this one).
     """

@@ -266,6 +266,9 @@ def _build(mt: int, nb: int, n: int, k: int, cfg: MosaicConfig, split: int, name
         def _():
             e = be_gmem[b]  # scalar load from GMEM (memref.load)
             n0 = ni * bn
+            # scaled: the tile is stored as bf16(acc * alpha[e]) (alpha times POST_SCALE, exact;
+            # split 1); loaded before the pipeline, so its latency hides behind the first copies
+            scale = a_gmem[e] * jnp.float32(POST_SCALE) if scaled else None
 
             def sources():
                 if swizzled and split == 1:  # whole rows (past K at K % 256 == 128: zeros)
@@ -291,8 +294,6 @@ def _build(mt: int, nb: int, n: int, k: int, cfg: MosaicConfig, split: int, name
                 whole_k=k if whole else None,
                 swizzled=swizzled,
             )
-            # scaled: bf16(acc * alpha[e]) (alpha times POST_SCALE, exact), split 1
-            scale = a_gmem[e] * jnp.float32(POST_SCALE) if scaled else None
             store_tile(acc, o_gmem.at[si, pl.ds(b * mt, mt), pl.ds(n0, bn)], scale=scale)
 
     nvfp4_moe_mosaic.__name__ = f"nvfp4_moe_mosaic_{name}" if name else "nvfp4_moe_mosaic"

@@ -11,10 +11,12 @@ import pytest
 from nvfp4_jax.gemm.mosaic import (
     _PERM,
     MosaicConfig,
+    check_config,
     check_supported,
     default_config,
     matmul_mosaic,
     permute_x,
+    token_tile,
 )
 
 
@@ -41,6 +43,11 @@ def _args(m, n, k, sdtype=jnp.float8_e4m3fn):
         (16, 4096, 4096, MosaicConfig(block_n=64, split_k=4, num_stages=2, prefetch=2)),
         (37, 3000, 1536, MosaicConfig(block_n=64, split_k=1, num_stages=2, block_k=512,
                                       overlap=True)),
+        # warp-specialized: 2-4 compute warpgroups sharing the x stages, a TMA producer
+        (64, 2048, 1024, MosaicConfig(block_n=64, split_k=1, num_stages=2, consumers=2)),
+        (16, 4000, 4096, MosaicConfig(block_n=128, split_k=2, num_stages=2, consumers=2)),
+        (1, 1000, 2048, MosaicConfig(block_n=64, split_k=2, num_stages=2, consumers=4,
+                                     block_k=512, overlap=True)),
     ],
 )
 def test_lowers_for_cuda(m, n, k, cfg):
@@ -48,6 +55,12 @@ def test_lowers_for_cuda(m, n, k, cfg):
     text = f.trace(*_args(m, n, k)).lower(lowering_platforms=("cuda",)).as_text()
     assert "fma.rn.bf16x2" in text  # the in-register decode made it into the Mosaic module
     assert ("cp.async.bulk.prefetch" in text) == bool(cfg and cfg.prefetch)
+    ws = bool(cfg and cfg.consumers > 1)
+    assert ("nvfp4_w4a16_mosaic_ws" in text) == ws
+    if ws:  # [split, mt, N padded to whole CTA tiles of consumers * block_n rows]
+        rows = cfg.consumers * cfg.block_n
+        split = check_config(cfg, k, token_tile(m))
+        assert f"tensor<{split}x{token_tile(m)}x{-(-n // rows) * rows}xf32>" in text
 
 
 def test_permutation_matches_fragment_layout():
@@ -100,6 +113,13 @@ def test_validation_names_the_argument():
             MosaicConfig(**bad)
     with pytest.raises(TypeError, match="^MosaicConfig.overlap"):
         MosaicConfig(overlap=1)
+    for bad in ({"consumers": 0}, {"consumers": 5}, {"consumers": 2, "prefetch": 2}):
+        with pytest.raises(ValueError, match="^MosaicConfig"):
+            MosaicConfig(**bad)
+    with pytest.raises(ValueError, match="^config: consumers=2 needs K % 256 == 0"):
+        check_config(MosaicConfig(consumers=2, block_n=64), 2688, 8)
+    with pytest.raises(ValueError, match="^config: consumers=2 needs .* linear scales"):
+        check_config(MosaicConfig(consumers=2, block_n=128), 1024, 8, swizzled=True)
 
 
 def test_smem_bytes_output_tile_reuses_the_pipeline():
@@ -110,6 +130,10 @@ def test_smem_bytes_output_tile_reuses_the_pipeline():
     # whole-K scales: one [pair rows, 2K/16] buffer instead of per-stage scale tiles
     whole = MosaicConfig(block_n=128, num_stages=2).smem_bytes(8, whole_k=2688)
     assert whole == 2 * (16384 + 4096) + 72 * 336  # 72 = 64 + 1 pair rows, to a 128-byte copy
+    # warp-specialized: each stage holds every consumer's weight tile and one shared x tile;
+    # the consumers' output tiles are kernel-level scratch
+    ws = MosaicConfig(block_n=64, num_stages=2, consumers=3).smem_bytes(64)
+    assert ws == 2 * (3 * (8192 + 1024) + 32768) + 3 * 64 * 64 * 4
 
 
 def test_default_config_fills_the_gpu():

@@ -72,6 +72,10 @@ class MosaicConfig:
     in flight than the ``num_stages`` TMA stages alone. overlap: issue the next 128-deep group's
     decode while the previous wgmma runs (``wgmma_wait(1)`` within a step, ``wgmma_wait(0)`` at
     the step's end, before the pipeline releases the stage).
+    consumers: 1 (one warpgroup per CTA) or 2..4: a warp-specialized CTA (``accumulate_tiles_ws``)
+    with ``consumers`` compute warpgroups of ``block_n`` weight rows each, sharing every x stage,
+    and a producer warpgroup that issues the TMA copies. Dense kernel only, K % 256 == 0,
+    linear scales, no prefetch; opt-in (not yet measured on a GPU).
     """
 
     block_n: int = 128
@@ -80,6 +84,7 @@ class MosaicConfig:
     block_k: int = 256
     prefetch: int = 0
     overlap: bool = False
+    consumers: int = 1
 
     def __post_init__(self) -> None:
         if self.block_n not in (64, 128):
@@ -94,13 +99,23 @@ class MosaicConfig:
             raise ValueError(f"MosaicConfig.prefetch: expected 0..16 steps, got {self.prefetch}")
         if not isinstance(self.overlap, bool):
             raise TypeError(f"MosaicConfig.overlap: expected a bool, got {self.overlap!r}")
+        if self.consumers not in (1, 2, 3, 4):
+            raise ValueError(f"MosaicConfig.consumers: expected 1..4, got {self.consumers}")
+        if self.consumers > 1 and self.prefetch:
+            raise ValueError("MosaicConfig.prefetch: not available with consumers > 1")
 
     def smem_bytes(self, m_tile: int, whole_k: int | None = None) -> int:
         """Shared memory of one CTA: the larger of the pipeline stages (codes, scales, x) and
         the fp32 output tile, which ``store_tile`` allocates in a scope after the pipeline's
         (Mosaic's scoped SMEM is a stack, so the two reuse the same bytes); with whole-K scales
         (``accumulate_tile``) the scales are one buffer of ``whole_k_pair_rows`` x 2*K/16
-        bytes instead of a tile per stage."""
+        bytes instead of a tile per stage. consumers > 1: every stage holds ``consumers`` weight
+        tiles and one x tile, and the output tiles (one per consumer) are kernel-level scratch,
+        not reused."""
+        if self.consumers > 1:
+            w = self.consumers * self.block_n * (self.block_k // 2 + self.block_k // 16)
+            stage = w + m_tile * self.block_k * 2
+            return self.num_stages * stage + self.consumers * self.block_n * m_tile * 4
         stage = self.block_n * self.block_k // 2 + m_tile * self.block_k * 2
         if whole_k is None:
             stage += self.block_n * self.block_k // 16
@@ -358,6 +373,9 @@ def check_config(cfg: MosaicConfig, k: int, m_tile: int, *, swizzled: bool = Fal
     if swizzled and cfg.block_n != 128:
         raise ValueError(f"config: swizzled_128x4 scales need block_n=128, got {cfg.block_n}")
     whole = k % BLOCK_K == 128
+    if cfg.consumers > 1 and (whole or swizzled):
+        raise ValueError(f"config: consumers={cfg.consumers} needs K % {BLOCK_K} == 0 and linear "
+                         f"scales, got K={k}" + (" with swizzled scales" if swizzled else ""))
     if whole and cfg.block_k != BLOCK_K:
         raise ValueError(f"config: K={k} (K % {BLOCK_K} == 128) needs block_k={BLOCK_K}, "
                          f"got {cfg.block_k}")
@@ -367,7 +385,7 @@ def check_config(cfg: MosaicConfig, k: int, m_tile: int, *, swizzled: bool = Fal
     if smem > SMEM_LIMIT:
         raise ValueError(
             f"config: {cfg} needs {smem} bytes of shared memory with a {m_tile}-row token tile, "
-            f"more than the {SMEM_LIMIT} a CTA can have; use fewer stages, block_n 64 or block_k 256"
+            f"more than the {SMEM_LIMIT} a CTA can have; use fewer stages or consumers, block_n 64 or block_k 256"
         )
     if whole:
         if not swizzled:
@@ -555,6 +573,65 @@ def accumulate_tile(sources, *, cfg: MosaicConfig, m_tile: int, steps: int,
     return pl.run_scoped(acc_scope, *scratch)
 
 
+def accumulate_tiles_ws(sources, finish, *, cfg: MosaicConfig, m_tile: int, steps: int) -> None:
+    """Kernel-body building block, warp-specialized (``cfg.consumers`` compute warpgroups plus
+    one producer warpgroup; the kernel runs with ``num_threads=consumers + 1``,
+    ``thread_name="wg"``). ``sources()`` returns the GMEM refs of the CTA's
+    ``consumers * block_n`` weight rows (codes [rows, steps*block_k/2] u8, scales
+    [rows, steps*block_k/16] u8) and x [m_tile, steps*block_k] bf16. Each stage holds all the
+    rows' codes and scales and one x tile; compute warpgroup w decodes rows
+    [w*block_n, (w+1)*block_n) and runs its wgmmas against the shared x tile, so x crosses
+    L2 -> SMEM once per ``consumers`` weight tiles. The producer warpgroup only issues TMA
+    copies (40 registers). ``finish(acc, w)`` runs in compute warpgroup w with its fp32
+    accumulator [block_n, m_tile] (times 2^-7, see POST_SCALE)."""
+    pl, plgpu = _pallas_mosaic_gpu()
+    bn, bk, nc = cfg.block_n, cfg.block_k, cfg.consumers
+    groups = bk // 128
+    decode = [
+        plgpu.inline_mgpu(
+            arg_types=(plgpu.RefType(), plgpu.RefType()),
+            return_type=plgpu.ShapeDtypeStruct((bn, 128), jnp.bfloat16, layout=plgpu.Layout.WGMMA),
+        )(_decode_fn(bn, g, bk))
+        for g in range(groups)
+    ]
+    x_transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+
+    def body(_idx, c_smem, s_smem, x_smem, acc):
+        w = lax.axis_index("wg")
+        c = c_smem.at[pl.ds(w * bn, bn)]
+        sc = s_smem.at[pl.ds(w * bn, bn)]
+
+        def mma(acc_ref):
+            for g in range(groups):
+                a = decode[g](c, sc)
+                plgpu.wgmma(acc_ref, a, x_smem.at[:, pl.ds(128 * g, 128)].T)
+                # as in accumulate_tile: nothing in flight when the body returns, because the
+                # pipeline then counts this warpgroup's use of the stage as consumed
+                plgpu.wgmma_wait(1 if cfg.overlap and g + 1 < groups else 0)
+
+        return pl.run_state(mma)(plgpu.ACC.init(acc))
+
+    def compute_context(eval_pipeline):
+        zero = plgpu.layout_cast(jnp.full((bn, m_tile), 0, jnp.float32), plgpu.Layout.WGMMA)
+        finish(eval_pipeline(zero), lax.axis_index("wg"))
+
+    c_src, s_src, x_src = sources()
+    plgpu.emit_pipeline_warp_specialized(
+        body,
+        grid=(steps,),
+        memory_registers=40,
+        in_specs=[
+            plgpu.BlockSpec((nc * bn, bk // 2), lambda i: (0, i)),
+            plgpu.BlockSpec((nc * bn, bk // 16), lambda i: (0, i)),
+            plgpu.BlockSpec((m_tile, bk), lambda i: (0, i), transforms=x_transforms),
+        ],
+        wg_axis="wg",
+        num_compute_wgs=nc,
+        max_concurrent_steps=cfg.num_stages,
+        compute_context=compute_context,
+    )(c_src, s_src, x_src)
+
+
 def store_tile(acc, o_dst, *, scale=None) -> None:
     """Kernel-body building block: the fp32 accumulator [block_n, m_tile] -> an SMEM tile
     [m_tile, block_n] (transposed: one shuffle and permute per register pair, the
@@ -585,18 +662,26 @@ def store_tile(acc, o_dst, *, scale=None) -> None:
     pl.run_scoped(scope, plgpu.SMEM((mt, bn), dtype))
 
 
-def mosaic_kernel(body, *, out_type, grid, grid_names):
+def mosaic_kernel(body, *, out_type, grid, grid_names, scratch=None, num_threads=None):
     """``plgpu.kernel`` across JAX versions (``out_type``/``scratch_types`` in JAX >= 0.10.2,
-    ``out_shape``/``scratch_shapes`` before), with no kernel-level scratch: the body allocates
-    its SMEM in scopes (``accumulate_tile``, ``store_tile``). Named after ``body``."""
+    ``out_shape``/``scratch_shapes`` before). Without ``scratch`` there is no kernel-level
+    scratch: the body allocates its SMEM in scopes (``accumulate_tile``, ``store_tile``).
+    ``num_threads``: warpgroups per CTA (warp-specialized kernels; axis name "wg"). Named
+    after ``body``."""
     _, plgpu = _pallas_mosaic_gpu()
     params = inspect.signature(plgpu.kernel).parameters
     new_api = "out_type" in params and "scratch_types" in params
     kw = {"out_type" if new_api else "out_shape": out_type}
+    if scratch is not None:
+        kw["scratch_types" if new_api else "scratch_shapes"] = scratch
+    if num_threads is not None:
+        kw.update(num_threads=num_threads, thread_name="wg")
     return plgpu.kernel(body, grid=grid, grid_names=grid_names, **kw)
 
 
 def _build(m_tile: int, n: int, k: int, cfg: MosaicConfig, split: int):
+    if cfg.consumers > 1:
+        return _build_ws(m_tile, n, k, cfg, split)
     pl, _ = _pallas_mosaic_gpu()
     bn = cfg.block_n
     n_tiles = -(-n // bn)
@@ -627,6 +712,56 @@ def _build(m_tile: int, n: int, k: int, cfg: MosaicConfig, split: int):
             out_type=out,
             grid=(n_tiles, split),
             grid_names=("n", "s"),
+        )
+
+    return make, out_type
+
+
+def _build_ws(m_tile: int, n: int, k: int, cfg: MosaicConfig, split: int):
+    """The warp-specialized variant of ``_build`` (``cfg.consumers`` compute warpgroups per
+    CTA, ``accumulate_tiles_ws``): same inputs and output layout, CTA tiles of
+    ``consumers * block_n`` rows."""
+    pl, plgpu = _pallas_mosaic_gpu()
+    bn, nc = cfg.block_n, cfg.consumers
+    rows = nc * bn
+    n_tiles = -(-n // rows)
+    ks = k // split
+    steps = ks // cfg.block_k
+
+    def nvfp4_w4a16_mosaic_ws(x_gmem, c_gmem, s_gmem, o_gmem, o_smem):  # the kernel's name
+        ni = lax.axis_index("n")
+        si = lax.axis_index("s")
+        n0 = ni * rows
+
+        def finish(acc, w):  # compute warpgroup w: its [m_tile, block_n] slice of the output
+            o = o_smem.at[w]
+            o.T[...] = plgpu.layout_cast(acc, plgpu.Layout.WGMMA_TRANSPOSED)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o, o_gmem.at[si, :, pl.ds(n0 + w * bn, bn)])
+            plgpu.wait_smem_to_gmem(0)
+
+        accumulate_tiles_ws(
+            lambda: (
+                c_gmem.at[pl.ds(n0, rows), pl.ds(si * (ks // 2), ks // 2)],
+                s_gmem.at[pl.ds(n0, rows), pl.ds(si * (ks // 16), ks // 16)],
+                x_gmem.at[:, pl.ds(si * ks, ks)],
+            ),
+            finish,
+            cfg=cfg,
+            m_tile=m_tile,
+            steps=steps,
+        )
+
+    out_type = jax.ShapeDtypeStruct((split, m_tile, n_tiles * rows), jnp.float32)
+
+    def make(out):
+        return mosaic_kernel(
+            nvfp4_w4a16_mosaic_ws,
+            out_type=out,
+            grid=(n_tiles, split),
+            grid_names=("n", "s"),
+            scratch=[plgpu.SMEM((nc, m_tile, bn), jnp.float32)],
+            num_threads=nc + 1,
         )
 
     return make, out_type

@@ -12,7 +12,7 @@ experts' NVFP4 weights (0.5625 B/weight), averaged over the NROT routings.
 ``--configs``: named Mosaic configs measured on every case after the defaults (before the
 sweep): ``_``-joined knobs applied to both GEMMs of the case's default config: ``bm<N>``
 (block_m), ``bn<N>`` (block_n), ``s<N>`` (stages), ``k<N>`` (split_k, where K allows it),
-``ov`` (overlap), ``bk512``; prefixed ``f1``/``f2``, to one GEMM only; ``rk``: the one-launch
+``ov`` (overlap), ``bk512``, ``c<N>`` (consumers: warp-specialized GEMM); prefixed ``f1``/``f2``, to one GEMM only; ``rk``: the one-launch
 routing kernel (``MosaicMoEConfig.routing="kernel"``); ``sp``: ``skip_padding``; ``bf``: ``bf16_partials``. With ``--swizzled`` the
 named configs run on the swizzled weights. ``--swizzled``: the default config again with the weights' scales
 in ``swizzled_128x4`` (read per step by the kernel; no whole-K buffer for K % 256 == 128).
@@ -111,7 +111,7 @@ def named_config(name: str, base: MosaicMoEConfig, hidden: int, inter: int) -> M
         if knob == "bf":  # unsplit GEMMs store bf16(alpha * acc) (trtllm_cutlass)
             top["bf16_partials"] = True
             continue
-        m = re.fullmatch(r"(f[12])?(?:(bm|bn|s|k|bk)(\d+)|(ov))", knob)
+        m = re.fullmatch(r"(f[12])?(?:(bm|bn|s|k|bk|c)(\d+)|(ov))", knob)
         if m is None:
             raise ValueError(f"--configs: unknown knob {knob!r} in {name!r}")
         which = [m.group(1).replace("f", "fc")] if m.group(1) else ["fc1", "fc2"]
@@ -124,7 +124,8 @@ def named_config(name: str, base: MosaicMoEConfig, hidden: int, inter: int) -> M
             top["block_m"] = v
             continue
         for w in which:
-            gemm[w][{"bn": "block_n", "s": "num_stages", "k": "split_k", "bk": "block_k"}[key]] = v
+            gemm[w][{"bn": "block_n", "s": "num_stages", "k": "split_k", "bk": "block_k",
+                     "c": "consumers"}[key]] = v
 
     def apply(c: MosaicConfig, kw: dict, k: int) -> MosaicConfig:
         kw = dict(kw)

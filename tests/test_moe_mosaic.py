@@ -43,13 +43,17 @@ def _grouped_args(nb, mt, e, n, k):
     # 128-row blocks (prefill-sized routings): block_n 64 keeps the 64 KB x stages in SMEM
     (9, 128, 8, 2688, 1024, MosaicConfig(block_n=64, split_k=1, num_stages=2)),
     (9, 128, 8, 1024, 2688, MosaicConfig(block_n=64, split_k=1, num_stages=2)),
+    # warp-specialized: compute warpgroups sharing x (N padded to whole CTAs of 2-3 tiles)
+    (9, 64, 8, 2688, 1024, MosaicConfig(block_n=128, split_k=1, num_stages=2, consumers=2)),
+    (9, 32, 8, 2048, 768, MosaicConfig(block_n=64, split_k=3, num_stages=2, consumers=3)),
 ])
 def test_grouped_kernel_lowers_for_cuda(nb, mt, e, n, k, cfg):
     f = jax.jit(lambda x, c, s, be, nbk: grouped_matmul(x, c, s, be, nbk, block_m=mt, config=cfg))
     text = f.trace(*_grouped_args(nb, mt, e, n, k)).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text and "fma.rn.bf16x2" in text and "nvfp4_moe_mosaic" in text
     split = check_config(cfg, k, mt)
-    assert f"tensor<{split}x{nb * mt}x{-(-n // cfg.block_n) * cfg.block_n}xf32>" in text  # token-major
+    rows = cfg.block_n * cfg.consumers
+    assert f"tensor<{split}x{nb * mt}x{-(-n // rows) * rows}xf32>" in text  # token-major
 
 
 @pytest.mark.parametrize("activation,inter,config", [
@@ -96,6 +100,9 @@ def test_moe_mosaic_layer_lowers_for_cuda(activation, inter, config):
     (25, 8, 512, 1024, 2688, MosaicConfig(block_n=128, split_k=1, num_stages=2)),  # nemotron FC2
     (25, 8, 512, 2688, 1024, MosaicConfig(block_n=128, split_k=2, num_stages=2)),  # nemotron FC1
     (9, 16, 8, 333, 512, MosaicConfig(block_n=128, split_k=1, num_stages=3, block_k=512)),
+    # warp-specialized, K % 256 == 128 split unevenly; 21 row tiles in CTAs of 2
+    (25, 64, 512, 1024, 2688, MosaicConfig(block_n=128, split_k=3, num_stages=2, consumers=2)),
+    (25, 64, 512, 2688, 1024, MosaicConfig(block_n=128, split_k=1, num_stages=2, consumers=2)),
 ])
 def test_grouped_kernel_with_swizzled_scales_lowers_for_cuda(nb, mt, e, n, k, cfg):
     from oracle.layouts import padded_shape
@@ -179,6 +186,10 @@ SPLIT = MosaicMoEConfig(block_m=16, fc1=MosaicConfig(block_n=64, split_k=2, num_
     ("bf16_partials_swiglu_trtllm", "trtllm_cutlass", "swiglu", "gate_up",
      {"t": 7, "h": 512, "inter": 256, "e": 5, "k": 2},
      MosaicMoEConfig(block_m=16, bf16_partials=True, skip_padding=True, fc1=MosaicConfig(split_k=2))),
+    # warp-specialized GEMM configs: partials padded to whole CTAs of consumers * block_n rows
+    ("ws_relu2_b12x", "b12x", "relu2", "up_gate", {"t": 9, "h": 256, "inter": 512, "e": 4, "k": 2},
+     MosaicMoEConfig(block_m=8, fc1=MosaicConfig(block_n=64, consumers=3),
+                     fc2=MosaicConfig(block_n=64, consumers=3))),
 ])
 def test_moe_mosaic_dataflow_matches_oracle(name, mode, activation, order, kw, config):
     case = make_case(np.random.default_rng(len(name)), activation=activation, **kw)

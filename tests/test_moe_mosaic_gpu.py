@@ -89,6 +89,14 @@ def _run(case, *, mode, activation, order="up_gate", config=None, kernel="mosaic
      MosaicMoEConfig(block_m=64, bf16_partials=True)),
     ("qwen_bf16_partials_trtllm", "trtllm_cutlass", {**QWEN, "t": 5, "e": 16, "k": 4}, "up_gate",
      MosaicMoEConfig(block_m=8, bf16_partials=True, skip_padding=True)),
+    # warp-specialized grouped GEMMs (consumers: compute warpgroups sharing x); "ws" in the
+    # name: run them alone first on a new GPU
+    ("qwen_ws2_trtllm", "trtllm_cutlass", {**QWEN, "t": 40, "e": 4, "k": 2}, "up_gate",
+     MosaicMoEConfig(block_m=32, fc1=MosaicConfig(block_n=64, num_stages=2, consumers=2),
+                     fc2=MosaicConfig(block_n=64, num_stages=2, consumers=3))),
+    ("nemotron_ws2_bf16_partials_trtllm", "trtllm_cutlass", {**NEMO, "t": 64, "e": 4, "k": 4}, "up_gate",
+     MosaicMoEConfig(block_m=64, bf16_partials=True,
+                     fc1=MosaicConfig(block_n=128, num_stages=2, consumers=2))),
 ])
 def test_moe_mosaic_gpu_matches_oracle(name, mode, shape, order, config):
     case = make_case_fast(np.random.default_rng(len(name)), **shape)
@@ -137,12 +145,12 @@ def test_grouped_kernel_swizzled_scales_equal_linear(n, k, split, bk):
 
 
 @pytest.mark.parametrize("fc2_split", [1, 2, 3])
-def test_moe_mosaic_gpu_swizzled_weights_match_oracle(fc2_split):
+def test_moe_mosaic_gpu_swizzled_weights_match_oracle(fc2_split, consumers=1):
     """Swizzled weight stacks, FC2 (K = 2688) split unevenly over its 11 steps."""
     case = make_case_fast(np.random.default_rng(11), **{**NEMO, "t": 5, "e": 12, "k": 6})
     hidden, ids, w, fc1, fc2, s1, s2 = to_jax(case)
-    cfg = MosaicMoEConfig(block_m=8, fc1=MosaicConfig(block_n=128, split_k=2, num_stages=2),
-                          fc2=MosaicConfig(block_n=128, split_k=fc2_split, num_stages=2))
+    cfg = MosaicMoEConfig(block_m=8, fc1=MosaicConfig(block_n=128, split_k=2, num_stages=2, consumers=consumers),
+                          fc2=MosaicConfig(block_n=128, split_k=fc2_split, num_stages=2, consumers=consumers))
     fn = functools.partial(moe_pallas, activation="relu2", gate_up_order="up_gate", mode="trtllm_cutlass",
                            activation_scale="scalar", kernel="mosaic", return_intermediates=True,
                            config=cfg)
@@ -150,3 +158,10 @@ def test_moe_mosaic_gpu_swizzled_weights_match_oracle(fc2_split):
                              fc2.with_layout("swizzled_128x4"), s1, s2)
     f = lambda a: np.asarray(a.astype(jnp.float32), np.float64)
     check_against_oracle(case, f(out), f(inter["h"]), mode="trtllm_cutlass", activation="relu2")
+
+
+@pytest.mark.parametrize("fc2_split", [1, 3])
+def test_moe_mosaic_gpu_swizzled_weights_ws2_match_oracle(fc2_split):
+    """The same with warp-specialized grouped GEMMs (two compute warpgroups sharing x; FC1's 21
+    row tiles end in a CTA whose second tile lies past N). Run alone first on a new GPU."""
+    test_moe_mosaic_gpu_swizzled_weights_match_oracle(fc2_split, consumers=2)

@@ -74,8 +74,8 @@ class MosaicConfig:
     the step's end, before the pipeline releases the stage).
     consumers: 1 (one warpgroup per CTA) or 2..4: a warp-specialized CTA (``accumulate_tiles_ws``)
     with ``consumers`` compute warpgroups of ``block_n`` weight rows each, sharing every x stage,
-    and a producer warpgroup that issues the TMA copies. Dense kernel only, K % 256 == 0,
-    linear scales, no prefetch; opt-in (not yet measured on a GPU).
+    and a producer warpgroup that issues the TMA copies. Dense and grouped kernels; K % 256 ==
+    0 or swizzled_128x4 scales (no whole-K buffer); no prefetch; opt-in (not yet run on a GPU).
     """
 
     block_n: int = 128
@@ -373,9 +373,9 @@ def check_config(cfg: MosaicConfig, k: int, m_tile: int, *, swizzled: bool = Fal
     if swizzled and cfg.block_n != 128:
         raise ValueError(f"config: swizzled_128x4 scales need block_n=128, got {cfg.block_n}")
     whole = k % BLOCK_K == 128
-    if cfg.consumers > 1 and (whole or swizzled):
-        raise ValueError(f"config: consumers={cfg.consumers} needs K % {BLOCK_K} == 0 and linear "
-                         f"scales, got K={k}" + (" with swizzled scales" if swizzled else ""))
+    if cfg.consumers > 1 and whole and not swizzled:
+        raise ValueError(f"config: consumers={cfg.consumers} needs K % {BLOCK_K} == 0 or "
+                         f"swizzled_128x4 scales (no whole-K scale buffer), got K={k}")
     if whole and cfg.block_k != BLOCK_K:
         raise ValueError(f"config: K={k} (K % {BLOCK_K} == 128) needs block_k={BLOCK_K}, "
                          f"got {cfg.block_k}")
@@ -573,7 +573,8 @@ def accumulate_tile(sources, *, cfg: MosaicConfig, m_tile: int, steps: int,
     return pl.run_scoped(acc_scope, *scratch)
 
 
-def accumulate_tiles_ws(sources, finish, *, cfg: MosaicConfig, m_tile: int, steps: int) -> None:
+def accumulate_tiles_ws(sources, finish, *, cfg: MosaicConfig, m_tile: int, steps: int,
+                        swizzled: bool = False) -> None:
     """Kernel-body building block, warp-specialized (``cfg.consumers`` compute warpgroups plus
     one producer warpgroup; the kernel runs with ``num_threads=consumers + 1``,
     ``thread_name="wg"``). ``sources()`` returns the GMEM refs of the CTA's
@@ -583,7 +584,12 @@ def accumulate_tiles_ws(sources, finish, *, cfg: MosaicConfig, m_tile: int, step
     [w*block_n, (w+1)*block_n) and runs its wgmmas against the shared x tile, so x crosses
     L2 -> SMEM once per ``consumers`` weight tiles. The producer warpgroup only issues TMA
     copies (40 registers). ``finish(acc, w)`` runs in compute warpgroup w with its fp32
-    accumulator [block_n, m_tile] (times 2^-7, see POST_SCALE)."""
+    accumulator [block_n, m_tile] (times 2^-7, see POST_SCALE).
+
+    swizzled=True (block_n 128, grouped kernel): the scales ref is the CTA's ``consumers``
+    128-row tiles of ``swizzled_128x4`` scales, [consumers, Kp/2, 256] (``swizzled_tile_view``
+    rows), and each step copies block_k/32 rows of each; K % 256 == 128 works as in
+    ``accumulate_tile`` (the last step's missing half reads zeros)."""
     pl, plgpu = _pallas_mosaic_gpu()
     bn, bk, nc = cfg.block_n, cfg.block_k, cfg.consumers
     groups = bk // 128
@@ -591,7 +597,7 @@ def accumulate_tiles_ws(sources, finish, *, cfg: MosaicConfig, m_tile: int, step
         plgpu.inline_mgpu(
             arg_types=(plgpu.RefType(), plgpu.RefType()),
             return_type=plgpu.ShapeDtypeStruct((bn, 128), jnp.bfloat16, layout=plgpu.Layout.WGMMA),
-        )(_decode_fn(bn, g, bk))
+        )(_decode_fn(bn, g, bk, swizzled=swizzled))
         for g in range(groups)
     ]
     x_transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
@@ -599,7 +605,7 @@ def accumulate_tiles_ws(sources, finish, *, cfg: MosaicConfig, m_tile: int, step
     def body(_idx, c_smem, s_smem, x_smem, acc):
         w = lax.axis_index("wg")
         c = c_smem.at[pl.ds(w * bn, bn)]
-        sc = s_smem.at[pl.ds(w * bn, bn)]
+        sc = s_smem.at[w] if swizzled else s_smem.at[pl.ds(w * bn, bn)]
 
         def mma(acc_ref):
             for g in range(groups):
@@ -622,7 +628,8 @@ def accumulate_tiles_ws(sources, finish, *, cfg: MosaicConfig, m_tile: int, step
         memory_registers=40,
         in_specs=[
             plgpu.BlockSpec((nc * bn, bk // 2), lambda i: (0, i)),
-            plgpu.BlockSpec((nc * bn, bk // 16), lambda i: (0, i)),
+            plgpu.BlockSpec((nc, bk // 32, 256), lambda i: (0, i, 0)) if swizzled
+            else plgpu.BlockSpec((nc * bn, bk // 16), lambda i: (0, i)),
             plgpu.BlockSpec((m_tile, bk), lambda i: (0, i), transforms=x_transforms),
         ],
         wg_axis="wg",

@@ -56,6 +56,7 @@ from ..gemm.mosaic import (  # BLOCK_K: K % 256 for TMA; TOKEN_TILES: rows per b
     MosaicConfig,
     _pallas_mosaic_gpu,
     accumulate_tile,
+    accumulate_tiles_ws,
     check_config,
     mosaic_kernel,
     split_steps,
@@ -247,9 +248,10 @@ def check_supported(k: int, *, n: int = 2, name: str = "w") -> None:
 
 def _build(mt: int, nb: int, n: int, k: int, cfg: MosaicConfig, split: int, name: str,
            swizzled: bool = False, scaled: bool = False):
-    pl, _ = _pallas_mosaic_gpu()
-    bn = cfg.block_n
-    n_tiles = _cdiv(n, bn)
+    pl, plgpu = _pallas_mosaic_gpu()
+    bn, nc = cfg.block_n, cfg.consumers
+    rows = nc * bn  # weight rows per CTA (consumers > 1: warp-specialized, accumulate_tiles_ws)
+    n_tiles = _cdiv(n, rows)
     steps = split_steps(k, cfg.block_k, split)
     ks = steps * cfg.block_k  # K per split (K % 256 == 128: the last split runs past K)
     # whole-K scales (split == 1, s_gmem is whole_k_scale_view's) unless swizzled (s_gmem is
@@ -257,7 +259,9 @@ def _build(mt: int, nb: int, n: int, k: int, cfg: MosaicConfig, split: int, name
     whole = k % BLOCK_K != 0 and not swizzled
 
     def nvfp4_moe_mosaic(be_gmem, nb_gmem, x_gmem, c_gmem, s_gmem, *rest):  # kernel name
-        a_gmem, o_gmem = rest if scaled else (None, rest[0])
+        # rest: [alpha (scaled)], the output, [the consumers' output tiles (ws scratch)]
+        a_gmem = rest[0] if scaled else None
+        o_gmem = rest[1 if scaled else 0]
         ni = lax.axis_index("n")
         si = lax.axis_index("s")
         b = lax.axis_index("b")
@@ -265,26 +269,45 @@ def _build(mt: int, nb: int, n: int, k: int, cfg: MosaicConfig, split: int, name
         @pl.when(b < nb_gmem[0])
         def _():
             e = be_gmem[b]  # scalar load from GMEM (memref.load)
-            n0 = ni * bn
+            n0 = ni * rows
             # scaled: the tile is stored as bf16(acc * alpha[e]) (alpha times POST_SCALE, exact;
             # split 1); loaded before the pipeline, so its latency hides behind the first copies
             scale = a_gmem[e] * jnp.float32(POST_SCALE) if scaled else None
 
+            # swizzled scale tiles of the CTA: one [Kp/2, 256] tile, or nc of them (ws)
+            tiles = ni if nc == 1 else pl.ds(ni * nc, nc)
+
             def sources():
                 if swizzled and split == 1:  # whole rows (past K at K % 256 == 128: zeros)
-                    return (c_gmem.at[e, pl.ds(n0, bn)], s_gmem.at[e, ni],
+                    return (c_gmem.at[e, pl.ds(n0, rows)], s_gmem.at[e, tiles],
                             x_gmem.at[pl.ds(b * mt, mt)])
                 if swizzled:  # the last split's range may run past K (dynamic start: zeros)
-                    return (c_gmem.at[e, pl.ds(n0, bn), pl.ds(si * (ks // 2), ks // 2)],
-                            s_gmem.at[e, ni, pl.ds(si * (ks // 32), ks // 32)],
+                    return (c_gmem.at[e, pl.ds(n0, rows), pl.ds(si * (ks // 2), ks // 2)],
+                            s_gmem.at[e, tiles, pl.ds(si * (ks // 32), ks // 32)],
                             x_gmem.at[pl.ds(b * mt, mt), pl.ds(si * ks, ks)])
                 if whole:
                     return (c_gmem.at[e, pl.ds(n0, bn)],
                             s_gmem.at[e, pl.ds(n0 // 2, whole_k_pair_rows(bn, k))],
                             x_gmem.at[pl.ds(b * mt, mt)])
-                return (c_gmem.at[e, pl.ds(n0, bn), pl.ds(si * (ks // 2), ks // 2)],
-                        s_gmem.at[e, pl.ds(n0, bn), pl.ds(si * (ks // 16), ks // 16)],
+                return (c_gmem.at[e, pl.ds(n0, rows), pl.ds(si * (ks // 2), ks // 2)],
+                        s_gmem.at[e, pl.ds(n0, rows), pl.ds(si * (ks // 16), ks // 16)],
                         x_gmem.at[pl.ds(b * mt, mt), pl.ds(si * ks, ks)])
+
+            if nc > 1:
+                o_smem = rest[-1]
+
+                def finish(acc, w):  # compute warpgroup w: its [mt, block_n] output slice
+                    o = o_smem.at[w]
+                    if scaled:
+                        acc = (acc * scale).astype(jnp.bfloat16)
+                    o.T[...] = plgpu.layout_cast(acc, plgpu.Layout.WGMMA_TRANSPOSED)
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(o, o_gmem.at[si, pl.ds(b * mt, mt), pl.ds(n0 + w * bn, bn)])
+                    plgpu.wait_smem_to_gmem(0)
+
+                accumulate_tiles_ws(sources, finish, cfg=cfg, m_tile=mt, steps=steps,
+                                    swizzled=swizzled)
+                return
 
             acc = accumulate_tile(
                 sources,
@@ -297,12 +320,14 @@ def _build(mt: int, nb: int, n: int, k: int, cfg: MosaicConfig, split: int, name
             store_tile(acc, o_gmem.at[si, pl.ds(b * mt, mt), pl.ds(n0, bn)], scale=scale)
 
     nvfp4_moe_mosaic.__name__ = f"nvfp4_moe_mosaic_{name}" if name else "nvfp4_moe_mosaic"
+    out_dtype = jnp.bfloat16 if scaled else jnp.float32
+    ws = {} if nc == 1 else {"scratch": [plgpu.SMEM((nc, mt, bn), out_dtype)], "num_threads": nc + 1}
     return mosaic_kernel(
         nvfp4_moe_mosaic,
-        out_type=jax.ShapeDtypeStruct((split, nb * mt, n_tiles * bn),
-                                      jnp.bfloat16 if scaled else jnp.float32),
+        out_type=jax.ShapeDtypeStruct((split, nb * mt, n_tiles * rows), out_dtype),
         grid=(n_tiles, split, nb),
         grid_names=("n", "s", "b"),
+        **ws,
     )
 
 
@@ -413,7 +438,7 @@ def grouped_matmul(
         scales = lax.bitcast_convert_type(scales, jnp.uint8)
     be = block_expert.astype(jnp.int32)
     nbk = num_blocks.astype(jnp.int32)
-    n_pad = _cdiv(n, cfg.block_n) * cfg.block_n
+    n_pad = _cdiv(n, cfg.block_n * cfg.consumers) * cfg.block_n * cfg.consumers
     if reference:
         lin = unswizzle(scales, n, k // 16, scale_layout) if swizzled else scales
         part = _reference(x, codes, lin, be, nbk, mt=block_m, n_pad=n_pad, split=split)

@@ -657,16 +657,21 @@ def store_tile(acc, o_dst, *, scale=None) -> None:
     pl, plgpu = _pallas_mosaic_gpu()
     bn, mt = acc.shape
     dtype = jnp.float32 if scale is None else jnp.bfloat16
+    pl.run_scoped(lambda o_smem: write_tile(o_smem, acc, o_dst, scale=scale),
+                  plgpu.SMEM((mt, bn), dtype))
+
+
+def write_tile(o_smem, acc, o_dst, *, scale=None) -> None:
+    """The fp32 accumulator [block_n, m_tile] (times ``scale`` and rounded to bf16 if given)
+    -> SMEM tile ``o_smem`` [m_tile, block_n] (transposed: the WGMMA_TRANSPOSED layout) ->
+    GMEM ``o_dst`` by TMA, issued and awaited by the calling warpgroup."""
+    _, plgpu = _pallas_mosaic_gpu()
     if scale is not None:
         acc = (acc * scale).astype(jnp.bfloat16)
-
-    def scope(o_smem):
-        o_smem.T[...] = plgpu.layout_cast(acc, plgpu.Layout.WGMMA_TRANSPOSED)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_smem, o_dst)
-        plgpu.wait_smem_to_gmem(0)
-
-    pl.run_scoped(scope, plgpu.SMEM((mt, bn), dtype))
+    o_smem.T[...] = plgpu.layout_cast(acc, plgpu.Layout.WGMMA_TRANSPOSED)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(o_smem, o_dst)
+    plgpu.wait_smem_to_gmem(0)
 
 
 def mosaic_kernel(body, *, out_type, grid, grid_names, scratch=None, num_threads=None):
@@ -687,47 +692,8 @@ def mosaic_kernel(body, *, out_type, grid, grid_names, scratch=None, num_threads
 
 
 def _build(m_tile: int, n: int, k: int, cfg: MosaicConfig, split: int):
-    if cfg.consumers > 1:
-        return _build_ws(m_tile, n, k, cfg, split)
-    pl, _ = _pallas_mosaic_gpu()
-    bn = cfg.block_n
-    n_tiles = -(-n // bn)
-    ks = k // split
-    steps = ks // cfg.block_k
-
-    def nvfp4_w4a16_mosaic(x_gmem, c_gmem, s_gmem, o_gmem):  # the kernel's name
-        ni = lax.axis_index("n")
-        si = lax.axis_index("s")
-        n0 = ni * bn
-        acc = accumulate_tile(
-            lambda: (
-                c_gmem.at[pl.ds(n0, bn), pl.ds(si * (ks // 2), ks // 2)],
-                s_gmem.at[pl.ds(n0, bn), pl.ds(si * (ks // 16), ks // 16)],
-                x_gmem.at[:, pl.ds(si * ks, ks)],
-            ),
-            cfg=cfg,
-            m_tile=m_tile,
-            steps=steps,
-        )
-        store_tile(acc, o_gmem.at[si, :, pl.ds(n0, bn)])
-
-    out_type = jax.ShapeDtypeStruct((split, m_tile, n_tiles * bn), jnp.float32)
-
-    def make(out):
-        return mosaic_kernel(
-            nvfp4_w4a16_mosaic,
-            out_type=out,
-            grid=(n_tiles, split),
-            grid_names=("n", "s"),
-        )
-
-    return make, out_type
-
-
-def _build_ws(m_tile: int, n: int, k: int, cfg: MosaicConfig, split: int):
-    """The warp-specialized variant of ``_build`` (``cfg.consumers`` compute warpgroups per
-    CTA, ``accumulate_tiles_ws``): same inputs and output layout, CTA tiles of
-    ``consumers * block_n`` rows."""
+    """The dense kernel: CTA tiles of ``consumers * block_n`` weight rows (one warpgroup,
+    ``accumulate_tile``; or ``consumers`` compute warpgroups, ``accumulate_tiles_ws``)."""
     pl, plgpu = _pallas_mosaic_gpu()
     bn, nc = cfg.block_n, cfg.consumers
     rows = nc * bn
@@ -735,41 +701,35 @@ def _build_ws(m_tile: int, n: int, k: int, cfg: MosaicConfig, split: int):
     ks = k // split
     steps = ks // cfg.block_k
 
-    def nvfp4_w4a16_mosaic_ws(x_gmem, c_gmem, s_gmem, o_gmem, o_smem):  # the kernel's name
+    def nvfp4_w4a16_mosaic(x_gmem, c_gmem, s_gmem, o_gmem, *o_smem):  # the kernel's name
         ni = lax.axis_index("n")
         si = lax.axis_index("s")
         n0 = ni * rows
 
+        def sources():
+            return (c_gmem.at[pl.ds(n0, rows), pl.ds(si * (ks // 2), ks // 2)],
+                    s_gmem.at[pl.ds(n0, rows), pl.ds(si * (ks // 16), ks // 16)],
+                    x_gmem.at[:, pl.ds(si * ks, ks)])
+
+        if nc == 1:
+            acc = accumulate_tile(sources, cfg=cfg, m_tile=m_tile, steps=steps)
+            store_tile(acc, o_gmem.at[si, :, pl.ds(n0, bn)])
+            return
+
         def finish(acc, w):  # compute warpgroup w: its [m_tile, block_n] slice of the output
-            o = o_smem.at[w]
-            o.T[...] = plgpu.layout_cast(acc, plgpu.Layout.WGMMA_TRANSPOSED)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o, o_gmem.at[si, :, pl.ds(n0 + w * bn, bn)])
-            plgpu.wait_smem_to_gmem(0)
+            write_tile(o_smem[0].at[w], acc, o_gmem.at[si, :, pl.ds(n0 + w * bn, bn)])
 
-        accumulate_tiles_ws(
-            lambda: (
-                c_gmem.at[pl.ds(n0, rows), pl.ds(si * (ks // 2), ks // 2)],
-                s_gmem.at[pl.ds(n0, rows), pl.ds(si * (ks // 16), ks // 16)],
-                x_gmem.at[:, pl.ds(si * ks, ks)],
-            ),
-            finish,
-            cfg=cfg,
-            m_tile=m_tile,
-            steps=steps,
-        )
+        accumulate_tiles_ws(sources, finish, cfg=cfg, m_tile=m_tile, steps=steps)
 
+    if nc > 1:
+        nvfp4_w4a16_mosaic.__name__ = "nvfp4_w4a16_mosaic_ws"
     out_type = jax.ShapeDtypeStruct((split, m_tile, n_tiles * rows), jnp.float32)
+    ws = {} if nc == 1 else {"scratch": [plgpu.SMEM((nc, m_tile, bn), jnp.float32)],
+                             "num_threads": nc + 1}
 
     def make(out):
-        return mosaic_kernel(
-            nvfp4_w4a16_mosaic_ws,
-            out_type=out,
-            grid=(n_tiles, split),
-            grid_names=("n", "s"),
-            scratch=[plgpu.SMEM((nc, m_tile, bn), jnp.float32)],
-            num_threads=nc + 1,
-        )
+        return mosaic_kernel(nvfp4_w4a16_mosaic, out_type=out, grid=(n_tiles, split),
+                             grid_names=("n", "s"), **ws)
 
     return make, out_type
 

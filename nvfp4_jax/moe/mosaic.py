@@ -65,6 +65,7 @@ from ..gemm.mosaic import (  # BLOCK_K: K % 256 for TMA; TOKEN_TILES: rows per b
     whole_k_pair_rows,
     whole_k_scale_view,
     whole_k_supported,
+    write_tile,
 )
 from ..layouts import unswizzle
 from ..quantize import NVFP4Array
@@ -297,13 +298,8 @@ def _build(mt: int, nb: int, n: int, k: int, cfg: MosaicConfig, split: int, name
                 o_smem = rest[-1]
 
                 def finish(acc, w):  # compute warpgroup w: its [mt, block_n] output slice
-                    o = o_smem.at[w]
-                    if scaled:
-                        acc = (acc * scale).astype(jnp.bfloat16)
-                    o.T[...] = plgpu.layout_cast(acc, plgpu.Layout.WGMMA_TRANSPOSED)
-                    plgpu.commit_smem()
-                    plgpu.copy_smem_to_gmem(o, o_gmem.at[si, pl.ds(b * mt, mt), pl.ds(n0 + w * bn, bn)])
-                    plgpu.wait_smem_to_gmem(0)
+                    write_tile(o_smem.at[w], acc, o_gmem.at[si, pl.ds(b * mt, mt), pl.ds(n0 + w * bn, bn)],
+                               scale=scale)
 
                 accumulate_tiles_ws(sources, finish, cfg=cfg, m_tile=mt, steps=steps,
                                     swizzled=swizzled)

@@ -467,6 +467,44 @@ def whole_k_supported(n: int, k: int) -> bool:
     return k % BLOCK_K == 128 and n % 2 == 0
 
 
+def _x_spec(m_tile: int, block_k: int):
+    """The pipeline's x tile [m_tile, block_k] bf16, 128-byte swizzled (the wgmma B operand)."""
+    _, plgpu = _pallas_mosaic_gpu()
+    return plgpu.BlockSpec((m_tile, block_k), lambda i: (0, i),
+                           transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))
+
+
+def _step_mma(cfg: MosaicConfig, *, scale_stride: int | None = None, swizzled: bool = False):
+    """One pipeline step's work for one warpgroup, shared by ``accumulate_tile`` and
+    ``accumulate_tiles_ws``: ``mma(acc_ref, codes_smem, scales_smem, x_smem)`` decodes each
+    128-deep group of the step (``_decode_fn``) and runs its wgmma against x."""
+    pl, plgpu = _pallas_mosaic_gpu()
+    bn, bk = cfg.block_n, cfg.block_k
+    groups = bk // 128
+    decode = [
+        plgpu.inline_mgpu(
+            arg_types=(plgpu.RefType(), plgpu.RefType()),
+            return_type=plgpu.ShapeDtypeStruct((bn, 128), jnp.bfloat16, layout=plgpu.Layout.WGMMA),
+        )(_decode_fn(bn, g, bk, scale_stride=scale_stride, swizzled=swizzled))
+        for g in range(groups)
+    ]
+
+    def mma(acc_ref, c_smem, s_smem, x_smem):
+        for g in range(groups):
+            a = decode[g](c_smem, s_smem)
+            plgpu.wgmma(acc_ref, a, x_smem.at[:, pl.ds(128 * g, 128)].T)
+            # wgmma reads its A registers and the x stage asynchronously. Without overlap,
+            # wait here: the next decode then cannot touch registers an in-flight wgmma
+            # reads. With overlap, at most one wgmma stays in flight while the next group
+            # decodes (ptxas sees the wgmma's register operands in the inline PTX; the GPU
+            # tests check the results). Either way nothing is in flight at the step's end,
+            # so the pipeline may release the stage then (delay_release = 0): an earlier
+            # variant that left a wgmma in flight across the release read overwritten x.
+            plgpu.wgmma_wait(1 if cfg.overlap and g + 1 < groups else 0)
+
+    return mma
+
+
 def accumulate_tile(sources, *, cfg: MosaicConfig, m_tile: int, steps: int,
                     whole_k: int | None = None, swizzled: bool = False):
     """Kernel-body building block (dense and grouped kernels): stream ``steps`` K steps of one
@@ -489,7 +527,6 @@ def accumulate_tile(sources, *, cfg: MosaicConfig, m_tile: int, steps: int,
     """
     pl, plgpu = _pallas_mosaic_gpu()
     bn, bk = cfg.block_n, cfg.block_k
-    groups = bk // 128
     if whole_k is not None and (bk != BLOCK_K or whole_k % BLOCK_K != 128):
         raise ValueError(f"config: whole-K scales need block_k={BLOCK_K} and K % 256 == 128, "
                          f"got block_k={bk}, K={whole_k}")
@@ -497,14 +534,7 @@ def accumulate_tile(sources, *, cfg: MosaicConfig, m_tile: int, steps: int,
         whole_k = None  # per-step tiles whatever K % 256
     sstride = None if whole_k is None else whole_k // 16
     chunk = None if whole_k is None else whole_k_chunk(whole_k)
-    decode = [
-        plgpu.inline_mgpu(
-            arg_types=(plgpu.RefType(), plgpu.RefType()),
-            return_type=plgpu.ShapeDtypeStruct((bn, 128), jnp.bfloat16, layout=plgpu.Layout.WGMMA),
-        )(_decode_fn(bn, g, bk, scale_stride=sstride, swizzled=swizzled))
-        for g in range(groups)
-    ]
-    x_transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    mma = _step_mma(cfg, scale_stride=sstride, swizzled=swizzled)
     prefetch = getattr(plgpu, "async_prefetch", None) if cfg.prefetch else None
     if cfg.prefetch and prefetch is None:
         log.warning("MosaicConfig.prefetch=%d ignored: this JAX has no plgpu.async_prefetch",
@@ -541,24 +571,14 @@ def accumulate_tile(sources, *, cfg: MosaicConfig, m_tile: int, steps: int,
                     prefetch(c_src.at[:, pl.ds(ahead * (bk // 2), bk // 2)])
                     prefetch(s_src.at[:, pl.ds(ahead * (bk // 16), bk // 16)])
 
-            for g in range(groups):
-                a = decode[g](c_smem, s_smem)
-                plgpu.wgmma(acc_ref, a, x_smem.at[:, pl.ds(128 * g, 128)].T)
-                # wgmma reads its A registers and the x stage asynchronously. Without overlap,
-                # wait here: the next decode then cannot touch registers an in-flight wgmma
-                # reads. With overlap, at most one wgmma stays in flight while the next group
-                # decodes (ptxas sees the wgmma's register operands in the inline PTX; the GPU
-                # tests check the results). Either way nothing is in flight at the step's end,
-                # so the pipeline may release the stage then (delay_release = 0): an earlier
-                # variant that left a wgmma in flight across the release read overwritten x.
-                plgpu.wgmma_wait(1 if cfg.overlap and g + 1 < groups else 0)
+            mma(acc_ref, c_smem, s_smem, x_smem)
 
         specs = [plgpu.BlockSpec((bn, bk // 2), lambda i: (0, i))]
         if swizzled:
             specs.append(plgpu.BlockSpec((bk // 32, 256), lambda i: (i, 0)))
         elif whole_k is None:
             specs.append(plgpu.BlockSpec((bn, bk // 16), lambda i: (0, i)))
-        specs.append(plgpu.BlockSpec((m_tile, bk), lambda i: (0, i), transforms=x_transforms))
+        specs.append(_x_spec(m_tile, bk))
         plgpu.emit_pipeline(
             step, grid=(steps,), in_specs=specs, max_concurrent_steps=cfg.num_stages,
         )(*(a for a in (c_src, s_src, x_src) if a is not None))
@@ -592,30 +612,15 @@ def accumulate_tiles_ws(sources, finish, *, cfg: MosaicConfig, m_tile: int, step
     ``accumulate_tile`` (the last step's missing half reads zeros)."""
     pl, plgpu = _pallas_mosaic_gpu()
     bn, bk, nc = cfg.block_n, cfg.block_k, cfg.consumers
-    groups = bk // 128
-    decode = [
-        plgpu.inline_mgpu(
-            arg_types=(plgpu.RefType(), plgpu.RefType()),
-            return_type=plgpu.ShapeDtypeStruct((bn, 128), jnp.bfloat16, layout=plgpu.Layout.WGMMA),
-        )(_decode_fn(bn, g, bk, swizzled=swizzled))
-        for g in range(groups)
-    ]
-    x_transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    mma = _step_mma(cfg, swizzled=swizzled)
 
     def body(_idx, c_smem, s_smem, x_smem, acc):
         w = lax.axis_index("wg")
         c = c_smem.at[pl.ds(w * bn, bn)]
         sc = s_smem.at[w] if swizzled else s_smem.at[pl.ds(w * bn, bn)]
-
-        def mma(acc_ref):
-            for g in range(groups):
-                a = decode[g](c, sc)
-                plgpu.wgmma(acc_ref, a, x_smem.at[:, pl.ds(128 * g, 128)].T)
-                # as in accumulate_tile: nothing in flight when the body returns, because the
-                # pipeline then counts this warpgroup's use of the stage as consumed
-                plgpu.wgmma_wait(1 if cfg.overlap and g + 1 < groups else 0)
-
-        return pl.run_state(mma)(plgpu.ACC.init(acc))
+        # nothing in flight when the body returns (_step_mma): the pipeline then counts this
+        # warpgroup's use of the stage as consumed
+        return pl.run_state(lambda acc_ref: mma(acc_ref, c, sc, x_smem))(plgpu.ACC.init(acc))
 
     def compute_context(eval_pipeline):
         zero = plgpu.layout_cast(jnp.full((bn, m_tile), 0, jnp.float32), plgpu.Layout.WGMMA)
@@ -630,7 +635,7 @@ def accumulate_tiles_ws(sources, finish, *, cfg: MosaicConfig, m_tile: int, step
             plgpu.BlockSpec((nc * bn, bk // 2), lambda i: (0, i)),
             plgpu.BlockSpec((nc, bk // 32, 256), lambda i: (0, i, 0)) if swizzled
             else plgpu.BlockSpec((nc * bn, bk // 16), lambda i: (0, i)),
-            plgpu.BlockSpec((m_tile, bk), lambda i: (0, i), transforms=x_transforms),
+            _x_spec(m_tile, bk),
         ],
         wg_axis="wg",
         num_compute_wgs=nc,

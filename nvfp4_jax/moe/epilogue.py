@@ -173,10 +173,9 @@ def _fc1_epilogue_kernel(route_ref, be_ref, nb_ref, part_ref, a1_ref, g2_ref, rg
             load_kw, store_kw = {"mask": live, "other": 0.0}, {"mask": live}
 
         def acc(col0):  # [mt, TILE] fp32, split-K partials summed in index order
-            if prescaled:  # bf16(alpha * acc) from the GEMM's store: already the rounding point
-                a = plgpu.load(part_ref.at[jnp.int32(0), rows, pl.ds(col0, TILE)], **load_kw)
-                return a.astype(jnp.float32)
+            # (prescaled: bf16(alpha * acc) from the GEMM's store, unsplit, widened here)
             a = plgpu.load(part_ref.at[jnp.int32(0), rows, pl.ds(col0, TILE)], **load_kw)
+            a = a.astype(jnp.float32)
             for s in range(1, split):
                 a = a + plgpu.load(part_ref.at[jnp.int32(s), rows, pl.ds(col0, TILE)], **load_kw)
             return a
@@ -273,10 +272,9 @@ def _combine_kernel(pos_ref, ids_ref, w_ref, part_ref, a2_ref, o_ref, *, split: 
     cols = c0 + lax.broadcasted_iota(jnp.int32, (1, width), 1)
     rows = pos[:, None]
     m2 = valid[:, None] & (cols >= 0)
-    d = plgpu.load(part_ref.at[jnp.int32(0), rows, cols], mask=m2, other=0.0)
-    if prescaled:  # bf16(alpha2 * acc) from the GEMM's store: TRT-LLM's bf16 GEMM2 output
-        d = d.astype(jnp.float32)
-    else:
+    # prescaled: bf16(alpha2 * acc) from the GEMM's store (TRT-LLM's bf16 GEMM2 output), widened
+    d = plgpu.load(part_ref.at[jnp.int32(0), rows, cols], mask=m2, other=0.0).astype(jnp.float32)
+    if not prescaled:
         for s in range(1, split):
             d = d + plgpu.load(part_ref.at[jnp.int32(s), rows, cols], mask=m2, other=0.0)
         d = d * a2[:, None]

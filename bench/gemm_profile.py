@@ -4,7 +4,7 @@ Usage: python3 bench/gemm_profile.py --out DIR [--cases 28672x8192x1,28672x8192x
 Runs the public W4A16 ``matmul`` (backend "auto") over C distinct weight copies in one jitted
 program (as gemm_bench times it), plus the bf16 ``jnp.dot`` on the same number of copies, under
 ``jax.profiler.trace``, and prints per-call microseconds per device kernel: the GEMM kernel
-against its glue (x permutation, split-K sum, alpha and transpose) and the per-launch
+against its glue (x permutation; split-K sum, alpha and cast) and the per-launch
 ``MemcpyD2D`` of the Mosaic custom call. Writes DIR/gemm-profile.json.
 """
 

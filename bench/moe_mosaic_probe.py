@@ -12,10 +12,12 @@ experts' NVFP4 weights (0.5625 B/weight), averaged over the NROT routings.
 ``--configs``: named Mosaic configs measured on every case after the defaults (before the
 sweep): ``_``-joined knobs applied to both GEMMs of the case's default config: ``bm<N>``
 (block_m), ``bn<N>`` (block_n), ``s<N>`` (stages), ``k<N>`` (split_k, where K allows it),
-``ov`` (overlap), ``bk512``, ``c<N>`` (consumers: warp-specialized GEMM); prefixed ``f1``/``f2``, to one GEMM only; ``rk``: the one-launch
-routing kernel (``MosaicMoEConfig.routing="kernel"``); ``sp``: ``skip_padding``; ``bf``: ``bf16_partials``. With ``--swizzled`` the
-named configs run on the swizzled weights. ``--swizzled``: the default config again with the weights' scales
-in ``swizzled_128x4`` (read per step by the kernel; no whole-K buffer for K % 256 == 128).
+``ov`` (overlap), ``bk512``, ``c<N>`` (consumers: warp-specialized GEMM); prefixed
+``f1``/``f2``, to one GEMM only; ``rk``: the one-launch routing kernel
+(``MosaicMoEConfig.routing="kernel"``); ``sp``: ``skip_padding``; ``bf``: ``bf16_partials``.
+With ``--swizzled`` the named configs run on the swizzled weights. ``--swizzled``: the default
+config again with the weights' scales in ``swizzled_128x4`` (read per step by the kernel; no
+whole-K buffer for K % 256 == 128).
 Writes DIR/moe-mosaic-probe-h200.json progressively.
 """
 

@@ -388,6 +388,25 @@ def test_default_configs():
         assert cfg.block_m == want, (routes, cfg)
         for c, k in ((cfg.fc1, 1024), (cfg.fc2, 2688)):
             assert c.smem_bytes(cfg.block_m, whole_k=k if k % 256 else None) <= 227 * 1024
+            # from PREFILL_ROUTES routed rows on: two compute warpgroups and bf16 products
+            assert c.consumers == (2 if routes >= mm.PREFILL_ROUTES else 1), (routes, cfg)
+        assert cfg.bf16_partials == (routes >= mm.PREFILL_ROUTES)
+
+
+def test_prefill_default_config_drops_ws_for_linear_whole_k(monkeypatch, caplog):
+    """An auto-picked warp-specialized FC2 over linear scales with K % 256 == 128 (no
+    warp-specialized whole-K kernel) runs with one warpgroup, logged, and matches the oracle;
+    a caller's config is refused instead."""
+    monkeypatch.setattr(mm, "PREFILL_ROUTES", 16)
+    case = make_case(np.random.default_rng(5), t=9, h=256, inter=384, e=4, k=2, activation="relu2")
+    with caplog.at_level(logging.INFO, logger="nvfp4_jax.moe"):
+        out, h = _run(case, mode="trtllm_cutlass", activation="relu2")
+    assert "fc2: linear scales with K=384 have no warp-specialized kernel" in caplog.text
+    assert "fc1:" not in caplog.text  # FC1's K = 256: warp-specialized as picked
+    check_against_oracle(case, out, h, mode="trtllm_cutlass", activation="relu2")
+    ws = MosaicMoEConfig(block_m=8, fc2=MosaicConfig(block_n=128, consumers=2))
+    with pytest.raises(ValueError, match="consumers=2 needs K % 256 == 0 or swizzled"):
+        _run(case, mode="trtllm_cutlass", activation="relu2", config=ws)
 
 
 def test_bf16_round_is_the_bf16_conversion():

@@ -165,3 +165,19 @@ def test_moe_mosaic_gpu_swizzled_weights_ws2_match_oracle(fc2_split):
     """The same with warp-specialized grouped GEMMs (two compute warpgroups sharing x; FC1's 21
     row tiles end in a CTA whose second tile lies past N). Run alone first on a new GPU."""
     test_moe_mosaic_gpu_swizzled_weights_match_oracle(fc2_split, consumers=2)
+
+
+def test_prefill_default_config_matches_oracle(monkeypatch, caplog):
+    """The default config from PREFILL_ROUTES routed rows on (two compute warpgroups, bf16
+    products), lowered to 256 routes so the oracle stays cheap; nemotron's FC2 (K = 2688) with
+    linear scales has no warp-specialized kernel and runs with one warpgroup, logged."""
+    from nvfp4_jax.moe import mosaic as moe_mosaic
+
+    monkeypatch.setattr(moe_mosaic, "PREFILL_ROUTES", 256)
+    cfg = moe_mosaic.default_config(256, 4, hidden=1024, rows1=2688, inter=2688)
+    assert cfg.bf16_partials and cfg.fc1.consumers == 2 and cfg.fc2.consumers == 2
+    case = make_case_fast(np.random.default_rng(11), **{**NEMO, "t": 64, "e": 4, "k": 4})
+    with caplog.at_level(logging.INFO, logger="nvfp4_jax.moe.mosaic"):
+        out, h = _run(case, mode="trtllm_cutlass", activation="relu2")
+    assert "fc2: linear scales with K=2688 have no warp-specialized kernel" in caplog.text
+    check_against_oracle(case, out, h, mode="trtllm_cutlass", activation="relu2")

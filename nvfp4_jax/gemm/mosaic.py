@@ -72,10 +72,12 @@ class MosaicConfig:
     in flight than the ``num_stages`` TMA stages alone. overlap: issue the next 128-deep group's
     decode while the previous wgmma runs (``wgmma_wait(1)`` within a step, ``wgmma_wait(0)`` at
     the step's end, before the pipeline releases the stage).
-    consumers: 1 (one warpgroup per CTA) or 2..4: a warp-specialized CTA (``accumulate_tiles_ws``)
+    consumers: 1 (one warpgroup per CTA) or 2..3: a warp-specialized CTA (``accumulate_tiles_ws``)
     with ``consumers`` compute warpgroups of ``block_n`` weight rows each, sharing every x stage,
     and a producer warpgroup that issues the TMA copies. Dense and grouped kernels; K % 256 ==
-    0 or swizzled_128x4 scales (no whole-K buffer); no prefetch; opt-in (not yet run on a GPU).
+    0 or swizzled_128x4 scales (no whole-K buffer); no prefetch. Run on the H200 (session 9):
+    2 and 3 pass the oracle tests; 4 (640 threads) hung there, so it is refused. ``AUTO_SM90``
+    uses 2 where it measured faster (28672x8192 at M = 64; MoE prefill).
     """
 
     block_n: int = 128
@@ -99,8 +101,10 @@ class MosaicConfig:
             raise ValueError(f"MosaicConfig.prefetch: expected 0..16 steps, got {self.prefetch}")
         if not isinstance(self.overlap, bool):
             raise TypeError(f"MosaicConfig.overlap: expected a bool, got {self.overlap!r}")
-        if self.consumers not in (1, 2, 3, 4):
-            raise ValueError(f"MosaicConfig.consumers: expected 1..4, got {self.consumers}")
+        if self.consumers not in (1, 2, 3):
+            # 4 compute warpgroups (640 threads) hung on the H200 (session 9, two shapes; not
+            # diagnosed): refused rather than shipped
+            raise ValueError(f"MosaicConfig.consumers: expected 1..3, got {self.consumers}")
         if self.consumers > 1 and self.prefetch:
             raise ValueError("MosaicConfig.prefetch: not available with consumers > 1")
 
@@ -133,10 +137,11 @@ class MosaicConfig:
 AUTO_SM90: dict[tuple[int, int, int], MosaicConfig] = {
     # 54.1 / 101.5 / 133.9 (2.44 TB/s); the previous entry (64, 2, 4 stages): 62.6
     (16, 28672, 8192): MosaicConfig(block_n=64, split_k=4, num_stages=2),
-    # 82.3 / 151.6 / 128.6 (session 8, bench/results/mosaic-sweep-round7-h200.json): block_n
-    # 128 fits two CTAs per SM since the output tile reuses the stage buffers (100 KB, was
-    # 132); the previous entry (64, split 2, 2 stages) 94.1 in the same run
-    (64, 28672, 8192): MosaicConfig(block_n=128, split_k=1, num_stages=2),
+    # 79.7 / 152.6 / 125.1: two compute warpgroups of 128 rows sharing each x stage (session 9,
+    # bench/results/mosaic-sweep-round8-h200.json; one warpgroup 82.3 in the same run, round 7
+    # 82.3 too; 3 consumers or 3 stages do not fit the SMEM). block_n 128 fits two CTAs per SM
+    # since the output tile reuses the stage buffers (round 7: 82.3 vs 94.1 for 64/2/2)
+    (64, 28672, 8192): MosaicConfig(block_n=128, split_k=1, num_stages=2, consumers=2),
     # 11.1 / 20.7 / 15.8 (same run; next 128/4/2 12.4); this bucket used Pallas-Triton before
     (64, 4096, 4096): MosaicConfig(block_n=64, split_k=4, num_stages=2),
     # 13.5 / 36.9 / 39.3 (next best config 17.4)

@@ -203,16 +203,27 @@ def _split_for(tiles: int, steps: int, want: int) -> int:
     return best
 
 
+#: Routed rows from which ``default_config`` picks two compute warpgroups per CTA (consumers=2)
+#: and bf16 products (bf16_partials). H200, session 9 (2026-11-30,
+#: bench/results/moe-mosaic-probe-round7-h200.json, swizzled weights, us): nemotron T = 4096
+#: (90112 routes) 3700 -> 3577 (c2), 3571 (bf), 3448 (both); qwen3 T = 4096 (32768 routes)
+#: 1314 -> 1261, 1184, 1158; nemotron T = 512 (11264 routes) bf 1012 -> 977. Below it
+#: (decode) neither was measured.
+PREFILL_ROUTES = 8192
+
+
 def default_config(routes: int, num_experts: int, *, hidden: int, rows1: int, inter: int) -> MosaicMoEConfig:
     """Heuristic: blocks of the smallest token tile that holds the mean routed rows per touched
     expert (8 at decode, 16 or more when FC2 falls back to Pallas-Triton, at most 64), 128-row
     weight tiles (64 where 128 would not fit the shared memory), 2 stages (the dense sweep's
     best at small M), split-K until the expected CTAs (blocks x output tiles x split) reach
-    about two per SM."""
+    about two per SM. From ``PREFILL_ROUTES`` routed rows on: two compute warpgroups per CTA
+    where they fit the shared memory, and bf16 products (``bf16_partials``)."""
     lo = 8 if mosaic_plan(hidden, inter, n1=rows1, n2=hidden)[1] else 16
     per_expert = -(-routes // max(1, min(num_experts, routes)))
     bm = next((t for t in TOKEN_TILES if t >= max(lo, per_expert)), TOKEN_TILES[-1])
     blocks = max(min(num_experts, routes), routes // bm)  # expected valid blocks
+    prefill = routes >= PREFILL_ROUTES
     cfgs = []
     for n, k in ((rows1, hidden), (hidden, inter)):
         whole = k % BLOCK_K != 0
@@ -220,8 +231,12 @@ def default_config(routes: int, num_experts: int, *, hidden: int, rows1: int, in
         if MosaicConfig(block_n=bn, num_stages=2).smem_bytes(bm, whole_k=k if whole else None) > SMEM_LIMIT:
             bn = 64
         split = 1 if whole else _split_for(blocks * _cdiv(n, bn), k // BLOCK_K, 2 * N_SM)
-        cfgs.append(MosaicConfig(block_n=bn, split_k=split, num_stages=2))
-    return MosaicMoEConfig(block_m=bm, fc1=cfgs[0], fc2=cfgs[1])
+        cfg = MosaicConfig(block_n=bn, split_k=split, num_stages=2)
+        ws = dataclasses.replace(cfg, consumers=2)
+        if prefill and bn == 128 and ws.smem_bytes(bm) <= SMEM_LIMIT:
+            cfg = ws  # whole-K with linear scales: moe_mosaic drops it to one warpgroup (logged)
+        cfgs.append(cfg)
+    return MosaicMoEConfig(block_m=bm, fc1=cfgs[0], fc2=cfgs[1], bf16_partials=prefill)
 
 
 def auto_config(routes: int, num_experts: int, *, hidden: int, rows1: int, inter: int) -> MosaicMoEConfig:
@@ -497,10 +512,25 @@ def moe_mosaic(
     on1, on2 = mosaic_plan(h_dim, inter, n1=r, n2=h_dim)
     if not on1:
         check_supported(h_dim, n=r, name="fc1")
-    if config is None:
+    auto = config is None
+    if auto:
         config = auto_config(n_routes, e, hidden=h_dim, rows1=r, inter=inter)
     if not isinstance(config, MosaicMoEConfig):
         raise ValueError(f"config: expected a MosaicMoEConfig, got {type(config).__name__}")  # noqa: TRY004
+
+    def fit(cfg: MosaicConfig, w: NVFP4Array, k_dim: int, name: str) -> MosaicConfig:
+        """An auto-picked warp-specialized config that these weights cannot run (linear scales
+        with K % 256 == 128: the whole-K buffer has no warp-specialized form) runs with one
+        warpgroup instead, logged; a config the caller passed is checked as given."""
+        if (not auto or cfg.consumers == 1 or k_dim % BLOCK_K == 0
+                or (w.layout == "swizzled_128x4" and cfg.block_n == 128)):
+            return cfg
+        log.info("nvfp4_jax.moe: %s: %s scales with K=%d have no warp-specialized kernel; one "
+                 "compute warpgroup (consumers=1) instead of %d", name, w.layout, k_dim, cfg.consumers)
+        return dataclasses.replace(cfg, consumers=1)
+
+    cfg1 = fit(config.fc1, fc1, h_dim, "fc1")
+    cfg2 = fit(config.fc2, fc2, inter, "fc2") if on2 else config.fc2
     bm = config.block_m
     if not on2:
         if bm < 16:
@@ -537,7 +567,7 @@ def moe_mosaic(
                         name, w.layout)
         return lax.bitcast_convert_type(w.linear_scales(), jnp.uint8), "linear"
 
-    s1u, lay1 = scales_u8(fc1, config.fc1, "fc1")
+    s1u, lay1 = scales_u8(fc1, cfg1, "fc1")
 
     def products(alpha: jax.Array, cfg: MosaicConfig, k_dim: int, lay: str, name: str):
         """alpha for a GEMM that stores bf16(alpha * acc) (``bf16_partials``), else None."""
@@ -556,9 +586,9 @@ def moe_mosaic(
     xp = fc1_operand(hidden, br.sorted_route, *meta, g1, _ieee_div(1.0, g1), top_k=k, block_m=bm,
                      recipe=recipe, per_expert=activation_scale == "per_expert",
                      skip_padding=config.skip_padding, interpret=reference)
-    part1 = grouped_matmul(xp, fc1.codes, s1u, *meta, block_m=bm, config=config.fc1,
+    part1 = grouped_matmul(xp, fc1.codes, s1u, *meta, block_m=bm, config=cfg1,
                            reference=reference, name="fc1", scale_layout=lay1,
-                           alpha=products(a1, config.fc1, h_dim, lay1, "fc1") if on2 else None)
+                           alpha=products(a1, cfg1, h_dim, lay1, "fc1") if on2 else None)
     if on2:
         # FC1 epilogue (alpha, bf16, activation, requantization, K permutation), FC2 (Mosaic),
         # combine (alpha2, bf16, router weight, top-k sum): one launch each
@@ -566,10 +596,10 @@ def moe_mosaic(
         hvp, hb = fc1_epilogue(part1, *meta, a1, g2, _ieee_div(1.0, g2), inter=inter, **skip,
                                activation=activation, gate_up_order=gate_up_order, mode=mode,
                                recipe=recipe, return_h=return_intermediates, interpret=reference)
-        s2u, lay2 = scales_u8(fc2, config.fc2, "fc2")
-        part2 = grouped_matmul(hvp, fc2.codes, s2u, *meta, block_m=bm, config=config.fc2,
+        s2u, lay2 = scales_u8(fc2, cfg2, "fc2")
+        part2 = grouped_matmul(hvp, fc2.codes, s2u, *meta, block_m=bm, config=cfg2,
                                reference=reference, name="fc2", scale_layout=lay2,
-                               alpha=products(a2, config.fc2, inter, lay2, "fc2"))
+                               alpha=products(a2, cfg2, inter, lay2, "fc2"))
         out = combine(part2, br.route_pos, topk_ids, topk_weights, a2, hidden=h_dim,
                       mode=mode, interpret=reference)
     else:

@@ -388,16 +388,17 @@ def test_default_configs():
         assert cfg.block_m == want, (routes, cfg)
         for c, k in ((cfg.fc1, 1024), (cfg.fc2, 2688)):
             assert c.smem_bytes(cfg.block_m, whole_k=k if k % 256 else None) <= 227 * 1024
-            # from PREFILL_ROUTES routed rows on: two compute warpgroups and bf16 products
-            assert c.consumers == (2 if routes >= mm.PREFILL_ROUTES else 1), (routes, cfg)
-        assert cfg.bf16_partials == (routes >= mm.PREFILL_ROUTES)
+            # from WS_ROUTES routed rows on: two compute warpgroups
+            assert c.consumers == (2 if routes >= mm.WS_ROUTES else 1), (routes, cfg)
+        assert cfg.bf16_partials == (routes >= mm.BF16_PARTIALS_ROUTES)
 
 
 def test_prefill_default_config_drops_ws_for_linear_whole_k(monkeypatch, caplog):
     """An auto-picked warp-specialized FC2 over linear scales with K % 256 == 128 (no
     warp-specialized whole-K kernel) runs with one warpgroup, logged, and matches the oracle;
     a caller's config is refused instead."""
-    monkeypatch.setattr(mm, "PREFILL_ROUTES", 16)
+    monkeypatch.setattr(mm, "WS_ROUTES", 16)
+    monkeypatch.setattr(mm, "BF16_PARTIALS_ROUTES", 16)
     case = make_case(np.random.default_rng(5), t=9, h=256, inter=384, e=4, k=2, activation="relu2")
     with caplog.at_level(logging.INFO, logger="nvfp4_jax.moe"):
         out, h = _run(case, mode="trtllm_cutlass", activation="relu2")

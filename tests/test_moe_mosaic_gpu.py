@@ -168,12 +168,13 @@ def test_moe_mosaic_gpu_swizzled_weights_ws2_match_oracle(fc2_split):
 
 
 def test_prefill_default_config_matches_oracle(monkeypatch, caplog):
-    """The default config from PREFILL_ROUTES routed rows on (two compute warpgroups, bf16
-    products), lowered to 256 routes so the oracle stays cheap; nemotron's FC2 (K = 2688) with
+    """The default config of prefill-sized routings (two compute warpgroups, bf16 products;
+    WS_ROUTES, BF16_PARTIALS_ROUTES), lowered to 256 routes so the oracle stays cheap; nemotron's FC2 (K = 2688) with
     linear scales has no warp-specialized kernel and runs with one warpgroup, logged."""
     from nvfp4_jax.moe import mosaic as moe_mosaic
 
-    monkeypatch.setattr(moe_mosaic, "PREFILL_ROUTES", 256)
+    monkeypatch.setattr(moe_mosaic, "WS_ROUTES", 256)
+    monkeypatch.setattr(moe_mosaic, "BF16_PARTIALS_ROUTES", 256)
     cfg = moe_mosaic.default_config(256, 4, hidden=1024, rows1=2688, inter=2688)
     assert cfg.bf16_partials and cfg.fc1.consumers == 2 and cfg.fc2.consumers == 2
     case = make_case_fast(np.random.default_rng(11), **{**NEMO, "t": 64, "e": 4, "k": 4})

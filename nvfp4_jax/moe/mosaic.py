@@ -203,13 +203,16 @@ def _split_for(tiles: int, steps: int, want: int) -> int:
     return best
 
 
-#: Routed rows from which ``default_config`` picks two compute warpgroups per CTA (consumers=2)
-#: and bf16 products (bf16_partials). H200, session 9 (2026-11-30,
-#: bench/results/moe-mosaic-probe-round7-h200.json, swizzled weights, us): nemotron T = 4096
-#: (90112 routes) 3700 -> 3577 (c2), 3571 (bf), 3448 (both); qwen3 T = 4096 (32768 routes)
-#: 1314 -> 1261, 1184, 1158; nemotron T = 512 (11264 routes) bf 1012 -> 977. Below it
-#: (decode) neither was measured.
-PREFILL_ROUTES = 8192
+#: Routed rows from which ``default_config`` picks bf16 products (``bf16_partials``), and
+#: from which two compute warpgroups per CTA (consumers=2). H200, session 9 (2026-11-30,
+#: bench/results/moe-mosaic-probe-round7-h200.json, swizzled weights, us):
+#: - nemotron T = 4096 (90112 routes): 3700 -> 3571 (bf), 3577 (c2), 3448 (both);
+#: - qwen3 T = 4096 (32768 routes): 1314 -> 1184, 1261, 1158;
+#: - nemotron T = 512 (11264 routes): 1012 -> 977 (bf); both: 1020 (the bench, another call);
+#: - qwen3 T = 512 (4096 routes): 290 -> 275 (bf), 328 (both).
+#: Two warpgroups win with 64-row blocks and lose with 32-row ones (T = 512).
+BF16_PARTIALS_ROUTES = 4096
+WS_ROUTES = 32768
 
 
 def default_config(routes: int, num_experts: int, *, hidden: int, rows1: int, inter: int) -> MosaicMoEConfig:
@@ -217,13 +220,14 @@ def default_config(routes: int, num_experts: int, *, hidden: int, rows1: int, in
     expert (8 at decode, 16 or more when FC2 falls back to Pallas-Triton, at most 64), 128-row
     weight tiles (64 where 128 would not fit the shared memory), 2 stages (the dense sweep's
     best at small M), split-K until the expected CTAs (blocks x output tiles x split) reach
-    about two per SM. From ``PREFILL_ROUTES`` routed rows on: two compute warpgroups per CTA
-    where they fit the shared memory, and bf16 products (``bf16_partials``)."""
+    about two per SM. bf16 products (``bf16_partials``) from ``BF16_PARTIALS_ROUTES`` routed
+    rows on, two compute warpgroups per CTA (where they fit the shared memory) from
+    ``WS_ROUTES`` on."""
     lo = 8 if mosaic_plan(hidden, inter, n1=rows1, n2=hidden)[1] else 16
     per_expert = -(-routes // max(1, min(num_experts, routes)))
     bm = next((t for t in TOKEN_TILES if t >= max(lo, per_expert)), TOKEN_TILES[-1])
     blocks = max(min(num_experts, routes), routes // bm)  # expected valid blocks
-    prefill = routes >= PREFILL_ROUTES
+    ws_ok = routes >= WS_ROUTES
     cfgs = []
     for n, k in ((rows1, hidden), (hidden, inter)):
         whole = k % BLOCK_K != 0
@@ -233,10 +237,10 @@ def default_config(routes: int, num_experts: int, *, hidden: int, rows1: int, in
         split = 1 if whole else _split_for(blocks * _cdiv(n, bn), k // BLOCK_K, 2 * N_SM)
         cfg = MosaicConfig(block_n=bn, split_k=split, num_stages=2)
         ws = dataclasses.replace(cfg, consumers=2)
-        if prefill and bn == 128 and ws.smem_bytes(bm) <= SMEM_LIMIT:
+        if ws_ok and bn == 128 and ws.smem_bytes(bm) <= SMEM_LIMIT:
             cfg = ws  # whole-K with linear scales: moe_mosaic drops it to one warpgroup (logged)
         cfgs.append(cfg)
-    return MosaicMoEConfig(block_m=bm, fc1=cfgs[0], fc2=cfgs[1], bf16_partials=prefill)
+    return MosaicMoEConfig(block_m=bm, fc1=cfgs[0], fc2=cfgs[1], bf16_partials=routes >= BF16_PARTIALS_ROUTES)
 
 
 def auto_config(routes: int, num_experts: int, *, hidden: int, rows1: int, inter: int) -> MosaicMoEConfig:

@@ -3,7 +3,8 @@
 Usage (on the GPU machine): python bench/mosaic_sweep.py --out DIR [--budget-s 200] [--plan P]
 P: 'NxK:m1,m2;NxK:m3'. Timing: gemm_bench.time_per_call (in-graph, distinct weight copies).
 Each Mosaic config is also checked against the XLA backend (max |diff| / max |ref|).
-Writes DIR/mosaic-sweep-h200.json (one row per (shape, M, impl, config)).
+Writes DIR/mosaic-sweep-h200.json: the run's date, commit, GPU and versions, and "records", one
+per (shape, M, impl, config) (rounds 4-7 under bench/results are bare lists of records).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import gemm_bench as gb
+from run_meta import run_metadata
 import jax.numpy as jnp
 import numpy as np
 
@@ -122,6 +124,7 @@ def main():
     path = os.path.join(a.out, "mosaic-sweep-h200.json")
     t0 = time.time()
     rows = []
+    meta = {**run_metadata(), "what": f"mosaic GEMM config sweep: plan {a.plan!r}, variants {a.variants!r}"}
     for part in a.plan.split(";"):
         shp, mss = part.split(":")
         n, k = (int(v) for v in shp.split("x"))
@@ -158,7 +161,7 @@ def main():
                 rows.append(row)
                 print(json.dumps(row), flush=True)
                 with open(path, "w") as f:
-                    json.dump(rows, f, indent=0)
+                    json.dump({**meta, "records": rows}, f, indent=0)
             del x
         del ws, wb
     print("elapsed", time.time() - t0)

@@ -114,8 +114,9 @@ class MosaicMoEConfig:
     acc), TensorRT-LLM CUTLASS's bf16 GEMM output, instead of fp32 partials for the next
     kernel to scale and round: the same numbers, half the bytes written and read (at nemotron
     T = 4096 the FC1 partials are 968 MB in fp32). Ignored, with a log line, in ``b12x`` mode
-    (no rounding there) and for a split GEMM. Opt-in: tested on the CPU (the kernels'
-    emulation and interpret mode) and lowered for sm_90, not yet run on a GPU.
+    (no rounding there) and for a split GEMM. H200 (session 9): passes the oracle tests; the
+    default from ``BF16_PARTIALS_ROUTES`` routed rows on and in two ``AUTO_SM90`` entries,
+    where it measured faster (nemotron T = 4096: -3.5 %, qwen3 T = 512: -5 %).
     """
 
     block_m: int = 8
@@ -176,17 +177,21 @@ AUTO_SM90: dict[tuple[int, int, int, int, int], MosaicMoEConfig] = {
                                       fc2=MosaicConfig(block_n=128, split_k=3, num_stages=2)),
     (*_NEMO, 256): dataclasses.replace(_NEMO_CFG, skip_padding=True,
                                        fc2=MosaicConfig(block_n=128, split_k=2, num_stages=2)),
-    (*_NEMO, 2048): _NEMO_CFG,
+    # bf16 products (session 9, bench/results/moe-mosaic-probe-round8-h200.json, swizzled
+    # weights): T = 64 537.2 vs 546.6 us; T = 8: 186.3 either way (skip_padding already reads
+    # only the routed rows there), so that entry keeps fp32 partials
+    (*_NEMO, 2048): dataclasses.replace(_NEMO_CFG, bf16_partials=True),
     # qwen3-30B T = 1: 48.1 vs 51.9 us; routing kernel + skip_padding (session 8, same file):
     # 32.0 vs 35.4 us (routing kernel alone 31.9, skip_padding alone 35.4)
     (*_QWEN, 8): MosaicMoEConfig(block_m=8, fc1=MosaicConfig(block_n=128, split_k=2, num_stages=2),
                                  fc2=MosaicConfig(block_n=128, split_k=1, num_stages=2),
                                  routing="kernel", skip_padding=True),
     # qwen3-30B T = 8: 101.0 vs 143.7 us; routing kernel + skip_padding: 76.7 vs 79.1 us
-    # (routing kernel alone 76.9, skip_padding alone 78.3)
+    # (routing kernel alone 76.9, skip_padding alone 78.3); bf16 products (session 9, same
+    # file as the nemotron T = 64 entry): 75.1 vs 76.9
     (*_QWEN, 64): MosaicMoEConfig(block_m=8, fc1=MosaicConfig(block_n=128, split_k=1, num_stages=2),
                                   fc2=MosaicConfig(block_n=128, split_k=1, num_stages=2),
-                                  routing="kernel", skip_padding=True),
+                                  routing="kernel", skip_padding=True, bf16_partials=True),
 }
 
 
@@ -205,7 +210,7 @@ def _split_for(tiles: int, steps: int, want: int) -> int:
 
 #: Routed rows from which ``default_config`` picks bf16 products (``bf16_partials``), and
 #: from which two compute warpgroups per CTA (consumers=2). H200, session 9 (2026-11-30,
-#: bench/results/moe-mosaic-probe-round7-h200.json, swizzled weights, us):
+#: bench/results/moe-mosaic-probe-round8-h200.json, swizzled weights, us):
 #: - nemotron T = 4096 (90112 routes): 3700 -> 3571 (bf), 3577 (c2), 3448 (both);
 #: - qwen3 T = 4096 (32768 routes): 1314 -> 1184, 1261, 1158;
 #: - nemotron T = 512 (11264 routes): 1012 -> 977 (bf); both: 1020 (the bench, another call);

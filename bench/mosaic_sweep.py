@@ -21,9 +21,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import gemm_bench as gb
-from run_meta import run_metadata
 import jax.numpy as jnp
 import numpy as np
+from run_meta import run_metadata
 
 import nvfp4_jax
 from nvfp4_jax.gemm import configs
@@ -97,7 +97,7 @@ def variants(m, n, k, spec):
             if item == "base":
                 continue
             key, val = item.split("=")
-            kw[key] = bool(int(val)) if key == "overlap" else int(val)
+            kw[key] = bool(int(val)) if key in ("overlap", "bf16_store") else int(val)
         cfg = dataclasses.replace(base, **kw)
         try:
             check_config(cfg, k, token_tile(m))

@@ -3,6 +3,9 @@ lowers for CUDA (Pallas -> Mosaic GPU lowering, incl. layouts and wgmma checks) 
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -57,10 +60,21 @@ def test_lowers_for_cuda(m, n, k, cfg):
     assert ("cp.async.bulk.prefetch" in text) == bool(cfg and cfg.prefetch)
     ws = bool(cfg and cfg.consumers > 1)
     assert ("nvfp4_w4a16_mosaic_ws" in text) == ws
-    if ws:  # [split, mt, N padded to whole CTA tiles of consumers * block_n rows]
-        rows = cfg.consumers * cfg.block_n
-        split = check_config(cfg, k, token_tile(m))
-        assert f"tensor<{split}x{token_tile(m)}x{-(-n // rows) * rows}xf32>" in text
+    # the kernel's output: fp32 partials [split, mt, N padded to whole CTA tiles of
+    # consumers * block_n rows]
+    c = cfg or default_config(m, n, k)
+    rows = c.consumers * c.block_n
+    split = check_config(c, k, token_tile(m))
+    shape = f"tensor<{split}x{token_tile(m)}x{-(-n // rows) * rows}"
+    assert f"{shape}xf32>" in text and "tensor<1xf32>" not in text
+    # bf16_store: unsplit, the kernel stores the finished bf16 output (alpha, a 4th operand)
+    bs = dataclasses.replace(c, bf16_store=True)
+    for out_dtype in (jnp.bfloat16, jnp.float32):
+        g = jax.jit(functools.partial(matmul_mosaic, config=bs, out_dtype=out_dtype))
+        text = g.trace(*_args(m, n, k)).lower(lowering_platforms=("cuda",)).as_text()
+        fused = split == 1 and out_dtype == jnp.bfloat16
+        assert f"{shape}x{'bf16' if fused else 'f32'}>" in text
+        assert ("tensor<1xf32>" in text) == fused
 
 
 def test_permutation_matches_fragment_layout():
@@ -113,6 +127,8 @@ def test_validation_names_the_argument():
             MosaicConfig(**bad)
     with pytest.raises(TypeError, match="^MosaicConfig.overlap"):
         MosaicConfig(overlap=1)
+    with pytest.raises(TypeError, match="^MosaicConfig.bf16_store"):
+        MosaicConfig(bf16_store=1)
     for bad in ({"consumers": 0}, {"consumers": 4}, {"consumers": 2, "prefetch": 2}):
         with pytest.raises(ValueError, match="^MosaicConfig"):
             MosaicConfig(**bad)
@@ -172,3 +188,14 @@ def test_api_mosaic_backend_on_cpu_falls_back_to_pallas(caplog):
     ref = matmul(x, w, backend="xla", out_dtype=jnp.float32)
     np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(np.asarray(auto), np.asarray(ref))
+
+
+def test_bf16_store_elsewhere_is_logged(caplog):
+    """bf16_store with a split or a non-bf16 output keeps the fp32 partials, and says so."""
+    for cfg, out_dtype in ((MosaicConfig(block_n=64, split_k=2, num_stages=2, bf16_store=True), jnp.bfloat16),
+                           (MosaicConfig(block_n=64, split_k=1, num_stages=2, bf16_store=True), jnp.float16)):
+        caplog.clear()
+        f = jax.jit(functools.partial(matmul_mosaic, config=cfg, out_dtype=out_dtype))
+        with caplog.at_level("INFO", logger="nvfp4_jax.gemm.mosaic"):
+            f.trace(*_args(16, 1024, 2048)).lower(lowering_platforms=("cuda",))
+        assert "bf16_store needs split_k 1 and a bf16 output" in caplog.text

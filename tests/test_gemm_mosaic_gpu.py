@@ -71,6 +71,12 @@ def _run(x, wo, out_dtype, cfg):
                                                        overlap=True), id="ws3_overlap"),
         pytest.param(5, 1000, 2048, 40.0, MosaicConfig(block_n=64, split_k=2, num_stages=2, consumers=3),
                      id="ws3_ragged"),
+        # bf16_store: the unsplit kernel stores bf16(alpha * acc) itself (fp32 output: the
+        # XLA epilogue, logged); one warpgroup, and two with ragged M and N
+        pytest.param(64, 2048, 4096, 1.0, MosaicConfig(block_n=128, split_k=1, num_stages=2, bf16_store=True),
+                     id="bs_m64"),
+        pytest.param(37, 3000, 1024, 3.0, MosaicConfig(block_n=64, split_k=1, num_stages=2, consumers=2,
+                                                       bf16_store=True), id="bs_ws2_ragged"),
     ],
 )
 @pytest.mark.parametrize("out_dtype", [jnp.float32, jnp.bfloat16])

@@ -78,6 +78,12 @@ class MosaicConfig:
     0 or swizzled_128x4 scales (no whole-K buffer); no prefetch. Run on the H200 (session 9):
     2 and 3 pass the oracle tests; 4 (640 threads) hung there, so it is refused. ``AUTO_SM90``
     uses 2 where it measured faster (28672x8192 at M = 64; MoE prefill).
+    bf16_store: dense kernel, split_k 1, bf16 output: the kernel multiplies its accumulator by
+    alpha and stores bf16 (the same fp32 multiply and round to nearest even as the XLA
+    epilogue it replaces, one launch and half the output bytes fewer); elsewhere (a split, an
+    fp16/fp32 output) fp32 partials and the XLA epilogue, logged. The grouped kernel refuses it
+    (``MosaicMoEConfig.bf16_partials`` is its form). Opt-in: lowered for sm_90 on the CPU, not
+    yet run on a GPU (session 9).
     """
 
     block_n: int = 128
@@ -87,6 +93,7 @@ class MosaicConfig:
     prefetch: int = 0
     overlap: bool = False
     consumers: int = 1
+    bf16_store: bool = False
 
     def __post_init__(self) -> None:
         if self.block_n not in (64, 128):
@@ -99,8 +106,9 @@ class MosaicConfig:
             raise ValueError(f"MosaicConfig.block_k: expected one of {BLOCK_KS}, got {self.block_k}")
         if not 0 <= self.prefetch <= 16:
             raise ValueError(f"MosaicConfig.prefetch: expected 0..16 steps, got {self.prefetch}")
-        if not isinstance(self.overlap, bool):
-            raise TypeError(f"MosaicConfig.overlap: expected a bool, got {self.overlap!r}")
+        for name in ("overlap", "bf16_store"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"MosaicConfig.{name}: expected a bool, got {getattr(self, name)!r}")
         if self.consumers not in (1, 2, 3):
             # 4 compute warpgroups (640 threads) hung on the H200 (session 9, two shapes; not
             # diagnosed): refused rather than shipped
@@ -701,20 +709,28 @@ def mosaic_kernel(body, *, out_type, grid, grid_names, scratch=None, num_threads
     return plgpu.kernel(body, grid=grid, grid_names=grid_names, **kw)
 
 
-def _build(m_tile: int, n: int, k: int, cfg: MosaicConfig, split: int):
+def _build(m_tile: int, n: int, k: int, cfg: MosaicConfig, split: int, scaled: bool = False):
     """The dense kernel: CTA tiles of ``consumers * block_n`` weight rows (one warpgroup,
-    ``accumulate_tile``; or ``consumers`` compute warpgroups, ``accumulate_tiles_ws``)."""
+    ``accumulate_tile``; or ``consumers`` compute warpgroups, ``accumulate_tiles_ws``).
+    Operands (x, codes, scales[, alpha fp32 [1] if ``scaled``]); output [split, m_tile,
+    N padded to whole CTA tiles]: fp32 partials, or bf16(acc * alpha * POST_SCALE) if
+    ``scaled`` (split 1: the finished output, no XLA epilogue)."""
     pl, plgpu = _pallas_mosaic_gpu()
     bn, nc = cfg.block_n, cfg.consumers
     rows = nc * bn
     n_tiles = -(-n // rows)
     ks = k // split
     steps = ks // cfg.block_k
+    assert not scaled or split == 1
 
-    def nvfp4_w4a16_mosaic(x_gmem, c_gmem, s_gmem, o_gmem, *o_smem):  # the kernel's name
+    def nvfp4_w4a16_mosaic(x_gmem, c_gmem, s_gmem, *rest):  # the kernel's name
+        # rest: [alpha (scaled)], the output, [the consumers' output tiles (ws scratch)]
+        o_gmem = rest[1 if scaled else 0]
         ni = lax.axis_index("n")
         si = lax.axis_index("s")
         n0 = ni * rows
+        # loaded before the pipeline, so its latency hides behind the first copies
+        scale = rest[0][0] * jnp.float32(POST_SCALE) if scaled else None
 
         def sources():
             return (c_gmem.at[pl.ds(n0, rows), pl.ds(si * (ks // 2), ks // 2)],
@@ -723,18 +739,19 @@ def _build(m_tile: int, n: int, k: int, cfg: MosaicConfig, split: int):
 
         if nc == 1:
             acc = accumulate_tile(sources, cfg=cfg, m_tile=m_tile, steps=steps)
-            store_tile(acc, o_gmem.at[si, :, pl.ds(n0, bn)])
+            store_tile(acc, o_gmem.at[si, :, pl.ds(n0, bn)], scale=scale)
             return
 
         def finish(acc, w):  # compute warpgroup w: its [m_tile, block_n] slice of the output
-            write_tile(o_smem[0].at[w], acc, o_gmem.at[si, :, pl.ds(n0 + w * bn, bn)])
+            write_tile(rest[-1].at[w], acc, o_gmem.at[si, :, pl.ds(n0 + w * bn, bn)], scale=scale)
 
         accumulate_tiles_ws(sources, finish, cfg=cfg, m_tile=m_tile, steps=steps)
 
     if nc > 1:
         nvfp4_w4a16_mosaic.__name__ = "nvfp4_w4a16_mosaic_ws"
-    out_type = jax.ShapeDtypeStruct((split, m_tile, n_tiles * rows), jnp.float32)
-    ws = {} if nc == 1 else {"scratch": [plgpu.SMEM((nc, m_tile, bn), jnp.float32)],
+    dtype = jnp.bfloat16 if scaled else jnp.float32
+    out_type = jax.ShapeDtypeStruct((split, m_tile, n_tiles * rows), dtype)
+    ws = {} if nc == 1 else {"scratch": [plgpu.SMEM((nc, m_tile, bn), dtype)],
                              "num_threads": nc + 1}
 
     def make(out):
@@ -790,13 +807,21 @@ def matmul_mosaic(
     if w_scales.dtype != jnp.uint8:
         w_scales = lax.bitcast_convert_type(w_scales, jnp.uint8)
     xp = permute_x(x, mt)
-    make, out_type = _build(mt, n, k, cfg, split)
+    # bf16_store: the kernel stores bf16(acc * alpha * POST_SCALE), the same fp32 multiply and
+    # round to nearest even as the XLA epilogue, one launch fewer
+    scaled = cfg.bf16_store and split == 1 and jnp.dtype(out_dtype) == jnp.bfloat16
+    if cfg.bf16_store and not scaled:
+        log.info("nvfp4_jax.gemm: bf16_store needs split_k 1 and a bf16 output (split %d, %s): "
+                 "fp32 partials and the XLA epilogue", split, jnp.dtype(out_dtype).name)
+    make, out_type = _build(mt, n, k, cfg, split, scaled=scaled)
     if poison and not isinstance(x, jax.core.Tracer):
         # best effort (plgpu.kernel has no input_output_aliases): free a NaN buffer of the
         # output's size just before the call, so the allocator tends to hand that memory to
         # the kernel's output and a skipped tile reads NaN (or stale data from another call)
-        jax.block_until_ready(jnp.full(out_type.shape, jnp.nan, jnp.float32)).delete()
+        jax.block_until_ready(jnp.full(out_type.shape, jnp.nan, out_type.dtype)).delete()
+    alpha = jnp.asarray(alpha, jnp.float32)
+    if scaled:
+        return make(out_type)(xp, w_codes, w_scales, alpha.reshape(1))[0, :m, :n]
     part = make(out_type)(xp, w_codes, w_scales)  # [split, mt, N_pad] fp32
-    a = jnp.asarray(alpha, jnp.float32) * POST_SCALE
-    out = part.sum(axis=0)[:m, :n] * a
+    out = part.sum(axis=0)[:m, :n] * (alpha * POST_SCALE)
     return out.astype(out_dtype)

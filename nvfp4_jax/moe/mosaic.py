@@ -447,6 +447,9 @@ def grouped_matmul(
         raise ValueError(f"config: expected a MosaicConfig, got {type(config).__name__}")
     check_supported(k, n=n, name="codes")
     cfg = config or MosaicConfig(block_n=128, split_k=1, num_stages=2)
+    if cfg.bf16_store:
+        raise ValueError("config: MosaicConfig.bf16_store is the dense kernel's; the grouped "
+                         "kernel stores bf16 products through MosaicMoEConfig.bf16_partials")
     split = check_config(cfg, k, block_m, swizzled=swizzled)
     if alpha is not None:
         if alpha.shape != (e,) or alpha.dtype != jnp.float32:

@@ -76,7 +76,8 @@ class MosaicConfig:
     with ``consumers`` compute warpgroups of ``block_n`` weight rows each, sharing every x stage,
     and a producer warpgroup that issues the TMA copies. Dense and grouped kernels; K % 256 ==
     0 or swizzled_128x4 scales (no whole-K buffer); no prefetch. Run on the H200 (session 9):
-    2 and 3 pass the oracle tests; 4 (640 threads) hung there, so it is refused. ``AUTO_SM90``
+    2 and 3 pass the oracle tests; 4 hung there (register pool, see ``__post_init__``) and is
+    refused. ``AUTO_SM90``
     uses 2 where it measured faster (28672x8192 at M = 64; MoE prefill).
     bf16_store: dense kernel, split_k 1, bf16 output: the kernel multiplies its accumulator by
     alpha and stores bf16 (the same fp32 multiply and round to nearest even as the XLA
@@ -110,8 +111,12 @@ class MosaicConfig:
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"MosaicConfig.{name}: expected a bool, got {getattr(self, name)!r}")
         if self.consumers not in (1, 2, 3):
-            # 4 compute warpgroups (640 threads) hung on the H200 (session 9, two shapes; not
-            # diagnosed): refused rather than shipped
+            # 4 compute warpgroups hung on the H200 (session 9, three shapes). Likely cause, by
+            # arithmetic: 5 warpgroups (640 threads) launch with 96 registers per thread (65536
+            # / 640 rounded down to a multiple of 8), 480 per thread slot in all, but
+            # emit_pipeline_warp_specialized hands out 512 (producer 40, consumers 4 x 112 =
+            # 488): their setmaxnreg.inc waits on the CTA's register pool forever. 2 and 3
+            # consumers fit exactly (3 x 168 = 504 >= 40 + 2 x 232; 4 x 128 = 512 >= 40 + 3 x 152)
             raise ValueError(f"MosaicConfig.consumers: expected 1..3, got {self.consumers}")
         if self.consumers > 1 and self.prefetch:
             raise ValueError("MosaicConfig.prefetch: not available with consumers > 1")

@@ -14,7 +14,8 @@ sweep): ``_``-joined knobs applied to both GEMMs of the case's default config: `
 (block_m), ``bn<N>`` (block_n), ``s<N>`` (stages), ``k<N>`` (split_k, where K allows it),
 ``ov`` (overlap), ``bk512``, ``c<N>`` (consumers: warp-specialized GEMM); prefixed
 ``f1``/``f2``, to one GEMM only; ``rk``: the one-launch routing kernel
-(``MosaicMoEConfig.routing="kernel"``); ``sp``: ``skip_padding``; ``bf``: ``bf16_partials``.
+(``MosaicMoEConfig.routing="kernel"``); ``sp``: ``skip_padding``; ``bf``: ``bf16_partials``;
+``sk``: the one-launch scales kernel (``scales="kernel"``).
 With ``--swizzled`` the named configs run on the swizzled weights. ``--swizzled``: the default
 config again with the weights' scales in ``swizzled_128x4`` (read per step by the kernel; no
 whole-K buffer for K % 256 == 128).
@@ -112,6 +113,9 @@ def named_config(name: str, base: MosaicMoEConfig, hidden: int, inter: int) -> M
             continue
         if knob == "bf":  # unsplit GEMMs store bf16(alpha * acc) (trtllm_cutlass)
             top["bf16_partials"] = True
+            continue
+        if knob == "sk":  # the scales (G, 1/G, alphas) from one kernel instead of XLA
+            top["scales"] = "kernel"
             continue
         m = re.fullmatch(r"(f[12])?(?:(bm|bn|s|k|bk|c)(\d+)|(ov))", knob)
         if m is None:

@@ -38,3 +38,24 @@ def test_merge_keeps_each_runs_copy_rate_and_tables_use_it():
     rows = {line.split(" | ")[1]: line for line in tables(doc).splitlines()[2:]}
     assert "1.00 (50 %)" in rows["1"]  # 1.0 TB/s against its own run's 2.0
     assert "2.00 (50 %)" in rows["64"] and "500*" in rows["64"]  # 2.0 against 4.0, older run
+
+
+def test_probe_config_names():
+    """bench/moe_mosaic_probe.py's --configs names: knobs on both GEMMs or one (f1/f2), and the
+    layer-wide ones; an unknown knob is refused."""
+    import sys
+
+    import pytest
+
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    probe = _load("moe_mosaic_probe")
+    from nvfp4_jax.moe.mosaic import auto_config
+
+    base = auto_config(8 * 8, 128, hidden=2048, rows1=1536, inter=768)
+    cfg = probe.named_config("c2_bf_sk_f2k3_sp", base, 2048, 768)
+    assert (cfg.fc1.consumers, cfg.fc2.consumers) == (2, 2)
+    assert (cfg.fc1.split_k, cfg.fc2.split_k) == (base.fc1.split_k, 3)
+    assert cfg.bf16_partials and cfg.scales == "kernel" and cfg.skip_padding
+    assert probe.named_config("rk", base, 2048, 768).routing == "kernel"
+    with pytest.raises(ValueError, match="unknown knob"):
+        probe.named_config("fast", base, 2048, 768)

@@ -303,3 +303,38 @@ def test_skip_padding_rows_keeps_the_routed_rows(activation, split):
         np.testing.assert_array_equal(g, w)
     with pytest.raises(ValueError, match="^sorted_route and n_routes"):
         ep.fc1_epilogue(part, br.block_expert, br.num_blocks, a1, g2, g2, sorted_route=br.sorted_route, **ekw)
+
+
+@pytest.mark.parametrize("e", [5, 128, 512])
+@pytest.mark.parametrize("mode,act_scale", [("trtllm_cutlass", "scalar"), ("b12x", "per_expert"),
+                                            ("b12x", "scalar")])
+def test_scales_kernel_matches_oracle(e, mode, act_scale):
+    """moe_scales_kernel (one program, E padded to a power of two) gives the oracle's encode
+    scales and alphas bit for bit, and the reciprocals the glue kernels take: weight_scale_2
+    from 2^-24 (ModelOpt's folded ~2e-5 and below) to 2^4, input scales over 2^-12..2^8, with
+    [E] and scalar operands."""
+    import types
+
+    import oracle
+    from oracle.formats import f32_rcp
+
+    rng = np.random.default_rng(e)
+    mag = lambda lo, hi: (np.exp2(rng.uniform(lo, hi, e)) * rng.uniform(1, 2, e)).astype(np.float32)
+    w1, w2, s1 = mag(-24, 4), mag(-24, 4), mag(-12, 8)
+    s2 = np.float32(mag(-12, 8)[0])  # one input scale for every expert
+    stack = lambda w: types.SimpleNamespace(codes=np.zeros((e, 1, 1), np.uint8), decode_scale=w)
+    g1, g2, a1, a2 = oracle.moe_scales(stack(w1), stack(w2), s1, s2, mode, act_scale)
+    got = ep.moe_scales_kernel(w1, w2, s1, s2, num_experts=e, mode=mode, activation_scale=act_scale,
+                               interpret=True)
+    want = (g1, f32_rcp(g1), a1, g2, f32_rcp(g2), a2)
+    for name, gv, wv in zip(("g1", "1/g1", "alpha1", "g2", "1/g2", "alpha2"), got, want, strict=True):
+        gv = np.asarray(gv)
+        assert gv.shape == (e,) and np.isfinite(gv).all(), name
+        np.testing.assert_array_equal(gv.view(np.uint32), np.asarray(wv, np.float32).view(np.uint32), err_msg=name)
+
+
+def test_scales_kernel_validates_operands():
+    with pytest.raises(ValueError, match=r"^fc2_input_scale: expected a scalar or shape \(8,\)"):
+        ep.moe_scales_kernel(np.ones(8, np.float32), np.ones(8, np.float32), np.ones(8, np.float32),
+                             np.ones(3, np.float32), num_experts=8, mode="b12x",
+                             activation_scale="per_expert", interpret=True)

@@ -60,6 +60,8 @@ def test_grouped_kernel_lowers_for_cuda(nb, mt, e, n, k, cfg):
     ("swiglu", 768, None), ("relu2", 2688, None), ("relu2", 96, None),
     ("relu2", 2688, MosaicMoEConfig(block_m=64, bf16_partials=True)),
     ("swiglu", 768, MosaicMoEConfig(block_m=8, bf16_partials=True, skip_padding=True, routing="kernel")),
+    ("relu2", 96, MosaicMoEConfig(block_m=16, scales="kernel")),
+    ("swiglu", 768, MosaicMoEConfig(block_m=8, scales="kernel")),
 ])
 def test_moe_mosaic_layer_lowers_for_cuda(activation, inter, config):
     """The whole layer (routing, kernels, glue): both GEMMs on Mosaic (nemotron's FC2, K = 2688,
@@ -88,6 +90,7 @@ def test_moe_mosaic_layer_lowers_for_cuda(activation, inter, config):
     assert text.count("nvfp4_moe_mosaic") >= (2 if on2 else 1)
     assert ("nvfp4_moe_fc2" in text) == (not on2)  # the Pallas-Triton FC2
     assert "nvfp4_moe_fc1_operand" in text
+    assert ("nvfp4_moe_scales" in text) == (config is not None and config.scales == "kernel")
     for glue in ("nvfp4_moe_fc1_epilogue", "nvfp4_moe_combine"):  # only with FC2 on Mosaic
         assert (glue in text) == on2
     if config is not None and config.bf16_partials:
@@ -186,6 +189,12 @@ SPLIT = MosaicMoEConfig(block_m=16, fc1=MosaicConfig(block_n=64, split_k=2, num_
     ("bf16_partials_swiglu_trtllm", "trtllm_cutlass", "swiglu", "gate_up",
      {"t": 7, "h": 512, "inter": 256, "e": 5, "k": 2},
      MosaicMoEConfig(block_m=16, bf16_partials=True, skip_padding=True, fc1=MosaicConfig(split_k=2))),
+    # the scales (G, 1/G, alphas) from one kernel instead of XLA: both modes
+    ("scales_kernel_relu2_trtllm", "trtllm_cutlass", "relu2", "up_gate",
+     {"t": 9, "h": 256, "inter": 384, "e": 6, "k": 3, "scale_factor": 2.0**15},
+     MosaicMoEConfig(block_m=8, scales="kernel")),
+    ("scales_kernel_swiglu_b12x", "b12x", "swiglu", "gate_up", {"t": 7, "h": 512, "inter": 256, "e": 5, "k": 2},
+     MosaicMoEConfig(block_m=16, scales="kernel", bf16_partials=True)),
     # warp-specialized GEMM configs: partials padded to whole CTAs of consumers * block_n rows
     ("ws_relu2_b12x", "b12x", "relu2", "up_gate", {"t": 9, "h": 256, "inter": 512, "e": 4, "k": 2},
      MosaicMoEConfig(block_m=8, fc1=MosaicConfig(block_n=64, consumers=3),
@@ -343,7 +352,7 @@ def test_validation_names_the_argument():
     with pytest.raises(ValueError, match="^config: K=384 .* needs block_k=256"):
         g(jnp.zeros((16, 384), jnp.bfloat16), jnp.zeros((3, 64, 192), jnp.uint8),
           jnp.zeros((3, 64, 24), jnp.uint8), be, nb, config=MosaicConfig(block_k=512))
-    for bad in ({"block_m": 4}, {"fc1": "x"}, {"fc2_triton": 3}, {"routing": "sort"}):
+    for bad in ({"block_m": 4}, {"fc1": "x"}, {"fc2_triton": 3}, {"routing": "sort"}, {"scales": "numpy"}):
         with pytest.raises(ValueError, match="^MosaicMoEConfig"):
             MosaicMoEConfig(**bad)
     with pytest.raises(TypeError, match="^MosaicMoEConfig.skip_padding"):

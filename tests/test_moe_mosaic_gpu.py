@@ -89,6 +89,11 @@ def _run(case, *, mode, activation, order="up_gate", config=None, kernel="mosaic
      MosaicMoEConfig(block_m=64, bf16_partials=True)),
     ("qwen_bf16_partials_trtllm", "trtllm_cutlass", {**QWEN, "t": 5, "e": 16, "k": 4}, "up_gate",
      MosaicMoEConfig(block_m=8, bf16_partials=True, skip_padding=True)),
+    # the scales (G, 1/G, alphas) from one Pallas-Triton kernel instead of XLA: both modes
+    ("qwen_scales_kernel_b12x", "b12x", {**QWEN, "t": 3, "e": 16, "k": 4}, "up_gate",
+     MosaicMoEConfig(block_m=8, scales="kernel", routing="kernel", skip_padding=True)),
+    ("nemotron_scales_kernel_trtllm", "trtllm_cutlass", {**NEMO, "t": 5, "e": 24, "k": 6}, "up_gate",
+     MosaicMoEConfig(block_m=8, scales="kernel")),
     # warp-specialized grouped GEMMs (consumers: compute warpgroups sharing x); "ws" in the
     # name: run them alone first on a new GPU
     ("qwen_ws2_trtllm", "trtllm_cutlass", {**QWEN, "t": 40, "e": 4, "k": 2}, "up_gate",

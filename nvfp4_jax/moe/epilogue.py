@@ -43,7 +43,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from ..gemm.mosaic import POST_SCALE, permute_k_order
-from .pallas_triton import _requantize, bf16_rne, fc1_activation
+from .pallas_triton import _div_rn, _requantize, bf16_rne, fc1_activation
 
 TILE = 128  # columns per program (I and H are multiples of 128 wherever these kernels run)
 
@@ -383,3 +383,57 @@ def routing_kernel(topk_ids: jax.Array, num_experts: int, block_m: int, *,
     srt, be, nbk, pos = _call(kern, (i32(em), i32(nb), i32(1), i32(n)), (1,), num_warps=4,
                               name="nvfp4_moe_routing", interpret=interpret)(flat)
     return BlockRouting(srt, be, nbk, pos)
+
+
+# ----------------------------------------------------------------------------- scales
+
+
+def _scales_kernel(w1_ref, w2_ref, s1_ref, s2_ref, *out_refs, e: int, activation_scale: str,
+                   mode: str, exact_asm: bool):
+    ep = _pow2(e)
+    j = lax.broadcasted_iota(jnp.int32, (ep,), 0)
+    valid = j < e
+    jc = jnp.minimum(j, e - 1)
+
+    def vec(ref):  # an [E] operand, or a [1] one broadcast to every expert
+        return plgpu.load(ref.at[jc if ref.shape[0] == e else jnp.zeros_like(j)])
+
+    one = jnp.ones((ep,), jnp.float32)
+    for w_ref, s_ref, outs in ((w1_ref, s1_ref, out_refs[:3]), (w2_ref, s2_ref, out_refs[3:])):
+        ws2, s_in = vec(w_ref), vec(s_ref)
+        if activation_scale == "scalar":  # one encode scale: 1 / max over the experts' input scales
+            m = jnp.max(jnp.where(valid, s_in, -jnp.inf))
+            g = _div_rn(one, jnp.full((ep,), m, jnp.float32), exact_asm)
+        else:
+            g = _div_rn(one, s_in, exact_asm)
+        if mode == "trtllm_cutlass":
+            alpha = _div_rn(one, g * _div_rn(one, ws2, exact_asm), exact_asm)
+        else:
+            alpha = _div_rn(ws2, g, exact_asm)
+        for ref, v in zip(outs, (g, _div_rn(one, g, exact_asm), alpha), strict=True):
+            # masked lanes index past E (not clamped: a duplicate index would race with the
+            # valid lane's store; interpret mode drops them)
+            plgpu.store(ref.at[j], v, mask=valid)
+
+
+def moe_scales_kernel(fc1_weight_scale_2: jax.Array, fc2_weight_scale_2: jax.Array,
+                      fc1_input_scale: jax.Array, fc2_input_scale: jax.Array, *, num_experts: int,
+                      mode: str, activation_scale: str, interpret: bool = False):
+    """``xla.moe_scales`` plus the two reciprocals the glue kernels take, as one Pallas-Triton
+    launch (one program) instead of ~8 small XLA fusions, each division ``div.rn.f32`` (IEEE,
+    whatever XLA's division flags). Operands: fp32 [E] or scalars (one value for every
+    expert). Returns fp32 [E] each: ``(g1, 1/g1, alpha1, g2, 1/g2, alpha2)``, bit for bit the
+    expressions of ``oracle.moe_scales``."""
+    e = num_experts
+    ops = []
+    for name, v in (("fc1_weight_scale_2", fc1_weight_scale_2), ("fc2_weight_scale_2", fc2_weight_scale_2),
+                    ("fc1_input_scale", fc1_input_scale), ("fc2_input_scale", fc2_input_scale)):
+        v = jnp.asarray(v, jnp.float32)
+        if v.shape not in ((), (1,), (e,)):
+            raise ValueError(f"{name}: expected a scalar or shape ({e},), got {v.shape}")
+        ops.append(v.reshape(-1))
+    kern = functools.partial(_scales_kernel, e=e, activation_scale=activation_scale, mode=mode,
+                             exact_asm=not interpret)
+    f32 = jax.ShapeDtypeStruct((e,), jnp.float32)
+    return _call(kern, (f32,) * 6, (1,), num_warps=4, name="nvfp4_moe_scales",
+                 interpret=interpret)(*ops)

@@ -72,7 +72,15 @@ from ..quantize import NVFP4Array
 from ..quantize import _div as _ieee_div
 from .configs import Config
 from .configs import default_config as triton_default_config
-from .epilogue import _pow2, combine, fc1_epilogue, fc1_operand, routing_kernel, routing_kernel_fits
+from .epilogue import (
+    _pow2,
+    combine,
+    fc1_epilogue,
+    fc1_operand,
+    moe_scales_kernel,
+    routing_kernel,
+    routing_kernel_fits,
+)
 from .routing import block_routing, max_blocks
 from .xla import activate, moe_scales, quantized_values, recipe_of, sorted_rows
 from .xla import bf16_round as _bf16_round
@@ -117,6 +125,12 @@ class MosaicMoEConfig:
     (no rounding there) and for a split GEMM. H200 (session 9): passes the oracle tests; the
     default from ``BF16_PARTIALS_ROUTES`` routed rows on and in two ``AUTO_SM90`` entries,
     where it measured faster (nemotron T = 4096: -3.5 %, qwen3 T = 512: -5 %).
+    scales: "xla" (``xla.moe_scales`` and two reciprocals: ~8 small XLA fusions, their
+    divisions IEEE only with ``XLA_FLAGS=--xla_backend_extra_options=-nvptx-prec-divf32=2``)
+    or "kernel" (``epilogue.moe_scales_kernel``: one Pallas-Triton launch, ``div.rn.f32``
+    whatever the flags). The same values. Opt-in: tested on the CPU (interpret mode, bit for
+    bit against the oracle) and lowered for sm_90, not yet run on a GPU (session 9); at
+    decode, where the layer is launch-bound, it should save a few us.
     """
 
     block_m: int = 8
@@ -126,13 +140,16 @@ class MosaicMoEConfig:
     routing: str = "xla"
     skip_padding: bool = False
     bf16_partials: bool = False
+    scales: str = "xla"
 
     def __post_init__(self) -> None:
         for name in ("skip_padding", "bf16_partials"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"MosaicMoEConfig.{name}: expected a bool, got {getattr(self, name)!r}")
-        if self.routing not in ("xla", "kernel"):
-            raise ValueError(f"MosaicMoEConfig.routing: expected 'xla' or 'kernel', got {self.routing!r}")
+        for name in ("routing", "scales"):
+            if getattr(self, name) not in ("xla", "kernel"):
+                raise ValueError(f"MosaicMoEConfig.{name}: expected 'xla' or 'kernel', "
+                                 f"got {getattr(self, name)!r}")
         if self.block_m not in GROUPED_TOKEN_TILES:
             raise ValueError(f"MosaicMoEConfig.block_m: expected one of {GROUPED_TOKEN_TILES}, "
                              f"got {self.block_m}")
@@ -555,8 +572,14 @@ def moe_mosaic(
                  "for %d-byte scale rows)", inter, h_dim, inter // 16)
     recipe = recipe_of(mode)
 
-    g1, g2, a1, a2 = moe_scales(fc1.decode_scale, fc2.decode_scale, fc1_input_scale,
-                                fc2_input_scale, mode, activation_scale)
+    if config.scales == "kernel":
+        g1, rg1, a1, g2, rg2, a2 = moe_scales_kernel(
+            fc1.decode_scale, fc2.decode_scale, fc1_input_scale, fc2_input_scale, num_experts=e,
+            mode=mode, activation_scale=activation_scale, interpret=reference)
+    else:
+        g1, g2, a1, a2 = moe_scales(fc1.decode_scale, fc2.decode_scale, fc1_input_scale,
+                                    fc2_input_scale, mode, activation_scale)
+        rg1, rg2 = _ieee_div(1.0, g1), _ieee_div(1.0, g2)
     if config.routing == "kernel" and routing_kernel_fits(n_routes, e, bm):
         br = routing_kernel(topk_ids, e, bm, interpret=reference)
     else:
@@ -595,7 +618,7 @@ def moe_mosaic(
         return alpha.astype(jnp.float32)
 
     # FC1 operand (gather + quantize + K permutation, one Pallas-Triton launch), FC1 (Mosaic)
-    xp = fc1_operand(hidden, br.sorted_route, *meta, g1, _ieee_div(1.0, g1), top_k=k, block_m=bm,
+    xp = fc1_operand(hidden, br.sorted_route, *meta, g1, rg1, top_k=k, block_m=bm,
                      recipe=recipe, per_expert=activation_scale == "per_expert",
                      skip_padding=config.skip_padding, interpret=reference)
     part1 = grouped_matmul(xp, fc1.codes, s1u, *meta, block_m=bm, config=cfg1,
@@ -605,7 +628,7 @@ def moe_mosaic(
         # FC1 epilogue (alpha, bf16, activation, requantization, K permutation), FC2 (Mosaic),
         # combine (alpha2, bf16, router weight, top-k sum): one launch each
         skip = {"sorted_route": br.sorted_route, "n_routes": n_routes} if config.skip_padding else {}
-        hvp, hb = fc1_epilogue(part1, *meta, a1, g2, _ieee_div(1.0, g2), inter=inter, **skip,
+        hvp, hb = fc1_epilogue(part1, *meta, a1, g2, rg2, inter=inter, **skip,
                                activation=activation, gate_up_order=gate_up_order, mode=mode,
                                recipe=recipe, return_h=return_intermediates, interpret=reference)
         s2u, lay2 = scales_u8(fc2, cfg2, "fc2")

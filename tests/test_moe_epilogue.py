@@ -260,6 +260,25 @@ def test_routing_kernel_is_the_block_routing(t, k, e, bm, kind):
         np.testing.assert_array_equal(np.asarray(getattr(xla, name)), w, err_msg=name)
 
 
+@pytest.mark.parametrize("mode,act_scale", [("trtllm_cutlass", "scalar"), ("b12x", "per_expert")])
+def test_routing_kernel_with_scales(mode, act_scale):
+    """The routing kernel computing the scales in the same launch: the routing unchanged, the
+    six scale vectors bit for bit moe_scales_kernel's (itself checked against the oracle)."""
+    rng = np.random.default_rng(7)
+    t, k, e, bm = 3, 6, 24, 8
+    ids = np.argsort(rng.random((t, e)), axis=1)[:, :k].astype(np.int32)
+    vecs = [(np.exp2(rng.uniform(lo, hi, e)) * rng.uniform(1, 2, e)).astype(np.float32)
+            for lo, hi in ((-24, 4), (-24, 4), (-12, 8), (-12, 8))]
+    br, sv = ep.routing_kernel(jnp.asarray(ids), e, bm, scales=(*vecs, mode, act_scale), interpret=True)
+    want = _numpy_block_routing(ids, e, bm)
+    for name, w in zip(("sorted_route", "block_expert", "num_blocks", "route_pos"), want):
+        np.testing.assert_array_equal(np.asarray(getattr(br, name)), w, err_msg=name)
+    alone = ep.moe_scales_kernel(*vecs, num_experts=e, mode=mode, activation_scale=act_scale, interpret=True)
+    assert len(sv) == 6
+    for got, w in zip(sv, alone, strict=True):
+        np.testing.assert_array_equal(np.asarray(got).view(np.uint32), np.asarray(w).view(np.uint32))
+
+
 def test_routing_kernel_lowers_and_refuses_large_routings():
     f = jax.jit(lambda ids: ep.routing_kernel(ids, 512, 8))
     text = f.trace(jax.ShapeDtypeStruct((1, 22), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()

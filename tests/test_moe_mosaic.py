@@ -62,6 +62,7 @@ def test_grouped_kernel_lowers_for_cuda(nb, mt, e, n, k, cfg):
     ("swiglu", 768, MosaicMoEConfig(block_m=8, bf16_partials=True, skip_padding=True, routing="kernel")),
     ("relu2", 96, MosaicMoEConfig(block_m=16, scales="kernel")),
     ("swiglu", 768, MosaicMoEConfig(block_m=8, scales="kernel")),
+    ("swiglu", 768, MosaicMoEConfig(block_m=8, scales="kernel", routing="kernel")),
 ])
 def test_moe_mosaic_layer_lowers_for_cuda(activation, inter, config):
     """The whole layer (routing, kernels, glue): both GEMMs on Mosaic (nemotron's FC2, K = 2688,
@@ -90,7 +91,10 @@ def test_moe_mosaic_layer_lowers_for_cuda(activation, inter, config):
     assert text.count("nvfp4_moe_mosaic") >= (2 if on2 else 1)
     assert ("nvfp4_moe_fc2" in text) == (not on2)  # the Pallas-Triton FC2
     assert "nvfp4_moe_fc1_operand" in text
-    assert ("nvfp4_moe_scales" in text) == (config is not None and config.scales == "kernel")
+    sk = config is not None and config.scales == "kernel"
+    rk = config is not None and config.routing == "kernel"  # t * k = 12 routes: it fits
+    assert ("nvfp4_moe_scales" in text) == (sk and not rk)
+    assert ("nvfp4_moe_routing_scales" in text) == (sk and rk)
     for glue in ("nvfp4_moe_fc1_epilogue", "nvfp4_moe_combine"):  # only with FC2 on Mosaic
         assert (glue in text) == on2
     if config is not None and config.bf16_partials:
@@ -195,6 +199,10 @@ SPLIT = MosaicMoEConfig(block_m=16, fc1=MosaicConfig(block_n=64, split_k=2, num_
      MosaicMoEConfig(block_m=8, scales="kernel")),
     ("scales_kernel_swiglu_b12x", "b12x", "swiglu", "gate_up", {"t": 7, "h": 512, "inter": 256, "e": 5, "k": 2},
      MosaicMoEConfig(block_m=16, scales="kernel", bf16_partials=True)),
+    # ... and from the routing kernel's launch (routing and scales in one program)
+    ("routing_scales_kernel_relu2_b12x", "b12x", "relu2", "up_gate",
+     {"t": 5, "h": 256, "inter": 256, "e": 8, "k": 3, "routing": "skewed"},
+     MosaicMoEConfig(block_m=8, scales="kernel", routing="kernel")),
     # warp-specialized GEMM configs: partials padded to whole CTAs of consumers * block_n rows
     ("ws_relu2_b12x", "b12x", "relu2", "up_gate", {"t": 9, "h": 256, "inter": 512, "e": 4, "k": 2},
      MosaicMoEConfig(block_m=8, fc1=MosaicConfig(block_n=64, consumers=3),

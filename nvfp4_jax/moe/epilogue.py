@@ -362,12 +362,17 @@ def routing_kernel_fits(n_routes: int, num_experts: int, block_m: int) -> bool:
 
 
 def routing_kernel(topk_ids: jax.Array, num_experts: int, block_m: int, *,
-                   interpret: bool = False):
+                   scales: tuple | None = None, interpret: bool = False):
     """``routing.block_routing`` as one Pallas-Triton launch (one program) instead of ~5 XLA
     fusions: counts, padded cumsum and each route's rank among its expert's routes from an
     [E, N] one-hot tile, the block experts from an [NB, E] compare tile, the inverse
     permutation as sentinel stores, a CTA barrier, then one scatter. Same outputs, bit for bit
-    (integers). For small routings only (``routing_kernel_fits``)."""
+    (integers). For small routings only (``routing_kernel_fits``).
+
+    scales: None, or ``(fc1_weight_scale_2, fc2_weight_scale_2, fc1_input_scale,
+    fc2_input_scale, mode, activation_scale)``: the same program also computes
+    ``moe_scales_kernel``'s six vectors (one launch for both), returned after the routing:
+    ``(BlockRouting, (g1, 1/g1, alpha1, g2, 1/g2, alpha2))``."""
     from .routing import BlockRouting, max_blocks
 
     flat = topk_ids.reshape(-1).astype(jnp.int32)
@@ -380,9 +385,24 @@ def routing_kernel(topk_ids: jax.Array, num_experts: int, block_m: int, *,
     kern = functools.partial(_routing_kernel, n=n, num_experts=num_experts, block_m=block_m,
                              nb=nb, em=em, interpret=interpret)
     i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)
-    srt, be, nbk, pos = _call(kern, (i32(em), i32(nb), i32(1), i32(n)), (1,), num_warps=4,
-                              name="nvfp4_moe_routing", interpret=interpret)(flat)
-    return BlockRouting(srt, be, nbk, pos)
+    outs = (i32(em), i32(nb), i32(1), i32(n))
+    if scales is None:
+        srt, be, nbk, pos = _call(kern, outs, (1,), num_warps=4, name="nvfp4_moe_routing",
+                                  interpret=interpret)(flat)
+        return BlockRouting(srt, be, nbk, pos)
+    *vecs, mode, activation_scale = scales
+    ops = _scale_operands(vecs, num_experts)
+    skern = functools.partial(_scales_kernel, e=num_experts, activation_scale=activation_scale,
+                              mode=mode, exact_asm=not interpret)
+
+    def both(ids_ref, w1_ref, w2_ref, s1_ref, s2_ref, srt_ref, be_ref, nb_ref, pos_ref, *scale_refs):
+        skern(w1_ref, w2_ref, s1_ref, s2_ref, *scale_refs)
+        kern(ids_ref, srt_ref, be_ref, nb_ref, pos_ref)
+
+    f32 = jax.ShapeDtypeStruct((num_experts,), jnp.float32)
+    srt, be, nbk, pos, *sv = _call(both, (*outs, *(f32,) * 6), (1,), num_warps=4,
+                                   name="nvfp4_moe_routing_scales", interpret=interpret)(flat, *ops)
+    return BlockRouting(srt, be, nbk, pos), tuple(sv)
 
 
 # ----------------------------------------------------------------------------- scales
@@ -425,15 +445,21 @@ def moe_scales_kernel(fc1_weight_scale_2: jax.Array, fc2_weight_scale_2: jax.Arr
     expert). Returns fp32 [E] each: ``(g1, 1/g1, alpha1, g2, 1/g2, alpha2)``, bit for bit the
     expressions of ``oracle.moe_scales``."""
     e = num_experts
-    ops = []
-    for name, v in (("fc1_weight_scale_2", fc1_weight_scale_2), ("fc2_weight_scale_2", fc2_weight_scale_2),
-                    ("fc1_input_scale", fc1_input_scale), ("fc2_input_scale", fc2_input_scale)):
-        v = jnp.asarray(v, jnp.float32)
-        if v.shape not in ((), (1,), (e,)):
-            raise ValueError(f"{name}: expected a scalar or shape ({e},), got {v.shape}")
-        ops.append(v.reshape(-1))
+    ops = _scale_operands((fc1_weight_scale_2, fc2_weight_scale_2, fc1_input_scale, fc2_input_scale), e)
     kern = functools.partial(_scales_kernel, e=e, activation_scale=activation_scale, mode=mode,
                              exact_asm=not interpret)
     f32 = jax.ShapeDtypeStruct((e,), jnp.float32)
     return _call(kern, (f32,) * 6, (1,), num_warps=4, name="nvfp4_moe_scales",
                  interpret=interpret)(*ops)
+
+
+def _scale_operands(vecs, e: int) -> list:
+    """The four scale operands as fp32 [E] or [1] (one value for every expert), validated."""
+    ops = []
+    names = ("fc1_weight_scale_2", "fc2_weight_scale_2", "fc1_input_scale", "fc2_input_scale")
+    for name, v in zip(names, vecs, strict=True):
+        v = jnp.asarray(v, jnp.float32)
+        if v.shape not in ((), (1,), (e,)):
+            raise ValueError(f"{name}: expected a scalar or shape ({e},), got {v.shape}")
+        ops.append(v.reshape(-1))
+    return ops

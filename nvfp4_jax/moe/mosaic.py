@@ -128,7 +128,7 @@ class MosaicMoEConfig:
     scales: "xla" (``xla.moe_scales`` and two reciprocals: ~8 small XLA fusions, their
     divisions IEEE only with ``XLA_FLAGS=--xla_backend_extra_options=-nvptx-prec-divf32=2``)
     or "kernel" (``epilogue.moe_scales_kernel``: one Pallas-Triton launch, ``div.rn.f32``
-    whatever the flags). The same values. Opt-in: tested on the CPU (interpret mode, bit for
+    whatever the flags; with ``routing="kernel"`` the routing kernel's launch computes them). The same values. Opt-in: tested on the CPU (interpret mode, bit for
     bit against the oracle) and lowered for sm_90, not yet run on a GPU (session 9); at
     decode, where the layer is launch-bound, it should save a few us.
     """
@@ -572,21 +572,27 @@ def moe_mosaic(
                  "for %d-byte scale rows)", inter, h_dim, inter // 16)
     recipe = recipe_of(mode)
 
-    if config.scales == "kernel":
-        g1, rg1, a1, g2, rg2, a2 = moe_scales_kernel(
-            fc1.decode_scale, fc2.decode_scale, fc1_input_scale, fc2_input_scale, num_experts=e,
-            mode=mode, activation_scale=activation_scale, interpret=reference)
-    else:
-        g1, g2, a1, a2 = moe_scales(fc1.decode_scale, fc2.decode_scale, fc1_input_scale,
-                                    fc2_input_scale, mode, activation_scale)
-        rg1, rg2 = _ieee_div(1.0, g1), _ieee_div(1.0, g2)
+    scale_args = (fc1.decode_scale, fc2.decode_scale, fc1_input_scale, fc2_input_scale)
+    sv = None  # (g1, 1/g1, alpha1, g2, 1/g2, alpha2)
     if config.routing == "kernel" and routing_kernel_fits(n_routes, e, bm):
-        br = routing_kernel(topk_ids, e, bm, interpret=reference)
+        if config.scales == "kernel":  # both in one launch
+            br, sv = routing_kernel(topk_ids, e, bm, scales=(*scale_args, mode, activation_scale),
+                                    interpret=reference)
+        else:
+            br = routing_kernel(topk_ids, e, bm, interpret=reference)
     else:
         if config.routing == "kernel":
             log.info("nvfp4_jax.moe: routing kernel does not fit %d routes x %d experts; XLA "
                      "routing", n_routes, e)
         br = block_routing(topk_ids, e, bm)
+    if sv is None and config.scales == "kernel":
+        sv = moe_scales_kernel(*scale_args, num_experts=e, mode=mode,
+                               activation_scale=activation_scale, interpret=reference)
+    if sv is not None:
+        g1, rg1, a1, g2, rg2, a2 = sv
+    else:
+        g1, g2, a1, a2 = moe_scales(*scale_args, mode, activation_scale)
+        rg1, rg2 = _ieee_div(1.0, g1), _ieee_div(1.0, g2)
     em = br.sorted_route.shape[0]
     assert em // bm == max_blocks(n_routes, e, bm)
     meta = (br.block_expert, br.num_blocks)

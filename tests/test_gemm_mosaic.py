@@ -129,6 +129,9 @@ def test_validation_names_the_argument():
         MosaicConfig(overlap=1)
     with pytest.raises(TypeError, match="^MosaicConfig.bf16_store"):
         MosaicConfig(bf16_store=1)
+    with pytest.raises(ValueError, match="^alpha: expected an fp32 scalar"):
+        matmul_mosaic(jnp.zeros((16, 1024), jnp.bfloat16), jnp.zeros((64, 512), jnp.uint8),
+                      jnp.zeros((64, 64), jnp.uint8), jnp.ones(2))
     for bad in ({"consumers": 0}, {"consumers": 4}, {"consumers": 2, "prefetch": 2}):
         with pytest.raises(ValueError, match="^MosaicConfig"):
             MosaicConfig(**bad)

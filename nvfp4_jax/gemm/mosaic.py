@@ -77,8 +77,7 @@ class MosaicConfig:
     and a producer warpgroup that issues the TMA copies. Dense and grouped kernels; K % 256 ==
     0 or swizzled_128x4 scales (no whole-K buffer); no prefetch. Run on the H200 (session 9):
     2 and 3 pass the oracle tests; 4 hung there (register pool, see ``__post_init__``) and is
-    refused. ``AUTO_SM90``
-    uses 2 where it measured faster (28672x8192 at M = 64; MoE prefill).
+    refused. ``AUTO_SM90`` uses 2 where it measured faster (28672x8192 at M = 64; MoE prefill).
     bf16_store: dense kernel, split_k 1, bf16 output: the kernel multiplies its accumulator by
     alpha and stores bf16 (the same fp32 multiply and round to nearest even as the XLA
     epilogue it replaces, one launch and half the output bytes fewer); elsewhere (a split, an
@@ -825,6 +824,8 @@ def matmul_mosaic(
         # the kernel's output and a skipped tile reads NaN (or stale data from another call)
         jax.block_until_ready(jnp.full(out_type.shape, jnp.nan, out_type.dtype)).delete()
     alpha = jnp.asarray(alpha, jnp.float32)
+    if alpha.size != 1:
+        raise ValueError(f"alpha: expected an fp32 scalar, got shape {alpha.shape}")
     if scaled:
         return make(out_type)(xp, w_codes, w_scales, alpha.reshape(1))[0, :m, :n]
     part = make(out_type)(xp, w_codes, w_scales)  # [split, mt, N_pad] fp32

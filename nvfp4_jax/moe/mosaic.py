@@ -128,9 +128,10 @@ class MosaicMoEConfig:
     scales: "xla" (``xla.moe_scales`` and two reciprocals: ~8 small XLA fusions, their
     divisions IEEE only with ``XLA_FLAGS=--xla_backend_extra_options=-nvptx-prec-divf32=2``)
     or "kernel" (``epilogue.moe_scales_kernel``: one Pallas-Triton launch, ``div.rn.f32``
-    whatever the flags; with ``routing="kernel"`` the routing kernel's launch computes them). The same values. Opt-in: tested on the CPU (interpret mode, bit for
-    bit against the oracle) and lowered for sm_90, not yet run on a GPU (session 9); at
-    decode, where the layer is launch-bound, it should save a few us.
+    whatever the flags; with ``routing="kernel"`` the routing kernel's launch computes them).
+    The same values. Opt-in: tested on the CPU (interpret mode, bit for bit against the
+    oracle) and lowered for sm_90, not yet run on a GPU (session 9); at decode, where the
+    layer is launch-bound, it should save a few us.
     """
 
     block_m: int = 8

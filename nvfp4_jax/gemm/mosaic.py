@@ -661,6 +661,38 @@ def accumulate_tiles_ws(sources, finish, *, cfg: MosaicConfig, m_tile: int, step
     )(c_src, s_src, x_src)
 
 
+def accumulate_and_store(sources, dst, *, cfg: MosaicConfig, m_tile: int, steps: int,
+                         scale=None, tiles=None, whole_k: int | None = None,
+                         swizzled: bool = False) -> None:
+    """Kernel-body building block (dense and grouped kernels): the CTA's ``consumers *
+    block_n`` weight rows accumulated (``accumulate_tile``, or ``accumulate_tiles_ws`` for
+    consumers > 1) and stored (``store_tile`` / ``write_tile``, bf16(acc * scale) if ``scale``).
+    ``dst(w)``: the GMEM ref [m_tile, block_n] of warpgroup w's rows (w = 0 with one
+    warpgroup); ``tiles``: the warp-specialized kernel's SMEM scratch [consumers, m_tile,
+    block_n] (``ws_kernel_kw``)."""
+    if cfg.consumers == 1:
+        acc = accumulate_tile(sources, cfg=cfg, m_tile=m_tile, steps=steps, whole_k=whole_k,
+                              swizzled=swizzled)
+        store_tile(acc, dst(0), scale=scale)
+        return
+
+    def finish(acc, w):  # compute warpgroup w: its [m_tile, block_n] slice of the output
+        write_tile(tiles.at[w], acc, dst(w), scale=scale)
+
+    accumulate_tiles_ws(sources, finish, cfg=cfg, m_tile=m_tile, steps=steps, swizzled=swizzled)
+
+
+def ws_kernel_kw(cfg: MosaicConfig, m_tile: int, dtype) -> dict:
+    """``mosaic_kernel`` arguments for ``cfg``: none with one warpgroup; else the consumers'
+    output tiles (SMEM scratch [consumers, m_tile, block_n] of the output dtype, the last
+    kernel operand) and ``consumers + 1`` warpgroups."""
+    if cfg.consumers == 1:
+        return {}
+    _, plgpu = _pallas_mosaic_gpu()
+    return {"scratch": [plgpu.SMEM((cfg.consumers, m_tile, cfg.block_n), dtype)],
+            "num_threads": cfg.consumers + 1}
+
+
 def store_tile(acc, o_dst, *, scale=None) -> None:
     """Kernel-body building block: the fp32 accumulator [block_n, m_tile] -> an SMEM tile
     [m_tile, block_n] (transposed: one shuffle and permute per register pair, the
@@ -719,7 +751,7 @@ def _build(m_tile: int, n: int, k: int, cfg: MosaicConfig, split: int, scaled: b
     Operands (x, codes, scales[, alpha fp32 [1] if ``scaled``]); output [split, m_tile,
     N padded to whole CTA tiles]: fp32 partials, or bf16(acc * alpha * POST_SCALE) if
     ``scaled`` (split 1: the finished output, no XLA epilogue)."""
-    pl, plgpu = _pallas_mosaic_gpu()
+    pl, _ = _pallas_mosaic_gpu()
     bn, nc = cfg.block_n, cfg.consumers
     rows = nc * bn
     n_tiles = -(-n // rows)
@@ -741,26 +773,18 @@ def _build(m_tile: int, n: int, k: int, cfg: MosaicConfig, split: int, scaled: b
                     s_gmem.at[pl.ds(n0, rows), pl.ds(si * (ks // 16), ks // 16)],
                     x_gmem.at[:, pl.ds(si * ks, ks)])
 
-        if nc == 1:
-            acc = accumulate_tile(sources, cfg=cfg, m_tile=m_tile, steps=steps)
-            store_tile(acc, o_gmem.at[si, :, pl.ds(n0, bn)], scale=scale)
-            return
-
-        def finish(acc, w):  # compute warpgroup w: its [m_tile, block_n] slice of the output
-            write_tile(rest[-1].at[w], acc, o_gmem.at[si, :, pl.ds(n0 + w * bn, bn)], scale=scale)
-
-        accumulate_tiles_ws(sources, finish, cfg=cfg, m_tile=m_tile, steps=steps)
+        accumulate_and_store(sources, lambda w: o_gmem.at[si, :, pl.ds(n0 + w * bn, bn)],
+                             cfg=cfg, m_tile=m_tile, steps=steps, scale=scale,
+                             tiles=rest[-1] if nc > 1 else None)
 
     if nc > 1:
         nvfp4_w4a16_mosaic.__name__ = "nvfp4_w4a16_mosaic_ws"
     dtype = jnp.bfloat16 if scaled else jnp.float32
     out_type = jax.ShapeDtypeStruct((split, m_tile, n_tiles * rows), dtype)
-    ws = {} if nc == 1 else {"scratch": [plgpu.SMEM((nc, m_tile, bn), dtype)],
-                             "num_threads": nc + 1}
 
     def make(out):
         return mosaic_kernel(nvfp4_w4a16_mosaic, out_type=out, grid=(n_tiles, split),
-                             grid_names=("n", "s"), **ws)
+                             grid_names=("n", "s"), **ws_kernel_kw(cfg, m_tile, dtype))
 
     return make, out_type
 
@@ -804,6 +828,9 @@ def matmul_mosaic(
         raise ValueError(f"out_dtype: expected bfloat16, float16 or float32, got {out_dtype}")
     if config is not None and not isinstance(config, MosaicConfig):
         raise ValueError(f"config: expected a MosaicConfig, got {type(config).__name__}")
+    alpha = jnp.asarray(alpha, jnp.float32)
+    if alpha.size != 1:
+        raise ValueError(f"alpha: expected an fp32 scalar, got shape {alpha.shape}")
     check_supported(m, n, k)
     cfg = config or default_config(m, n, k)
     mt = token_tile(m)
@@ -823,9 +850,6 @@ def matmul_mosaic(
         # output's size just before the call, so the allocator tends to hand that memory to
         # the kernel's output and a skipped tile reads NaN (or stale data from another call)
         jax.block_until_ready(jnp.full(out_type.shape, jnp.nan, out_type.dtype)).delete()
-    alpha = jnp.asarray(alpha, jnp.float32)
-    if alpha.size != 1:
-        raise ValueError(f"alpha: expected an fp32 scalar, got shape {alpha.shape}")
     if scaled:
         return make(out_type)(xp, w_codes, w_scales, alpha.reshape(1))[0, :m, :n]
     part = make(out_type)(xp, w_codes, w_scales)  # [split, mt, N_pad] fp32

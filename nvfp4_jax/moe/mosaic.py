@@ -55,17 +55,15 @@ from ..gemm.mosaic import (  # BLOCK_K: K % 256 for TMA; TOKEN_TILES: rows per b
     TOKEN_TILES,
     MosaicConfig,
     _pallas_mosaic_gpu,
-    accumulate_tile,
-    accumulate_tiles_ws,
+    accumulate_and_store,
     check_config,
     mosaic_kernel,
     split_steps,
-    store_tile,
     swizzled_tile_view,
     whole_k_pair_rows,
     whole_k_scale_view,
     whole_k_supported,
-    write_tile,
+    ws_kernel_kw,
 )
 from ..layouts import unswizzle
 from ..quantize import NVFP4Array
@@ -291,7 +289,7 @@ def check_supported(k: int, *, n: int = 2, name: str = "w") -> None:
 
 def _build(mt: int, nb: int, n: int, k: int, cfg: MosaicConfig, split: int, name: str,
            swizzled: bool = False, scaled: bool = False):
-    pl, plgpu = _pallas_mosaic_gpu()
+    pl, _ = _pallas_mosaic_gpu()
     bn, nc = cfg.block_n, cfg.consumers
     rows = nc * bn  # weight rows per CTA (consumers > 1: warp-specialized, accumulate_tiles_ws)
     n_tiles = _cdiv(n, rows)
@@ -336,36 +334,26 @@ def _build(mt: int, nb: int, n: int, k: int, cfg: MosaicConfig, split: int, name
                         s_gmem.at[e, pl.ds(n0, rows), pl.ds(si * (ks // 16), ks // 16)],
                         x_gmem.at[pl.ds(b * mt, mt), pl.ds(si * ks, ks)])
 
-            if nc > 1:
-                o_smem = rest[-1]
-
-                def finish(acc, w):  # compute warpgroup w: its [mt, block_n] output slice
-                    write_tile(o_smem.at[w], acc, o_gmem.at[si, pl.ds(b * mt, mt), pl.ds(n0 + w * bn, bn)],
-                               scale=scale)
-
-                accumulate_tiles_ws(sources, finish, cfg=cfg, m_tile=mt, steps=steps,
-                                    swizzled=swizzled)
-                return
-
-            acc = accumulate_tile(
+            accumulate_and_store(
                 sources,
+                lambda w: o_gmem.at[si, pl.ds(b * mt, mt), pl.ds(n0 + w * bn, bn)],
                 cfg=cfg,
                 m_tile=mt,
                 steps=steps,
+                scale=scale,
+                tiles=rest[-1] if nc > 1 else None,
                 whole_k=k if whole else None,
                 swizzled=swizzled,
             )
-            store_tile(acc, o_gmem.at[si, pl.ds(b * mt, mt), pl.ds(n0, bn)], scale=scale)
 
     nvfp4_moe_mosaic.__name__ = f"nvfp4_moe_mosaic_{name}" if name else "nvfp4_moe_mosaic"
     out_dtype = jnp.bfloat16 if scaled else jnp.float32
-    ws = {} if nc == 1 else {"scratch": [plgpu.SMEM((nc, mt, bn), out_dtype)], "num_threads": nc + 1}
     return mosaic_kernel(
         nvfp4_moe_mosaic,
         out_type=jax.ShapeDtypeStruct((split, nb * mt, n_tiles * rows), out_dtype),
         grid=(n_tiles, split, nb),
         grid_names=("n", "s", "b"),
-        **ws,
+        **ws_kernel_kw(cfg, mt, out_dtype),
     )
 
 
@@ -495,6 +483,12 @@ def grouped_matmul(
     return _build(block_m, nb, n, k, cfg, split, name, swizzled, scaled=alpha is not None)(*operands)
 
 
+def _reads_swizzled(w: NVFP4Array, cfg: MosaicConfig) -> bool:
+    """Whether the grouped kernel reads ``w``'s scales as they are, swizzled_128x4 (per-step
+    2 KB tiles; block_n 128), rather than converted to linear."""
+    return w.layout == "swizzled_128x4" and cfg.block_n == 128
+
+
 def _block_rows(part: jax.Array, n: int) -> jax.Array:
     """fp32 partials [split, NB*mt, N_pad] -> accumulators [NB*mt, N] (times POST_SCALE)."""
     return part.sum(axis=0)[:, :n] if part.shape[0] > 1 else part[0, :, :n]
@@ -552,8 +546,7 @@ def moe_mosaic(
         """An auto-picked warp-specialized config that these weights cannot run (linear scales
         with K % 256 == 128: the whole-K buffer has no warp-specialized form) runs with one
         warpgroup instead, logged; a config the caller passed is checked as given."""
-        if (not auto or cfg.consumers == 1 or k_dim % BLOCK_K == 0
-                or (w.layout == "swizzled_128x4" and cfg.block_n == 128)):
+        if not auto or cfg.consumers == 1 or k_dim % BLOCK_K == 0 or _reads_swizzled(w, cfg):
             return cfg
         log.info("nvfp4_jax.moe: %s: %s scales with K=%d have no warp-specialized kernel; one "
                  "compute warpgroup (consumers=1) instead of %d", name, w.layout, k_dim, cfg.consumers)
@@ -601,7 +594,7 @@ def moe_mosaic(
     def scales_u8(w: NVFP4Array, cfg: MosaicConfig, name: str):
         """(uint8 scales, their layout) as the grouped kernel reads them: swizzled_128x4
         directly at block_n 128 (per-step 2 KB tiles), anything else as linear scales."""
-        if w.layout == "swizzled_128x4" and cfg.block_n == 128:
+        if _reads_swizzled(w, cfg):
             return lax.bitcast_convert_type(w.scales, jnp.uint8), "swizzled_128x4"
         if w.layout != "linear":
             log.warning("nvfp4_jax.moe: %s scales in layout %s are converted to linear on every "

@@ -100,22 +100,23 @@ def variants(base: MosaicMoEConfig, hidden: int, inter: int) -> list[tuple[str, 
     return out
 
 
+#: --configs knobs that set a MosaicMoEConfig field of the whole layer
+LAYER_KNOBS = {
+    "rk": ("routing", "kernel"),  # the one-launch routing kernel
+    "sp": ("skip_padding", True),  # skip the blocks' padding rows in the FC1 operand and epilogue
+    "bf": ("bf16_partials", True),  # unsplit GEMMs store bf16(alpha * acc) (trtllm_cutlass)
+    "sk": ("scales", "kernel"),  # the scales (G, 1/G, alphas) from one kernel instead of XLA
+}
+
+
 def named_config(name: str, base: MosaicMoEConfig, hidden: int, inter: int) -> MosaicMoEConfig:
     """``bm64_bn64_s3`` -> ``base`` with block_m 64, block_n 64 and 3 stages (see --configs);
     a knob prefixed ``f1`` / ``f2`` (``f2k3``) applies to that GEMM only."""
     top, gemm = {}, {"fc1": {}, "fc2": {}}
     for knob in name.split("_"):
-        if knob == "rk":  # the one-launch routing kernel
-            top["routing"] = "kernel"
-            continue
-        if knob == "sp":  # skip the blocks' padding rows in the FC1 operand and epilogue
-            top["skip_padding"] = True
-            continue
-        if knob == "bf":  # unsplit GEMMs store bf16(alpha * acc) (trtllm_cutlass)
-            top["bf16_partials"] = True
-            continue
-        if knob == "sk":  # the scales (G, 1/G, alphas) from one kernel instead of XLA
-            top["scales"] = "kernel"
+        if knob in LAYER_KNOBS:
+            field, value = LAYER_KNOBS[knob]
+            top[field] = value
             continue
         m = re.fullmatch(r"(f[12])?(?:(bm|bn|s|k|bk|c)(\d+)|(ov))", knob)
         if m is None:

@@ -127,17 +127,9 @@ def test_scales_kernel_is_the_oracle(e, data, mode_scale):
     """The one-program scales kernel (``MosaicMoEConfig(scales="kernel")``, interpret mode)
     gives the oracle's encode scales and alphas bit for bit, for weight_scale_2 and input
     scales drawn log-uniformly over the ranges the fuzzer uses (ModelOpt's ~2e-5 included)."""
-    import types
-
-    import oracle
-    from nvfp4_jax.moe.epilogue import moe_scales_kernel
-    from oracle.formats import f32_rcp
+    from test_moe_epilogue import assert_scales_kernel_is_oracle
 
     mode, act = mode_scale
     vec = lambda: np.asarray(data.draw(st.lists(nst.global_scales(), min_size=e, max_size=e)), np.float32)
     w1, w2, s1, s2 = vec(), vec(), vec() * 2688.0, vec() * 2688.0  # input scales: amax / 2688 like D
-    stack = lambda w: types.SimpleNamespace(codes=np.zeros((e, 1, 1), np.uint8), decode_scale=w)
-    g1, g2, a1, a2 = oracle.moe_scales(stack(w1), stack(w2), s1, s2, mode, act)
-    got = moe_scales_kernel(w1, w2, s1, s2, num_experts=e, mode=mode, activation_scale=act, interpret=True)
-    for gv, wv in zip(got, (g1, f32_rcp(g1), a1, g2, f32_rcp(g2), a2), strict=True):
-        np.testing.assert_array_equal(np.asarray(gv).view(np.uint32), np.asarray(wv, np.float32).view(np.uint32))
+    assert_scales_kernel_is_oracle(w1, w2, s1, s2, e=e, mode=mode, activation_scale=act)

@@ -332,19 +332,25 @@ def test_scales_kernel_matches_oracle(e, mode, act_scale):
     scales and alphas bit for bit, and the reciprocals the glue kernels take: weight_scale_2
     from 2^-24 (ModelOpt's folded ~2e-5 and below) to 2^4, input scales over 2^-12..2^8, with
     [E] and scalar operands."""
+    rng = np.random.default_rng(e)
+    mag = lambda lo, hi: (np.exp2(rng.uniform(lo, hi, e)) * rng.uniform(1, 2, e)).astype(np.float32)
+    s2 = np.float32(mag(-12, 8)[0])  # one input scale for every expert
+    assert_scales_kernel_is_oracle(mag(-24, 4), mag(-24, 4), mag(-12, 8), s2, e=e, mode=mode,
+                                   activation_scale=act_scale)
+
+
+def assert_scales_kernel_is_oracle(w1, w2, s1, s2, *, e: int, mode: str, activation_scale: str):
+    """moe_scales_kernel (interpret mode) == oracle.moe_scales and its reciprocals, bit for
+    bit: (g1, 1/g1, alpha1, g2, 1/g2, alpha2), each fp32 [E] and finite."""
     import types
 
     import oracle
     from oracle.formats import f32_rcp
 
-    rng = np.random.default_rng(e)
-    mag = lambda lo, hi: (np.exp2(rng.uniform(lo, hi, e)) * rng.uniform(1, 2, e)).astype(np.float32)
-    w1, w2, s1 = mag(-24, 4), mag(-24, 4), mag(-12, 8)
-    s2 = np.float32(mag(-12, 8)[0])  # one input scale for every expert
     stack = lambda w: types.SimpleNamespace(codes=np.zeros((e, 1, 1), np.uint8), decode_scale=w)
-    g1, g2, a1, a2 = oracle.moe_scales(stack(w1), stack(w2), s1, s2, mode, act_scale)
-    got = ep.moe_scales_kernel(w1, w2, s1, s2, num_experts=e, mode=mode, activation_scale=act_scale,
-                               interpret=True)
+    g1, g2, a1, a2 = oracle.moe_scales(stack(w1), stack(w2), s1, s2, mode, activation_scale)
+    got = ep.moe_scales_kernel(w1, w2, s1, s2, num_experts=e, mode=mode,
+                               activation_scale=activation_scale, interpret=True)
     want = (g1, f32_rcp(g1), a1, g2, f32_rcp(g2), a2)
     for name, gv, wv in zip(("g1", "1/g1", "alpha1", "g2", "1/g2", "alpha2"), got, want, strict=True):
         gv = np.asarray(gv)

@@ -55,6 +55,15 @@ def time_per_call(fn, x, ws, *, target_s: float = 0.03, per_call_x: bool = False
     ``per_call_x``: give each call its own activation (so XLA cannot share work done on x,
     e.g. the W4A4 activation quantization, between calls; the perturbation fuses into it).
     """
+    return make_timer(fn, x, ws, target_s=target_s, per_call_x=per_call_x)()
+
+
+def make_timer(fn, x, ws, *, target_s: float = 0.03, per_call_x: bool = False):
+    """Compile once; return a callable that times one more round (see ``time_per_call``).
+
+    Calling it several times, interleaved with other impls' timers, separates a real
+    difference from the GPU's drift between rounds (``mosaic_sweep --rounds``).
+    """
 
     def prog(x, ws, r):
         def body(i, outs):
@@ -80,10 +89,14 @@ def time_per_call(fn, x, ws, *, target_s: float = 0.03, per_call_x: bool = False
         return float(np.median(ts))
 
     jax.block_until_ready(f(x, ws, 1))  # compile + warm
-    t1 = run(1)
-    n = int(min(60, max(2, math.ceil(target_s / max(t1, 1e-6)))))
-    t2 = run(1 + n)
-    return max(t2 - t1, 1e-9) / (n * len(ws))
+
+    def one_round() -> float:
+        t1 = run(1)
+        n = int(min(60, max(2, math.ceil(target_s / max(t1, 1e-6)))))
+        t2 = run(1 + n)
+        return max(t2 - t1, 1e-9) / (n * len(ws))
+
+    return one_round
 
 
 def n_copies(bytes_per_copy: float) -> int:

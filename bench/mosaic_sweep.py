@@ -1,7 +1,7 @@
 """Mosaic GPU NVFP4 kernel: config sweep vs the Pallas-Triton kernel and bf16 jnp.dot (H200).
 
 Usage (on the GPU machine): python bench/mosaic_sweep.py --out DIR [--budget-s 200] [--plan P]
-P: 'NxK:m1,m2;NxK:m3'. Timing: gemm_bench.time_per_call (in-graph, distinct weight copies).
+P: 'NxK:m1,m2;NxK:m3'. Timing: gemm_bench.make_timer (in-graph, distinct weight copies), --rounds interleaved.
 Each Mosaic config is also checked against the XLA backend (max |diff| / max |ref|).
 Writes DIR/mosaic-sweep-h200.json: the run's date, commit, GPU and versions, and "records", one
 per (shape, M, impl, config) (rounds 4-7 under bench/results are bare lists of records).
@@ -116,6 +116,9 @@ def main():
     p.add_argument("--variants", default="",
                    help="instead of the wave-model candidates: variants of each case's auto (or "
                         "default) config, e.g. 'base;prefetch=2;overlap=1;block_k=512,overlap=1'")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="timing rounds per impl, interleaved over the case's impls; the row's "
+                        "median_us is their median, rounds_us all of them")
     p.add_argument("--target-s", type=float, default=0.05,
                    help="seconds of looped calls per timing (longer: less spread; round 6 saw "
                         "+-30 %% outliers at 0.01)")
@@ -145,6 +148,7 @@ def main():
             ]
             for cfg in (variants(m, n, k, a.variants) if a.variants else candidates(m, n, k)):
                 impls.append(("mosaic", mosaic_fn(cfg), ws, gb.nvfp4_bytes(n, k), cfg))
+            timed = []  # (row, timer, bytes) of each impl that compiled
             for name, fn, wl, wbytes, cfg in impls:
                 if time.time() - t0 > a.budget_s:
                     break
@@ -154,14 +158,26 @@ def main():
                     if name == "mosaic":
                         got = np.asarray(fn(x, wl[0]), np.float32)
                         row["rel_err"] = float(np.abs(got - ref).max() / np.abs(ref).max())
-                    t = gb.time_per_call(fn, x, wl, target_s=a.target_s)
-                    row.update(median_us=t * 1e6, weight_tbps=wbytes / t / 1e12)
+                    timed.append((row, gb.make_timer(fn, x, wl, target_s=a.target_s), wbytes))
                 except Exception as e:  # noqa: BLE001 - record and continue the sweep
                     row["error"] = repr(e)[:600]
+                    rows.append(row)
+            # rounds interleaved over the impls: drift between rounds hits all of them alike
+            rounds = {id(row): [] for row, _, _ in timed}
+            for r in range(a.rounds):
+                if r and time.time() - t0 > a.budget_s:
+                    break
+                for row, timer, _ in timed:
+                    rounds[id(row)].append(timer() * 1e6)
+            for row, _, wbytes in timed:
+                us = rounds[id(row)]
+                if us:
+                    t = float(np.median(us))
+                    row.update(median_us=t, weight_tbps=wbytes / t / 1e6, rounds_us=us)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-                with open(path, "w") as f:
-                    json.dump({**meta, "records": rows}, f, indent=0)
+            with open(path, "w") as f:
+                json.dump({**meta, "records": rows}, f, indent=0)
             del x
         del ws, wb
     print("elapsed", time.time() - t0)
@@ -177,7 +193,9 @@ def summarize(rows):
         for r in sorted(rs, key=lambda r: r.get("median_us", 1e9)):
             c = r.get("config") or {}
             desc = "/".join(str(v) for v in c.values()) if r["impl"] == "mosaic" else ""
-            print(f"{r['impl']:9s} {r.get('median_us', float('nan')):8.1f} us "
+            spread = r.get("rounds_us") or []
+            spread = f"[{min(spread):.1f}-{max(spread):.1f}]" if len(spread) > 1 else ""
+            print(f"{r['impl']:9s} {r.get('median_us', float('nan')):8.1f} us {spread:13s} "
                   f"{r.get('weight_tbps', float('nan')):5.2f} TB/s err {r.get('rel_err', 0):.1e} "
                   f"{desc} {r.get('error', '')[:80]}")
 

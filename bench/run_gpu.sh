@@ -55,7 +55,7 @@ for s in $STEPS; do
     sweep)
       step "mosaic GEMM config sweep (${SWEEP_PLAN:-default plan})"
       timeout "${T_SWEEP:-240}" python3 bench/mosaic_sweep.py --out "$OUT" --budget-s $((${T_SWEEP:-240} - 30)) \
-        ${SWEEP_PLAN:+--plan "$SWEEP_PLAN"} ${SWEEP_VARIANTS:+--variants "$SWEEP_VARIANTS"} 2>&1 \
+        ${SWEEP_PLAN:+--plan "$SWEEP_PLAN"} ${SWEEP_VARIANTS:+--variants "$SWEEP_VARIANTS"} --rounds "${SWEEP_ROUNDS:-1}" 2>&1 \
         | grep -v Warning | grep -v '^{' | tail -60 | tee -a "$OUT/run.log" ;;
     ncu)
       step "Nsight Compute: the Mosaic GEMM (${NCU_SHAPES:-28672x8192x16 28672x8192x64}, 2 launches each)"

@@ -82,8 +82,8 @@ class MosaicConfig:
     alpha and stores bf16 (the same fp32 multiply and round to nearest even as the XLA
     epilogue it replaces, one launch and half the output bytes fewer); elsewhere (a split, an
     fp16/fp32 output) fp32 partials and the XLA epilogue, logged. The grouped kernel refuses it
-    (``MosaicMoEConfig.bf16_partials`` is its form). Opt-in: lowered for sm_90 on the CPU, not
-    yet run on a GPU (session 9).
+    (``MosaicMoEConfig.bf16_partials`` is its form). Passes the oracle GPU tests (session 10);
+    ``AUTO_SM90`` uses it where it measured faster (14336x4096 at M = 64).
     """
 
     block_n: int = 128
@@ -162,8 +162,9 @@ AUTO_SM90: dict[tuple[int, int, int], MosaicConfig] = {
     (64, 4096, 14336): MosaicConfig(block_n=64, split_k=4, num_stages=2),
     # 17.5 / 38.2 / 42.4
     (16, 14336, 4096): MosaicConfig(block_n=64, split_k=8, num_stages=2),
-    # 25.7 / 62.9 / 44.2 (session 8: 26.1 vs 25.4 for 128/2/2, within spread; kept)
-    (64, 14336, 4096): MosaicConfig(block_n=64, split_k=1, num_stages=2),
+    # 23.1 / 63.1 / 43.5 with the kernel storing bf16 itself (session 10: 23.1 and 23.9 in two
+    # sweeps against 26.4 and 26.0 for the XLA epilogue; bench/results/mosaic-sweep-round9-h200.json)
+    (64, 14336, 4096): MosaicConfig(block_n=64, split_k=1, num_stages=2, bf16_store=True),
     # 5.6 / 15.3 / 12.5; the other seven configs 8.2-9.1 (the round-3 entry, 4 stages: 9.1).
     # At ~10 us a call is ~3 launches and moves by up to 2x between runs (NOTES-gemm.md).
     (16, 4096, 4096): MosaicConfig(block_n=128, split_k=8, num_stages=3),

@@ -77,13 +77,14 @@ class MosaicConfig:
     and a producer warpgroup that issues the TMA copies. Dense and grouped kernels; K % 256 ==
     0 or swizzled_128x4 scales (no whole-K buffer); no prefetch. Run on the H200 (session 9):
     2 and 3 pass the oracle tests; 4 hung there (register pool, see ``__post_init__``) and is
-    refused. ``AUTO_SM90`` uses 2 where it measured faster (28672x8192 at M = 64; MoE prefill).
+    refused. ``AUTO_SM90`` uses 2 where it measured faster (MoE prefill; the dense GEMM's
+    28672x8192 at M = 64 gain did not hold up in repeated rounds, session 10).
     bf16_store: dense kernel, split_k 1, bf16 output: the kernel multiplies its accumulator by
     alpha and stores bf16 (the same fp32 multiply and round to nearest even as the XLA
     epilogue it replaces, one launch and half the output bytes fewer); elsewhere (a split, an
     fp16/fp32 output) fp32 partials and the XLA epilogue, logged. The grouped kernel refuses it
     (``MosaicMoEConfig.bf16_partials`` is its form). Passes the oracle GPU tests (session 10);
-    ``AUTO_SM90`` uses it where it measured faster (14336x4096 at M = 64).
+    ``AUTO_SM90`` uses it where it measured faster (M = 64 unsplit buckets).
     """
 
     block_n: int = 128
@@ -149,11 +150,12 @@ class MosaicConfig:
 AUTO_SM90: dict[tuple[int, int, int], MosaicConfig] = {
     # 54.1 / 101.5 / 133.9 (2.44 TB/s); the previous entry (64, 2, 4 stages): 62.6
     (16, 28672, 8192): MosaicConfig(block_n=64, split_k=4, num_stages=2),
-    # 79.7 / 152.6 / 125.1: two compute warpgroups of 128 rows sharing each x stage (session 9,
-    # bench/results/mosaic-sweep-round8-h200.json; one warpgroup 82.3 in the same run, round 7
-    # 82.3 too; 3 consumers or 3 stages do not fit the SMEM). block_n 128 fits two CTAs per SM
-    # since the output tile reuses the stage buffers (round 7: 82.3 vs 94.1 for 64/2/2)
-    (64, 28672, 8192): MosaicConfig(block_n=128, split_k=1, num_stages=2, consumers=2),
+    # 82.0 / 154.2 / 127.5 (median of 5 interleaved rounds, spread 80.2-84.2): one warpgroup,
+    # the kernel storing bf16 itself. Session 10, bench/results/mosaic-sweep-round9-h200.json:
+    # 82.5 without bf16_store, 83.4 with two compute warpgroups (session 9's 79.7 vs 82.3 for
+    # them was within this spread), 88.4 with both (slower in all three sweeps). block_n 128
+    # fits two CTAs per SM since the output tile reuses the stage buffers (round 7)
+    (64, 28672, 8192): MosaicConfig(block_n=128, split_k=1, num_stages=2, bf16_store=True),
     # 11.1 / 20.7 / 15.8 (same run; next 128/4/2 12.4); this bucket used Pallas-Triton before
     (64, 4096, 4096): MosaicConfig(block_n=64, split_k=4, num_stages=2),
     # 13.5 / 36.9 / 39.3 (next best config 17.4)

@@ -23,6 +23,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from gemm_bench import impl_bf16_dot, impl_ours_w4a16, make_weights, make_x, n_copies, nvfp4_bytes
 from moe_profile import kernel_table, traced_events
+from run_meta import run_metadata
 
 import nvfp4_jax
 
@@ -75,7 +76,7 @@ def main():
             for kr in r["kernels"][:8]:
                 print(f"  {kr['us_per_call']:8.2f} us  x{kr['calls_per_call']:4.2f}  {kr['name'][:100]}", flush=True)
         with open(os.path.join(args.out, "gemm-profile.json"), "w") as f:
-            json.dump(res, f, indent=1)
+            json.dump({**run_metadata(), "what": f"gemm profile: {args.cases}", "records": res}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -453,6 +453,15 @@ def test_auto_table_entries_are_valid_and_looked_up():
         for c, k in ((cfg.fc1, h), (cfg.fc2, i)):
             for swz in (False, True):
                 assert check_config(c, k, cfg.block_m, swizzled=swz) >= 1
+    # the linear-scales entries: looked up only when both weights are linear, run with linear
+    # scales, and differ from the AUTO_SM90 entry they override
+    for (e, h, r, i, b), cfg in mm.AUTO_SM90_LINEAR.items():
+        routes = {8: 8, 64: 64}[b]
+        assert mm.auto_config(routes, e, hidden=h, rows1=r, inter=i, linear=True) == cfg
+        assert mm.auto_config(routes, e, hidden=h, rows1=r, inter=i) != cfg
+        assert cfg.block_m == default_config(routes, e, hidden=h, rows1=r, inter=i).block_m
+        for c, k in ((cfg.fc1, h), (cfg.fc2, i)):
+            assert check_config(c, k, cfg.block_m) >= 1
 
 
 @pytest.mark.parametrize("n,k,bn", [(1024, 2688, 128), (1024, 2688, 64), (256, 384, 64), (300, 1152, 128)])
@@ -484,3 +493,34 @@ def test_whole_k_scale_addressing(n, k, bn):
                     if 128 * (2 * i + g) < k:  # a real K group: its 8 scale bytes
                         np.testing.assert_array_equal(
                             flat[off : off + 8], scales[n0 + r, 16 * i + 8 * g : 16 * i + 8 * g + 8])
+
+
+def test_linear_scales_table_only_for_linear_weights(monkeypatch, caplog):
+    """An ``AUTO_SM90_LINEAR`` entry (block_n 64) is picked for linear weights only: swizzled
+    weights get the ``AUTO_SM90`` entry (block_n 128, read as they are, no conversion), and
+    both layers match the oracle."""
+    case = make_case(np.random.default_rng(11), t=7, h=256, inter=256, e=5, k=2, activation="relu2")
+    key = (5, 256, 256, 256, mm._bucket(14))
+    bm = default_config(14, 5, hidden=256, rows1=256, inter=256).block_m
+    base = MosaicMoEConfig(block_m=bm, fc1=MosaicConfig(block_n=128, num_stages=2),
+                           fc2=MosaicConfig(block_n=128, num_stages=2))
+    lin = dataclasses.replace(base, fc1=MosaicConfig(block_n=64, num_stages=2),
+                              fc2=MosaicConfig(block_n=64, num_stages=2))
+    monkeypatch.setitem(mm.AUTO_SM90, key, base)
+    monkeypatch.setitem(mm.AUTO_SM90_LINEAR, key, lin)
+    built = []
+    real_gm = mm.grouped_matmul
+
+    def spy(*args, config, **kw):
+        built.append(config.block_n)
+        return real_gm(*args, config=config, **kw)
+
+    monkeypatch.setattr(mm, "grouped_matmul", spy)
+    for swizzle, want in (((), 64), (("fc1", "fc2"), 128)):
+        built.clear()
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="nvfp4_jax.moe"):
+            out, h = _run(case, mode="trtllm_cutlass", activation="relu2", swizzle=swizzle)
+        assert built == [want, want], swizzle
+        assert "converted to linear" not in caplog.text
+        check_against_oracle(case, out, h, mode="trtllm_cutlass", activation="relu2")

@@ -211,6 +211,23 @@ AUTO_SM90: dict[tuple[int, int, int, int, int], MosaicMoEConfig] = {
 }
 
 
+#: Entries for weights whose scales are both linear (the layout of a loaded checkpoint), looked
+#: up before ``AUTO_SM90``: configs with block_n 64, which swizzled_128x4 scales cannot feed
+#: without a conversion to linear on every call.
+AUTO_SM90_LINEAR: dict[tuple[int, int, int, int, int], MosaicMoEConfig] = {
+    # qwen3-30B T = 1, block_n 64 in both GEMMs (session 10,
+    # bench/results/moe-mosaic-probe-round9-sweep-h200.json, output bit-identical): 30.5 us
+    # (FC2 alone 30.7; nine other variants 31.5-34.5) vs 32.2 for this entry's AUTO_SM90
+    # config on linear scales and 31.5 on swizzled ones. The probe fed it swizzled weights,
+    # converted to linear inside the timed loop (loop-invariant there, so hoisted or not, a
+    # linear checkpoint does no worse). At 8 routes FC2 (N = 2048) is 8 x 16 = 128 CTAs of
+    # 128 weight rows, one per SM; 64-row tiles make two per SM and twice the loads in flight.
+    (*_QWEN, 8): dataclasses.replace(AUTO_SM90[(*_QWEN, 8)],
+                                     fc1=MosaicConfig(block_n=64, split_k=2, num_stages=2),
+                                     fc2=MosaicConfig(block_n=64, split_k=1, num_stages=2)),
+}
+
+
 def _bucket(routes: int) -> int:
     return _pow2(routes)
 
@@ -264,10 +281,13 @@ def default_config(routes: int, num_experts: int, *, hidden: int, rows1: int, in
     return MosaicMoEConfig(block_m=bm, fc1=cfgs[0], fc2=cfgs[1], bf16_partials=routes >= BF16_PARTIALS_ROUTES)
 
 
-def auto_config(routes: int, num_experts: int, *, hidden: int, rows1: int, inter: int) -> MosaicMoEConfig:
+def auto_config(routes: int, num_experts: int, *, hidden: int, rows1: int, inter: int,
+                linear: bool = False) -> MosaicMoEConfig:
+    """The measured config for this layer and routes bucket (``AUTO_SM90_LINEAR`` first when
+    ``linear``: both weights' scales linear), else ``default_config``."""
     key = (num_experts, hidden, rows1, inter, _bucket(routes))
-    return AUTO_SM90.get(key) or default_config(routes, num_experts, hidden=hidden, rows1=rows1,
-                                                inter=inter)
+    return ((linear and AUTO_SM90_LINEAR.get(key)) or AUTO_SM90.get(key)
+            or default_config(routes, num_experts, hidden=hidden, rows1=rows1, inter=inter))
 
 
 def supported(k: int, n: int) -> bool:
@@ -538,7 +558,8 @@ def moe_mosaic(
         check_supported(h_dim, n=r, name="fc1")
     auto = config is None
     if auto:
-        config = auto_config(n_routes, e, hidden=h_dim, rows1=r, inter=inter)
+        config = auto_config(n_routes, e, hidden=h_dim, rows1=r, inter=inter,
+                             linear=fc1.layout == fc2.layout == "linear")
     if not isinstance(config, MosaicMoEConfig):
         raise ValueError(f"config: expected a MosaicMoEConfig, got {type(config).__name__}")  # noqa: TRY004
 

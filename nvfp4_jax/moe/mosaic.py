@@ -127,9 +127,10 @@ class MosaicMoEConfig:
     divisions IEEE only with ``XLA_FLAGS=--xla_backend_extra_options=-nvptx-prec-divf32=2``)
     or "kernel" (``epilogue.moe_scales_kernel``: one Pallas-Triton launch, ``div.rn.f32``
     whatever the flags; with ``routing="kernel"`` the routing kernel's launch computes them).
-    The same values. Opt-in: tested on the CPU (interpret mode, bit for bit against the
-    oracle) and lowered for sm_90, not yet run on a GPU (session 9); at decode, where the
-    layer is launch-bound, it should save a few us.
+    The same values. Opt-in: bit for bit against the oracle on the CPU (interpret mode) and
+    the layer against the oracle on the H200 (session 10), where the in-graph probe saw no
+    gain (-0.3..+0.5 us at T <= 8, bench/NOTES-moe.md: the XLA scale expressions read only
+    the weights' and inputs' global scales, likely hoisted out of the timed loop).
     """
 
     block_m: int = 8

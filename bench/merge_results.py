@@ -25,7 +25,11 @@ def merge(kind: str, old: dict, new: dict) -> dict:
         keys = (*KEYS[kind], "commit") if r.get("impl") == "hbm_copy" else KEYS[kind]
         return tuple(r.get(k) for k in keys)
 
+    # each record keeps the commit, date and timing harness of its own run (a MoE run without
+    # a "harness" entry predates per-layer global scales: moe_bench.py's docstring)
     stamp = {"commit": new.get("commit"), "date": new.get("date")}
+    if kind == "moe":
+        stamp["harness"] = new.get("harness", "shared global scales (before session 10)")
     fresh = [{**r, **{k: v for k, v in stamp.items() if k not in r}} for r in new["records"]]
     seen = {key(r) for r in fresh}
     kept = [r for r in old["records"] if key(r) not in seen]

@@ -9,7 +9,17 @@ output. A loop iteration of XLA:GPU with a run-time trip count costs a host roun
 predicate, so 8 layers share one, and the per-layer time is the difference of two loop lengths:
 ``(t(1 + n) - t(1)) / (8 n)`` (medians of ``reps`` runs each), which also removes the call's
 fixed cost (``measure`` has the rule for slow layers). Round 1 and the first final run
-timed one layer per iteration and ``t(n) / n``, which charged every layer a loop round trip. Bytes: touched experts' weights (NVFP4: 0.5625 B/weight; bf16:
+timed one layer per iteration and ``t(n) / n``, which charged every layer a loop round trip.
+
+Each layer's global scales (the input scales and the weights' ``decode_scale``) depend on the
+running activation (``+ 0 * x[0]``, exact at run time; ``per_layer_scales``), as if every
+layer had its own. Before session 10 all 8 layers of an iteration got the same scale arrays:
+XLA then computed the scale expressions once and outside the loop (common subexpressions of
+the 8 layers, loop-invariant; seen in the CPU HLO), so the per-layer times left out their
+small fusions, and the 8 dequantizations of ``dequant_ragged_dot`` could be shared the same
+way. Work that reads only codes and block scales is still common to the 8 layers.
+
+Bytes: touched experts' weights (NVFP4: 0.5625 B/weight; bf16:
 2 B/weight), averaged over the 8 routings. FLOPs: 2 * T * k * (R*H + H*I).
 
 Usage: python3 bench/moe_bench.py --out DIR  [--quick]
@@ -44,6 +54,8 @@ SMOKE = {"tiny": {"hidden": 64, "inter": 32, "experts": 8, "top_k": 2, "activati
 TOKENS = (1, 8, 64, 512, 4096)
 ROUTINGS = ("random", "skewed")
 NROT = 8
+#: recorded with every run: what the timed loop gives each layer (module docstring)
+HARNESS = "per-layer global scales (session 10)"
 
 
 def make_weights(key, s):
@@ -122,19 +134,36 @@ def bf16_layer(hidden, ids, wts, w1t, w2t, activation):
     return jnp.zeros_like(c).at[order].set(c).reshape(t, k, -1).sum(1).astype(jnp.bfloat16)
 
 
-def timed_loop(layer):
+def per_layer_scales(params, dep):
+    """NVFP4 layer params ``(fc1, fc2, s1, s2)`` with ``dep`` (0.0 at run time, derived from
+    the layer's input) added to every global scale: the same values, but XLA can neither share
+    the scale expressions between layers nor hoist them out of the loop."""
+    fc1, fc2, s1, s2 = params
+
+    def bump(q):
+        return type(q).tree_unflatten((q.shape, q.layout), (q.codes, q.scales, q.decode_scale + dep))
+
+    return bump(fc1), bump(fc2), s1 + dep, s2 + dep
+
+
+def timed_loop(layer, refresh=None):
     """Jitted ``n`` outer iterations of NROT layers each (n is a runtime value: one compile).
 
     The NROT layers of an iteration are unrolled in Python (one straight-line program). An
     inner ``fori_loop`` over them (the previous harness) cost ~8-16 us per layer at T = 1 on
     the H200 (NOTES-moe.md); the outer loop's run-time trip count costs one host round trip
-    per iteration, i.e. per NROT layers.
+    per iteration, i.e. per NROT layers. ``refresh(params, dep)``: the params each layer gets
+    (``per_layer_scales`` for the NVFP4 layers); ``dep`` is ``0 * x[0]`` of the layer's input.
     """
     @jax.jit
     def run(x, ids, wts, n, params):
         def body(i, x):
             for j in range(NROT):
-                x = chain(x, layer(x, ids[j], wts[j], params))
+                p = params
+                if refresh is not None:
+                    # a float "* 0" is not folded by XLA (NaN), so dep is a run-time value
+                    p = refresh(params, x.reshape(-1)[0].astype(jnp.float32) * 0.0)
+                x = chain(x, layer(x, ids[j], wts[j], p))
             return x
 
         return jax.lax.fori_loop(0, n, body, x)
@@ -220,7 +249,8 @@ def main():
             "bf16_ragged_dot": (lambda x, tids, w, p, act=act: bf16_layer(x, tids, w, p[0], p[1], act),
                                 (w1t, w2t)),
         }
-        runs = {name: timed_loop(fn) for name, (fn, _) in layers.items()}
+        runs = {name: timed_loop(fn, per_layer_scales if name != "bf16_ragged_dot" else None)
+                for name, (fn, _) in layers.items()}
         for t in map(int, args.tokens.split(",")):
             for kind in ROUTINGS:
                 ids, wts = make_routing(rng, t, e, k, kind)
@@ -269,7 +299,7 @@ def main():
 
 
 def save(records, out):
-    doc = {**run_metadata(), "records": records}
+    doc = {**run_metadata(), "harness": HARNESS, "records": records}
     with open(os.path.join(out, "moe-h200.json"), "w") as f:
         json.dump(doc, f, indent=1)
 

@@ -40,6 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from moe_bench import (
+    HARNESS,
     NROT,
     SHAPES,
     input_scales,
@@ -47,6 +48,7 @@ from moe_bench import (
     make_routing,
     make_weights,
     measure,
+    per_layer_scales,
     timed_loop,
 )
 from run_meta import run_metadata
@@ -161,7 +163,7 @@ def main():
     os.makedirs(args.out, exist_ok=True)
     t0 = time.time()
     rng = np.random.default_rng(0)
-    doc = {**run_metadata(), "what": "moe mosaic probe", "records": []}
+    doc = {**run_metadata(), "what": "moe mosaic probe", "harness": HARNESS, "records": []}
     recs = doc["records"]
     path = os.path.join(args.out, "moe-mosaic-probe-h200.json")
 
@@ -193,7 +195,7 @@ def main():
                "touched_bytes": tb}
         try:
             out = np.asarray(jax.jit(lay)(hidden, ids[0], wts[0], params).astype(jnp.float32))
-            us, n = measure(timed_loop(lay), hidden, ids, wts, params, budget_s=0.25)
+            us, n = measure(timed_loop(lay, per_layer_scales), hidden, ids, wts, params, budget_s=0.25)
             rec.update({"median_us": us, "tbps": tb / us / 1e6, "layers_timed": n})
             if ref is not None:
                 rec["rel_diff_vs_triton"] = float(np.max(np.abs(out - ref)) / max(np.max(np.abs(ref)), 1e-30))

@@ -31,6 +31,7 @@ from moe_bench import (
     make_weights,
     measure,
     nvfp4_layer,
+    per_layer_scales,
     timed_loop,
 )
 
@@ -82,7 +83,7 @@ def main():
                 break
             layer = nvfp4_layer(act, "pallas", cfg)
             try:
-                us, _n = measure(timed_loop(layer), x, ids, wts, params, budget_s=0.1, reps=3)
+                us, _n = measure(timed_loop(layer, per_layer_scales), x, ids, wts, params, budget_s=0.1, reps=3)
                 rec = {"shape": sname, "T": t, "us": us, "fc1": dataclasses.asdict(cfg.fc1),
                        "fc2": dataclasses.asdict(cfg.fc2), "default": cfg == base}
             except Exception as exc:  # noqa: BLE001 - record and go on

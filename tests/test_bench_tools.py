@@ -59,3 +59,49 @@ def test_probe_config_names():
     assert probe.named_config("rk", base, 2048, 768).routing == "kernel"
     with pytest.raises(ValueError, match="unknown knob"):
         probe.named_config("fast", base, 2048, 768)
+
+
+def _scale_divisions(text: str) -> tuple[int, int]:
+    """(call sites in the ENTRY computation, call sites elsewhere: the timed loop and what it
+    calls) of the fusions that divide over per-expert or scalar f32 scales, in a compiled HLO
+    module."""
+    import re
+
+    comps = {c.split("\n")[0].split(" ")[0].lstrip("%") if not c.startswith("ENTRY") else "ENTRY": c
+             for c in re.split(r"\n(?=\S.*\{\n)", text)}
+    scale_fusions = {name for name, c in comps.items()
+                     if re.search(r"-> f32\[(\d+|1,1)?\]", c.split("\n")[0]) and " divide(" in c}
+
+    def sites(c):
+        return sum(len(re.findall(rf"calls=%{re.escape(f)}\b", c)) for f in scale_fusions)
+
+    return sites(comps["ENTRY"]), sum(sites(c) for name, c in comps.items() if name != "ENTRY")
+
+
+def test_moe_bench_loop_recomputes_scales_per_layer():
+    """The MoE bench's timed loop gives every layer its own run-time global scales, so XLA
+    computes the scale expressions (G = 1 / input_scale, the alphas: f32 divisions over
+    [E]-sized or scalar operands) once per layer inside the loop, as a model would. With the
+    same scale arrays for every layer (the harness before session 10) XLA shared them between
+    the layers and hoisted them out of the loop."""
+    import sys
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    mb = _load("moe_bench")
+    mb.NROT = 2
+    s = {"hidden": 256, "inter": 256, "experts": 8, "top_k": 2, "activation": "swiglu"}
+    _, _, q1, q2 = mb.make_weights(jax.random.PRNGKey(1), s)
+    params = (q1, q2, *mb.input_scales(s))
+    ids = jnp.asarray(np.array([[[0, 3]] * 3, [[5, 1]] * 3], np.int32))
+    args = (mb.make_hidden(3, 256), ids, jnp.full(ids.shape, 0.5, jnp.float32), 2, params)
+    layer = mb.nvfp4_layer("swiglu", "pallas")
+
+    shared = _scale_divisions(mb.timed_loop(layer).lower(*args).compile().as_text())
+    assert shared[0] > 0  # the old harness: the scales computed once, outside the loop
+    entry, body = _scale_divisions(mb.timed_loop(layer, mb.per_layer_scales).lower(*args).compile().as_text())
+    assert entry == 0
+    assert body >= mb.NROT * shared[0]  # per layer, at least what the shared copy had

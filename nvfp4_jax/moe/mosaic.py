@@ -129,8 +129,9 @@ class MosaicMoEConfig:
     whatever the flags; with ``routing="kernel"`` the routing kernel's launch computes them).
     The same values. Opt-in: bit for bit against the oracle on the CPU (interpret mode) and
     the layer against the oracle on the H200 (session 10), where the in-graph probe saw no
-    gain (-0.3..+0.5 us at T <= 8, bench/NOTES-moe.md: the XLA scale expressions read only
-    the weights' and inputs' global scales, likely hoisted out of the timed loop).
+    gain (-0.3..+0.5 us at T <= 8): that harness shared one set of global scales between
+    its layers, so XLA computed the XLA version once outside the timed loop (bench/NOTES-moe.md,
+    session 10; fixed in the harness, not yet re-measured).
     """
 
     block_m: int = 8

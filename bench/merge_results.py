@@ -32,6 +32,12 @@ def merge(kind: str, old: dict, new: dict) -> dict:
         stamp["harness"] = new.get("harness", "shared global scales (before session 10)")
     fresh = [{**r, **{k: v for k, v in stamp.items() if k not in r}} for r in new["records"]]
     seen = {key(r) for r in fresh}
+    if kind == "moe":  # the tables show one weight-scale layout per row: never mix them
+        layouts = {key(r): r.get("scale_layout") for r in old["records"] if r.get("scale_layout")}
+        for r in fresh:
+            if r.get("scale_layout") and layouts.get(key(r), r["scale_layout"]) != r["scale_layout"]:
+                raise SystemExit(f"merge_results: {key(r)} was measured with {layouts[key(r)]} "
+                                 f"weight scales, the new run with {r['scale_layout']}; keep it apart")
     kept = [r for r in old["records"] if key(r) not in seen]
     return {**{k: v for k, v in new.items() if k != "records"}, "records": fresh + kept}
 

@@ -220,9 +220,13 @@ def main():
             continue
         if not args.no_triton:
             refs[(sname, t)] = run_one(*c, "triton", "default", None)
-        cfg = auto_config(t * s["top_k"], s["experts"], hidden=s["hidden"],
-                          rows1=(2 if s["activation"] == "swiglu" else 1) * s["inter"], inter=s["inter"])
-        run_one(*c, "mosaic", "default", cfg, ref=refs.get((sname, t)))
+        # what the API picks: the linear weights' entry (AUTO_SM90_LINEAR first) for "default",
+        # the swizzled one for "swizzled" and as the base of the named configs
+        shape_kw = {"hidden": s["hidden"], "inter": s["inter"],
+                    "rows1": (2 if s["activation"] == "swiglu" else 1) * s["inter"]}
+        cfg = auto_config(t * s["top_k"], s["experts"], **shape_kw)
+        run_one(*c, "mosaic", "default", auto_config(t * s["top_k"], s["experts"], **shape_kw, linear=True),
+                ref=refs.get((sname, t)))
         if args.swizzled:
             q1, q2, s1, s2 = c[3]
             sw = (q1.with_layout("swizzled_128x4"), q2.with_layout("swizzled_128x4"), s1, s2)

@@ -105,3 +105,17 @@ def test_moe_bench_loop_recomputes_scales_per_layer():
     entry, body = _scale_divisions(mb.timed_loop(layer, mb.per_layer_scales).lower(*args).compile().as_text())
     assert entry == 0
     assert body >= mb.NROT * shared[0]  # per layer, at least what the shared copy had
+
+
+def test_merge_refuses_to_mix_scale_layouts():
+    """A MoE run on linear weight scales does not silently replace rows measured on swizzled
+    ones (the README says which layout its rows use)."""
+    import pytest
+
+    merge = _load("merge_results").merge
+    old = {"records": [{**_rec("nvfp4_moe", 1, 50.0, 1.0, "a"), "scale_layout": "swizzled_128x4"}]}
+    new = {"commit": "b", "records": [{**_rec("nvfp4_moe", 1, 48.0, 1.0, None), "scale_layout": "linear"}]}
+    with pytest.raises(SystemExit, match="swizzled_128x4 weight scales, the new run with linear"):
+        merge("moe", old, new)
+    new["records"][0]["scale_layout"] = "swizzled_128x4"
+    assert merge("moe", old, new)["records"][0]["median_us"] == 48.0

@@ -35,6 +35,7 @@ from moe_bench import (
     make_routing,
     make_weights,
     nvfp4_layer,
+    per_layer_scales,
 )
 
 
@@ -97,7 +98,9 @@ def profile_case(sname: str, t: int, reps: int, hlo_path: str | None = None) -> 
     @jax.jit
     def layers(x, ids, wts, p):
         for j in range(NROT):  # unrolled: one call, one trace of NROT layers
-            x = chain(x, layer(x, ids[j], wts[j], p))
+            # each layer its own run-time global scales, as in moe_bench's timed loop
+            pj = per_layer_scales(p, x.reshape(-1)[0].astype(jnp.float32) * 0.0)
+            x = chain(x, layer(x, ids[j], wts[j], pj))
         return x
 
     p = (q1, q2, *input_scales(s))

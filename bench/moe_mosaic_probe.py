@@ -108,6 +108,7 @@ LAYER_KNOBS = {
     "sp": ("skip_padding", True),  # skip the blocks' padding rows in the FC1 operand and epilogue
     "bf": ("bf16_partials", True),  # unsplit GEMMs store bf16(alpha * acc) (trtllm_cutlass)
     "sk": ("scales", "kernel"),  # the scales (G, 1/G, alphas) from one kernel instead of XLA
+    "fr": ("routing", "fused"),  # routing, scales and FC1 operand in one launch (with sk, sp)
 }
 
 

@@ -57,6 +57,7 @@ def test_probe_config_names():
     assert (cfg.fc1.split_k, cfg.fc2.split_k) == (base.fc1.split_k, 3)
     assert cfg.bf16_partials and cfg.scales == "kernel" and cfg.skip_padding
     assert probe.named_config("rk", base, 2048, 768).routing == "kernel"
+    assert probe.named_config("fr_sk_sp", base, 2048, 768).routing == "fused"
     with pytest.raises(ValueError, match="unknown knob"):
         probe.named_config("fast", base, 2048, 768)
 

@@ -288,6 +288,58 @@ def test_routing_kernel_lowers_and_refuses_large_routings():
         ep.routing_kernel(jnp.zeros((8, 22), jnp.int32), 512, 8, interpret=True)
 
 
+@pytest.mark.parametrize("mode,act_scale,x_mag,t,k,e,h", [
+    ("trtllm_cutlass", "scalar", 1.0, 3, 6, 24, 256),
+    ("b12x", "per_expert", 2.0**-8, 2, 8, 128, 512),
+    ("trtllm_cutlass", "scalar", 2.0**8, 1, 8, 128, 4096),  # two K tiles of 2048
+    ("b12x", "scalar", 2.0**-3, 5, 3, 7, 256),              # E not a power of two
+])
+def test_routing_operand_kernel_is_the_two_kernels(mode, act_scale, x_mag, t, k, e, h):
+    """routing="fused": routing, scales and the FC1 operand from one launch are bit for bit
+    the routing kernel's (and numpy's grouping), the scales kernel's, and ``fc1_operand``'s
+    routed rows with skip_padding (each checked against an independent reference above);
+    input scales across 2^-12..2^8 put block scales into E4M3 subnormals and saturation."""
+    rng = np.random.default_rng(t * 1000 + h)
+    ids = np.argsort(rng.random((t, e)), axis=1)[:, :k].astype(np.int32)
+    vecs = [(np.exp2(rng.uniform(lo, hi, e)) * rng.uniform(1, 2, e)).astype(np.float32)
+            for lo, hi in ((-24, 4), (-24, 4), (-12, 8), (-12, 8))]
+    hidden = jnp.asarray(rng.standard_normal((t, h)) * x_mag, jnp.bfloat16)
+    bm, recipe = 8, recipe_of(mode)
+    br, sv, xp = ep.routing_operand_kernel(jnp.asarray(ids), hidden, e, bm, (*vecs, mode, act_scale),
+                                           recipe=recipe, interpret=True)
+    for name, w in zip(("sorted_route", "block_expert", "num_blocks", "route_pos"),
+                       _numpy_block_routing(ids, e, bm)):
+        np.testing.assert_array_equal(np.asarray(getattr(br, name)), w, err_msg=name)
+    alone = ep.moe_scales_kernel(*vecs, num_experts=e, mode=mode, activation_scale=act_scale, interpret=True)
+    for got, w in zip(sv, alone, strict=True):
+        np.testing.assert_array_equal(np.asarray(got).view(np.uint32), np.asarray(w).view(np.uint32))
+    want = ep.fc1_operand(hidden, br.sorted_route, br.block_expert, br.num_blocks, alone[0], alone[1],
+                          top_k=k, block_m=bm, recipe=recipe, per_expert=act_scale == "per_expert",
+                          skip_padding=True, interpret=True)
+    live = np.asarray(br.route_pos)  # the routed rows
+    got, w = np.asarray(xp, np.float32)[live], np.asarray(want, np.float32)[live]
+    # not all zeros (small G with a small x flushes most of them: E4M3-subnormal block scales)
+    assert np.all(np.isfinite(got)) and np.count_nonzero(got) > got.size // 20
+    np.testing.assert_array_equal(got.view(np.uint32), w.view(np.uint32))
+
+
+def test_routing_operand_kernel_lowers_and_checks_operands():
+    vecs = (jnp.ones(128), jnp.ones(128), jnp.ones(128), jnp.ones(128), "b12x", "per_expert")
+    f = jax.jit(lambda ids, x: ep.routing_operand_kernel(ids, x, 128, 8, vecs, recipe="b12x"))
+    text = f.trace(jax.ShapeDtypeStruct((8, 8), jnp.int32),
+                   jax.ShapeDtypeStruct((8, 2048), jnp.bfloat16)).lower(lowering_platforms=("cuda",)).as_text()
+    assert "nvfp4_moe_routing_operand" in text
+    with pytest.raises(ValueError, match="^hidden: expected"):
+        ep.routing_operand_kernel(jnp.zeros((1, 8), jnp.int32), jnp.zeros((1, 320), jnp.bfloat16), 128, 8,
+                                  vecs, recipe="b12x", interpret=True)
+    with pytest.raises(ValueError, match="^topk_ids: expected"):
+        ep.routing_operand_kernel(jnp.zeros((2, 8), jnp.int32), jnp.zeros((1, 256), jnp.bfloat16), 128, 8,
+                                  vecs, recipe="b12x", interpret=True)
+    with pytest.raises(ValueError, match="^topk_ids: 176 routes"):
+        ep.routing_operand_kernel(jnp.zeros((8, 22), jnp.int32), jnp.zeros((8, 1024), jnp.bfloat16), 512, 8,
+                                  vecs[:4] + ("trtllm_cutlass", "scalar"), recipe="trtllm", interpret=True)
+
+
 @pytest.mark.parametrize("activation,split", [("relu2", 1), ("swiglu", 2)])
 def test_skip_padding_rows_keeps_the_routed_rows(activation, split):
     """skip_padding (operand) and sorted_route (epilogue): the routed rows are bit for bit the

@@ -203,6 +203,14 @@ SPLIT = MosaicMoEConfig(block_m=16, fc1=MosaicConfig(block_n=64, split_k=2, num_
     ("routing_scales_kernel_relu2_b12x", "b12x", "relu2", "up_gate",
      {"t": 5, "h": 256, "inter": 256, "e": 8, "k": 3, "routing": "skewed"},
      MosaicMoEConfig(block_m=8, scales="kernel", routing="kernel")),
+    # ... and the FC1 operand from that launch too (routing="fused"): both modes, FC1 K over
+    # two operand tiles (H = 4096), E4M3-subnormal block scales
+    ("fused_routing_swiglu_b12x", "b12x", "swiglu", "gate_up",
+     {"t": 3, "h": 4096, "inter": 256, "e": 16, "k": 4},
+     MosaicMoEConfig(block_m=8, scales="kernel", routing="fused", skip_padding=True)),
+    ("fused_routing_subnormal_relu2_trtllm", "trtllm_cutlass", "relu2", "up_gate",
+     {"t": 5, "h": 256, "inter": 512, "e": 8, "k": 3, "scale_factor": 2.0**15},
+     MosaicMoEConfig(block_m=8, scales="kernel", routing="fused", skip_padding=True)),
     # warp-specialized GEMM configs: partials padded to whole CTAs of consumers * block_n rows
     ("ws_relu2_b12x", "b12x", "relu2", "up_gate", {"t": 9, "h": 256, "inter": 512, "e": 4, "k": 2},
      MosaicMoEConfig(block_m=8, fc1=MosaicConfig(block_n=64, consumers=3),
@@ -524,3 +532,14 @@ def test_linear_scales_table_only_for_linear_weights(monkeypatch, caplog):
         assert built == [want, want], swizzle
         assert "converted to linear" not in caplog.text
         check_against_oracle(case, out, h, mode="trtllm_cutlass", activation="relu2")
+
+
+def test_fused_routing_config_is_checked():
+    """routing="fused" writes only the routed operand rows and computes the scales: a config
+    without skip_padding or without the scales kernel is refused, naming the field."""
+    for kw in ({"scales": "kernel"}, {"skip_padding": True}):
+        with pytest.raises(ValueError, match="^MosaicMoEConfig.routing: 'fused'"):
+            MosaicMoEConfig(routing="fused", **kw)
+    with pytest.raises(ValueError, match="^MosaicMoEConfig.routing: expected 'xla', 'kernel' or 'fused'"):
+        MosaicMoEConfig(routing="triton")
+    assert MosaicMoEConfig(routing="fused", scales="kernel", skip_padding=True).routing == "fused"

@@ -27,8 +27,12 @@ launch that touches only the blocks below ``num_blocks``:
 * ``skip_padding`` (``MosaicMoEConfig.skip_padding``, ``AUTO_SM90`` at T <= 8): the operand and
   epilogue kernels leave the blocks' padding rows unread and unwritten (H200: 0-0.8 us).
 * :func:`moe_scales_kernel` (opt-in, ``MosaicMoEConfig.scales="kernel"``): the encode scales
-  and alphas in one launch (or inside the routing kernel's), IEEE divisions; compiled for
-  sm_90 with pip Triton on the CPU, not yet run on a GPU.
+  and alphas in one launch (or inside the routing kernel's), IEEE divisions; passes the
+  oracle tests on the H200 (session 10).
+* :func:`routing_operand_kernel` (opt-in, ``MosaicMoEConfig.routing="fused"``): routing,
+  scales and the FC1 operand's routed rows in one launch; ptxas (pip Triton 3.6, sm_90, 8
+  warps): qwen3 T = 1 40 registers, T = 8 234, no spills, only ``div.rn.f32`` divisions.
+  Not yet run on a GPU.
 
 The arithmetic is the XLA epilogue's (``mosaic.moe_mosaic`` before; ``xla.py``), op for op;
 only the fp32 summation order of the split-K partials is fixed here (index order) where XLA's
@@ -323,9 +327,10 @@ def combine(part: jax.Array, route_pos: jax.Array, topk_ids: jax.Array, topk_wei
 ROUTING_KERNEL_MAX_ELEMS = 1 << 15
 
 
-def _routing_kernel(ids_ref, sorted_ref, be_ref, nb_ref, pos_ref, *, n: int, num_experts: int,
-                    block_m: int, nb: int, em: int, interpret: bool):
-    np_, ep, emp, nbp = _pow2(n), _pow2(num_experts), _pow2(em), _pow2(nb)
+def _route_positions(ids_ref, *, n: int, num_experts: int, block_m: int):
+    """The routing's values in registers: (j, valid, pos, padded, pad_end, ep) with pos [np] each
+    route's row in the expert-sorted, block-padded order (lanes past n invalid)."""
+    np_, ep = _pow2(n), _pow2(num_experts)
     j = lax.broadcasted_iota(jnp.int32, (np_,), 0)
     valid = j < n
     jc = jnp.minimum(j, n - 1)
@@ -339,6 +344,14 @@ def _routing_kernel(ids_ref, sorted_ref, be_ref, nb_ref, pos_ref, *, n: int, num
     earlier = jnp.cumsum(onehot, axis=1) - onehot  # routes of the same expert before j
     rank = jnp.sum(onehot * earlier, axis=0)
     pos = jnp.sum(onehot * pad_start[:, None], axis=0) + rank  # [np]
+    return j, valid, pos, padded, pad_end, ep
+
+
+def _routing_kernel(ids_ref, sorted_ref, be_ref, nb_ref, pos_ref, *, n: int, num_experts: int,
+                    block_m: int, nb: int, em: int, interpret: bool):
+    j, valid, pos, padded, pad_end, ep = _route_positions(ids_ref, n=n, num_experts=num_experts,
+                                                          block_m=block_m)
+    emp, nbp = _pow2(em), _pow2(nb)
     # masked lanes index out of range (not clamped): interpret mode drops them, and a clamped
     # duplicate index would race with the valid lane's store
     plgpu.store(pos_ref.at[j], pos, mask=valid)
@@ -409,11 +422,83 @@ def routing_kernel(topk_ids: jax.Array, num_experts: int, block_m: int, *,
     return BlockRouting(srt, be, nbk, pos), tuple(sv)
 
 
+def _routing_operand_kernel(ids_ref, w1_ref, w2_ref, s1_ref, s2_ref, x_ref, srt_ref, be_ref, nb_ref,
+                            pos_ref, *rest, routing_kw: dict, scales_kw: dict, top_k: int, bk: int,
+                            recipe: str, per_expert: bool, exact_asm: bool):
+    scale_refs, xp_ref = rest[:6], rest[6]
+    r, kt = pl.program_id(0), pl.program_id(1)
+
+    @pl.when((r == 0) & (kt == 0))
+    def _():  # one program stores the routing and the scales
+        _routing_kernel(ids_ref, srt_ref, be_ref, nb_ref, pos_ref, **routing_kw)
+        _scales_kernel(w1_ref, w2_ref, s1_ref, s2_ref, *scale_refs, **scales_kw)
+
+    # every program: its route's row and encode scale, recomputed from the same operands (a
+    # few thousand register ops; no second launch, no wait for program 0's stores)
+    kw = {k: routing_kw[k] for k in ("n", "num_experts", "block_m")}
+    j, _, pos, *_ = _route_positions(ids_ref, **kw)
+    row = jnp.sum(jnp.where(j == r, pos, 0))
+    je, _, vals = _scale_values(w1_ref, w2_ref, s1_ref, s2_ref, **scales_kw)
+    ex = plgpu.load(ids_ref.at[r]) if per_expert else 0
+    g, rg = (jnp.sum(jnp.where(je == ex, v, 0.0)) for v in vals[:2])  # one lane each: exact
+    x = plgpu.load(x_ref.at[r // top_k, pl.ds(kt * bk, bk)]).astype(jnp.float32)
+    q = _requantize(x.reshape(bk // 16, 16), g, rg, recipe, exact_asm)
+    plgpu.store(xp_ref.at[row, pl.ds(kt * bk, bk)], permute_k_order(q.reshape(bk)).astype(jnp.bfloat16))
+
+
+def routing_operand_kernel(topk_ids: jax.Array, hidden: jax.Array, num_experts: int, block_m: int,
+                           scales: tuple, *, recipe: str, interpret: bool = False):
+    """``routing_kernel(scales=...)`` and ``fc1_operand(skip_padding=True)`` as one launch
+    (``MosaicMoEConfig.routing="fused"``): one program per (route, K tile of ``hidden``) stores
+    its route's quantized row at the route's sorted position; program (0, 0) also stores the
+    routing and the six scale vectors. Each program recomputes the routing positions and the
+    scales in registers (small routings only, ``routing_kernel_fits``), so nothing waits for
+    another program. Bit for bit the two kernels' outputs; padding rows are not written.
+
+    topk_ids int [T, k]; hidden bf16 [T, H] (H % 256 == 0); scales: ``(fc1_weight_scale_2,
+    fc2_weight_scale_2, fc1_input_scale, fc2_input_scale, mode, activation_scale)``; recipe:
+    the FC1 operand's quantization recipe. Returns ``(BlockRouting, (g1, 1/g1, alpha1, g2,
+    1/g2, alpha2), xp bf16 [EM, H])``."""
+    from .routing import BlockRouting, max_blocks
+
+    t, h = hidden.shape
+    if h % 256:
+        raise ValueError(f"hidden: expected [T, H] with H % 256 == 0 (the grouped kernel's K), got {hidden.shape}")
+    if topk_ids.ndim != 2 or topk_ids.shape[0] != t:
+        raise ValueError(f"topk_ids: expected [T, k] with T = {t} (hidden's rows), got {topk_ids.shape}")
+    flat = topk_ids.reshape(-1).astype(jnp.int32)
+    n, top_k = flat.shape[0], topk_ids.shape[1]
+    if not routing_kernel_fits(n, num_experts, block_m):
+        raise ValueError(f"topk_ids: {n} routes over {num_experts} experts are too many for the "
+                         f"one-program routing (routing_kernel_fits); use block_routing")
+    nb = max_blocks(n, num_experts, block_m)
+    em = nb * block_m
+    *vecs, mode, activation_scale = scales
+    ops = _scale_operands(vecs, num_experts)
+    bk = _row_tile(h)
+    kern = functools.partial(
+        _routing_operand_kernel, top_k=top_k, bk=bk, recipe=recipe,
+        per_expert=activation_scale == "per_expert", exact_asm=not interpret,
+        routing_kw={"n": n, "num_experts": num_experts, "block_m": block_m, "nb": nb, "em": em,
+                    "interpret": interpret},
+        scales_kw={"e": num_experts, "activation_scale": activation_scale, "mode": mode,
+                   "exact_asm": not interpret})
+    i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)
+    f32 = jax.ShapeDtypeStruct((num_experts,), jnp.float32)
+    outs = (i32(em), i32(nb), i32(1), i32(n), *(f32,) * 6, jax.ShapeDtypeStruct((em, h), jnp.bfloat16))
+    srt, be, nbk, pos, *sv, xp = _call(kern, outs, (n, h // bk), num_warps=8,
+                                       name="nvfp4_moe_routing_operand", interpret=interpret)(
+        flat, *ops, hidden)
+    return BlockRouting(srt, be, nbk, pos), tuple(sv), xp
+
+
 # ----------------------------------------------------------------------------- scales
 
 
-def _scales_kernel(w1_ref, w2_ref, s1_ref, s2_ref, *out_refs, e: int, activation_scale: str,
-                   mode: str, exact_asm: bool):
+def _scale_values(w1_ref, w2_ref, s1_ref, s2_ref, *, e: int, activation_scale: str, mode: str,
+                  exact_asm: bool):
+    """(j, valid, [g1, 1/g1, alpha1, g2, 1/g2, alpha2]): the six [E] scale vectors in registers
+    (lanes past E invalid)."""
     ep = _pow2(e)
     j = lax.broadcasted_iota(jnp.int32, (ep,), 0)
     valid = j < e
@@ -423,7 +508,8 @@ def _scales_kernel(w1_ref, w2_ref, s1_ref, s2_ref, *out_refs, e: int, activation
         return plgpu.load(ref.at[jc if ref.shape[0] == e else jnp.zeros_like(j)])
 
     one = jnp.ones((ep,), jnp.float32)
-    for w_ref, s_ref, outs in ((w1_ref, s1_ref, out_refs[:3]), (w2_ref, s2_ref, out_refs[3:])):
+    vals = []
+    for w_ref, s_ref in ((w1_ref, s1_ref), (w2_ref, s2_ref)):
         ws2, s_in = vec(w_ref), vec(s_ref)
         if activation_scale == "scalar":  # one encode scale: 1 / max over the experts' input scales
             m = jnp.max(jnp.where(valid, s_in, -jnp.inf))
@@ -434,10 +520,18 @@ def _scales_kernel(w1_ref, w2_ref, s1_ref, s2_ref, *out_refs, e: int, activation
             alpha = _div_rn(one, g * _div_rn(one, ws2, exact_asm), exact_asm)
         else:
             alpha = _div_rn(ws2, g, exact_asm)
-        for ref, v in zip(outs, (g, _div_rn(one, g, exact_asm), alpha), strict=True):
-            # masked lanes index past E (not clamped: a duplicate index would race with the
-            # valid lane's store; interpret mode drops them)
-            plgpu.store(ref.at[j], v, mask=valid)
+        vals += [g, _div_rn(one, g, exact_asm), alpha]
+    return j, valid, vals
+
+
+def _scales_kernel(w1_ref, w2_ref, s1_ref, s2_ref, *out_refs, e: int, activation_scale: str,
+                   mode: str, exact_asm: bool):
+    j, valid, vals = _scale_values(w1_ref, w2_ref, s1_ref, s2_ref, e=e,
+                                   activation_scale=activation_scale, mode=mode, exact_asm=exact_asm)
+    for ref, v in zip(out_refs, vals, strict=True):
+        # masked lanes index past E (not clamped: a duplicate index would race with the valid
+        # lane's store; interpret mode drops them)
+        plgpu.store(ref.at[j], v, mask=valid)
 
 
 def moe_scales_kernel(fc1_weight_scale_2: jax.Array, fc2_weight_scale_2: jax.Array,

@@ -78,6 +78,7 @@ from .epilogue import (
     moe_scales_kernel,
     routing_kernel,
     routing_kernel_fits,
+    routing_operand_kernel,
 )
 from .routing import block_routing, max_blocks
 from .xla import activate, moe_scales, quantized_values, recipe_of, sorted_rows
@@ -111,7 +112,11 @@ class MosaicMoEConfig:
     fit one program, ``routing_kernel_fits``; larger ones use "xla", logged). Both give the
     same routing. Measured on the H200: faster for qwen3 at T <= 8 (-2.4..-3.5 us), slower for
     nemotron T = 1 (+7 us: one program compares 512 experts), so ``AUTO_SM90`` sets it per
-    shape and "xla" is the default.
+    shape and "xla" is the default. "fused" (``epilogue.routing_operand_kernel``; needs
+    ``scales="kernel"`` and ``skip_padding``): the routing, the scales and the FC1 operand in
+    one launch instead of two, each program recomputing the small routing in registers. Bit for
+    bit the separate kernels (CPU, interpret mode); lowered, not yet run on a GPU (session
+    10). Predicted at qwen3 T <= 8: one launch (~2-3 us) less.
     skip_padding: the FC1 operand and FC1 epilogue kernels leave the blocks' padding rows
     alone (no quantization, no reads of their partials, no writes; nothing downstream reads
     them) instead of processing whole blocks: at decode most block rows are padding (nemotron
@@ -147,10 +152,15 @@ class MosaicMoEConfig:
         for name in ("skip_padding", "bf16_partials"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"MosaicMoEConfig.{name}: expected a bool, got {getattr(self, name)!r}")
-        for name in ("routing", "scales"):
-            if getattr(self, name) not in ("xla", "kernel"):
-                raise ValueError(f"MosaicMoEConfig.{name}: expected 'xla' or 'kernel', "
-                                 f"got {getattr(self, name)!r}")
+        if self.routing not in ("xla", "kernel", "fused"):
+            raise ValueError(f"MosaicMoEConfig.routing: expected 'xla', 'kernel' or 'fused', "
+                             f"got {self.routing!r}")
+        if self.scales not in ("xla", "kernel"):
+            raise ValueError(f"MosaicMoEConfig.scales: expected 'xla' or 'kernel', got {self.scales!r}")
+        if self.routing == "fused" and not (self.skip_padding and self.scales == "kernel"):
+            raise ValueError("MosaicMoEConfig.routing: 'fused' computes the scales and writes only "
+                             "the routed operand rows; it needs scales='kernel' and skip_padding=True, "
+                             f"got scales={self.scales!r}, skip_padding={self.skip_padding}")
         if self.block_m not in GROUPED_TOKEN_TILES:
             raise ValueError(f"MosaicMoEConfig.block_m: expected one of {GROUPED_TOKEN_TILES}, "
                              f"got {self.block_m}")
@@ -591,16 +601,21 @@ def moe_mosaic(
 
     scale_args = (fc1.decode_scale, fc2.decode_scale, fc1_input_scale, fc2_input_scale)
     sv = None  # (g1, 1/g1, alpha1, g2, 1/g2, alpha2)
-    if config.routing == "kernel" and routing_kernel_fits(n_routes, e, bm):
-        if config.scales == "kernel":  # both in one launch
+    xp = None  # the FC1 operand, when the routing kernel writes it too ("fused")
+    if config.routing != "xla" and routing_kernel_fits(n_routes, e, bm):
+        if config.routing == "fused":  # routing, scales and the FC1 operand in one launch
+            br, sv, xp = routing_operand_kernel(topk_ids, hidden, e, bm, (*scale_args, mode, activation_scale),
+                                                recipe=recipe, interpret=reference)
+        elif config.scales == "kernel":  # both in one launch
             br, sv = routing_kernel(topk_ids, e, bm, scales=(*scale_args, mode, activation_scale),
                                     interpret=reference)
         else:
             br = routing_kernel(topk_ids, e, bm, interpret=reference)
     else:
-        if config.routing == "kernel":
+        if config.routing != "xla":
             log.info("nvfp4_jax.moe: routing kernel does not fit %d routes x %d experts; XLA "
-                     "routing", n_routes, e)
+                     "routing%s", n_routes, e, " and a separate FC1 operand kernel"
+                     if config.routing == "fused" else "")
         br = block_routing(topk_ids, e, bm)
     if sv is None and config.scales == "kernel":
         sv = moe_scales_kernel(*scale_args, num_experts=e, mode=mode,
@@ -641,9 +656,10 @@ def moe_mosaic(
         return alpha.astype(jnp.float32)
 
     # FC1 operand (gather + quantize + K permutation, one Pallas-Triton launch), FC1 (Mosaic)
-    xp = fc1_operand(hidden, br.sorted_route, *meta, g1, rg1, top_k=k, block_m=bm,
-                     recipe=recipe, per_expert=activation_scale == "per_expert",
-                     skip_padding=config.skip_padding, interpret=reference)
+    if xp is None:
+        xp = fc1_operand(hidden, br.sorted_route, *meta, g1, rg1, top_k=k, block_m=bm,
+                         recipe=recipe, per_expert=activation_scale == "per_expert",
+                         skip_padding=config.skip_padding, interpret=reference)
     part1 = grouped_matmul(xp, fc1.codes, s1u, *meta, block_m=bm, config=cfg1,
                            reference=reference, name="fc1", scale_layout=lay1,
                            alpha=products(a1, cfg1, h_dim, lay1, "fc1") if on2 else None)

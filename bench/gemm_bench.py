@@ -12,8 +12,9 @@ L2, so every call streams its weights from HBM). The per-call time is
 and compile are excluded and back-to-back launch gaps are included, as in a real model.
 Each iteration's activation depends on the previous iteration's output (``x + 0*out[0]``), so
 XLA can neither hoist nor merge the calls. Our NVFP4 calls each get their own activation
-(``per_call_x``: ``x + 0*out[0]*(c+1)`` for copy c), so the work they do on x (W4A16: pad and
-K permutation; W4A4: quantization) runs once per call, as with a model's distinct layers;
+(``per_call_x``: ``x + 0*out[0]*(c+1)`` for copy c) where they prepare x in XLA (W4A16 on the
+Mosaic path: pad and K permutation; W4A4: quantization), so that work runs once per call, as
+with a model's distinct layers;
 until session 10 only W4A4 did, and the W4A16 rows shared x's pad / permutation between the
 C calls of an iteration: with C = 2 at 28672x8192 that left out half of a ~0.7-0.9 us prep
 per call (round-6 profile, which chains x through every call).
@@ -425,7 +426,12 @@ def bench(out_dir, shapes, ms, budget_s, extra_impls=()):
                 )
             for name, fn, xx, wlist, wbytes in impls:
                 try:
-                    t = time_per_call(fn, xx, wlist, per_call_x=name.startswith("nvfp4"))
+                    # own x per call where the call prepares x in XLA (W4A4 quantization, the
+                    # Mosaic path's pad and permutation; the perturbation fuses into it); a
+                    # cuBLAS or Pallas-Triton call reads x as it is: nothing to share, and a
+                    # perturbation there would be a pass over x of its own
+                    t = time_per_call(fn, xx, wlist, per_call_x=name == "nvfp4_w4a4" or (
+                        name.startswith("nvfp4") and (name.endswith("mosaic") or auto == "mosaic")))
                     extra = None
                     if name.startswith("nvfp4"):
                         be = auto if name in ("nvfp4_w4a16", "nvfp4_w4a4") else name.rsplit("_", 1)[1]

@@ -15,7 +15,8 @@ sweep): ``_``-joined knobs applied to both GEMMs of the case's default config: `
 ``ov`` (overlap), ``bk512``, ``c<N>`` (consumers: warp-specialized GEMM); prefixed
 ``f1``/``f2``, to one GEMM only; ``rk``: the one-launch routing kernel
 (``MosaicMoEConfig.routing="kernel"``); ``sp``: ``skip_padding``; ``bf``: ``bf16_partials``;
-``sk``: the one-launch scales kernel (``scales="kernel"``).
+``sk`` / ``sx``: the scales from one kernel (``scales="kernel"``, the default since session 10) /
+from XLA fusions (``scales="xla"``); ``fr``: ``routing="fused"``.
 With ``--swizzled`` the named configs run on the swizzled weights. ``--swizzled``: the default
 config again with the weights' scales in ``swizzled_128x4`` (read per step by the kernel; no
 whole-K buffer for K % 256 == 128).
@@ -107,7 +108,8 @@ LAYER_KNOBS = {
     "rk": ("routing", "kernel"),  # the one-launch routing kernel
     "sp": ("skip_padding", True),  # skip the blocks' padding rows in the FC1 operand and epilogue
     "bf": ("bf16_partials", True),  # unsplit GEMMs store bf16(alpha * acc) (trtllm_cutlass)
-    "sk": ("scales", "kernel"),  # the scales (G, 1/G, alphas) from one kernel instead of XLA
+    "sk": ("scales", "kernel"),  # the scales (G, 1/G, alphas) from one kernel (the default)
+    "sx": ("scales", "xla"),  # ... from XLA fusions instead
     "fr": ("routing", "fused"),  # routing, scales and FC1 operand in one launch (with sk, sp)
 }
 

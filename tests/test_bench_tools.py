@@ -58,6 +58,7 @@ def test_probe_config_names():
     assert cfg.bf16_partials and cfg.scales == "kernel" and cfg.skip_padding
     assert probe.named_config("rk", base, 2048, 768).routing == "kernel"
     assert probe.named_config("fr_sk_sp", base, 2048, 768).routing == "fused"
+    assert probe.named_config("sx", base, 2048, 768).scales == "xla"
     with pytest.raises(ValueError, match="unknown knob"):
         probe.named_config("fast", base, 2048, 768)
 

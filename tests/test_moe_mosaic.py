@@ -60,9 +60,11 @@ def test_grouped_kernel_lowers_for_cuda(nb, mt, e, n, k, cfg):
     ("swiglu", 768, None), ("relu2", 2688, None), ("relu2", 96, None),
     ("relu2", 2688, MosaicMoEConfig(block_m=64, bf16_partials=True)),
     ("swiglu", 768, MosaicMoEConfig(block_m=8, bf16_partials=True, skip_padding=True, routing="kernel")),
-    ("relu2", 96, MosaicMoEConfig(block_m=16, scales="kernel")),
-    ("swiglu", 768, MosaicMoEConfig(block_m=8, scales="kernel")),
-    ("swiglu", 768, MosaicMoEConfig(block_m=8, scales="kernel", routing="kernel")),
+    ("relu2", 96, MosaicMoEConfig(block_m=16, scales="xla")),
+    ("swiglu", 768, MosaicMoEConfig(block_m=8, scales="xla")),
+    ("swiglu", 768, MosaicMoEConfig(block_m=8, scales="xla", routing="kernel")),
+    ("swiglu", 768, MosaicMoEConfig(block_m=8, routing="kernel")),
+    ("swiglu", 768, MosaicMoEConfig(block_m=8, routing="fused", skip_padding=True)),
 ])
 def test_moe_mosaic_layer_lowers_for_cuda(activation, inter, config):
     """The whole layer (routing, kernels, glue): both GEMMs on Mosaic (nemotron's FC2, K = 2688,
@@ -90,10 +92,12 @@ def test_moe_mosaic_layer_lowers_for_cuda(activation, inter, config):
     on2 = inter % 256 in (0, 128)
     assert text.count("nvfp4_moe_mosaic") >= (2 if on2 else 1)
     assert ("nvfp4_moe_fc2" in text) == (not on2)  # the Pallas-Triton FC2
-    assert "nvfp4_moe_fc1_operand" in text
-    sk = config is not None and config.scales == "kernel"
-    rk = config is not None and config.routing == "kernel"  # t * k = 12 routes: it fits
-    assert ("nvfp4_moe_scales" in text) == (sk and not rk)
+    fused = config is not None and config.routing == "fused"  # t * k = 12 routes: it fits
+    assert ("nvfp4_moe_fc1_operand" in text) == (not fused)
+    assert ("nvfp4_moe_routing_operand" in text) == fused
+    sk = config is None or config.scales == "kernel"  # the default (auto: default_config's)
+    rk = config is not None and config.routing == "kernel"
+    assert ("nvfp4_moe_scales" in text) == (sk and not rk and not fused)
     assert ("nvfp4_moe_routing_scales" in text) == (sk and rk)
     for glue in ("nvfp4_moe_fc1_epilogue", "nvfp4_moe_combine"):  # only with FC2 on Mosaic
         assert (glue in text) == on2
@@ -203,6 +207,11 @@ SPLIT = MosaicMoEConfig(block_m=16, fc1=MosaicConfig(block_n=64, split_k=2, num_
     ("routing_scales_kernel_relu2_b12x", "b12x", "relu2", "up_gate",
      {"t": 5, "h": 256, "inter": 256, "e": 8, "k": 3, "routing": "skewed"},
      MosaicMoEConfig(block_m=8, scales="kernel", routing="kernel")),
+    # the scale expressions in XLA (scales="xla", the default before session 10): both modes
+    ("xla_scales_relu2_trtllm", "trtllm_cutlass", "relu2", "up_gate", {"t": 9, "h": 512, "inter": 256, "e": 6, "k": 3},
+     MosaicMoEConfig(block_m=8, scales="xla")),
+    ("xla_scales_swiglu_b12x", "b12x", "swiglu", "gate_up", {"t": 7, "h": 256, "inter": 256, "e": 5, "k": 2},
+     MosaicMoEConfig(block_m=16, scales="xla", routing="kernel")),
     # ... and the FC1 operand from that launch too (routing="fused"): both modes, FC1 K over
     # two operand tiles (H = 4096), E4M3-subnormal block scales
     ("fused_routing_swiglu_b12x", "b12x", "swiglu", "gate_up",
@@ -537,9 +546,9 @@ def test_linear_scales_table_only_for_linear_weights(monkeypatch, caplog):
 def test_fused_routing_config_is_checked():
     """routing="fused" writes only the routed operand rows and computes the scales: a config
     without skip_padding or without the scales kernel is refused, naming the field."""
-    for kw in ({"scales": "kernel"}, {"skip_padding": True}):
+    for kw in ({}, {"scales": "xla", "skip_padding": True}):
         with pytest.raises(ValueError, match="^MosaicMoEConfig.routing: 'fused'"):
             MosaicMoEConfig(routing="fused", **kw)
     with pytest.raises(ValueError, match="^MosaicMoEConfig.routing: expected 'xla', 'kernel' or 'fused'"):
         MosaicMoEConfig(routing="triton")
-    assert MosaicMoEConfig(routing="fused", scales="kernel", skip_padding=True).routing == "fused"
+    assert MosaicMoEConfig(routing="fused", skip_padding=True).routing == "fused"

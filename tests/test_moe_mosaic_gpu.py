@@ -1,11 +1,11 @@
 """Mosaic GPU grouped-GEMM MoE (Hopper) at realistic layer widths vs the oracle (stage-wise
 derived bounds of test_moe_cases). Skipped without an sm_90 GPU.
 
-The scale expressions (``moe_scales``: G = 1/input_scale, the alphas) run in XLA, and so does
-the FC1 epilogue when FC2 falls back to Pallas-Triton: bit-exactness with the oracle there needs
-IEEE fp32 division, ``XLA_FLAGS=--xla_backend_extra_options=-nvptx-prec-divf32=2``
-(bench/run_gpu.sh sets it for the GPU tests); without it the module is skipped. (The glue
-kernels of ``moe/epilogue.py`` divide with ``div.rn.f32`` themselves.)
+Some cases run the scale expressions in XLA (``scales="xla"``; the default ``"kernel"`` divides
+with ``div.rn.f32`` itself, as the glue kernels of ``moe/epilogue.py`` do), and so does the FC1
+epilogue when FC2 falls back to Pallas-Triton: bit-exactness with the oracle there needs IEEE
+fp32 division, ``XLA_FLAGS=--xla_backend_extra_options=-nvptx-prec-divf32=2`` (bench/run_gpu.sh
+sets it for the GPU tests); without it the module is skipped.
 """
 
 from __future__ import annotations
@@ -94,6 +94,9 @@ def _run(case, *, mode, activation, order="up_gate", config=None, kernel="mosaic
      MosaicMoEConfig(block_m=8, scales="kernel", routing="kernel", skip_padding=True)),
     ("nemotron_scales_kernel_trtllm", "trtllm_cutlass", {**NEMO, "t": 5, "e": 24, "k": 6}, "up_gate",
      MosaicMoEConfig(block_m=8, scales="kernel")),
+    # the scale expressions in XLA (the default before session 10; IEEE with run_gpu.sh's flag)
+    ("nemotron_xla_scales_trtllm", "trtllm_cutlass", {**NEMO, "t": 5, "e": 24, "k": 6}, "up_gate",
+     MosaicMoEConfig(block_m=8, scales="xla")),
     # routing, scales and the FC1 operand in one launch (routing="fused"): both modes
     ("qwen_fused_routing_b12x", "b12x", {**QWEN, "t": 3, "e": 16, "k": 4}, "up_gate",
      MosaicMoEConfig(block_m=8, scales="kernel", routing="fused", skip_padding=True)),

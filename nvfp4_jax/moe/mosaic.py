@@ -128,15 +128,16 @@ class MosaicMoEConfig:
     (no rounding there) and for a split GEMM. H200 (session 9): passes the oracle tests; the
     default from ``BF16_PARTIALS_ROUTES`` routed rows on and in two ``AUTO_SM90`` entries,
     where it measured faster (nemotron T = 4096: -3.5 %, qwen3 T = 512: -5 %).
-    scales: "xla" (``xla.moe_scales`` and two reciprocals: ~8 small XLA fusions, their
-    divisions IEEE only with ``XLA_FLAGS=--xla_backend_extra_options=-nvptx-prec-divf32=2``)
-    or "kernel" (``epilogue.moe_scales_kernel``: one Pallas-Triton launch, ``div.rn.f32``
-    whatever the flags; with ``routing="kernel"`` the routing kernel's launch computes them).
-    The same values. Opt-in: bit for bit against the oracle on the CPU (interpret mode) and
-    the layer against the oracle on the H200 (session 10), where the in-graph probe saw no
-    gain (-0.3..+0.5 us at T <= 8): that harness shared one set of global scales between
-    its layers, so XLA computed the XLA version once outside the timed loop (bench/NOTES-moe.md,
-    session 10; fixed in the harness, not yet re-measured).
+    scales: "kernel" (the default: ``epilogue.moe_scales_kernel``, one Pallas-Triton launch,
+    ``div.rn.f32`` whatever XLA's flags; with ``routing="kernel"`` the routing kernel's launch
+    computes them) or "xla" (``xla.moe_scales`` and two reciprocals: 11-14 small XLA fusions
+    of ~1-1.5 us each on the H200 (session 7's profile), their divisions IEEE only with
+    ``XLA_FLAGS=--xla_backend_extra_options=-nvptx-prec-divf32=2``). The same values with that
+    flag. The scales depend only on the global scales, so a benchmark that feeds every layer
+    the same ones lets XLA compute the "xla" version once for all of them (the MoE harness
+    did until session 10, and measured no difference); a model's layers each pay it. The
+    kernel passes the oracle tests on the H200 (session 10); default since session 10 for
+    the IEEE divisions and the launch count, not yet timed under the fixed harness.
     """
 
     block_m: int = 8
@@ -146,7 +147,7 @@ class MosaicMoEConfig:
     routing: str = "xla"
     skip_padding: bool = False
     bf16_partials: bool = False
-    scales: str = "xla"
+    scales: str = "kernel"
 
     def __post_init__(self) -> None:
         for name in ("skip_padding", "bf16_partials"):

@@ -25,7 +25,8 @@ K step reads half past the end of the codes and x (TMA fills zeros). Other K kee
 Pallas-Triton kernel (``moe_mosaic`` logs it).
 
 ``moe_mosaic`` is the routed MoE layer on top: block routing (``routing.block_routing``, sort-
-free at decode sizes), then five launches (``epilogue.py``): the FC1 operand (gather, quantize,
+free at decode sizes; or ``epilogue.routing_kernel``), the scales (``epilogue.moe_scales_kernel``,
+or inside the routing kernel's launch), then five launches (``epilogue.py``): the FC1 operand (gather, quantize,
 K permutation; Pallas-Triton), FC1 (this kernel), the FC1 epilogue (split-K sum, ``* alpha1[e]``,
 trtllm_cutlass bf16 rounding, activation, bf16 ``h``, requantization with ``G2[e]``, K
 permutation; Pallas-Triton), FC2 (this kernel), the combine (``* alpha2[e]``, bf16 in

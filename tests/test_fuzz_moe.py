@@ -50,19 +50,24 @@ def test_jax_moe_within_bound(p, mode):
 
 @settings(max_examples=200 if DEEP else 12, deadline=None)
 @given(nst.moe_problems(num_tokens=5, hidden_size=256, intermediate_size=128, num_experts=4, top_k=2),
-       st.sampled_from(["trtllm_cutlass", "b12x"]))
-def test_jax_moe_mosaic_path_within_bound(p, mode):
-    """The Mosaic path's dataflow on CPU: its Pallas-Triton glue kernels (FC1 operand, FC1
-    epilogue, combine) in interpret mode around the XLA emulation of the grouped GEMM (FC2 with
-    whole-K scales: I = 128)."""
+       st.sampled_from(["trtllm_cutlass", "b12x"]), st.sampled_from([None, "fused"]))
+def test_jax_moe_mosaic_path_within_bound(p, mode, routing):
+    """The Mosaic path's dataflow on CPU: its Pallas-Triton glue kernels (scales, FC1 operand,
+    FC1 epilogue, combine) in interpret mode around the XLA emulation of the grouped GEMM (FC2
+    with whole-K scales: I = 128); ``routing="fused"``: routing, scales and the FC1 operand
+    from one kernel."""
+    from nvfp4_jax.moe.mosaic import MosaicMoEConfig
+
+    config = None if routing is None else MosaicMoEConfig(block_m=8, routing=routing, skip_padding=True)
     out = nvfp4_jax.moe(
         jnp.asarray(p.hidden, jnp.bfloat16), fc1=nvfp4_jax.from_oracle(p.fc1),
         fc2=nvfp4_jax.from_oracle(p.fc2), fc1_input_scale=jnp.asarray(p.fc1_input_scale, jnp.float32),
         fc2_input_scale=jnp.asarray(p.fc2_input_scale, jnp.float32), topk_ids=jnp.asarray(p.topk_ids),
         topk_weights=jnp.asarray(p.topk_weights), activation=p.activation,
-        gate_up_order=p.gate_up_order, mode=mode, backend="pallas", kernel="mosaic", interpret=True)
+        gate_up_order=p.gate_up_order, mode=mode, backend="pallas", kernel="mosaic", interpret=True,
+        config=config)
     assert_moe_close(np.asarray(out.astype(jnp.float32)), *p.args(), **p.kwargs(), mode=mode,
-                     label=f"nvfp4_jax.moe mosaic (interpret) {mode}")
+                     label=f"nvfp4_jax.moe mosaic (interpret) {mode} routing {routing}")
 
 
 @settings(max_examples=1000 if DEEP else 60)

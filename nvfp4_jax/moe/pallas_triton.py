@@ -3,6 +3,7 @@
 Dataflow (shapes: T tokens, k routes each, N = T*k, E experts, H hidden, I intermediate,
 R = I or 2I, EM = BM * max_blocks sorted rows, see routing.py):
 
+0. Pallas-Triton: the encode scales and alphas (``epilogue.moe_scales_kernel``, one program).
 1. XLA: ``block_routing`` (routes sorted by expert, padded to BM-row blocks, one expert per
    block); FC1 input quantized with the mode's recipe as ``q * sf`` bf16 values (exact),
    gathered into sorted order and split into even/odd K columns ``x_even, x_odd [EM, H/2]``.
@@ -49,7 +50,7 @@ from ..quantize import NVFP4Array
 from ..quantize import _div as _ieee_div
 from .configs import Config, MoEConfig, default_config
 from .routing import block_routing
-from .xla import moe_scales, recipe_of, sorted_rows
+from .xla import recipe_of, sorted_rows
 
 log = logging.getLogger(__name__)
 
@@ -386,9 +387,13 @@ def moe_pallas(
     exact_asm = not interpret
     recipe = recipe_of(mode)
 
-    g1, g2, a1, a2 = moe_scales(fc1.decode_scale, fc2.decode_scale, fc1_input_scale,
-                                fc2_input_scale, mode, activation_scale)
-    rg2 = _ieee_div(1.0, g2)  # the trtllm recipe's 1/G, IEEE
+    # the encode scales, alphas and 1/G2 (the trtllm recipe's) from one launch with IEEE
+    # divisions (``epilogue.moe_scales_kernel``; in XLA they were 11-14 small fusions per layer)
+    from .epilogue import moe_scales_kernel
+
+    g1, _, a1, g2, rg2, a2 = moe_scales_kernel(
+        fc1.decode_scale, fc2.decode_scale, fc1_input_scale, fc2_input_scale, num_experts=e,
+        mode=mode, activation_scale=activation_scale, interpret=interpret)
     br = block_routing(topk_ids, e, bm)
     em = br.sorted_route.shape[0]
     nb = em // bm

@@ -31,7 +31,7 @@ launch that touches only the blocks below ``num_blocks``:
   oracle tests on the H200 (session 10).
 * :func:`routing_operand_kernel` (opt-in, ``MosaicMoEConfig.routing="fused"``): routing,
   scales and the FC1 operand's routed rows in one launch; ptxas (pip Triton 3.6, sm_90, 8
-  warps): qwen3 T = 1 40 registers, T = 8 234, no spills, only ``div.rn.f32`` divisions.
+  warps): qwen3 T = 1 40 registers, T = 8 128, no spills, only ``div.rn.f32`` divisions.
   Not yet run on a GPU.
 
 The arithmetic is the XLA epilogue's (``mosaic.moe_mosaic`` before; ``xla.py``), op for op;
@@ -347,10 +347,10 @@ def _route_positions(ids_ref, *, n: int, num_experts: int, block_m: int):
     return j, valid, pos, padded, pad_end, ep
 
 
-def _routing_kernel(ids_ref, sorted_ref, be_ref, nb_ref, pos_ref, *, n: int, num_experts: int,
-                    block_m: int, nb: int, em: int, interpret: bool):
-    j, valid, pos, padded, pad_end, ep = _route_positions(ids_ref, n=n, num_experts=num_experts,
-                                                          block_m=block_m)
+def _store_routing(route, sorted_ref, be_ref, nb_ref, pos_ref, *, n: int, num_experts: int,
+                   block_m: int, nb: int, em: int, interpret: bool):
+    """Stores the routing ``route`` (``_route_positions``'s values) as ``BlockRouting``'s arrays."""
+    j, valid, pos, padded, pad_end, ep = route
     emp, nbp = _pow2(em), _pow2(nb)
     # masked lanes index out of range (not clamped): interpret mode drops them, and a clamped
     # duplicate index would race with the valid lane's store
@@ -368,6 +368,42 @@ def _routing_kernel(ids_ref, sorted_ref, be_ref, nb_ref, pos_ref, *, n: int, num
     plgpu.store(be_ref.at[bi], bexp, mask=bi < nb)
     total = jnp.sum(padded) // block_m
     plgpu.store(nb_ref.at[lax.broadcasted_iota(jnp.int32, (1,), 0)], jnp.full((1,), total, jnp.int32))
+
+
+def _routing_kernel(ids_ref, sorted_ref, be_ref, nb_ref, pos_ref, *, n: int, num_experts: int,
+                    block_m: int, nb: int, em: int, interpret: bool):
+    route = _route_positions(ids_ref, n=n, num_experts=num_experts, block_m=block_m)
+    _store_routing(route, sorted_ref, be_ref, nb_ref, pos_ref, n=n, num_experts=num_experts,
+                   block_m=block_m, nb=nb, em=em, interpret=interpret)
+
+
+def _routing_plan(topk_ids: jax.Array, num_experts: int, block_m: int, interpret: bool):
+    """(flat int32 routes, the routing kernels' static arguments, their four int32 outputs'
+    shapes) for a routing ``routing_kernel_fits`` takes; ValueError naming topk_ids if not."""
+    from .routing import max_blocks
+
+    flat = topk_ids.reshape(-1).astype(jnp.int32)
+    n = flat.shape[0]
+    if not routing_kernel_fits(n, num_experts, block_m):
+        raise ValueError(f"topk_ids: {n} routes over {num_experts} experts are too many for the "
+                         f"one-program routing kernel (routing_kernel_fits); use block_routing")
+    nb = max_blocks(n, num_experts, block_m)
+    em = nb * block_m
+    i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)
+    kw = {"n": n, "num_experts": num_experts, "block_m": block_m, "nb": nb, "em": em,
+          "interpret": interpret}
+    return flat, kw, (i32(em), i32(nb), i32(1), i32(n))
+
+
+def _scales_plan(scales: tuple, num_experts: int, interpret: bool):
+    """``(fc1_weight_scale_2, fc2_weight_scale_2, fc1_input_scale, fc2_input_scale, mode,
+    activation_scale)`` -> (the four validated operands, ``_scale_values``' static arguments,
+    the six fp32 [E] outputs' shapes)."""
+    *vecs, mode, activation_scale = scales
+    kw = {"e": num_experts, "activation_scale": activation_scale, "mode": mode,
+          "exact_asm": not interpret}
+    f32 = jax.ShapeDtypeStruct((num_experts,), jnp.float32)
+    return _scale_operands(vecs, num_experts), kw, (f32,) * 6
 
 
 def routing_kernel_fits(n_routes: int, num_experts: int, block_m: int) -> bool:
@@ -390,34 +426,21 @@ def routing_kernel(topk_ids: jax.Array, num_experts: int, block_m: int, *,
     fc2_input_scale, mode, activation_scale)``: the same program also computes
     ``moe_scales_kernel``'s six vectors (one launch for both), returned after the routing:
     ``(BlockRouting, (g1, 1/g1, alpha1, g2, 1/g2, alpha2))``."""
-    from .routing import BlockRouting, max_blocks
+    from .routing import BlockRouting
 
-    flat = topk_ids.reshape(-1).astype(jnp.int32)
-    n = flat.shape[0]
-    if not routing_kernel_fits(n, num_experts, block_m):
-        raise ValueError(f"topk_ids: {n} routes over {num_experts} experts are too many for the "
-                         f"one-program routing kernel (routing_kernel_fits); use block_routing")
-    nb = max_blocks(n, num_experts, block_m)
-    em = nb * block_m
-    kern = functools.partial(_routing_kernel, n=n, num_experts=num_experts, block_m=block_m,
-                             nb=nb, em=em, interpret=interpret)
-    i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)
-    outs = (i32(em), i32(nb), i32(1), i32(n))
+    flat, rkw, outs = _routing_plan(topk_ids, num_experts, block_m, interpret)
+    kern = functools.partial(_routing_kernel, **rkw)
     if scales is None:
         srt, be, nbk, pos = _call(kern, outs, (1,), num_warps=4, name="nvfp4_moe_routing",
                                   interpret=interpret)(flat)
         return BlockRouting(srt, be, nbk, pos)
-    *vecs, mode, activation_scale = scales
-    ops = _scale_operands(vecs, num_experts)
-    skern = functools.partial(_scales_kernel, e=num_experts, activation_scale=activation_scale,
-                              mode=mode, exact_asm=not interpret)
+    ops, skw, souts = _scales_plan(scales, num_experts, interpret)
 
     def both(ids_ref, w1_ref, w2_ref, s1_ref, s2_ref, srt_ref, be_ref, nb_ref, pos_ref, *scale_refs):
-        skern(w1_ref, w2_ref, s1_ref, s2_ref, *scale_refs)
+        _scales_kernel(w1_ref, w2_ref, s1_ref, s2_ref, *scale_refs, **skw)
         kern(ids_ref, srt_ref, be_ref, nb_ref, pos_ref)
 
-    f32 = jax.ShapeDtypeStruct((num_experts,), jnp.float32)
-    srt, be, nbk, pos, *sv = _call(both, (*outs, *(f32,) * 6), (1,), num_warps=4,
+    srt, be, nbk, pos, *sv = _call(both, (*outs, *souts), (1,), num_warps=4,
                                    name="nvfp4_moe_routing_scales", interpret=interpret)(flat, *ops)
     return BlockRouting(srt, be, nbk, pos), tuple(sv)
 
@@ -427,18 +450,18 @@ def _routing_operand_kernel(ids_ref, w1_ref, w2_ref, s1_ref, s2_ref, x_ref, srt_
                             recipe: str, per_expert: bool, exact_asm: bool):
     scale_refs, xp_ref = rest[:6], rest[6]
     r, kt = pl.program_id(0), pl.program_id(1)
+    # every program computes the routing and the scales (a few thousand register ops; no
+    # second launch, no wait for another program's stores); program (0, 0) also stores them
+    route = _route_positions(ids_ref, **{k: routing_kw[k] for k in ("n", "num_experts", "block_m")})
+    je, evalid, vals = _scale_values(w1_ref, w2_ref, s1_ref, s2_ref, **scales_kw)
 
     @pl.when((r == 0) & (kt == 0))
-    def _():  # one program stores the routing and the scales
-        _routing_kernel(ids_ref, srt_ref, be_ref, nb_ref, pos_ref, **routing_kw)
-        _scales_kernel(w1_ref, w2_ref, s1_ref, s2_ref, *scale_refs, **scales_kw)
+    def _():
+        _store_routing(route, srt_ref, be_ref, nb_ref, pos_ref, **routing_kw)
+        _store_scales(je, evalid, vals, scale_refs)
 
-    # every program: its route's row and encode scale, recomputed from the same operands (a
-    # few thousand register ops; no second launch, no wait for program 0's stores)
-    kw = {k: routing_kw[k] for k in ("n", "num_experts", "block_m")}
-    j, _, pos, *_ = _route_positions(ids_ref, **kw)
-    row = jnp.sum(jnp.where(j == r, pos, 0))
-    je, _, vals = _scale_values(w1_ref, w2_ref, s1_ref, s2_ref, **scales_kw)
+    j, pos = route[0], route[2]
+    row = jnp.sum(jnp.where(j == r, pos, 0))  # this program's route's sorted row
     ex = plgpu.load(ids_ref.at[r]) if per_expert else 0
     g, rg = (jnp.sum(jnp.where(je == ex, v, 0.0)) for v in vals[:2])  # one lane each: exact
     x = plgpu.load(x_ref.at[r // top_k, pl.ds(kt * bk, bk)]).astype(jnp.float32)
@@ -459,35 +482,22 @@ def routing_operand_kernel(topk_ids: jax.Array, hidden: jax.Array, num_experts: 
     fc2_weight_scale_2, fc1_input_scale, fc2_input_scale, mode, activation_scale)``; recipe:
     the FC1 operand's quantization recipe. Returns ``(BlockRouting, (g1, 1/g1, alpha1, g2,
     1/g2, alpha2), xp bf16 [EM, H])``."""
-    from .routing import BlockRouting, max_blocks
+    from .routing import BlockRouting
 
     t, h = hidden.shape
     if h % 256:
         raise ValueError(f"hidden: expected [T, H] with H % 256 == 0 (the grouped kernel's K), got {hidden.shape}")
     if topk_ids.ndim != 2 or topk_ids.shape[0] != t:
         raise ValueError(f"topk_ids: expected [T, k] with T = {t} (hidden's rows), got {topk_ids.shape}")
-    flat = topk_ids.reshape(-1).astype(jnp.int32)
-    n, top_k = flat.shape[0], topk_ids.shape[1]
-    if not routing_kernel_fits(n, num_experts, block_m):
-        raise ValueError(f"topk_ids: {n} routes over {num_experts} experts are too many for the "
-                         f"one-program routing (routing_kernel_fits); use block_routing")
-    nb = max_blocks(n, num_experts, block_m)
-    em = nb * block_m
-    *vecs, mode, activation_scale = scales
-    ops = _scale_operands(vecs, num_experts)
+    flat, rkw, outs = _routing_plan(topk_ids, num_experts, block_m, interpret)
+    ops, skw, souts = _scales_plan(scales, num_experts, interpret)
     bk = _row_tile(h)
     kern = functools.partial(
-        _routing_operand_kernel, top_k=top_k, bk=bk, recipe=recipe,
-        per_expert=activation_scale == "per_expert", exact_asm=not interpret,
-        routing_kw={"n": n, "num_experts": num_experts, "block_m": block_m, "nb": nb, "em": em,
-                    "interpret": interpret},
-        scales_kw={"e": num_experts, "activation_scale": activation_scale, "mode": mode,
-                   "exact_asm": not interpret})
-    i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)
-    f32 = jax.ShapeDtypeStruct((num_experts,), jnp.float32)
-    outs = (i32(em), i32(nb), i32(1), i32(n), *(f32,) * 6, jax.ShapeDtypeStruct((em, h), jnp.bfloat16))
-    srt, be, nbk, pos, *sv, xp = _call(kern, outs, (n, h // bk), num_warps=8,
-                                       name="nvfp4_moe_routing_operand", interpret=interpret)(
+        _routing_operand_kernel, routing_kw=rkw, scales_kw=skw, top_k=topk_ids.shape[1], bk=bk,
+        recipe=recipe, per_expert=scales[-1] == "per_expert", exact_asm=not interpret)
+    srt, be, nbk, pos, *sv, xp = _call(
+        kern, (*outs, *souts, jax.ShapeDtypeStruct((rkw["em"], h), jnp.bfloat16)),
+        (rkw["n"], h // bk), num_warps=8, name="nvfp4_moe_routing_operand", interpret=interpret)(
         flat, *ops, hidden)
     return BlockRouting(srt, be, nbk, pos), tuple(sv), xp
 
@@ -524,14 +534,18 @@ def _scale_values(w1_ref, w2_ref, s1_ref, s2_ref, *, e: int, activation_scale: s
     return j, valid, vals
 
 
-def _scales_kernel(w1_ref, w2_ref, s1_ref, s2_ref, *out_refs, e: int, activation_scale: str,
-                   mode: str, exact_asm: bool):
-    j, valid, vals = _scale_values(w1_ref, w2_ref, s1_ref, s2_ref, e=e,
-                                   activation_scale=activation_scale, mode=mode, exact_asm=exact_asm)
+def _store_scales(j, valid, vals, out_refs) -> None:
+    """Stores ``_scale_values``' six vectors."""
     for ref, v in zip(out_refs, vals, strict=True):
         # masked lanes index past E (not clamped: a duplicate index would race with the valid
         # lane's store; interpret mode drops them)
         plgpu.store(ref.at[j], v, mask=valid)
+
+
+def _scales_kernel(w1_ref, w2_ref, s1_ref, s2_ref, *out_refs, e: int, activation_scale: str,
+                   mode: str, exact_asm: bool):
+    _store_scales(*_scale_values(w1_ref, w2_ref, s1_ref, s2_ref, e=e, activation_scale=activation_scale,
+                                 mode=mode, exact_asm=exact_asm), out_refs)
 
 
 def moe_scales_kernel(fc1_weight_scale_2: jax.Array, fc2_weight_scale_2: jax.Array,
@@ -542,13 +556,10 @@ def moe_scales_kernel(fc1_weight_scale_2: jax.Array, fc2_weight_scale_2: jax.Arr
     whatever XLA's division flags). Operands: fp32 [E] or scalars (one value for every
     expert). Returns fp32 [E] each: ``(g1, 1/g1, alpha1, g2, 1/g2, alpha2)``, bit for bit the
     expressions of ``oracle.moe_scales``."""
-    e = num_experts
-    ops = _scale_operands((fc1_weight_scale_2, fc2_weight_scale_2, fc1_input_scale, fc2_input_scale), e)
-    kern = functools.partial(_scales_kernel, e=e, activation_scale=activation_scale, mode=mode,
-                             exact_asm=not interpret)
-    f32 = jax.ShapeDtypeStruct((e,), jnp.float32)
-    return _call(kern, (f32,) * 6, (1,), num_warps=4, name="nvfp4_moe_scales",
-                 interpret=interpret)(*ops)
+    ops, kw, outs = _scales_plan((fc1_weight_scale_2, fc2_weight_scale_2, fc1_input_scale,
+                                  fc2_input_scale, mode, activation_scale), num_experts, interpret)
+    return _call(functools.partial(_scales_kernel, **kw), outs, (1,), num_warps=4,
+                 name="nvfp4_moe_scales", interpret=interpret)(*ops)
 
 
 def _scale_operands(vecs, e: int) -> list:

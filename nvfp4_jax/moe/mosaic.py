@@ -602,15 +602,15 @@ def moe_mosaic(
     recipe = recipe_of(mode)
 
     scale_args = (fc1.decode_scale, fc2.decode_scale, fc1_input_scale, fc2_input_scale)
+    scale_spec = (*scale_args, mode, activation_scale)  # the scale kernels' ``scales``
     sv = None  # (g1, 1/g1, alpha1, g2, 1/g2, alpha2)
     xp = None  # the FC1 operand, when the routing kernel writes it too ("fused")
     if config.routing != "xla" and routing_kernel_fits(n_routes, e, bm):
         if config.routing == "fused":  # routing, scales and the FC1 operand in one launch
-            br, sv, xp = routing_operand_kernel(topk_ids, hidden, e, bm, (*scale_args, mode, activation_scale),
-                                                recipe=recipe, interpret=reference)
+            br, sv, xp = routing_operand_kernel(topk_ids, hidden, e, bm, scale_spec, recipe=recipe,
+                                                interpret=reference)
         elif config.scales == "kernel":  # both in one launch
-            br, sv = routing_kernel(topk_ids, e, bm, scales=(*scale_args, mode, activation_scale),
-                                    interpret=reference)
+            br, sv = routing_kernel(topk_ids, e, bm, scales=scale_spec, interpret=reference)
         else:
             br = routing_kernel(topk_ids, e, bm, interpret=reference)
     else:

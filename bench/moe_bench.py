@@ -146,27 +146,35 @@ def per_layer_scales(params, dep):
     return bump(fc1), bump(fc2), s1 + dep, s2 + dep
 
 
-def timed_loop(layer, refresh=None):
-    """Jitted ``n`` outer iterations of NROT layers each (n is a runtime value: one compile).
+def unrolled_layers(layer, refresh=None):
+    """``layers(x, ids, wts, params)``: NROT layers back to back, unrolled in Python (one
+    straight-line program), layer j on routing ``ids[j]``, each one's input the previous
+    one's output (``chain``). ``refresh(params, dep)``: the params each layer gets
+    (``per_layer_scales`` for the NVFP4 layers); ``dep`` is ``0 * x[0]`` of the layer's input."""
+    def layers(x, ids, wts, params):
+        for j in range(NROT):
+            p = params
+            if refresh is not None:
+                # a float "* 0" is not folded by XLA (NaN), so dep is a run-time value
+                p = refresh(params, x.reshape(-1)[0].astype(jnp.float32) * 0.0)
+            x = chain(x, layer(x, ids[j], wts[j], p))
+        return x
+    return layers
 
-    The NROT layers of an iteration are unrolled in Python (one straight-line program). An
-    inner ``fori_loop`` over them (the previous harness) cost ~8-16 us per layer at T = 1 on
-    the H200 (NOTES-moe.md); the outer loop's run-time trip count costs one host round trip
-    per iteration, i.e. per NROT layers. ``refresh(params, dep)``: the params each layer gets
-    (``per_layer_scales`` for the NVFP4 layers); ``dep`` is ``0 * x[0]`` of the layer's input.
+
+def timed_loop(layer, refresh=None):
+    """Jitted ``n`` outer iterations of ``unrolled_layers(layer, refresh)`` each (n is a
+    runtime value: one compile).
+
+    An inner ``fori_loop`` over the NROT layers (the previous harness) cost ~8-16 us per layer
+    at T = 1 on the H200 (NOTES-moe.md); the outer loop's run-time trip count costs one host
+    round trip per iteration, i.e. per NROT layers.
     """
+    layers = unrolled_layers(layer, refresh)
+
     @jax.jit
     def run(x, ids, wts, n, params):
-        def body(i, x):
-            for j in range(NROT):
-                p = params
-                if refresh is not None:
-                    # a float "* 0" is not folded by XLA (NaN), so dep is a run-time value
-                    p = refresh(params, x.reshape(-1)[0].astype(jnp.float32) * 0.0)
-                x = chain(x, layer(x, ids[j], wts[j], p))
-            return x
-
-        return jax.lax.fori_loop(0, n, body, x)
+        return jax.lax.fori_loop(0, n, lambda i, x: layers(x, ids, wts, params), x)
     return run
 
 

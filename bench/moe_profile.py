@@ -29,13 +29,13 @@ from moe_bench import (
     NROT,
     SHAPES,
     SMOKE,
-    chain,
     input_scales,
     make_hidden,
     make_routing,
     make_weights,
     nvfp4_layer,
     per_layer_scales,
+    unrolled_layers,
 )
 
 
@@ -95,13 +95,8 @@ def profile_case(sname: str, t: int, reps: int, hlo_path: str | None = None) -> 
     x0 = make_hidden(t, h)
     layer = nvfp4_layer(act, "pallas")
 
-    @jax.jit
-    def layers(x, ids, wts, p):
-        for j in range(NROT):  # unrolled: one call, one trace of NROT layers
-            # each layer its own run-time global scales, as in moe_bench's timed loop
-            pj = per_layer_scales(p, x.reshape(-1)[0].astype(jnp.float32) * 0.0)
-            x = chain(x, layer(x, ids[j], wts[j], pj))
-        return x
+    # one call, one trace of NROT layers, each with its own run-time global scales, as timed
+    layers = jax.jit(unrolled_layers(layer, per_layer_scales))
 
     p = (q1, q2, *input_scales(s))
     if hlo_path:  # the optimized HLO (which fusions, copies and custom calls a layer launches)

@@ -389,7 +389,7 @@ def moe_pallas(
 
     # the encode scales, alphas and 1/G2 (the trtllm recipe's) from one launch with IEEE
     # divisions (``epilogue.moe_scales_kernel``; in XLA they were 11-14 small fusions per layer)
-    from .epilogue import moe_scales_kernel
+    from .epilogue import moe_scales_kernel  # epilogue imports this module: a local import
 
     g1, _, a1, g2, rg2, a2 = moe_scales_kernel(
         fc1.decode_scale, fc2.decode_scale, fc1_input_scale, fc2_input_scale, num_experts=e,

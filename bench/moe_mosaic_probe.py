@@ -145,6 +145,9 @@ def named_config(name: str, base: MosaicMoEConfig, hidden: int, inter: int) -> M
             kw.pop("block_k", None)
         return _mc(c, **kw)
 
+    if top.get("scales") == "xla" and "routing" not in top and base.routing == "fused":
+        top["routing"] = "kernel"  # "fused" computes the scales itself: sx times the routing
+        # kernel with the scales in XLA (the closest layer that has them there)
     return dataclasses.replace(base, **top, fc1=apply(base.fc1, gemm["fc1"], hidden),
                                fc2=apply(base.fc2, gemm["fc2"], inter))
 

@@ -116,8 +116,9 @@ class MosaicMoEConfig:
     shape and "xla" is the default. "fused" (``epilogue.routing_operand_kernel``; needs
     ``scales="kernel"`` and ``skip_padding``): the routing, the scales and the FC1 operand in
     one launch instead of two, each program recomputing the small routing in registers. Bit for
-    bit the separate kernels (CPU, interpret mode); lowered, not yet run on a GPU (session
-    10). Predicted at qwen3 T <= 8: one launch (~2-3 us) less.
+    bit the separate kernels (CPU, interpret mode) and passes the oracle GPU tests; on the H200
+    (session 11) 2.0 / 2.5 us faster than "kernel" at qwen3 T = 1 / 8, so ``AUTO_SM90`` sets
+    it there.
     skip_padding: the FC1 operand and FC1 epilogue kernels leave the blocks' padding rows
     alone (no quantization, no reads of their partials, no writes; nothing downstream reads
     them) instead of processing whole blocks: at decode most block rows are padding (nemotron
@@ -212,16 +213,20 @@ AUTO_SM90: dict[tuple[int, int, int, int, int], MosaicMoEConfig] = {
     # only the routed rows there), so that entry keeps fp32 partials
     (*_NEMO, 2048): dataclasses.replace(_NEMO_CFG, bf16_partials=True),
     # qwen3-30B T = 1: 48.1 vs 51.9 us; routing kernel + skip_padding (session 8, same file):
-    # 32.0 vs 35.4 us (routing kernel alone 31.9, skip_padding alone 35.4)
+    # 32.0 vs 35.4 us (routing kernel alone 31.9, skip_padding alone 35.4). Routing, scales and
+    # FC1 operand in one launch (session 11, bench/results/moe-mosaic-probe-round10-h200.json,
+    # per-layer scales, median of 3 rounds, output bit-identical): 30.9 vs 32.9 us; the scales
+    # in XLA instead of the routing kernel's launch: 37.1
     (*_QWEN, 8): MosaicMoEConfig(block_m=8, fc1=MosaicConfig(block_n=128, split_k=2, num_stages=2),
                                  fc2=MosaicConfig(block_n=128, split_k=1, num_stages=2),
-                                 routing="kernel", skip_padding=True),
+                                 routing="fused", skip_padding=True),
     # qwen3-30B T = 8: 101.0 vs 143.7 us; routing kernel + skip_padding: 76.7 vs 79.1 us
     # (routing kernel alone 76.9, skip_padding alone 78.3); bf16 products (session 9, same
-    # file as the nemotron T = 64 entry): 75.1 vs 76.9
+    # file as the nemotron T = 64 entry): 75.1 vs 76.9. Fused routing (session 11, as T = 1):
+    # 74.1 vs 76.6 us (XLA scales 81.3)
     (*_QWEN, 64): MosaicMoEConfig(block_m=8, fc1=MosaicConfig(block_n=128, split_k=1, num_stages=2),
                                   fc2=MosaicConfig(block_n=128, split_k=1, num_stages=2),
-                                  routing="kernel", skip_padding=True, bf16_partials=True),
+                                  routing="fused", skip_padding=True, bf16_partials=True),
 }
 
 

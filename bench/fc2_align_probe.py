@@ -22,7 +22,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import gemm_bench as gb
-import jax
 import jax.numpy as jnp
 import numpy as np
 from run_meta import run_metadata

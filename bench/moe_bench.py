@@ -43,6 +43,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from run_meta import run_metadata
 
 import nvfp4_jax
+from nvfp4_jax.moe import pad_fc2
 from nvfp4_jax.moe.api import moe
 from nvfp4_jax.moe.xla import activate
 
@@ -231,6 +232,10 @@ def main():
                     help="nvfp4_moe's weight-stack scale layout (prepared once, outside the "
                          "timing, as TensorRT-LLM loads them; the Mosaic kernel reads swizzled "
                          "scales per K step)")
+    ap.add_argument("--pad-fc2", action="store_true",
+                    help="nvfp4_moe's FC2 stack zero-padded along K (nvfp4_jax.moe.pad_fc2, once, "
+                         "outside the timing; a no-op where I % 256 == 0); bytes and TB/s still "
+                         "count the unpadded weights")
     ap.add_argument("--budget-s", type=float, default=0.0,
                     help="after this many seconds only nvfp4_moe is measured (0: no limit)")
     args = ap.parse_args()
@@ -251,6 +256,9 @@ def main():
         p1, p2 = (q1, q2) if args.scale_layout == "linear" else (
             jax.block_until_ready(q1.with_layout(args.scale_layout)),
             jax.block_until_ready(q2.with_layout(args.scale_layout)))
+        padded = args.pad_fc2 and pad_fc2(p2).shape != p2.shape
+        if padded:
+            p2 = jax.block_until_ready(pad_fc2(p2))
         layers = {
             "nvfp4_moe": (nvfp4_layer(act, "pallas"), (p1, p2, s1, s2)),
             "dequant_ragged_dot": (nvfp4_layer(act, "xla"), (q1, q2, s1, s2)),
@@ -295,6 +303,8 @@ def main():
                                "tbps": tb / us / 1e6, "tflops": flops / us / 1e6, "layers_timed": n}
                     if impl != "bf16_ragged_dot":
                         rec["scale_layout"] = args.scale_layout if impl == "nvfp4_moe" else "linear"
+                    if impl == "nvfp4_moe" and padded:
+                        rec["fc2_padded"] = True  # K zero-padded to a multiple of 256
                     records.append(rec)
                     save(records, args.out)
                     print(f"{sname:9s} T={t:5d} {kind:6s} {impl:18s} {us:10.1f} us  "

@@ -3,7 +3,8 @@
 # Usage (device tool): NVFP4_COMMIT=<hash> STEPS="tests gemm moe ncu" bash bench/run_gpu.sh
 # Steps: tests gemm moe profile gprofile probe sweep ncu mncu. Each has its own timeout (T_TESTS, T_GEMM, T_MOE,
 # T_PROFILE, T_PROBE, T_NCU seconds; all GPU test modules take ~290 s); GEMM_SHAPES, GEMM_MS
-# and MOE_TOKENS narrow the benches (MOE_SCALE_LAYOUT=linear: ours on linear weight scales, kept
+# and MOE_TOKENS narrow the benches (MOE_PAD_FC2=1: ours on FC2 weights padded by moe.pad_fc2;
+# MOE_SCALE_LAYOUT=linear: ours on linear weight scales, kept
 # apart from the committed swizzled rows; bench/merge_results.py merges a partial run into the
 # committed JSON); everything lands
 # under $OUT (run.log plus each tool's JSON/PNG). Pass the commit: the device copy's .git is the session's base.
@@ -35,7 +36,7 @@ for s in $STEPS; do
       step "moe bench"
       timeout "$T_MOE" python3 bench/moe_bench.py --out "$OUT" --quick --budget-s $((T_MOE - 70)) \
         --tokens "${MOE_TOKENS:-1,8,64,512,4096}" --impls "${MOE_IMPLS:-nvfp4_moe,bf16_ragged_dot,dequant_ragged_dot}" \
-        --scale-layout "${MOE_SCALE_LAYOUT:-swizzled_128x4}" 2>&1 \
+        --scale-layout "${MOE_SCALE_LAYOUT:-swizzled_128x4}" ${MOE_PAD_FC2:+--pad-fc2} 2>&1 \
         | grep -v Warning | tail -40 | tee -a "$OUT/run.log" ;;
     profile)
       step "moe profile"

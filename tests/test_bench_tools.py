@@ -64,6 +64,9 @@ def test_probe_config_names():
     assert (sx.scales, sx.routing) == ("xla", "kernel")
     with pytest.raises(ValueError, match="unknown knob"):
         probe.named_config("fast", base, 2048, 768)
+    # pf: a weight knob (FC2 padded by moe.pad_fc2), not a config field
+    assert probe.weight_knobs("pf") == (True, "") and probe.weight_knobs("f2k2_pf") == (True, "f2k2")
+    assert probe.weight_knobs("fr_sk") == (False, "fr_sk")
 
 
 def _scale_divisions(text: str) -> tuple[int, int]:

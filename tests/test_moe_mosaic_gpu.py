@@ -195,3 +195,60 @@ def test_prefill_default_config_matches_oracle(monkeypatch, caplog):
         out, h = _run(case, mode="trtllm_cutlass", activation="relu2")
     assert "fc2: linear scales with K=2688 have no warp-specialized kernel" in caplog.text
     check_against_oracle(case, out, h, mode="trtllm_cutlass", activation="relu2")
+
+
+@pytest.mark.parametrize("layout,split", [("swizzled_128x4", 1), ("swizzled_128x4", 2),
+                                          ("linear", 1), ("linear", 3)])
+def test_grouped_kernel_padded_weights_equal_unpadded(layout, split):
+    """Nemotron's FC2 (K = 2688) on codes and scales zero-padded to K = 2816 (``pad_fc2``:
+    128-byte aligned rows) gives bit for bit the unpadded kernel's partials with the same K
+    split (11 steps; the unpadded kernel's half step reads past the end, where TMA fills
+    zeros). The unpadded reference for a linear split is the swizzled kernel (linear K = 2688
+    has whole-K scales and no split)."""
+    import nvfp4_jax
+    from nvfp4_jax.moe import pad_fc2
+    from nvfp4_jax.moe.mosaic import grouped_matmul
+
+    rng = np.random.default_rng(split)
+    e, n, k, mt, nb = 6, 1024, 2688, 8, 9
+    codes = jnp.asarray(rng.integers(0, 256, (e, n, k // 2), dtype=np.uint8))
+    scales = jnp.asarray(rng.integers(0x01, 0x7E, (e, n, k // 16), dtype=np.uint8))
+    w = nvfp4_jax.NVFP4Array.from_parts(codes, jax.lax.bitcast_convert_type(scales, jnp.float8_e4m3fn),
+                                        jnp.ones((e,), jnp.float32), shape=(e, n, k))
+    x = jnp.asarray(rng.standard_normal((nb * mt, k)), jnp.bfloat16)
+    be = jnp.asarray(rng.integers(0, e, nb), jnp.int32)
+    nbk = jnp.asarray([nb - 2], jnp.int32)  # the last two blocks are skipped
+    cfg = MosaicConfig(block_n=128, split_k=split, num_stages=2)
+    u8 = lambda s: jax.lax.bitcast_convert_type(s, jnp.uint8)
+
+    def run(wt, lay):
+        return jax.jit(lambda *a: grouped_matmul(*a, block_m=mt, config=cfg, scale_layout=lay))(
+            x, wt.codes, u8(wt.scales), be, nbk)
+
+    ref_lay = "swizzled_128x4" if split > 1 else layout
+    ref = np.asarray(run(w.with_layout(ref_lay), ref_lay))
+    got = np.asarray(run(pad_fc2(w.with_layout(layout)), layout))
+    assert got.shape == ref.shape and got.shape[0] == split
+    rows = (nb - 2) * mt
+    a, b = ref[:, :rows, :n], got[:, :rows, :n]
+    assert np.all(np.isfinite(a)) and np.count_nonzero(a) > a.size // 2
+    np.testing.assert_array_equal(b, a)
+
+
+@pytest.mark.parametrize("layout", ["linear", "swizzled_128x4"])
+def test_moe_mosaic_gpu_padded_fc2_matches_oracle(layout):
+    """The nemotron-width layer on FC2 weights padded by ``pad_fc2``, its default config and an
+    FC2 split over the 11 padded steps, against the oracle of the unpadded layer."""
+    from nvfp4_jax.moe import pad_fc2
+
+    case = make_case_fast(np.random.default_rng(12), **{**NEMO, "t": 5, "e": 12, "k": 6})
+    hidden, ids, w, fc1, fc2, s1, s2 = to_jax(case)
+    fc2p = pad_fc2(fc2.with_layout(layout))
+    assert fc2p.shape[2] == 2816
+    for cfg in (None, MosaicMoEConfig(block_m=8, fc2=MosaicConfig(block_n=128, split_k=2, num_stages=2))):
+        fn = functools.partial(moe_pallas, activation="relu2", gate_up_order="up_gate", mode="trtllm_cutlass",
+                               activation_scale="scalar", kernel="mosaic", return_intermediates=True,
+                               config=cfg)
+        out, inter = jax.jit(fn)(hidden, ids, w, fc1.with_layout(layout), fc2p, s1, s2)
+        f = lambda a: np.asarray(a.astype(jnp.float32), np.float64)
+        check_against_oracle(case, f(out), f(inter["h"]), mode="trtllm_cutlass", activation="relu2")

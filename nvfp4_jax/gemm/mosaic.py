@@ -382,14 +382,17 @@ def _decode_fn(block_n: int, g: int, block_k: int = BLOCK_K, scale_stride: int |
 # ----------------------------------------------------------------------------- kernel
 
 
-def check_config(cfg: MosaicConfig, k: int, m_tile: int, *, swizzled: bool = False) -> int:
+def check_config(cfg: MosaicConfig, k: int, m_tile: int, *, swizzled: bool = False,
+                 padded: bool = False) -> int:
     """Raise ValueError naming ``config`` if ``cfg`` cannot run with this K and token tile
     (``block_k`` must divide K, or K % 256 == 128 with block_k 256: whole-K scales; the CTA's
     shared memory must fit). Returns the split-K actually used: the largest divisor of the
     number of K steps not above ``cfg.split_k`` (1 with whole-K scales). ``swizzled``:
     ``swizzled_128x4`` scales, read per step (block_n 128; no whole-K buffer); with
     K % 256 == 128 the (K + 128) / 256 steps then split unevenly (``split_steps``): the
-    largest split up to ``cfg.split_k`` that leaves no split empty."""
+    largest split up to ``cfg.split_k`` that leaves no split empty. ``padded``: K is the
+    weights' zero-padded K (the grouped kernel's x is narrower, its missing columns read as
+    zeros), whose K / block_k steps split unevenly the same way, whatever the scale layout."""
     if swizzled and cfg.block_n != 128:
         raise ValueError(f"config: swizzled_128x4 scales need block_n=128, got {cfg.block_n}")
     whole = k % BLOCK_K == 128
@@ -407,21 +410,22 @@ def check_config(cfg: MosaicConfig, k: int, m_tile: int, *, swizzled: bool = Fal
             f"config: {cfg} needs {smem} bytes of shared memory with a {m_tile}-row token tile, "
             f"more than the {SMEM_LIMIT} a CTA can have; use fewer stages or consumers, block_n 64 or block_k 256"
         )
-    if whole:
-        if not swizzled:
-            return 1
-        total = split_steps(k, BLOCK_K, 1)
-        return -(-total // split_steps(k, BLOCK_K, min(cfg.split_k, total)))
+    if whole and not swizzled:
+        return 1
+    if whole or padded:
+        total = split_steps(k, cfg.block_k, 1)
+        return -(-total // split_steps(k, cfg.block_k, min(cfg.split_k, total), padded=padded))
     steps = k // cfg.block_k
     return max(s for s in range(1, min(cfg.split_k, steps) + 1) if steps % s == 0)
 
 
-def split_steps(k: int, block_k: int, split: int) -> int:
-    """K steps per split-K CTA: K / block_k / split, or for K % 256 == 128 (swizzled scales,
-    block_k 256) ceil((K + 128) / 256 / split), the last split's range running past K (TMA
-    reads zeros there, for codes, scales and x alike)."""
+def split_steps(k: int, block_k: int, split: int, *, padded: bool = False) -> int:
+    """K steps per split-K CTA: K / block_k / split; for K % 256 == 128 (swizzled scales,
+    block_k 256) ceil((K + 128) / 256 / split), and for ``padded`` weights (``check_config``)
+    ceil(K / block_k / split): the last split's range running past K (TMA reads zeros there,
+    for codes, scales and x alike)."""
     if k % block_k == 0:
-        return k // block_k // split
+        return -(-(k // block_k) // split) if padded else k // block_k // split
     total = (k + BLOCK_K // 2) // BLOCK_K
     return -(-total // split)
 

@@ -10,6 +10,7 @@ from .configs import MoEConfig
 from .mosaic import MosaicMoEConfig
 from .pallas_triton import KERNELS
 from .routing import ROUTINGS, select_experts
+from .weights import padded_inter, unpad_fc2
 from .xla import ACTIVATION_SCALES, ACTIVATIONS, GATE_UP_ORDERS, MODES, moe_xla
 
 BACKENDS = ("auto", "pallas", "xla")
@@ -51,8 +52,11 @@ def _check(hidden, fc1, fc2, s1, s2, activation, gate_up_order, mode, backend, a
     inter = r // 2 if activation == "swiglu" else r
     if activation == "swiglu" and r % 2:
         raise ValueError(f"fc1: swiglu needs an even number of rows [up; gate], got {r}")
-    if fc2.shape != (e, h, inter):
-        raise ValueError(f"fc2: expected shape {(e, h, inter)} ([E, H, I] for {activation}), got {fc2.shape}")
+    if fc2.shape not in ((e, h, inter), (e, h, padded_inter(inter))):
+        padded = "" if padded_inter(inter) == inter else (
+            f", or {(e, h, padded_inter(inter))} zero-padded along K by moe.pad_fc2")
+        raise ValueError(f"fc2: expected shape {(e, h, inter)} ([E, H, I] for {activation}"
+                         f"{padded}), got {fc2.shape}")
     if inter % 32:
         raise ValueError(f"fc2: intermediate size must be a multiple of 32, got {inter}")
     for name, s in (("fc1_input_scale", s1), ("fc2_input_scale", s2)):
@@ -90,7 +94,10 @@ def moe(
 
     hidden: bf16 [T, H]. fc1: NVFP4Array [E, R, H] (R = I for relu2, 2I for swiglu: rows
     [up; gate] for ``gate_up_order="up_gate"`` (TRT-LLM/b12x), [gate; up] for "gate_up"
-    (vLLM)); decode_scale [E] = weight_scale_2. fc2: NVFP4Array [E, H, I]. fc1/fc2_input_scale:
+    (vLLM)); decode_scale [E] = weight_scale_2. fc2: NVFP4Array [E, H, I], or [E, H, Ip]
+    zero-padded along K to Ip = I rounded up to a multiple of 256 (``moe.pad_fc2``, done once
+    at load time: 128-byte aligned rows for the Mosaic kernel; the same layer; other kernels
+    slice it back on every call, logged). fc1/fc2_input_scale:
     float32 [E] ModelOpt input_scale (decode form). Routing: either ``router_logits`` [T, E]
     with ``top_k`` and ``routing`` ("softmax" or "sigmoid_bias", see
     ``routing.select_experts``), or ``topk_ids`` int [T, k] with ``topk_weights`` [T, k].
@@ -142,7 +149,8 @@ def moe(
     if backend == "auto":
         backend = "pallas" if _on_gpu() else "xla"
     if backend == "xla":
-        return moe_xla(hidden, topk_ids, topk_weights, fc1, fc2, s1, s2, **kw)
+        inter = fc1.shape[1] // 2 if activation == "swiglu" else fc1.shape[1]
+        return moe_xla(hidden, topk_ids, topk_weights, fc1, unpad_fc2(fc2, inter), s1, s2, **kw)
     from .pallas_triton import moe_pallas
 
     if interpret is None:

@@ -82,6 +82,7 @@ from .epilogue import (
     routing_operand_kernel,
 )
 from .routing import block_routing, max_blocks
+from .weights import unpad_fc2
 from .xla import activate, moe_scales, quantized_values, recipe_of, sorted_rows
 from .xla import bf16_round as _bf16_round
 
@@ -215,7 +216,7 @@ AUTO_SM90: dict[tuple[int, int, int, int, int], MosaicMoEConfig] = {
     # qwen3-30B T = 1: 48.1 vs 51.9 us; routing kernel + skip_padding (session 8, same file):
     # 32.0 vs 35.4 us (routing kernel alone 31.9, skip_padding alone 35.4). Routing, scales and
     # FC1 operand in one launch (session 11, bench/results/moe-mosaic-probe-round10-h200.json,
-    # per-layer scales, median of 3 rounds, output bit-identical): 30.9 vs 32.9 us; the scales
+    # per-layer scales, median of 3 rounds; passes the oracle GPU tests): 30.9 vs 32.9 us; the scales
     # in XLA instead of the routing kernel's launch: 37.1
     (*_QWEN, 8): MosaicMoEConfig(block_m=8, fc1=MosaicConfig(block_n=128, split_k=2, num_stages=2),
                                  fc2=MosaicConfig(block_n=128, split_k=1, num_stages=2),
@@ -235,7 +236,7 @@ AUTO_SM90: dict[tuple[int, int, int, int, int], MosaicMoEConfig] = {
 #: without a conversion to linear on every call.
 AUTO_SM90_LINEAR: dict[tuple[int, int, int, int, int], MosaicMoEConfig] = {
     # qwen3-30B T = 1, block_n 64 in both GEMMs (session 10,
-    # bench/results/moe-mosaic-probe-round9-sweep-h200.json, output bit-identical): 30.5 us
+    # bench/results/moe-mosaic-probe-round9-sweep-h200.json): 30.5 us
     # (FC2 alone 30.7; nine other variants 31.5-34.5) vs 32.2 for this entry's AUTO_SM90
     # config on linear scales and 31.5 on swizzled ones. The probe fed it swizzled weights,
     # converted to linear inside the timed loop (loop-invariant there, so hoisted or not, a
@@ -327,12 +328,12 @@ def check_supported(k: int, *, n: int = 2, name: str = "w") -> None:
 
 
 def _build(mt: int, nb: int, n: int, k: int, cfg: MosaicConfig, split: int, name: str,
-           swizzled: bool = False, scaled: bool = False):
+           swizzled: bool = False, scaled: bool = False, padded: bool = False):
     pl, _ = _pallas_mosaic_gpu()
     bn, nc = cfg.block_n, cfg.consumers
     rows = nc * bn  # weight rows per CTA (consumers > 1: warp-specialized, accumulate_tiles_ws)
     n_tiles = _cdiv(n, rows)
-    steps = split_steps(k, cfg.block_k, split)
+    steps = split_steps(k, cfg.block_k, split, padded=padded)
     ks = steps * cfg.block_k  # K per split (K % 256 == 128: the last split runs past K)
     # whole-K scales (split == 1, s_gmem is whole_k_scale_view's) unless swizzled (s_gmem is
     # swizzled_tile_view's [E, Np/128, Kp/2, 256]: per-step tiles for any K)
@@ -360,6 +361,9 @@ def _build(mt: int, nb: int, n: int, k: int, cfg: MosaicConfig, split: int, name
             def sources():
                 if swizzled and split == 1:  # whole rows (past K at K % 256 == 128: zeros)
                     return (c_gmem.at[e, pl.ds(n0, rows)], s_gmem.at[e, tiles],
+                            x_gmem.at[pl.ds(b * mt, mt)])
+                if padded and split == 1:  # whole rows; x is narrower than K (zeros past it)
+                    return (c_gmem.at[e, pl.ds(n0, rows)], s_gmem.at[e, pl.ds(n0, rows)],
                             x_gmem.at[pl.ds(b * mt, mt)])
                 if swizzled:  # the last split's range may run past K (dynamic start: zeros)
                     return (c_gmem.at[e, pl.ds(n0, rows), pl.ds(si * (ks // 2), ks // 2)],
@@ -396,8 +400,9 @@ def _build(mt: int, nb: int, n: int, k: int, cfg: MosaicConfig, split: int, name
     )
 
 
-def _reference(xp, codes, scales, block_expert, num_blocks, *, mt, n_pad, split):
-    """XLA emulation of the kernel (same inputs, same output layout and 2^-7 factor)."""
+def _reference(xp, codes, scales, block_expert, num_blocks, *, mt, n_pad, split, padded=False):
+    """XLA emulation of the kernel (same inputs, same output layout and 2^-7 factor; x as wide
+    as the codes' K: ``grouped_matmul`` pads it for ``padded`` weights)."""
     from .. import formats as F
 
     nbm, k = xp.shape
@@ -412,8 +417,9 @@ def _reference(xp, codes, scales, block_expert, num_blocks, *, mt, n_pad, split)
     wb = w[block_expert]  # [NB, N, K]
     xf = xp.astype(jnp.float32)
     kk = k
-    if k % (split * 128):  # uneven splits (swizzled, K % 256 == 128): K padded with zeros
-        kk = split_steps(k, BLOCK_K, split) * BLOCK_K * split
+    if k % (split * 128) or padded:  # uneven splits (swizzled K % 256 == 128, or padded
+        # weights): the kernel's split ranges, K padded with zeros to their end
+        kk = split_steps(k, BLOCK_K, split, padded=padded) * BLOCK_K * split
         xf = jnp.pad(xf, ((0, 0), (0, kk - k)))
         wb = jnp.pad(wb, ((0, 0), (0, 0), (0, kk - k)))
     xb = xf.reshape(nb, mt, split, kk // split)
@@ -451,7 +457,10 @@ def grouped_matmul(
     row m of block b, as x's rows): sum over axis 0, times
     ``POST_SCALE``, gives the accumulators; blocks ``b >= num_blocks`` and rows past N are
     garbage. K % 256 == 0, or K % 256 == 128 with N even (whole-K scales, split 1: the last
-    K step runs half past the end, where TMA reads zeros). ``reference``: XLA emulation (any
+    K step runs half past the end, where TMA reads zeros). Zero-padded weights: codes
+    [E, N, Kp/2] and scales for Kp = K rounded up to a multiple of 256 (``moe.pad_fc2``;
+    K % 128 == 0): 128-byte aligned code rows, x's missing columns read as zeros, the Kp / 256
+    steps split unevenly like K % 256 == 128's, in either scale layout. ``reference``: XLA emulation (any
     device), same layout. ``name``: suffix of the kernel's name (``nvfp4_moe_mosaic_<name>``:
     profiles tell FC1 from FC2).
     alpha: None, or fp32 [E]: the kernel multiplies each block's accumulator by
@@ -471,31 +480,34 @@ def grouped_matmul(
     if codes.ndim != 3 or codes.dtype != jnp.uint8:
         raise ValueError(f"codes: expected uint8 [E, N, K/2], got {codes.dtype} {codes.shape}")
     e, n, _ = codes.shape
-    if codes.shape[2] * 2 != k:
-        raise ValueError(f"codes: expected shape {(e, n, k // 2)} for K={k}, got {codes.shape}")
+    kc = codes.shape[2] * 2  # the weights' K: x's, or x's zero-padded to a multiple of 256
+    padded = kc != k
+    if padded and not (kc == _cdiv(k, BLOCK_K) * BLOCK_K and k % 128 == 0):
+        raise ValueError(f"codes: expected shape {(e, n, k // 2)} for K={k} (or, zero-padded "
+                         f"along K, {(e, n, _cdiv(k, BLOCK_K) * BLOCK_K // 2)}), got {codes.shape}")
     if scales.dtype not in (jnp.uint8, jnp.float8_e4m3fn):
         raise ValueError(f"scales: expected uint8 or float8_e4m3fn, got {scales.dtype}")
     if scale_layout not in ("linear", "swizzled_128x4"):
         raise ValueError(f"scale_layout: expected 'linear' or 'swizzled_128x4', got {scale_layout!r}")
     swizzled = scale_layout == "swizzled_128x4"
     if swizzled:
-        view = swizzled_tile_view(scales, n, k)  # validates the flat length
+        view = swizzled_tile_view(scales, n, kc)  # validates the flat length
         if view.shape[0] != e:
             raise ValueError(f"scales: expected {e} experts, got shape {scales.shape}")
-    elif scales.shape != (e, n, k // 16):
-        raise ValueError(f"scales: expected shape {(e, n, k // 16)}, got {scales.shape}")
+    elif scales.shape != (e, n, kc // 16):
+        raise ValueError(f"scales: expected shape {(e, n, kc // 16)}, got {scales.shape}")
     if block_expert.shape != (nb,) or not jnp.issubdtype(block_expert.dtype, jnp.integer):
         raise ValueError(f"block_expert: expected int32 [{nb}], got {block_expert.dtype} {block_expert.shape}")
     if num_blocks.shape != (1,) or not jnp.issubdtype(num_blocks.dtype, jnp.integer):
         raise ValueError(f"num_blocks: expected int32 [1], got {num_blocks.dtype} {num_blocks.shape}")
     if config is not None and not isinstance(config, MosaicConfig):
         raise ValueError(f"config: expected a MosaicConfig, got {type(config).__name__}")
-    check_supported(k, n=n, name="codes")
+    check_supported(kc, n=n, name="codes")
     cfg = config or MosaicConfig(block_n=128, split_k=1, num_stages=2)
     if cfg.bf16_store:
         raise ValueError("config: MosaicConfig.bf16_store is the dense kernel's; the grouped "
                          "kernel stores bf16 products through MosaicMoEConfig.bf16_partials")
-    split = check_config(cfg, k, block_m, swizzled=swizzled)
+    split = check_config(cfg, kc, block_m, swizzled=swizzled, padded=padded)
     if alpha is not None:
         if alpha.shape != (e,) or alpha.dtype != jnp.float32:
             raise ValueError(f"alpha: expected float32 [{e}], got {alpha.dtype} {alpha.shape}")
@@ -508,18 +520,21 @@ def grouped_matmul(
     nbk = num_blocks.astype(jnp.int32)
     n_pad = _cdiv(n, cfg.block_n * cfg.consumers) * cfg.block_n * cfg.consumers
     if reference:
-        lin = unswizzle(scales, n, k // 16, scale_layout) if swizzled else scales
-        part = _reference(x, codes, lin, be, nbk, mt=block_m, n_pad=n_pad, split=split)
+        lin = unswizzle(scales, n, kc // 16, scale_layout) if swizzled else scales
+        xk = jnp.pad(x, ((0, 0), (0, kc - k)))  # padded weights: x's missing columns are zeros
+        part = _reference(xk, codes, lin, be, nbk, mt=block_m, n_pad=n_pad, split=split,
+                          padded=padded)
         if alpha is None:
             return part
         a = jnp.repeat(alpha[be] * jnp.float32(POST_SCALE), block_m)[None, :, None]
         return (part * a).astype(jnp.bfloat16)
     if swizzled:
-        scales = swizzled_tile_view(scales, n, k)
-    elif k % BLOCK_K:  # whole-K scales: the kernel reads the pair-of-rows view
+        scales = swizzled_tile_view(scales, n, kc)
+    elif kc % BLOCK_K:  # whole-K scales: the kernel reads the pair-of-rows view
         scales = whole_k_scale_view(scales)
     operands = (be, nbk, x, codes, scales) + (() if alpha is None else (alpha,))
-    return _build(block_m, nb, n, k, cfg, split, name, swizzled, scaled=alpha is not None)(*operands)
+    return _build(block_m, nb, n, kc, cfg, split, name, swizzled, scaled=alpha is not None,
+                  padded=padded)(*operands)
 
 
 def _reads_swizzled(w: NVFP4Array, cfg: MosaicConfig) -> bool:
@@ -563,16 +578,24 @@ def moe_mosaic(
 
     Same arguments and semantics as ``pallas_triton.moe_pallas`` (validated by
     ``nvfp4_jax.moe``); needs H % 256 == 0 (FC1's K). FC2 runs on Pallas-Triton when I is not
-    a multiple of 256 and not 128 mod 256 (logged). ``reference=True``: the Mosaic kernels are
+    a multiple of 256 and not 128 mod 256 (logged). fc2 may be zero-padded along K
+    (``pad_fc2``): the grouped kernel reads its aligned rows as they are. ``reference=True``: the Mosaic kernels are
     replaced by their XLA emulation and the Pallas-Triton ones run in interpret mode (CPU tests).
     """
     from .pallas_triton import fc2_triton
 
     t, k = topk_ids.shape
     e, r, h_dim = fc1.shape
-    inter = fc2.shape[2]
+    inter = r // 2 if activation == "swiglu" else r
+    k2 = fc2.shape[2]  # inter, or zero-padded to a multiple of 256 (``pad_fc2``)
     n_routes = t * k
     on1, on2 = mosaic_plan(h_dim, inter, n1=r, n2=h_dim)
+    if k2 != inter:
+        # padded weights need no whole-K scales; the FC1 epilogue writes 128-column tiles
+        on2 = inter % 128 == 0
+        if not on2:
+            fc2 = unpad_fc2(fc2, inter)
+            k2 = inter
     if not on1:
         check_supported(h_dim, n=r, name="fc1")
     auto = config is None
@@ -593,7 +616,7 @@ def moe_mosaic(
         return dataclasses.replace(cfg, consumers=1)
 
     cfg1 = fit(config.fc1, fc1, h_dim, "fc1")
-    cfg2 = fit(config.fc2, fc2, inter, "fc2") if on2 else config.fc2
+    cfg2 = fit(config.fc2, fc2, k2, "fc2") if on2 else config.fc2
     bm = config.block_m
     if not on2:
         if bm < 16:
@@ -649,14 +672,15 @@ def moe_mosaic(
 
     s1u, lay1 = scales_u8(fc1, cfg1, "fc1")
 
-    def products(alpha: jax.Array, cfg: MosaicConfig, k_dim: int, lay: str, name: str):
+    def products(alpha: jax.Array, cfg: MosaicConfig, k_dim: int, lay: str, name: str,
+                 padded: bool = False):
         """alpha for a GEMM that stores bf16(alpha * acc) (``bf16_partials``), else None."""
         if not config.bf16_partials:
             return None
         if mode != "trtllm_cutlass":
             log.info("nvfp4_jax.moe: bf16_partials ignored in mode %s (fp32 partials)", mode)
             return None
-        split = check_config(cfg, k_dim, bm, swizzled=lay == "swizzled_128x4")
+        split = check_config(cfg, k_dim, bm, swizzled=lay == "swizzled_128x4", padded=padded)
         if split != 1:
             log.info("nvfp4_jax.moe: bf16_partials: %s runs split-K (%d), fp32 partials", name, split)
             return None
@@ -680,7 +704,7 @@ def moe_mosaic(
         s2u, lay2 = scales_u8(fc2, cfg2, "fc2")
         part2 = grouped_matmul(hvp, fc2.codes, s2u, *meta, block_m=bm, config=cfg2,
                                reference=reference, name="fc2", scale_layout=lay2,
-                               alpha=products(a2, cfg2, inter, lay2, "fc2"))
+                               alpha=products(a2, cfg2, k2, lay2, "fc2", padded=k2 != inter))
         out = combine(part2, br.route_pos, topk_ids, topk_weights, a2, hidden=h_dim,
                       mode=mode, interpret=reference)
     else:

@@ -50,6 +50,7 @@ from ..quantize import NVFP4Array
 from ..quantize import _div as _ieee_div
 from .configs import Config, MoEConfig, default_config
 from .routing import block_routing
+from .weights import unpad_fc2
 from .xla import recipe_of, sorted_rows
 
 log = logging.getLogger(__name__)
@@ -367,7 +368,7 @@ def moe_pallas(
     """
     t, k = topk_ids.shape
     e, _r, h_dim = fc1.shape
-    inter = fc2.shape[2]
+    inter = _r // 2 if activation == "swiglu" else _r
     n_routes = t * k
     if choose_kernel(kernel, config, routes=n_routes, hidden=h_dim, interpret=interpret) == "mosaic":
         from .mosaic import moe_mosaic
@@ -378,6 +379,7 @@ def moe_pallas(
                           fc2_input_scale, activation=activation, gate_up_order=gate_up_order,
                           mode=mode, activation_scale=activation_scale, config=config,
                           reference=interpret, return_intermediates=return_intermediates)
+    fc2 = unpad_fc2(fc2, inter)  # these kernels read K = I (a padded stack is sliced, logged)
     if config is None:
         config = default_config(n_routes, e, inter=inter, hidden=h_dim, gated=activation == "swiglu")
         if interpret:

@@ -238,12 +238,17 @@ def _numpy_block_routing(ids, e, bm):
 @pytest.mark.parametrize("t,k,e,bm,kind", [
     (1, 8, 128, 8, "random"), (8, 8, 128, 8, "random"), (1, 22, 512, 8, "random"),
     (5, 3, 7, 16, "random"), (9, 4, 16, 8, "skewed"), (6, 2, 5, 8, "one_expert"),
-    (2, 22, 512, 16, "random"),
+    (2, 22, 512, 16, "random"), (8, 22, 512, 8, "random"), (8, 22, 512, 8, "skewed"),
+    (23, 22, 512, 8, "one_expert"), (37, 3, 128, 16, "skewed"),
 ])
-def test_routing_kernel_is_the_block_routing(t, k, e, bm, kind):
-    """The one-launch routing kernel (interpret mode) gives exactly the numpy grouping and
-    exactly what the XLA ``block_routing`` gives: uneven groups, experts without tokens, all
-    tokens on one expert, E not a power of two."""
+@pytest.mark.parametrize("method", ["experts", "routes"])
+def test_routing_kernel_is_the_block_routing(t, k, e, bm, kind, method):
+    """The one-launch routing kernel (interpret mode), both methods where they fit, gives
+    exactly the numpy grouping and exactly what the XLA ``block_routing`` gives: uneven groups,
+    experts without tokens, all tokens on one expert (506 routes on three experts), E not a
+    power of two, nemotron T = 8 (176 routes over 512 experts: the routes method only)."""
+    if method not in ep.routing_methods(t * k, e, bm):
+        pytest.skip(f"{method} does not take {t * k} routes over {e} experts")
     rng = np.random.default_rng(t * 100 + k)
     ids = np.argsort(rng.random((t, e)), axis=1)[:, :k].astype(np.int32)
     if kind == "skewed":
@@ -252,7 +257,7 @@ def test_routing_kernel_is_the_block_routing(t, k, e, bm, kind):
         ids[:, 0] = 3  # every token's first route on expert 3, the others on experts 0 and 1
         ids[:, 1:] = ids[:, 1:] % 2
     assert ep.routing_kernel_fits(t * k, e, bm)
-    got = ep.routing_kernel(jnp.asarray(ids), e, bm, interpret=True)
+    got = ep.routing_kernel(jnp.asarray(ids), e, bm, interpret=True, method=method)
     want = _numpy_block_routing(ids, e, bm)
     xla = block_routing(jnp.asarray(ids), e, bm)
     for name, w in zip(("sorted_route", "block_expert", "num_blocks", "route_pos"), want):
@@ -280,21 +285,28 @@ def test_routing_kernel_with_scales(mode, act_scale):
 
 
 def test_routing_kernel_lowers_and_refuses_large_routings():
-    f = jax.jit(lambda ids: ep.routing_kernel(ids, 512, 8))
-    text = f.trace(jax.ShapeDtypeStruct((1, 22), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
-    assert "nvfp4_moe_routing" in text
-    assert not ep.routing_kernel_fits(8 * 22, 512, 8)  # nemotron T = 8: XLA routing
-    with pytest.raises(ValueError, match="^topk_ids: 176 routes over 512 experts"):
-        ep.routing_kernel(jnp.zeros((8, 22), jnp.int32), 512, 8, interpret=True)
+    for t in (1, 8):  # nemotron T = 1 and 8: the routes method
+        f = jax.jit(lambda ids: ep.routing_kernel(ids, 512, 8))
+        text = f.trace(jax.ShapeDtypeStruct((t, 22), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
+        assert "nvfp4_moe_routing" in text
+    assert ep.routing_methods(8 * 22, 512, 8) == ("routes",)
+    assert ep.routing_methods(8 * 8, 128, 8) == ("experts", "routes")  # qwen3 T = 8: as measured
+    assert not ep.routing_kernel_fits(64 * 22, 512, 8)  # nemotron T = 64: XLA routing
+    with pytest.raises(ValueError, match="^topk_ids: 1408 routes over 512 experts"):
+        ep.routing_kernel(jnp.zeros((64, 22), jnp.int32), 512, 8, interpret=True)
+    with pytest.raises(ValueError, match="^topk_ids: 176 routes over 512 experts .*experts method"):
+        ep.routing_kernel(jnp.zeros((8, 22), jnp.int32), 512, 8, interpret=True, method="experts")
 
 
-@pytest.mark.parametrize("mode,act_scale,x_mag,t,k,e,h", [
-    ("trtllm_cutlass", "scalar", 1.0, 3, 6, 24, 256),
-    ("b12x", "per_expert", 2.0**-8, 2, 8, 128, 512),
-    ("trtllm_cutlass", "scalar", 2.0**8, 1, 8, 128, 4096),  # two K tiles of 2048
-    ("b12x", "scalar", 2.0**-3, 5, 3, 7, 256),              # E not a power of two
+@pytest.mark.parametrize("mode,act_scale,x_mag,t,k,e,h,method", [
+    ("trtllm_cutlass", "scalar", 1.0, 3, 6, 24, 256, None),
+    ("b12x", "per_expert", 2.0**-8, 2, 8, 128, 512, None),
+    ("trtllm_cutlass", "scalar", 2.0**8, 1, 8, 128, 4096, None),  # two K tiles of 2048
+    ("b12x", "scalar", 2.0**-3, 5, 3, 7, 256, None),              # E not a power of two
+    ("b12x", "per_expert", 1.0, 3, 6, 24, 256, "routes"),
+    ("trtllm_cutlass", "scalar", 2.0**8, 2, 22, 512, 1024, None),  # nemotron: routes
 ])
-def test_routing_operand_kernel_is_the_two_kernels(mode, act_scale, x_mag, t, k, e, h):
+def test_routing_operand_kernel_is_the_two_kernels(mode, act_scale, x_mag, t, k, e, h, method):
     """routing="fused": routing, scales and the FC1 operand from one launch are bit for bit
     the routing kernel's (and numpy's grouping), the scales kernel's, and ``fc1_operand``'s
     routed rows with skip_padding (each checked against an independent reference above);
@@ -306,7 +318,7 @@ def test_routing_operand_kernel_is_the_two_kernels(mode, act_scale, x_mag, t, k,
     hidden = jnp.asarray(rng.standard_normal((t, h)) * x_mag, jnp.bfloat16)
     bm, recipe = 8, recipe_of(mode)
     br, sv, xp = ep.routing_operand_kernel(jnp.asarray(ids), hidden, e, bm, (*vecs, mode, act_scale),
-                                           recipe=recipe, interpret=True)
+                                           recipe=recipe, interpret=True, method=method)
     for name, w in zip(("sorted_route", "block_expert", "num_blocks", "route_pos"),
                        _numpy_block_routing(ids, e, bm)):
         np.testing.assert_array_equal(np.asarray(getattr(br, name)), w, err_msg=name)
@@ -335,9 +347,15 @@ def test_routing_operand_kernel_lowers_and_checks_operands():
     with pytest.raises(ValueError, match="^topk_ids: expected"):
         ep.routing_operand_kernel(jnp.zeros((2, 8), jnp.int32), jnp.zeros((1, 256), jnp.bfloat16), 128, 8,
                                   vecs, recipe="b12x", interpret=True)
-    with pytest.raises(ValueError, match="^topk_ids: 176 routes"):
-        ep.routing_operand_kernel(jnp.zeros((8, 22), jnp.int32), jnp.zeros((8, 1024), jnp.bfloat16), 512, 8,
+    with pytest.raises(ValueError, match="^topk_ids: 1408 routes"):  # nemotron T = 64
+        ep.routing_operand_kernel(jnp.zeros((64, 22), jnp.int32), jnp.zeros((64, 1024), jnp.bfloat16), 512, 8,
                                   vecs[:4] + ("trtllm_cutlass", "scalar"), recipe="trtllm", interpret=True)
+    # nemotron T = 8 (the routes method) lowers
+    v512 = (jnp.ones(512),) * 4 + ("trtllm_cutlass", "scalar")
+    f = jax.jit(lambda ids, x: ep.routing_operand_kernel(ids, x, 512, 8, v512, recipe="trtllm"))
+    text = f.trace(jax.ShapeDtypeStruct((8, 22), jnp.int32),
+                   jax.ShapeDtypeStruct((8, 1024), jnp.bfloat16)).lower(lowering_platforms=("cuda",)).as_text()
+    assert "nvfp4_moe_routing_operand" in text
 
 
 @pytest.mark.parametrize("activation,split", [("relu2", 1), ("swiglu", 2)])

@@ -552,3 +552,20 @@ def test_fused_routing_config_is_checked():
     with pytest.raises(ValueError, match="^MosaicMoEConfig.routing: expected 'xla', 'kernel' or 'fused'"):
         MosaicMoEConfig(routing="triton")
     assert MosaicMoEConfig(routing="fused", skip_padding=True).routing == "fused"
+
+
+@pytest.mark.parametrize("routing", ["kernel", "fused"])
+def test_moe_mosaic_dataflow_routes_method(routing, monkeypatch, caplog):
+    """The routing kernels' "routes" method (above 128 experts; forced here at 24 experts by
+    lowering ROUTING_EXPERTS_MAX) inside the layer, against the oracle; no fallback to XLA."""
+    from nvfp4_jax.moe import epilogue as ep
+
+    monkeypatch.setattr(ep, "ROUTING_EXPERTS_MAX", 8)
+    assert ep.routing_methods(9 * 3, 24, 8) == ("routes",)
+    case = make_case(np.random.default_rng(31), t=9, h=256, inter=384, e=24, k=3, activation="relu2",
+                     routing="skewed")
+    cfg = MosaicMoEConfig(block_m=8, routing=routing, skip_padding=True)
+    with caplog.at_level(logging.INFO, logger="nvfp4_jax.moe"):
+        out, h = _run(case, mode="trtllm_cutlass", activation="relu2", config=cfg)
+    assert "does not fit" not in caplog.text
+    check_against_oracle(case, out, h, mode="trtllm_cutlass", activation="relu2")

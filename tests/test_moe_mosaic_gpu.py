@@ -252,3 +252,53 @@ def test_moe_mosaic_gpu_padded_fc2_matches_oracle(layout):
         out, inter = jax.jit(fn)(hidden, ids, w, fc1.with_layout(layout), fc2p, s1, s2)
         f = lambda a: np.asarray(a.astype(jnp.float32), np.float64)
         check_against_oracle(case, f(out), f(inter["h"]), mode="trtllm_cutlass", activation="relu2")
+
+
+@pytest.mark.parametrize("t", [1, 8, 23])
+def test_routing_kernel_routes_method_on_gpu(t):
+    """The routing kernels' "routes" method (nemotron: 22 routes per token over 512 experts) on
+    the GPU: its CTA barriers and the read-back of the sorted order give exactly the XLA
+    ``block_routing``, alone, with the scales, and inside the fused launch (whose FC1 operand
+    rows are bit for bit ``fc1_operand``'s)."""
+    from nvfp4_jax.moe import epilogue as ep
+    from nvfp4_jax.moe.routing import block_routing
+
+    rng = np.random.default_rng(t)
+    e, k, bm, h = 512, 22, 8, 1024
+    assert ep.routing_methods(t * k, e, bm) == ("routes",)
+    ids = jnp.asarray(np.argsort(rng.random((t, e)), axis=1)[:, :k].astype(np.int32))
+    want = block_routing(ids, e, bm)
+    vecs = [jnp.asarray(np.exp2(rng.uniform(-12, 4, e)).astype(np.float32)) for _ in range(4)]
+    scales = (*vecs, "trtllm_cutlass", "scalar")
+    hidden = jnp.asarray(rng.standard_normal((t, h)) * 64, jnp.bfloat16)
+    got = jax.jit(lambda i: ep.routing_kernel(i, e, bm))(ids)
+    got_s, sv = jax.jit(lambda i: ep.routing_kernel(i, e, bm, scales=scales))(ids)
+    got_f, sv_f, xp = jax.jit(lambda i, x: ep.routing_operand_kernel(i, x, e, bm, scales, recipe="trtllm"))(
+        ids, hidden)
+    for br in (got, got_s, got_f):
+        for name in ("sorted_route", "block_expert", "num_blocks", "route_pos"):
+            np.testing.assert_array_equal(np.asarray(getattr(br, name)), np.asarray(getattr(want, name)),
+                                          err_msg=name)
+    for a, b in zip(sv, sv_f, strict=True):
+        np.testing.assert_array_equal(np.asarray(a).view(np.uint32), np.asarray(b).view(np.uint32))
+    ref = ep.fc1_operand(hidden, want.sorted_route, want.block_expert, want.num_blocks, sv[0], sv[1],
+                         top_k=k, block_m=bm, recipe="trtllm", per_expert=False, skip_padding=True)
+    live = np.asarray(want.route_pos)
+    a, b = np.asarray(xp, np.float32)[live], np.asarray(ref, np.float32)[live]
+    assert np.all(np.isfinite(a)) and np.count_nonzero(a) > a.size // 20
+    np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32))
+
+
+@pytest.mark.parametrize("routing", ["kernel", "fused"])
+def test_moe_mosaic_gpu_routes_method_matches_oracle(routing, monkeypatch):
+    """The layer with the "routes" routing method (taken above 128 experts; forced here at 24
+    by lowering ROUTING_EXPERTS_MAX) against the oracle, in the routing kernel's launch or
+    fused with the FC1 operand."""
+    from nvfp4_jax.moe import epilogue as ep
+
+    monkeypatch.setattr(ep, "ROUTING_EXPERTS_MAX", 8)
+    assert ep.routing_methods(8 * 6, 24, 8) == ("routes",)
+    case = make_case_fast(np.random.default_rng(24), **{**NEMO, "t": 8, "e": 24, "k": 6})
+    cfg = MosaicMoEConfig(block_m=8, routing=routing, skip_padding=True)
+    out, h = _run(case, mode="trtllm_cutlass", activation="relu2", config=cfg)
+    check_against_oracle(case, out, h, mode="trtllm_cutlass", activation="relu2")

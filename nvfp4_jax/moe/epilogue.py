@@ -322,9 +322,18 @@ def combine(part: jax.Array, route_pos: jax.Array, topk_ids: jax.Array, topk_wei
 
 # ----------------------------------------------------------------------------- routing
 
-#: ``routing_kernel`` handles routings whose [E, N] and [NB, E] compare tiles (powers of two)
-#: have at most this many elements (one program holds them in registers).
+#: The routing kernels' two methods. "experts" (``_route_positions``): per-expert counts, a
+#: cumsum over experts and ranks from one [E, N] one-hot tile, the block experts from an
+#: [NB, E] tile; for routings whose tiles (powers of two) have at most
+#: ROUTING_KERNEL_MAX_ELEMS elements and at most ROUTING_EXPERTS_MAX experts (qwen3's 128;
+#: with nemotron's 512 one such program took ~7 us more than the XLA routing at T = 1,
+#: session 8). "routes" (``_route_counts``): no expert dimension at all, every quantity from
+#: route-by-route compares in [N, ROUTE_CHUNK] tiles (O(N^2)), the block experts read back
+#: from the sorted order; for up to ROUTING_ROUTES_MAX routes (nemotron T = 8: 176).
 ROUTING_KERNEL_MAX_ELEMS = 1 << 15
+ROUTING_EXPERTS_MAX = 128
+ROUTING_ROUTES_MAX = 512
+ROUTE_CHUNK = 32
 
 
 def _route_positions(ids_ref, *, n: int, num_experts: int, block_m: int):
@@ -347,11 +356,57 @@ def _route_positions(ids_ref, *, n: int, num_experts: int, block_m: int):
     return j, valid, pos, padded, pad_end, ep
 
 
-def _store_routing(route, sorted_ref, be_ref, nb_ref, pos_ref, *, n: int, num_experts: int,
-                   block_m: int, nb: int, em: int, interpret: bool):
-    """Stores the routing ``route`` (``_route_positions``'s values) as ``BlockRouting``'s arrays."""
-    j, valid, pos, padded, pad_end, ep = route
-    emp, nbp = _pow2(em), _pow2(nb)
+def _route_counts(ids_ref, *, n: int):
+    """The "routes" method's first pass: (j, valid, ids, rank, count) [np] with each route's
+    expert, its rank among the earlier routes of that expert and that expert's route count,
+    from [np, ROUTE_CHUNK] compares of every route with each chunk of routes (lanes past n:
+    invalid, id -1, count 0)."""
+    np_ = _pow2(n)
+    c = min(np_, ROUTE_CHUNK)
+    j = lax.broadcasted_iota(jnp.int32, (np_,), 0)
+    valid = j < n
+    ids = jnp.where(valid, plgpu.load(ids_ref.at[jnp.minimum(j, n - 1)]), -1)
+    rank = jnp.zeros((np_,), jnp.int32)
+    count = jnp.zeros((np_,), jnp.int32)
+    for c0 in range(0, np_, c):  # static: np_ / c <= 16 chunks
+        jj = c0 + lax.broadcasted_iota(jnp.int32, (c,), 0)
+        idc = jnp.where(jj < n, plgpu.load(ids_ref.at[jnp.minimum(jj, n - 1)]), -2)  # -2: no match
+        same = ids[:, None] == idc[None, :]  # [np, c]
+        count = count + jnp.sum(same.astype(jnp.int32), axis=1)
+        rank = rank + jnp.sum((same & (jj[None, :] < j[:, None])).astype(jnp.int32), axis=1)
+    return j, valid, ids, rank, count
+
+
+def _first_padded(valid, rank, count, block_m: int):
+    """Each expert's padded row count on its first route's lane, 0 elsewhere: summed over the
+    lanes of experts below x, the start of expert x's rows."""
+    return jnp.where(valid & (rank == 0), (count + block_m - 1) // block_m * block_m, 0)
+
+
+def _route_rows(ids_ref, ids, fp, rank, *, n: int, block_m: int):
+    """The "routes" method's second pass: every route's sorted row [np], its expert's start
+    (sum of ``fp`` over the lanes of lower experts) plus its rank. A lane's ``fp`` cannot be
+    sliced out of registers, so each chunk's is recomputed from its routes' compares."""
+    np_ = _pow2(n)
+    c = min(np_, ROUTE_CHUNK)
+    j = lax.broadcasted_iota(jnp.int32, (np_,), 0)
+    start = jnp.zeros((np_,), jnp.int32)
+    for c0 in range(0, np_, c):
+        jj = c0 + lax.broadcasted_iota(jnp.int32, (c,), 0)
+        vv = jj < n
+        idc = jnp.where(vv, plgpu.load(ids_ref.at[jnp.minimum(jj, n - 1)]), -2)
+        same = idc[:, None] == ids[None, :]  # [c, np]
+        cnt = jnp.sum(same.astype(jnp.int32), axis=1)
+        rk = jnp.sum((same & (j[None, :] < jj[:, None])).astype(jnp.int32), axis=1)
+        fpc = _first_padded(vv, rk, cnt, block_m)
+        start = start + jnp.sum(jnp.where(idc[None, :] < ids[:, None], fpc[None, :], 0), axis=1)
+    return start + rank
+
+
+def _store_sorted(j, valid, pos, sorted_ref, pos_ref, *, n: int, em: int, interpret: bool):
+    """Stores each route's row (``route_pos``) and the inverse permutation (``sorted_route``,
+    the sentinel n in padding rows)."""
+    emp = _pow2(em)
     # masked lanes index out of range (not clamped): interpret mode drops them, and a clamped
     # duplicate index would race with the valid lane's store
     plgpu.store(pos_ref.at[j], pos, mask=valid)
@@ -360,6 +415,33 @@ def _store_routing(route, sorted_ref, be_ref, nb_ref, pos_ref, *, n: int, num_ex
     if not interpret:
         plgpu.debug_barrier()  # every sentinel is written before any route's row
     plgpu.store(sorted_ref.at[jnp.where(valid, pos, em + j)], j, mask=valid)
+
+
+def _store_routing_routes(j, valid, pos, fp, ids_ref, sorted_ref, be_ref, nb_ref, pos_ref, *,
+                          n: int, num_experts: int, block_m: int, nb: int, em: int, interpret: bool):
+    """The "routes" method's stores: rows and sorted order (``_store_sorted``), then, after a
+    CTA barrier, each block's expert read back as the expert of the block's first row (always
+    a route: a block starts within its expert's routes), E - 1 past the last block (as
+    ``block_routing``), and the block count."""
+    _store_sorted(j, valid, pos, sorted_ref, pos_ref, n=n, em=em, interpret=interpret)
+    if not interpret:
+        plgpu.debug_barrier()  # the sorted order is in memory before it is read back
+    nbp = _pow2(nb)
+    total = jnp.sum(fp) // block_m
+    bi = lax.broadcasted_iota(jnp.int32, (nbp,), 0)
+    live = bi < total
+    row = plgpu.load(sorted_ref.at[jnp.where(live, bi * block_m, 0)])
+    bexp = jnp.where(live, plgpu.load(ids_ref.at[jnp.clip(row, 0, n - 1)]), num_experts - 1)
+    plgpu.store(be_ref.at[bi], bexp, mask=bi < nb)
+    plgpu.store(nb_ref.at[lax.broadcasted_iota(jnp.int32, (1,), 0)], jnp.full((1,), total, jnp.int32))
+
+
+def _store_routing(route, sorted_ref, be_ref, nb_ref, pos_ref, *, n: int, num_experts: int,
+                   block_m: int, nb: int, em: int, interpret: bool):
+    """Stores the routing ``route`` (``_route_positions``'s values) as ``BlockRouting``'s arrays."""
+    j, valid, pos, padded, pad_end, ep = route
+    nbp = _pow2(nb)
+    _store_sorted(j, valid, pos, sorted_ref, pos_ref, n=n, em=em, interpret=interpret)
     b = lax.broadcasted_iota(jnp.int32, (nbp, 1), 0) * block_m
     real = lax.broadcasted_iota(jnp.int32, (1, ep), 1) < num_experts
     bexp = jnp.minimum(jnp.sum(((pad_end[None, :] <= b) & real).astype(jnp.int32), axis=1),
@@ -371,27 +453,39 @@ def _store_routing(route, sorted_ref, be_ref, nb_ref, pos_ref, *, n: int, num_ex
 
 
 def _routing_kernel(ids_ref, sorted_ref, be_ref, nb_ref, pos_ref, *, n: int, num_experts: int,
-                    block_m: int, nb: int, em: int, interpret: bool):
+                    block_m: int, nb: int, em: int, interpret: bool, method: str):
+    if method == "routes":
+        j, valid, ids, rank, count = _route_counts(ids_ref, n=n)
+        fp = _first_padded(valid, rank, count, block_m)
+        pos = _route_rows(ids_ref, ids, fp, rank, n=n, block_m=block_m)
+        _store_routing_routes(j, valid, pos, fp, ids_ref, sorted_ref, be_ref, nb_ref, pos_ref,
+                              n=n, num_experts=num_experts, block_m=block_m, nb=nb, em=em,
+                              interpret=interpret)
+        return
     route = _route_positions(ids_ref, n=n, num_experts=num_experts, block_m=block_m)
     _store_routing(route, sorted_ref, be_ref, nb_ref, pos_ref, n=n, num_experts=num_experts,
                    block_m=block_m, nb=nb, em=em, interpret=interpret)
 
 
-def _routing_plan(topk_ids: jax.Array, num_experts: int, block_m: int, interpret: bool):
+def _routing_plan(topk_ids: jax.Array, num_experts: int, block_m: int, interpret: bool,
+                  method: str | None = None):
     """(flat int32 routes, the routing kernels' static arguments, their four int32 outputs'
-    shapes) for a routing ``routing_kernel_fits`` takes; ValueError naming topk_ids if not."""
+    shapes) for a routing ``routing_kernel_fits`` takes; ValueError naming topk_ids if not.
+    ``method``: "experts" or "routes" (both must fit), None: ``routing_method``'s choice."""
     from .routing import max_blocks
 
     flat = topk_ids.reshape(-1).astype(jnp.int32)
     n = flat.shape[0]
-    if not routing_kernel_fits(n, num_experts, block_m):
+    fits = routing_methods(n, num_experts, block_m)
+    if not fits or (method is not None and method not in fits):
         raise ValueError(f"topk_ids: {n} routes over {num_experts} experts are too many for the "
-                         f"one-program routing kernel (routing_kernel_fits); use block_routing")
+                         f"one-program routing kernel ({method or 'any'} method, "
+                         f"routing_kernel_fits); use block_routing")
     nb = max_blocks(n, num_experts, block_m)
     em = nb * block_m
     i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)
     kw = {"n": n, "num_experts": num_experts, "block_m": block_m, "nb": nb, "em": em,
-          "interpret": interpret}
+          "interpret": interpret, "method": method or fits[0]}
     return flat, kw, (i32(em), i32(nb), i32(1), i32(n))
 
 
@@ -406,21 +500,34 @@ def _scales_plan(scales: tuple, num_experts: int, interpret: bool):
     return _scale_operands(vecs, num_experts), kw, (f32,) * 6
 
 
-def routing_kernel_fits(n_routes: int, num_experts: int, block_m: int) -> bool:
-    """Whether ``routing_kernel`` takes this routing (its compare tiles fit one program)."""
+def routing_methods(n_routes: int, num_experts: int, block_m: int) -> tuple[str, ...]:
+    """The routing kernels' methods that take this routing, the default first: "experts" up to
+    ROUTING_EXPERTS_MAX experts when its tiles fit, "routes" up to ROUTING_ROUTES_MAX routes."""
     from .routing import max_blocks
 
     nb = max_blocks(n_routes, num_experts, block_m)
-    return _pow2(num_experts) * max(_pow2(n_routes), _pow2(nb)) <= ROUTING_KERNEL_MAX_ELEMS
+    out = []
+    if (num_experts <= ROUTING_EXPERTS_MAX
+            and _pow2(num_experts) * max(_pow2(n_routes), _pow2(nb)) <= ROUTING_KERNEL_MAX_ELEMS):
+        out.append("experts")
+    if n_routes <= ROUTING_ROUTES_MAX:
+        out.append("routes")
+    return tuple(out)
+
+
+def routing_kernel_fits(n_routes: int, num_experts: int, block_m: int) -> bool:
+    """Whether ``routing_kernel`` takes this routing (one of its methods fits one program)."""
+    return bool(routing_methods(n_routes, num_experts, block_m))
 
 
 def routing_kernel(topk_ids: jax.Array, num_experts: int, block_m: int, *,
-                   scales: tuple | None = None, interpret: bool = False):
+                   scales: tuple | None = None, interpret: bool = False, method: str | None = None):
     """``routing.block_routing`` as one Pallas-Triton launch (one program) instead of ~5 XLA
     fusions: counts, padded cumsum and each route's rank among its expert's routes from an
     [E, N] one-hot tile, the block experts from an [NB, E] compare tile, the inverse
     permutation as sentinel stores, a CTA barrier, then one scatter. Same outputs, bit for bit
-    (integers). For small routings only (``routing_kernel_fits``).
+    (integers). For small routings only (``routing_kernel_fits``). ``method``: "experts" or
+    "routes" (ROUTING_EXPERTS_MAX's comment), None: the first of ``routing_methods``.
 
     scales: None, or ``(fc1_weight_scale_2, fc2_weight_scale_2, fc1_input_scale,
     fc2_input_scale, mode, activation_scale)``: the same program also computes
@@ -428,10 +535,13 @@ def routing_kernel(topk_ids: jax.Array, num_experts: int, block_m: int, *,
     ``(BlockRouting, (g1, 1/g1, alpha1, g2, 1/g2, alpha2))``."""
     from .routing import BlockRouting
 
-    flat, rkw, outs = _routing_plan(topk_ids, num_experts, block_m, interpret)
+    flat, rkw, outs = _routing_plan(topk_ids, num_experts, block_m, interpret, method)
     kern = functools.partial(_routing_kernel, **rkw)
+    # the routes method's [N, 32] tiles: 8 warps from 128 routes (ptxas sm_90 at nemotron
+    # T = 8, 176 routes: 248 registers with 4 warps)
+    nw = 8 if rkw["method"] == "routes" and _pow2(rkw["n"]) >= 128 else 4
     if scales is None:
-        srt, be, nbk, pos = _call(kern, outs, (1,), num_warps=4, name="nvfp4_moe_routing",
+        srt, be, nbk, pos = _call(kern, outs, (1,), num_warps=nw, name="nvfp4_moe_routing",
                                   interpret=interpret)(flat)
         return BlockRouting(srt, be, nbk, pos)
     ops, skw, souts = _scales_plan(scales, num_experts, interpret)
@@ -440,7 +550,7 @@ def routing_kernel(topk_ids: jax.Array, num_experts: int, block_m: int, *,
         _scales_kernel(w1_ref, w2_ref, s1_ref, s2_ref, *scale_refs, **skw)
         kern(ids_ref, srt_ref, be_ref, nb_ref, pos_ref)
 
-    srt, be, nbk, pos, *sv = _call(both, (*outs, *souts), (1,), num_warps=4,
+    srt, be, nbk, pos, *sv = _call(both, (*outs, *souts), (1,), num_warps=nw,
                                    name="nvfp4_moe_routing_scales", interpret=interpret)(flat, *ops)
     return BlockRouting(srt, be, nbk, pos), tuple(sv)
 
@@ -452,16 +562,31 @@ def _routing_operand_kernel(ids_ref, w1_ref, w2_ref, s1_ref, s2_ref, x_ref, srt_
     r, kt = pl.program_id(0), pl.program_id(1)
     # every program computes the routing and the scales (a few thousand register ops; no
     # second launch, no wait for another program's stores); program (0, 0) also stores them
-    route = _route_positions(ids_ref, **{k: routing_kw[k] for k in ("n", "num_experts", "block_m")})
+    kw = {k: v for k, v in routing_kw.items() if k != "method"}
+    n, bm = kw["n"], kw["block_m"]
     je, evalid, vals = _scale_values(w1_ref, w2_ref, s1_ref, s2_ref, **scales_kw)
+    if routing_kw["method"] == "routes":  # this route's row from the first pass alone
+        j, valid, ids, rank, count = _route_counts(ids_ref, n=n)
+        fp = _first_padded(valid, rank, count, bm)
+        mine = j == r
+        row = (jnp.sum(jnp.where(ids < jnp.sum(jnp.where(mine, ids, 0)), fp, 0))
+               + jnp.sum(jnp.where(mine, rank, 0)))
 
-    @pl.when((r == 0) & (kt == 0))
-    def _():
-        _store_routing(route, srt_ref, be_ref, nb_ref, pos_ref, **routing_kw)
-        _store_scales(je, evalid, vals, scale_refs)
+        @pl.when((r == 0) & (kt == 0))
+        def _():
+            pos = _route_rows(ids_ref, ids, fp, rank, n=n, block_m=bm)
+            _store_routing_routes(j, valid, pos, fp, ids_ref, srt_ref, be_ref, nb_ref, pos_ref, **kw)
+            _store_scales(je, evalid, vals, scale_refs)
+    else:
+        route = _route_positions(ids_ref, n=n, num_experts=kw["num_experts"], block_m=bm)
 
-    j, pos = route[0], route[2]
-    row = jnp.sum(jnp.where(j == r, pos, 0))  # this program's route's sorted row
+        @pl.when((r == 0) & (kt == 0))
+        def _():
+            _store_routing(route, srt_ref, be_ref, nb_ref, pos_ref, **kw)
+            _store_scales(je, evalid, vals, scale_refs)
+
+        j, pos = route[0], route[2]
+        row = jnp.sum(jnp.where(j == r, pos, 0))  # this program's route's sorted row
     ex = plgpu.load(ids_ref.at[r]) if per_expert else 0
     g, rg = (jnp.sum(jnp.where(je == ex, v, 0.0)) for v in vals[:2])  # one lane each: exact
     x = plgpu.load(x_ref.at[r // top_k, pl.ds(kt * bk, bk)]).astype(jnp.float32)
@@ -470,7 +595,8 @@ def _routing_operand_kernel(ids_ref, w1_ref, w2_ref, s1_ref, s2_ref, x_ref, srt_
 
 
 def routing_operand_kernel(topk_ids: jax.Array, hidden: jax.Array, num_experts: int, block_m: int,
-                           scales: tuple, *, recipe: str, interpret: bool = False):
+                           scales: tuple, *, recipe: str, interpret: bool = False,
+                           method: str | None = None):
     """``routing_kernel(scales=...)`` and ``fc1_operand(skip_padding=True)`` as one launch
     (``MosaicMoEConfig.routing="fused"``): one program per (route, K tile of ``hidden``) stores
     its route's quantized row at the route's sorted position; program (0, 0) also stores the
@@ -481,7 +607,8 @@ def routing_operand_kernel(topk_ids: jax.Array, hidden: jax.Array, num_experts: 
     topk_ids int [T, k]; hidden bf16 [T, H] (H % 256 == 0); scales: ``(fc1_weight_scale_2,
     fc2_weight_scale_2, fc1_input_scale, fc2_input_scale, mode, activation_scale)``; recipe:
     the FC1 operand's quantization recipe. Returns ``(BlockRouting, (g1, 1/g1, alpha1, g2,
-    1/g2, alpha2), xp bf16 [EM, H])``."""
+    1/g2, alpha2), xp bf16 [EM, H])``. ``method``: as ``routing_kernel``'s (with "routes" each
+    program needs only the first pass; program (0, 0) makes the second)."""
     from .routing import BlockRouting
 
     t, h = hidden.shape
@@ -489,7 +616,7 @@ def routing_operand_kernel(topk_ids: jax.Array, hidden: jax.Array, num_experts: 
         raise ValueError(f"hidden: expected [T, H] with H % 256 == 0 (the grouped kernel's K), got {hidden.shape}")
     if topk_ids.ndim != 2 or topk_ids.shape[0] != t:
         raise ValueError(f"topk_ids: expected [T, k] with T = {t} (hidden's rows), got {topk_ids.shape}")
-    flat, rkw, outs = _routing_plan(topk_ids, num_experts, block_m, interpret)
+    flat, rkw, outs = _routing_plan(topk_ids, num_experts, block_m, interpret, method)
     ops, skw, souts = _scales_plan(scales, num_experts, interpret)
     bk = _row_tile(h)
     kern = functools.partial(

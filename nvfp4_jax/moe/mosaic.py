@@ -110,11 +110,14 @@ class MosaicMoEConfig:
     two grouped GEMMs (block_n, split_k, num_stages, block_k). fc2_triton: Pallas-Triton tiles
     for FC2 when its K = I is not a multiple of 256 (None: ``configs.default_config``'s).
     routing: "xla" (``routing.block_routing``: ~5 small XLA fusions) or "kernel"
-    (``epilogue.routing_kernel``: one Pallas-Triton launch, for routings whose compare tiles
-    fit one program, ``routing_kernel_fits``; larger ones use "xla", logged). Both give the
-    same routing. Measured on the H200: faster for qwen3 at T <= 8 (-2.4..-3.5 us), slower for
-    nemotron T = 1 (+7 us: one program compares 512 experts), so ``AUTO_SM90`` sets it per
-    shape and "xla" is the default. "fused" (``epilogue.routing_operand_kernel``; needs
+    (``epilogue.routing_kernel``: one Pallas-Triton launch, for routings that fit one program,
+    ``routing_kernel_fits``; larger ones use "xla", logged). Both give the same routing.
+    Measured on the H200: faster for qwen3 at T <= 8 (-2.4..-3.5 us), slower for nemotron
+    T = 1 (+7 us, session 8: one program compared 512 experts), so ``AUTO_SM90`` sets it per
+    shape and "xla" is the default. Since session 11 routings over more than 128 experts take
+    the kernel's "routes" method (route-by-route compares, no expert dimension; nemotron up to
+    T = 23), CPU-tested and compiled (ptxas sm_90: 32 registers at nemotron T = 1), not yet
+    measured; nemotron's ``AUTO_SM90`` entries keep "xla" until it is. "fused" (``epilogue.routing_operand_kernel``; needs
     ``scales="kernel"`` and ``skip_padding``): the routing, the scales and the FC1 operand in
     one launch instead of two, each program recomputing the small routing in registers. Bit for
     bit the separate kernels (CPU, interpret mode) and passes the oracle GPU tests; on the H200

@@ -6,7 +6,7 @@ GEMM: per (N x K, M) our W4A16 (with the kernel auto chose), W4A4, bf16 jnp.dot,
 bf16 ragged_dot and dequantize+ragged_dot baselines, TB/s over touched-expert NVFP4 bytes as a
 fraction of the HBM copy measured in the same run (the hbm_copy record with the row's commit;
 the newest one if none). A record older than the file's commit is
-marked with *.
+marked with *; ours on FC2 weights zero-padded along K (``moe_bench --pad-fc2``) with "p".
 """
 
 from __future__ import annotations
@@ -91,7 +91,8 @@ def moe(doc: dict) -> str:
         tb = f"{o['tbps']:.2f} ({100 * o['tbps'] / copy:.0f} %)" if copy and t <= 512 else "-"
         ratio = (f" ({b['median_us'] / o['median_us']:.1f}x)"
                  if b and "median_us" in b else "")
-        lines.append(f"| {shape} | {t} | {routing} | {cell(o)} | {tb} | {o['tflops']:.1f} | "
+        pad = " p" if o.get("fc2_padded") else ""
+        lines.append(f"| {shape} | {t} | {routing} | {cell(o)}{pad} | {tb} | {o['tflops']:.1f} | "
                      f"{cell(b)}{ratio} | {cell(d)} |")
     return "\n".join(lines)
 

@@ -114,6 +114,10 @@ def test_moe_mosaic_layer_lowers_for_cuda(activation, inter, config):
     # warp-specialized, K % 256 == 128 split unevenly; 21 row tiles in CTAs of 2
     (25, 64, 512, 1024, 2688, MosaicConfig(block_n=128, split_k=3, num_stages=2, consumers=2)),
     (25, 64, 512, 2688, 1024, MosaicConfig(block_n=128, split_k=1, num_stages=2, consumers=2)),
+    # block_n 64: each CTA reads its 128-row scale tile, half of it (qwen3 T = 1; nemotron FC2)
+    (9, 8, 128, 1536, 2048, MosaicConfig(block_n=64, split_k=2, num_stages=2)),
+    (9, 8, 128, 2048, 768, MosaicConfig(block_n=64, split_k=1, num_stages=2)),
+    (25, 8, 512, 1024, 2688, MosaicConfig(block_n=64, split_k=2, num_stages=2)),
 ])
 def test_grouped_kernel_with_swizzled_scales_lowers_for_cuda(nb, mt, e, n, k, cfg):
     from oracle.layouts import padded_shape
@@ -126,9 +130,11 @@ def test_grouped_kernel_with_swizzled_scales_lowers_for_cuda(nb, mt, e, n, k, cf
     text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text and "nvfp4_moe_mosaic" in text
     # the decode reads each (row, group)'s scales as two 4-byte words 512 bytes apart
-    with pytest.raises(ValueError, match="^config: swizzled_128x4 scales need block_n=128"):
+    with pytest.raises(ValueError, match="^config: swizzled_128x4 scales need block_n=128 "
+                                         r"\(or 64 with one compute warpgroup\)"):
         f2 = jax.jit(lambda x, c, s, be, nbk: grouped_matmul(
-            x, c, s, be, nbk, block_m=mt, config=MosaicConfig(block_n=64), scale_layout="swizzled_128x4"))
+            x, c, s, be, nbk, block_m=mt, config=MosaicConfig(block_n=64, consumers=2),
+            scale_layout="swizzled_128x4"))
         f2.trace(*args).lower(lowering_platforms=("cuda",))
     with pytest.raises(ValueError, match="^scales: expected swizzled_128x4 scales"):
         args[2] = jax.ShapeDtypeStruct((e, np_ * kp - 4), jnp.uint8)
@@ -236,8 +242,8 @@ def test_moe_mosaic_dataflow_matches_oracle(name, mode, activation, order, kw, c
 @pytest.mark.parametrize("inter,swizzle", [(384, ("fc1", "fc2")), (256, ("fc2",))])
 def test_moe_mosaic_dataflow_swizzled_weights(inter, swizzle, caplog):
     """swizzled_128x4 weight stacks go to the grouped kernel as they are (no conversion, no
-    warning) at block_n 128, and the layer still matches the oracle; at block_n 64 they are
-    converted to linear on every call, with a warning."""
+    warning) at block_n 128 and 64, and the layer still matches the oracle; with two compute
+    warpgroups at block_n 64 they are converted to linear on every call, with a warning."""
     case = make_case(np.random.default_rng(inter), t=7, h=256, inter=inter, e=5, k=2, activation="relu2")
     with caplog.at_level(logging.WARNING, logger="nvfp4_jax.moe"):
         out, h = _run(case, mode="trtllm_cutlass", activation="relu2", swizzle=swizzle)
@@ -249,10 +255,18 @@ def test_moe_mosaic_dataflow_swizzled_weights(inter, swizzle, caplog):
                             fc2=MosaicConfig(block_n=128, split_k=3))
     out, h = _run(case, mode="trtllm_cutlass", activation="relu2", swizzle=swizzle, config=split)
     check_against_oracle(case, out, h, mode="trtllm_cutlass", activation="relu2")
-    bn64 = MosaicMoEConfig(block_m=8, fc1=MosaicConfig(block_n=64), fc2=MosaicConfig(block_n=64))
+    # block_n 64: read as they are too (each CTA half of a 128-row tile), no warning
+    bn64 = MosaicMoEConfig(block_m=8, fc1=MosaicConfig(block_n=64), fc2=MosaicConfig(block_n=64, split_k=2))
     with caplog.at_level(logging.WARNING, logger="nvfp4_jax.moe"):
         out, h = _run(case, mode="trtllm_cutlass", activation="relu2", swizzle=swizzle, config=bn64)
-    assert "converted to linear on every call" in caplog.text
+    assert "converted to linear" not in caplog.text
+    check_against_oracle(case, out, h, mode="trtllm_cutlass", activation="relu2")
+    # block_n 64 with two compute warpgroups cannot: converted on every call, with a warning
+    which = "fc1" if "fc1" in swizzle else "fc2"  # (K = I = 384 has no linear ws form)
+    ws64 = MosaicMoEConfig(block_m=16, **{which: MosaicConfig(block_n=64, consumers=2)})
+    with caplog.at_level(logging.WARNING, logger="nvfp4_jax.moe"):
+        out, h = _run(case, mode="trtllm_cutlass", activation="relu2", swizzle=swizzle, config=ws64)
+    assert f"{which} scales in layout swizzled_128x4 are converted to linear on every call" in caplog.text
     check_against_oracle(case, out, h, mode="trtllm_cutlass", activation="relu2")
 
 

@@ -131,8 +131,13 @@ def test_auto_picks_mosaic_at_decode_and_matches_triton(caplog):
     check_against_oracle(case, out_t, h_t, mode="b12x", activation="swiglu")
 
 
-@pytest.mark.parametrize("n,k,split,bk", [(1024, 2688, 1, 256), (2688, 1024, 2, 256), (333, 1024, 1, 512)])
-def test_grouped_kernel_swizzled_scales_equal_linear(n, k, split, bk):
+@pytest.mark.parametrize("n,k,split,bk,bn", [
+    (1024, 2688, 1, 256, 128), (2688, 1024, 2, 256, 128), (333, 1024, 1, 512, 128),
+    # block_n 64 (session 11): each CTA reads half of a 128-row swizzled tile (8 bytes on for
+    # the odd CTAs); N = 333 ends in a partial tile
+    (1536, 2048, 2, 256, 64), (2048, 768, 1, 256, 64), (1024, 2688, 1, 256, 64), (333, 1024, 1, 256, 64),
+])
+def test_grouped_kernel_swizzled_scales_equal_linear(n, k, split, bk, bn):
     """The kernel reading swizzled_128x4 scales (per-step 2 KB tiles) gives bit for bit the
     partials of the linear-scale kernel (whole-K scales at K % 256 == 128): same arithmetic,
     only where the scale bytes come from differs. Random codes, scale bytes over the whole
@@ -147,7 +152,7 @@ def test_grouped_kernel_swizzled_scales_equal_linear(n, k, split, bk):
     x = jnp.asarray(rng.standard_normal((nb * mt, k)), jnp.bfloat16)
     be = jnp.asarray(rng.integers(0, e, nb), jnp.int32)
     nbk = jnp.asarray([nb - 2], jnp.int32)  # the last two blocks are skipped
-    cfg = MosaicConfig(block_n=128, split_k=split, num_stages=2, block_k=bk)
+    cfg = MosaicConfig(block_n=bn, split_k=split, num_stages=2, block_k=bk)
     lin = jax.jit(lambda *a: grouped_matmul(*a, block_m=mt, config=cfg))(x, codes, scales, be, nbk)
     swz = jax.jit(lambda *a: grouped_matmul(*a, block_m=mt, config=cfg, scale_layout="swizzled_128x4"))(
         x, codes, swizzle(scales, "swizzled_128x4"), be, nbk)
@@ -302,3 +307,20 @@ def test_moe_mosaic_gpu_routes_method_matches_oracle(routing, monkeypatch):
     cfg = MosaicMoEConfig(block_m=8, routing=routing, skip_padding=True)
     out, h = _run(case, mode="trtllm_cutlass", activation="relu2", config=cfg)
     check_against_oracle(case, out, h, mode="trtllm_cutlass", activation="relu2")
+
+
+def test_moe_mosaic_gpu_swizzled_bn64_matches_oracle():
+    """qwen3's layer on swizzled weights with 64-row weight tiles in both GEMMs (what
+    AUTO_SM90_LINEAR picks for linear weights at T = 1), read as they are, fused routing."""
+    case = make_case_fast(np.random.default_rng(64), **{**QWEN, "t": 3, "e": 16, "k": 4})
+    hidden, ids, w, fc1, fc2, s1, s2 = to_jax(case)
+    cfg = MosaicMoEConfig(block_m=8, fc1=MosaicConfig(block_n=64, split_k=2, num_stages=2),
+                          fc2=MosaicConfig(block_n=64, split_k=1, num_stages=2),
+                          routing="fused", skip_padding=True)
+    fn = functools.partial(moe_pallas, activation="swiglu", gate_up_order="up_gate", mode="b12x",
+                           activation_scale="per_expert", kernel="mosaic", return_intermediates=True,
+                           config=cfg)
+    out, inter = jax.jit(fn)(hidden, ids, w, fc1.with_layout("swizzled_128x4"),
+                             fc2.with_layout("swizzled_128x4"), s1, s2)
+    f = lambda a: np.asarray(a.astype(jnp.float32), np.float64)
+    check_against_oracle(case, f(out), f(inter["h"]), mode="b12x", activation="swiglu")

@@ -284,10 +284,12 @@ def _decode_fn(block_n: int, g: int, block_k: int = BLOCK_K, scale_stride: int |
     first scale byte of row 0 and rows are ``scale_stride`` (= K/16, a multiple of 8) bytes
     apart; each (row, group) reads its 8 bytes with one 8-byte load.
     swizzled: the step's scales are block_k/64 contiguous 512-byte blocks of the
-    ``swizzled_128x4`` layout (block_n 128): block c holds scale columns 4c..4c+3 of all 128
-    rows, row r's 4 bytes at (r % 32) * 16 + (r // 32) * 4; each (row, group) reads two words."""
-    if swizzled and (block_n != 128 or scale_stride is not None):
-        raise ValueError("swizzled scales need block_n 128 and per-step scale tiles")
+    ``swizzled_128x4`` layout: block c holds scale columns 4c..4c+3 of all 128 rows, row r's 4
+    bytes at (r % 32) * 16 + (r // 32) * 4; each (row, group) reads two words. With block_n 64
+    the rows are the tile's first 64 (r // 32 < 2); the CTA of its last 64 passes the scales
+    ref 8 bytes further on (``_step_mma``'s ``s_off``)."""
+    if swizzled and (block_n not in (64, 128) or scale_stride is not None):
+        raise ValueError("swizzled scales need block_n 64 or 128 and per-step scale tiles")
     cstride = block_k // 2  # bytes per row of the code tile
     sstride = block_k // 16 if scale_stride is None else scale_stride
     if not 0 <= g < block_k // 128:
@@ -388,13 +390,15 @@ def check_config(cfg: MosaicConfig, k: int, m_tile: int, *, swizzled: bool = Fal
     (``block_k`` must divide K, or K % 256 == 128 with block_k 256: whole-K scales; the CTA's
     shared memory must fit). Returns the split-K actually used: the largest divisor of the
     number of K steps not above ``cfg.split_k`` (1 with whole-K scales). ``swizzled``:
-    ``swizzled_128x4`` scales, read per step (block_n 128; no whole-K buffer); with
+    ``swizzled_128x4`` scales, read per step (block_n 128, or 64 with one warpgroup; no
+    whole-K buffer); with
     K % 256 == 128 the (K + 128) / 256 steps then split unevenly (``split_steps``): the
     largest split up to ``cfg.split_k`` that leaves no split empty. ``padded``: K is the
     weights' zero-padded K (the grouped kernel's x is narrower, its missing columns read as
     zeros), whose K / block_k steps split unevenly the same way, whatever the scale layout."""
-    if swizzled and cfg.block_n != 128:
-        raise ValueError(f"config: swizzled_128x4 scales need block_n=128, got {cfg.block_n}")
+    if swizzled and not (cfg.block_n == 128 or (cfg.block_n == 64 and cfg.consumers == 1)):
+        raise ValueError(f"config: swizzled_128x4 scales need block_n=128 (or 64 with one "
+                         f"compute warpgroup), got block_n={cfg.block_n}, consumers={cfg.consumers}")
     whole = k % BLOCK_K == 128
     if cfg.consumers > 1 and whole and not swizzled:
         raise ValueError(f"config: consumers={cfg.consumers} needs K % {BLOCK_K} == 0 or "
@@ -513,7 +517,11 @@ def _step_mma(cfg: MosaicConfig, *, scale_stride: int | None = None, swizzled: b
         for g in range(groups)
     ]
 
-    def mma(acc_ref, c_smem, s_smem, x_smem):
+    def mma(acc_ref, c_smem, s_smem, x_smem, s_off=None):
+        # s_off (swizzled, block_n 64): the bytes of the 128-row scale tile's second half of
+        # rows start s_off = 8 bytes on (r // 32 = 2, 3 instead of 0, 1)
+        if s_off is not None:
+            s_smem = s_smem.at[:, pl.ds(s_off, s_smem.shape[1] - 8)]
         for g in range(groups):
             a = decode[g](c_smem, s_smem)
             plgpu.wgmma(acc_ref, a, x_smem.at[:, pl.ds(128 * g, 128)].T)
@@ -530,7 +538,7 @@ def _step_mma(cfg: MosaicConfig, *, scale_stride: int | None = None, swizzled: b
 
 
 def accumulate_tile(sources, *, cfg: MosaicConfig, m_tile: int, steps: int,
-                    whole_k: int | None = None, swizzled: bool = False):
+                    whole_k: int | None = None, swizzled: bool = False, s_off=None):
     """Kernel-body building block (dense and grouped kernels): stream ``steps`` K steps of one
     weight tile through the TMA pipeline, decode in registers and wgmma. ``sources()`` returns
     the GMEM refs (codes [block_n, steps*block_k/2] u8, scales [block_n, steps*block_k/16] u8,
@@ -547,14 +555,16 @@ def accumulate_tile(sources, *, cfg: MosaicConfig, m_tile: int, steps: int,
     swizzled=True (block_n 128): the scales are the CTA's 128-row tile of ``swizzled_128x4``
     scales viewed as [Kp/2, 256] bytes (``swizzled_tile_view``): each step copies its
     block_k/32 rows (2 KB at block_k 256, contiguous), K % 256 == 128 included (the half step's
-    missing blocks read as zeros), with no whole-K buffer.
+    missing blocks read as zeros), with no whole-K buffer. block_n 64: the same 128-row tile
+    (twice the scale bytes the CTA needs, 1/8 of its code bytes more), ``s_off`` = 0 or 8 for
+    the CTA of its first or last 64 rows.
     """
     pl, plgpu = _pallas_mosaic_gpu()
     bn, bk = cfg.block_n, cfg.block_k
     if whole_k is not None and (bk != BLOCK_K or whole_k % BLOCK_K != 128):
         raise ValueError(f"config: whole-K scales need block_k={BLOCK_K} and K % 256 == 128, "
                          f"got block_k={bk}, K={whole_k}")
-    if swizzled:  # block_n 128: check_config and the decode (_decode_fn) require it
+    if swizzled:  # block_n 64 or 128: check_config and the decode (_decode_fn) require it
         whole_k = None  # per-step tiles whatever K % 256
     sstride = None if whole_k is None else whole_k // 16
     chunk = None if whole_k is None else whole_k_chunk(whole_k)
@@ -595,7 +605,7 @@ def accumulate_tile(sources, *, cfg: MosaicConfig, m_tile: int, steps: int,
                     prefetch(c_src.at[:, pl.ds(ahead * (bk // 2), bk // 2)])
                     prefetch(s_src.at[:, pl.ds(ahead * (bk // 16), bk // 16)])
 
-            mma(acc_ref, c_smem, s_smem, x_smem)
+            mma(acc_ref, c_smem, s_smem, x_smem, s_off)
 
         specs = [plgpu.BlockSpec((bn, bk // 2), lambda i: (0, i))]
         if swizzled:
@@ -670,7 +680,7 @@ def accumulate_tiles_ws(sources, finish, *, cfg: MosaicConfig, m_tile: int, step
 
 def accumulate_and_store(sources, dst, *, cfg: MosaicConfig, m_tile: int, steps: int,
                          scale=None, tiles=None, whole_k: int | None = None,
-                         swizzled: bool = False) -> None:
+                         swizzled: bool = False, s_off=None) -> None:
     """Kernel-body building block (dense and grouped kernels): the CTA's ``consumers *
     block_n`` weight rows accumulated (``accumulate_tile``, or ``accumulate_tiles_ws`` for
     consumers > 1) and stored (``store_tile`` / ``write_tile``, bf16(acc * scale) if ``scale``).
@@ -679,7 +689,7 @@ def accumulate_and_store(sources, dst, *, cfg: MosaicConfig, m_tile: int, steps:
     block_n] (``ws_kernel_kw``)."""
     if cfg.consumers == 1:
         acc = accumulate_tile(sources, cfg=cfg, m_tile=m_tile, steps=steps, whole_k=whole_k,
-                              swizzled=swizzled)
+                              swizzled=swizzled, s_off=s_off)
         store_tile(acc, dst(0), scale=scale)
         return
 

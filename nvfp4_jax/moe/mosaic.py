@@ -117,7 +117,8 @@ class MosaicMoEConfig:
     shape and "xla" is the default. Since session 11 routings over more than 128 experts take
     the kernel's "routes" method (route-by-route compares, no expert dimension; nemotron up to
     T = 23), CPU-tested and compiled (ptxas sm_90: 32 registers at nemotron T = 1), not yet
-    measured; nemotron's ``AUTO_SM90`` entries keep "xla" until it is. "fused" (``epilogue.routing_operand_kernel``; needs
+    measured; nemotron's ``AUTO_SM90`` entries keep "xla" until it is.
+    "fused" (``epilogue.routing_operand_kernel``; needs
     ``scales="kernel"`` and ``skip_padding``): the routing, the scales and the FC1 operand in
     one launch instead of two, each program recomputing the small routing in registers. Bit for
     bit the separate kernels (CPU, interpret mode) and passes the oracle GPU tests; on the H200
@@ -219,8 +220,8 @@ AUTO_SM90: dict[tuple[int, int, int, int, int], MosaicMoEConfig] = {
     # qwen3-30B T = 1: 48.1 vs 51.9 us; routing kernel + skip_padding (session 8, same file):
     # 32.0 vs 35.4 us (routing kernel alone 31.9, skip_padding alone 35.4). Routing, scales and
     # FC1 operand in one launch (session 11, bench/results/moe-mosaic-probe-round10-h200.json,
-    # per-layer scales, median of 3 rounds; passes the oracle GPU tests): 30.9 vs 32.9 us; the scales
-    # in XLA instead of the routing kernel's launch: 37.1
+    # per-layer scales, median of 3 rounds; passes the oracle GPU tests): 30.9 vs 32.9 us;
+    # the scales in XLA instead of the routing kernel's launch: 37.1
     (*_QWEN, 8): MosaicMoEConfig(block_m=8, fc1=MosaicConfig(block_n=128, split_k=2, num_stages=2),
                                  fc2=MosaicConfig(block_n=128, split_k=1, num_stages=2),
                                  routing="fused", skip_padding=True),
@@ -235,8 +236,9 @@ AUTO_SM90: dict[tuple[int, int, int, int, int], MosaicMoEConfig] = {
 
 
 #: Entries for weights whose scales are both linear (the layout of a loaded checkpoint), looked
-#: up before ``AUTO_SM90``: configs with block_n 64, which swizzled_128x4 scales cannot feed
-#: without a conversion to linear on every call.
+#: up before ``AUTO_SM90``: configs with block_n 64, measured on linear scales. (Until session
+#: 11 swizzled_128x4 scales could not feed block_n 64 without a conversion on every call; the
+#: grouped kernel now reads them there too, twice the scale bytes per CTA, not yet measured.)
 AUTO_SM90_LINEAR: dict[tuple[int, int, int, int, int], MosaicMoEConfig] = {
     # qwen3-30B T = 1, block_n 64 in both GEMMs (session 10,
     # bench/results/moe-mosaic-probe-round9-sweep-h200.json): 30.5 us
@@ -358,8 +360,10 @@ def _build(mt: int, nb: int, n: int, k: int, cfg: MosaicConfig, split: int, name
             # split 1); loaded before the pipeline, so its latency hides behind the first copies
             scale = a_gmem[e] * jnp.float32(POST_SCALE) if scaled else None
 
-            # swizzled scale tiles of the CTA: one [Kp/2, 256] tile, or nc of them (ws)
-            tiles = ni if nc == 1 else pl.ds(ni * nc, nc)
+            # swizzled scale tiles of the CTA: one [Kp/2, 256] tile, or nc of them (ws); at
+            # block_n 64 the 128-row tile holding the CTA's rows, read s_off bytes on
+            tiles = (ni // 2 if bn == 64 else ni) if nc == 1 else pl.ds(ni * nc, nc)
+            s_off = (ni % 2) * 8 if swizzled and bn == 64 else None
 
             def sources():
                 if swizzled and split == 1:  # whole rows (past K at K % 256 == 128: zeros)
@@ -390,6 +394,7 @@ def _build(mt: int, nb: int, n: int, k: int, cfg: MosaicConfig, split: int, name
                 tiles=rest[-1] if nc > 1 else None,
                 whole_k=k if whole else None,
                 swizzled=swizzled,
+                s_off=s_off,
             )
 
     nvfp4_moe_mosaic.__name__ = f"nvfp4_moe_mosaic_{name}" if name else "nvfp4_moe_mosaic"
@@ -453,8 +458,9 @@ def grouped_matmul(
 
     x: bf16 [NB*block_m, K], K-permuted (``gemm.mosaic.permute_k_order``). codes: uint8 [E, N, K/2]. scales:
     uint8 or float8_e4m3fn [E, N, K/16] (``scale_layout="linear"``) or [E, Np*Kp]
-    (``"swizzled_128x4"``, flat per expert as ``NVFP4Array`` holds them; block_n 128: each K
-    step copies 2 KB of contiguous scales, and K % 256 == 128 needs no whole-K buffer).
+    (``"swizzled_128x4"``, flat per expert as ``NVFP4Array`` holds them; block_n 128, or 64
+    with one warpgroup: each K step copies the 128-row tile's 2 KB of contiguous scales, and
+    K % 256 == 128 needs no whole-K buffer).
     block_expert: int32 [NB] in [0, E).
     num_blocks: int32 [1]. Returns fp32 ``[split, NB*block_m, N_pad]`` (row ``b*block_m + m``:
     row m of block b, as x's rows): sum over axis 0, times
@@ -463,8 +469,8 @@ def grouped_matmul(
     K step runs half past the end, where TMA reads zeros). Zero-padded weights: codes
     [E, N, Kp/2] and scales for Kp = K rounded up to a multiple of 256 (``moe.pad_fc2``;
     K % 128 == 0): 128-byte aligned code rows, x's missing columns read as zeros, the Kp / 256
-    steps split unevenly like K % 256 == 128's, in either scale layout. ``reference``: XLA emulation (any
-    device), same layout. ``name``: suffix of the kernel's name (``nvfp4_moe_mosaic_<name>``:
+    steps split unevenly like K % 256 == 128's, in either scale layout. ``reference``: XLA
+    emulation (any device), same layout. ``name``: suffix of the kernel's name (``nvfp4_moe_mosaic_<name>``:
     profiles tell FC1 from FC2).
     alpha: None, or fp32 [E]: the kernel multiplies each block's accumulator by
     ``alpha[block_expert[b]]`` and rounds to bf16 (nearest even) before storing; returns bf16
@@ -542,8 +548,9 @@ def grouped_matmul(
 
 def _reads_swizzled(w: NVFP4Array, cfg: MosaicConfig) -> bool:
     """Whether the grouped kernel reads ``w``'s scales as they are, swizzled_128x4 (per-step
-    2 KB tiles; block_n 128), rather than converted to linear."""
-    return w.layout == "swizzled_128x4" and cfg.block_n == 128
+    2 KB tiles; block_n 128, or 64 with one warpgroup), rather than converted to linear."""
+    return w.layout == "swizzled_128x4" and (cfg.block_n == 128
+                                             or (cfg.block_n == 64 and cfg.consumers == 1))
 
 
 def _block_rows(part: jax.Array, n: int) -> jax.Array:
@@ -669,7 +676,8 @@ def moe_mosaic(
             return lax.bitcast_convert_type(w.scales, jnp.uint8), "swizzled_128x4"
         if w.layout != "linear":
             log.warning("nvfp4_jax.moe: %s scales in layout %s are converted to linear on every "
-                        "call (the Mosaic kernel reads linear, or swizzled_128x4 at block_n 128)",
+                        "call (the Mosaic kernel reads linear, or swizzled_128x4 at block_n 128, "
+                        "or 64 with one compute warpgroup)",
                         name, w.layout)
         return lax.bitcast_convert_type(w.linear_scales(), jnp.uint8), "linear"
 

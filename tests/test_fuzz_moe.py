@@ -138,3 +138,26 @@ def test_scales_kernel_is_the_oracle(e, data, mode_scale):
     vec = lambda: np.asarray(data.draw(st.lists(nst.global_scales(), min_size=e, max_size=e)), np.float32)
     w1, w2, s1, s2 = vec(), vec(), vec() * 2688.0, vec() * 2688.0  # input scales: amax / 2688 like D
     assert_scales_kernel_is_oracle(w1, w2, s1, s2, e=e, mode=mode, activation_scale=act)
+
+
+@settings(max_examples=120 if DEEP else 12, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(st.sampled_from([(3, 6, 24), (4, 22, 512), (8, 22, 512), (2, 8, 160)]), st.sampled_from([8, 16]),
+       st.data())
+def test_routing_kernel_routes_method_is_the_grouping(shape, bm, data):
+    """The routing kernel's "routes" method (interpret mode) gives exactly the grouping of an
+    independent numpy sort for drawn routings: distinct experts per token, drawn from a
+    handful (long groups, many experts without tokens) or from all E (nemotron's 512)."""
+    from test_moe_epilogue import _numpy_block_routing
+
+    from nvfp4_jax.moe import epilogue as ep
+
+    t, k, e = shape
+    pool = data.draw(st.integers(k, e), label="experts in use")
+    ids = np.stack([np.asarray(data.draw(st.permutations(range(pool)), label="token order"))[:k]
+                    for _ in range(t)]).astype(np.int32)
+    ids = np.asarray(data.draw(st.permutations(range(e))), np.int32)[ids]  # which experts
+    got = ep.routing_kernel(jnp.asarray(ids), e, bm, interpret=True, method="routes")
+    for name, w in zip(("sorted_route", "block_expert", "num_blocks", "route_pos"),
+                       _numpy_block_routing(ids, e, bm), strict=True):
+        np.testing.assert_array_equal(np.asarray(getattr(got, name)), w, err_msg=name)

@@ -181,11 +181,19 @@ def main():
     ap.add_argument("--swizzled", action="store_true",
                     help="also time the Mosaic default with both weight stacks' scales in "
                          "swizzled_128x4 (variant 'swizzled')")
+    ap.add_argument("--swizzled-bn64", action="store_true",
+                    help="moe.mosaic.SWIZZLED_BLOCK_N64 on for the run: block_n 64 variants read "
+                         "swizzled scales as they are (off: converted to linear on every call)")
     args = ap.parse_args()
+    if args.swizzled_bn64:
+        import nvfp4_jax.moe.mosaic as _mm
+
+        _mm.SWIZZLED_BLOCK_N64 = True
     os.makedirs(args.out, exist_ok=True)
     t0 = time.time()
     rng = np.random.default_rng(0)
-    doc = {**run_metadata(), "what": "moe mosaic probe", "harness": HARNESS, "records": []}
+    doc = {**run_metadata(), "what": "moe mosaic probe", "harness": HARNESS,
+           "swizzled_bn64": args.swizzled_bn64, "records": []}
     recs = doc["records"]
     path = os.path.join(args.out, "moe-mosaic-probe-h200.json")
 

@@ -240,10 +240,11 @@ def test_moe_mosaic_dataflow_matches_oracle(name, mode, activation, order, kw, c
 
 
 @pytest.mark.parametrize("inter,swizzle", [(384, ("fc1", "fc2")), (256, ("fc2",))])
-def test_moe_mosaic_dataflow_swizzled_weights(inter, swizzle, caplog):
+def test_moe_mosaic_dataflow_swizzled_weights(inter, swizzle, caplog, monkeypatch):
     """swizzled_128x4 weight stacks go to the grouped kernel as they are (no conversion, no
-    warning) at block_n 128 and 64, and the layer still matches the oracle; with two compute
-    warpgroups at block_n 64 they are converted to linear on every call, with a warning."""
+    warning) at block_n 128 (and 64 with SWIZZLED_BLOCK_N64), and the layer still matches the
+    oracle; with two compute warpgroups at block_n 64 they are converted to linear on every
+    call, with a warning."""
     case = make_case(np.random.default_rng(inter), t=7, h=256, inter=inter, e=5, k=2, activation="relu2")
     with caplog.at_level(logging.WARNING, logger="nvfp4_jax.moe"):
         out, h = _run(case, mode="trtllm_cutlass", activation="relu2", swizzle=swizzle)
@@ -255,12 +256,16 @@ def test_moe_mosaic_dataflow_swizzled_weights(inter, swizzle, caplog):
                             fc2=MosaicConfig(block_n=128, split_k=3))
     out, h = _run(case, mode="trtllm_cutlass", activation="relu2", swizzle=swizzle, config=split)
     check_against_oracle(case, out, h, mode="trtllm_cutlass", activation="relu2")
-    # block_n 64: read as they are too (each CTA half of a 128-row tile), no warning
+    # block_n 64: converted on every call (warned) until SWIZZLED_BLOCK_N64 is on (after its
+    # GPU tests), then read as they are (each CTA half of a 128-row tile), no warning
     bn64 = MosaicMoEConfig(block_m=8, fc1=MosaicConfig(block_n=64), fc2=MosaicConfig(block_n=64, split_k=2))
-    with caplog.at_level(logging.WARNING, logger="nvfp4_jax.moe"):
-        out, h = _run(case, mode="trtllm_cutlass", activation="relu2", swizzle=swizzle, config=bn64)
-    assert "converted to linear" not in caplog.text
-    check_against_oracle(case, out, h, mode="trtllm_cutlass", activation="relu2")
+    for on in (False, True):
+        monkeypatch.setattr(mm, "SWIZZLED_BLOCK_N64", on)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="nvfp4_jax.moe"):
+            out, h = _run(case, mode="trtllm_cutlass", activation="relu2", swizzle=swizzle, config=bn64)
+        assert ("converted to linear" in caplog.text) == (not on)
+        check_against_oracle(case, out, h, mode="trtllm_cutlass", activation="relu2")
     # block_n 64 with two compute warpgroups cannot: converted on every call, with a warning
     which = "fc1" if "fc1" in swizzle else "fc2"  # (K = I = 384 has no linear ws form)
     ws64 = MosaicMoEConfig(block_m=16, **{which: MosaicConfig(block_n=64, consumers=2)})

@@ -309,9 +309,13 @@ def test_moe_mosaic_gpu_routes_method_matches_oracle(routing, monkeypatch):
     check_against_oracle(case, out, h, mode="trtllm_cutlass", activation="relu2")
 
 
-def test_moe_mosaic_gpu_swizzled_bn64_matches_oracle():
+def test_moe_mosaic_gpu_swizzled_bn64_matches_oracle(monkeypatch, caplog):
     """qwen3's layer on swizzled weights with 64-row weight tiles in both GEMMs (what
-    AUTO_SM90_LINEAR picks for linear weights at T = 1), read as they are, fused routing."""
+    AUTO_SM90_LINEAR picks for linear weights at T = 1), read as they are
+    (SWIZZLED_BLOCK_N64 on: this test is what turns it on for good), fused routing."""
+    from nvfp4_jax.moe import mosaic as mm
+
+    monkeypatch.setattr(mm, "SWIZZLED_BLOCK_N64", True)
     case = make_case_fast(np.random.default_rng(64), **{**QWEN, "t": 3, "e": 16, "k": 4})
     hidden, ids, w, fc1, fc2, s1, s2 = to_jax(case)
     cfg = MosaicMoEConfig(block_m=8, fc1=MosaicConfig(block_n=64, split_k=2, num_stages=2),
@@ -320,7 +324,9 @@ def test_moe_mosaic_gpu_swizzled_bn64_matches_oracle():
     fn = functools.partial(moe_pallas, activation="swiglu", gate_up_order="up_gate", mode="b12x",
                            activation_scale="per_expert", kernel="mosaic", return_intermediates=True,
                            config=cfg)
-    out, inter = jax.jit(fn)(hidden, ids, w, fc1.with_layout("swizzled_128x4"),
-                             fc2.with_layout("swizzled_128x4"), s1, s2)
+    with caplog.at_level(logging.WARNING, logger="nvfp4_jax.moe"):
+        out, inter = jax.jit(fn)(hidden, ids, w, fc1.with_layout("swizzled_128x4"),
+                                 fc2.with_layout("swizzled_128x4"), s1, s2)
+    assert "converted to linear" not in caplog.text
     f = lambda a: np.asarray(a.astype(jnp.float32), np.float64)
     check_against_oracle(case, f(out), f(inter["h"]), mode="b12x", activation="swiglu")

@@ -546,11 +546,19 @@ def grouped_matmul(
                   padded=padded)(*operands)
 
 
+#: The layer reads swizzled_128x4 scales as they are at block_n 64 too (each CTA half of a
+#: 128-row tile; ``grouped_matmul`` takes them either way). Off until that path has passed
+#: its GPU tests (written in session 11, after the device budget was spent): until then the
+#: layer converts such weights to linear on every call, with a warning, as before.
+SWIZZLED_BLOCK_N64 = False
+
+
 def _reads_swizzled(w: NVFP4Array, cfg: MosaicConfig) -> bool:
     """Whether the grouped kernel reads ``w``'s scales as they are, swizzled_128x4 (per-step
-    2 KB tiles; block_n 128, or 64 with one warpgroup), rather than converted to linear."""
-    return w.layout == "swizzled_128x4" and (cfg.block_n == 128
-                                             or (cfg.block_n == 64 and cfg.consumers == 1))
+    2 KB tiles; block_n 128, or 64 with one warpgroup when SWIZZLED_BLOCK_N64), rather than
+    converted to linear."""
+    return w.layout == "swizzled_128x4" and (
+        cfg.block_n == 128 or (SWIZZLED_BLOCK_N64 and cfg.block_n == 64 and cfg.consumers == 1))
 
 
 def _block_rows(part: jax.Array, n: int) -> jax.Array:
@@ -676,8 +684,8 @@ def moe_mosaic(
             return lax.bitcast_convert_type(w.scales, jnp.uint8), "swizzled_128x4"
         if w.layout != "linear":
             log.warning("nvfp4_jax.moe: %s scales in layout %s are converted to linear on every "
-                        "call (the Mosaic kernel reads linear, or swizzled_128x4 at block_n 128, "
-                        "or 64 with one compute warpgroup)",
+                        "call (the Mosaic kernel reads linear, or swizzled_128x4 at block_n 128; "
+                        "at 64 with one compute warpgroup once SWIZZLED_BLOCK_N64 is on)",
                         name, w.layout)
         return lax.bitcast_convert_type(w.linear_scales(), jnp.uint8), "linear"
 

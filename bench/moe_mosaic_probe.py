@@ -184,16 +184,23 @@ def main():
     ap.add_argument("--swizzled-bn64", action="store_true",
                     help="moe.mosaic.SWIZZLED_BLOCK_N64 on for the run: block_n 64 variants read "
                          "swizzled scales as they are (off: converted to linear on every call)")
+    ap.add_argument("--routes-method", action="store_true",
+                    help="moe.epilogue.ROUTES_METHOD on for the run: routing kernels over more "
+                         "than 128 experts (nemotron) take the routes method (off: XLA routing)")
     args = ap.parse_args()
     if args.swizzled_bn64:
         import nvfp4_jax.moe.mosaic as _mm
 
         _mm.SWIZZLED_BLOCK_N64 = True
+    if args.routes_method:
+        import nvfp4_jax.moe.epilogue as _ep
+
+        _ep.ROUTES_METHOD = True
     os.makedirs(args.out, exist_ok=True)
     t0 = time.time()
     rng = np.random.default_rng(0)
     doc = {**run_metadata(), "what": "moe mosaic probe", "harness": HARNESS,
-           "swizzled_bn64": args.swizzled_bn64, "records": []}
+           "swizzled_bn64": args.swizzled_bn64, "routes_method": args.routes_method, "records": []}
     recs = doc["records"]
     path = os.path.join(args.out, "moe-mosaic-probe-h200.json")
 

@@ -247,7 +247,7 @@ def test_routing_kernel_is_the_block_routing(t, k, e, bm, kind, method):
     exactly the numpy grouping and exactly what the XLA ``block_routing`` gives: uneven groups,
     experts without tokens, all tokens on one expert (506 routes on three experts), E not a
     power of two, nemotron T = 8 (176 routes over 512 experts: the routes method only)."""
-    if method not in ep.routing_methods(t * k, e, bm):
+    if method not in ep.routing_methods(t * k, e, bm, explicit=True):
         pytest.skip(f"{method} does not take {t * k} routes over {e} experts")
     rng = np.random.default_rng(t * 100 + k)
     ids = np.argsort(rng.random((t, e)), axis=1)[:, :k].astype(np.int32)
@@ -256,7 +256,6 @@ def test_routing_kernel_is_the_block_routing(t, k, e, bm, kind, method):
     if kind == "one_expert":
         ids[:, 0] = 3  # every token's first route on expert 3, the others on experts 0 and 1
         ids[:, 1:] = ids[:, 1:] % 2
-    assert ep.routing_kernel_fits(t * k, e, bm)
     got = ep.routing_kernel(jnp.asarray(ids), e, bm, interpret=True, method=method)
     want = _numpy_block_routing(ids, e, bm)
     xla = block_routing(jnp.asarray(ids), e, bm)
@@ -284,13 +283,18 @@ def test_routing_kernel_with_scales(mode, act_scale):
         np.testing.assert_array_equal(np.asarray(got).view(np.uint32), np.asarray(w).view(np.uint32))
 
 
-def test_routing_kernel_lowers_and_refuses_large_routings():
+def test_routing_kernel_lowers_and_refuses_large_routings(monkeypatch):
     for t in (1, 8):  # nemotron T = 1 and 8: the routes method
-        f = jax.jit(lambda ids: ep.routing_kernel(ids, 512, 8))
+        f = jax.jit(lambda ids: ep.routing_kernel(ids, 512, 8, method="routes"))
         text = f.trace(jax.ShapeDtypeStruct((t, 22), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
         assert "nvfp4_moe_routing" in text
-    assert ep.routing_methods(8 * 22, 512, 8) == ("routes",)
-    assert ep.routing_methods(8 * 8, 128, 8) == ("experts", "routes")  # qwen3 T = 8: as measured
+    # the layer picks the routes method only once ROUTES_METHOD is on (after its GPU tests)
+    assert ep.routing_methods(8 * 22, 512, 8, explicit=True) == ("routes",)
+    assert ep.routing_methods(8 * 22, 512, 8) == () and not ep.routing_kernel_fits(8 * 22, 512, 8)
+    assert ep.routing_methods(8 * 8, 128, 8) == ("experts",)  # qwen3 T = 8: as measured
+    monkeypatch.setattr(ep, "ROUTES_METHOD", True)
+    assert ep.routing_methods(8 * 22, 512, 8) == ("routes",) and ep.routing_kernel_fits(8 * 22, 512, 8)
+    assert ep.routing_methods(8 * 8, 128, 8) == ("experts", "routes")
     assert not ep.routing_kernel_fits(64 * 22, 512, 8)  # nemotron T = 64: XLA routing
     with pytest.raises(ValueError, match="^topk_ids: 1408 routes over 512 experts"):
         ep.routing_kernel(jnp.zeros((64, 22), jnp.int32), 512, 8, interpret=True)
@@ -304,7 +308,7 @@ def test_routing_kernel_lowers_and_refuses_large_routings():
     ("trtllm_cutlass", "scalar", 2.0**8, 1, 8, 128, 4096, None),  # two K tiles of 2048
     ("b12x", "scalar", 2.0**-3, 5, 3, 7, 256, None),              # E not a power of two
     ("b12x", "per_expert", 1.0, 3, 6, 24, 256, "routes"),
-    ("trtllm_cutlass", "scalar", 2.0**8, 2, 22, 512, 1024, None),  # nemotron: routes
+    ("trtllm_cutlass", "scalar", 2.0**8, 2, 22, 512, 1024, "routes"),  # nemotron
 ])
 def test_routing_operand_kernel_is_the_two_kernels(mode, act_scale, x_mag, t, k, e, h, method):
     """routing="fused": routing, scales and the FC1 operand from one launch are bit for bit
@@ -352,7 +356,7 @@ def test_routing_operand_kernel_lowers_and_checks_operands():
                                   vecs[:4] + ("trtllm_cutlass", "scalar"), recipe="trtllm", interpret=True)
     # nemotron T = 8 (the routes method) lowers
     v512 = (jnp.ones(512),) * 4 + ("trtllm_cutlass", "scalar")
-    f = jax.jit(lambda ids, x: ep.routing_operand_kernel(ids, x, 512, 8, v512, recipe="trtllm"))
+    f = jax.jit(lambda ids, x: ep.routing_operand_kernel(ids, x, 512, 8, v512, recipe="trtllm", method="routes"))
     text = f.trace(jax.ShapeDtypeStruct((8, 22), jnp.int32),
                    jax.ShapeDtypeStruct((8, 1024), jnp.bfloat16)).lower(lowering_platforms=("cuda",)).as_text()
     assert "nvfp4_moe_routing_operand" in text

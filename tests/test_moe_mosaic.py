@@ -575,11 +575,13 @@ def test_fused_routing_config_is_checked():
 
 @pytest.mark.parametrize("routing", ["kernel", "fused"])
 def test_moe_mosaic_dataflow_routes_method(routing, monkeypatch, caplog):
-    """The routing kernels' "routes" method (above 128 experts; forced here at 24 experts by
-    lowering ROUTING_EXPERTS_MAX) inside the layer, against the oracle; no fallback to XLA."""
+    """The routing kernels' "routes" method (above 128 experts, once ROUTES_METHOD is on;
+    forced here at 24 experts by lowering ROUTING_EXPERTS_MAX) inside the layer, against the
+    oracle; no fallback to XLA."""
     from nvfp4_jax.moe import epilogue as ep
 
     monkeypatch.setattr(ep, "ROUTING_EXPERTS_MAX", 8)
+    monkeypatch.setattr(ep, "ROUTES_METHOD", True)
     assert ep.routing_methods(9 * 3, 24, 8) == ("routes",)
     case = make_case(np.random.default_rng(31), t=9, h=256, inter=384, e=24, k=3, activation="relu2",
                      routing="skewed")

@@ -270,16 +270,16 @@ def test_routing_kernel_routes_method_on_gpu(t):
 
     rng = np.random.default_rng(t)
     e, k, bm, h = 512, 22, 8, 1024
-    assert ep.routing_methods(t * k, e, bm) == ("routes",)
+    assert ep.routing_methods(t * k, e, bm, explicit=True) == ("routes",)
     ids = jnp.asarray(np.argsort(rng.random((t, e)), axis=1)[:, :k].astype(np.int32))
     want = block_routing(ids, e, bm)
     vecs = [jnp.asarray(np.exp2(rng.uniform(-12, 4, e)).astype(np.float32)) for _ in range(4)]
     scales = (*vecs, "trtllm_cutlass", "scalar")
     hidden = jnp.asarray(rng.standard_normal((t, h)) * 64, jnp.bfloat16)
-    got = jax.jit(lambda i: ep.routing_kernel(i, e, bm))(ids)
-    got_s, sv = jax.jit(lambda i: ep.routing_kernel(i, e, bm, scales=scales))(ids)
-    got_f, sv_f, xp = jax.jit(lambda i, x: ep.routing_operand_kernel(i, x, e, bm, scales, recipe="trtllm"))(
-        ids, hidden)
+    got = jax.jit(lambda i: ep.routing_kernel(i, e, bm, method="routes"))(ids)
+    got_s, sv = jax.jit(lambda i: ep.routing_kernel(i, e, bm, scales=scales, method="routes"))(ids)
+    got_f, sv_f, xp = jax.jit(lambda i, x: ep.routing_operand_kernel(i, x, e, bm, scales, recipe="trtllm",
+                                                                     method="routes"))(ids, hidden)
     for br in (got, got_s, got_f):
         for name in ("sorted_route", "block_expert", "num_blocks", "route_pos"):
             np.testing.assert_array_equal(np.asarray(getattr(br, name)), np.asarray(getattr(want, name)),
@@ -302,6 +302,7 @@ def test_moe_mosaic_gpu_routes_method_matches_oracle(routing, monkeypatch):
     from nvfp4_jax.moe import epilogue as ep
 
     monkeypatch.setattr(ep, "ROUTING_EXPERTS_MAX", 8)
+    monkeypatch.setattr(ep, "ROUTES_METHOD", True)  # these tests are what turn it on for good
     assert ep.routing_methods(8 * 6, 24, 8) == ("routes",)
     case = make_case_fast(np.random.default_rng(24), **{**NEMO, "t": 8, "e": 24, "k": 6})
     cfg = MosaicMoEConfig(block_m=8, routing=routing, skip_padding=True)

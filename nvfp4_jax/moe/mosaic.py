@@ -114,10 +114,11 @@ class MosaicMoEConfig:
     ``routing_kernel_fits``; larger ones use "xla", logged). Both give the same routing.
     Measured on the H200: faster for qwen3 at T <= 8 (-2.4..-3.5 us), slower for nemotron
     T = 1 (+7 us, session 8: one program compared 512 experts), so ``AUTO_SM90`` sets it per
-    shape and "xla" is the default. Since session 11 routings over more than 128 experts take
-    the kernel's "routes" method (route-by-route compares, no expert dimension; nemotron up to
-    T = 23), CPU-tested and compiled (ptxas sm_90: 32 registers at nemotron T = 1), not yet
-    measured; nemotron's ``AUTO_SM90`` entries keep "xla" until it is.
+    shape and "xla" is the default. Routings over more than 128 experts (nemotron up to
+    T = 23) fit the kernel's "routes" method (session 11: route-by-route compares, no expert
+    dimension), CPU-tested and compiled (ptxas sm_90: 32 registers at nemotron T = 1), not yet
+    run on a GPU: until ``epilogue.ROUTES_METHOD`` is turned on after its GPU tests they get
+    the XLA routing (logged), and nemotron's ``AUTO_SM90`` entries keep "xla".
     "fused" (``epilogue.routing_operand_kernel``; needs
     ``scales="kernel"`` and ``skip_padding``): the routing, the scales and the FC1 operand in
     one launch instead of two, each program recomputing the small routing in registers. Bit for

@@ -19,7 +19,8 @@ sweep): ``_``-joined knobs applied to both GEMMs of the case's default config: `
 ``f1``/``f2``, to one GEMM only; ``rk``: the one-launch routing kernel
 (``MosaicMoEConfig.routing="kernel"``); ``sp``: ``skip_padding``; ``bf``: ``bf16_partials``;
 ``sk`` / ``sx``: the scales from one kernel (``scales="kernel"``, the default since session 10) /
-from XLA fusions (``scales="xla"``); ``fr``: ``routing="fused"``; ``pf``: the same config on FC2
+from XLA fusions (``scales="xla"``); ``fr``: ``routing="fused"``; ``er``: ``epilogue="routes"``;
+``pf``: the same config on FC2
 weights zero-padded along K (``nvfp4_jax.moe.pad_fc2``, made outside the timed loop).
 With ``--swizzled`` the named configs run on the swizzled weights. ``--swizzled``: the default
 config again with the weights' scales in ``swizzled_128x4`` (read per step by the kernel; no
@@ -117,6 +118,7 @@ LAYER_KNOBS = {
     "sk": ("scales", "kernel"),  # the scales (G, 1/G, alphas) from one kernel (the default)
     "sx": ("scales", "xla"),  # ... from XLA fusions instead
     "fr": ("routing", "fused"),  # routing, scales and FC1 operand in one launch (with sk, sp)
+    "er": ("epilogue", "routes"),  # the FC1 epilogue one program per route
 }
 
 

@@ -364,12 +364,13 @@ def test_routing_operand_kernel_lowers_and_checks_operands():
 
 @pytest.mark.parametrize("activation,split", [("relu2", 1), ("swiglu", 2)])
 def test_skip_padding_rows_keeps_the_routed_rows(activation, split):
-    """skip_padding (operand) and sorted_route (epilogue): the routed rows are bit for bit the
-    full kernels' rows; the padding rows are not written (the partials' padding rows hold NaN
-    here, as garbage would on the GPU, and no NaN reaches a routed row)."""
+    """skip_padding (operand) and sorted_route (epilogue), or the epilogue one program per
+    route (route_pos): the routed rows are bit for bit the full kernels' rows; the padding
+    rows are not written (the partials' padding rows hold NaN here, as garbage would on the
+    GPU, and no NaN reaches a routed row)."""
     rng = np.random.default_rng(5 + split)
     t, k, e, bm, h, inter = 6, 3, 8, 8, 256, 256
-    _, br, nb = _routing(rng, t, k, e, bm, skew=True)
+    ids, br, nb = _routing(rng, t, k, e, bm, skew=True)
     hidden = jnp.asarray(rng.standard_normal((t, h)), jnp.bfloat16)
     g1, g2, a1, _ = _scales(rng, e, "trtllm_cutlass", "scalar")
     kw = {"top_k": k, "block_m": bm, "recipe": "trtllm", "per_expert": False, "interpret": True}
@@ -390,12 +391,17 @@ def test_skip_padding_rows_keeps_the_routed_rows(activation, split):
                                  _div(1.0, g2), **ekw)
     hv_s, hb_s = ep.fc1_epilogue(part, br.block_expert, br.num_blocks, a1, g2, _div(1.0, g2),
                                  sorted_route=br.sorted_route, n_routes=t * k, **ekw)
-    for got, want in ((hv_s, hv_f), (hb_s, hb_f)):
+    hv_r, hb_r = ep.fc1_epilogue(part, br.block_expert, br.num_blocks, a1, g2, _div(1.0, g2),
+                                 route_pos=br.route_pos, route_expert=jnp.asarray(ids.reshape(-1), jnp.int32),
+                                 **ekw)
+    for got, want in ((hv_s, hv_f), (hb_s, hb_f), (hv_r, hv_f), (hb_r, hb_f)):
         g, w = np.asarray(got, np.float32)[live], np.asarray(want, np.float32)[live]
         assert np.all(np.isfinite(g)) and np.count_nonzero(w) > w.size // 4
         np.testing.assert_array_equal(g, w)
     with pytest.raises(ValueError, match="^sorted_route and n_routes"):
         ep.fc1_epilogue(part, br.block_expert, br.num_blocks, a1, g2, g2, sorted_route=br.sorted_route, **ekw)
+    with pytest.raises(ValueError, match="^route_pos and route_expert"):
+        ep.fc1_epilogue(part, br.block_expert, br.num_blocks, a1, g2, g2, route_pos=br.route_pos, **ekw)
 
 
 @pytest.mark.parametrize("e", [5, 128, 512])

@@ -65,6 +65,7 @@ def test_grouped_kernel_lowers_for_cuda(nb, mt, e, n, k, cfg):
     ("swiglu", 768, MosaicMoEConfig(block_m=8, scales="xla", routing="kernel")),
     ("swiglu", 768, MosaicMoEConfig(block_m=8, routing="kernel")),
     ("swiglu", 768, MosaicMoEConfig(block_m=8, routing="fused", skip_padding=True)),
+    ("relu2", 2688, MosaicMoEConfig(block_m=8, epilogue="routes", skip_padding=True)),
 ])
 def test_moe_mosaic_layer_lowers_for_cuda(activation, inter, config):
     """The whole layer (routing, kernels, glue): both GEMMs on Mosaic (nemotron's FC2, K = 2688,
@@ -230,6 +231,16 @@ SPLIT = MosaicMoEConfig(block_m=16, fc1=MosaicConfig(block_n=64, split_k=2, num_
     ("ws_relu2_b12x", "b12x", "relu2", "up_gate", {"t": 9, "h": 256, "inter": 512, "e": 4, "k": 2},
      MosaicMoEConfig(block_m=8, fc1=MosaicConfig(block_n=64, consumers=3),
                      fc2=MosaicConfig(block_n=64, consumers=3))),
+    # the FC1 epilogue one program per route (epilogue="routes"): fp32 partials with FC1
+    # split, bf16 products, swiglu with fused routing
+    ("epilogue_routes_relu2_trtllm", "trtllm_cutlass", "relu2", "up_gate",
+     {"t": 9, "h": 256, "inter": 384, "e": 6, "k": 3, "routing": "skewed", "scale_factor": 2.0**15},
+     MosaicMoEConfig(block_m=8, epilogue="routes", fc1=MosaicConfig(block_n=128, split_k=2))),
+    ("epilogue_routes_bf16_trtllm", "trtllm_cutlass", "relu2", "up_gate",
+     {"t": 5, "h": 256, "inter": 256, "e": 8, "k": 3}, MosaicMoEConfig(block_m=8, epilogue="routes",
+                                                                    bf16_partials=True)),
+    ("epilogue_routes_swiglu_b12x", "b12x", "swiglu", "gate_up", {"t": 4, "h": 512, "inter": 256, "e": 6, "k": 2},
+     MosaicMoEConfig(block_m=8, epilogue="routes", routing="fused", skip_padding=True)),
 ])
 def test_moe_mosaic_dataflow_matches_oracle(name, mode, activation, order, kw, config):
     case = make_case(np.random.default_rng(len(name)), activation=activation, **kw)

@@ -102,6 +102,11 @@ def _run(case, *, mode, activation, order="up_gate", config=None, kernel="mosaic
      MosaicMoEConfig(block_m=8, scales="kernel", routing="fused", skip_padding=True)),
     ("qwen_fused_routing_trtllm", "trtllm_cutlass", {**QWEN, "t": 8, "e": 128, "k": 8}, "up_gate",
      MosaicMoEConfig(block_m=8, scales="kernel", routing="fused", skip_padding=True)),
+    # the FC1 epilogue one program per route (epilogue="routes", session 11)
+    ("nemotron_epilogue_routes_trtllm", "trtllm_cutlass", {**NEMO, "t": 8, "e": 24, "k": 6}, "up_gate",
+     MosaicMoEConfig(block_m=8, epilogue="routes", skip_padding=True)),
+    ("qwen_epilogue_routes_b12x", "b12x", {**QWEN, "t": 3, "e": 16, "k": 4}, "up_gate",
+     MosaicMoEConfig(block_m=8, epilogue="routes", routing="fused", skip_padding=True)),
     # warp-specialized grouped GEMMs (consumers: compute warpgroups sharing x); "ws" in the
     # name: run them alone first on a new GPU
     ("qwen_ws2_trtllm", "trtllm_cutlass", {**QWEN, "t": 40, "e": 4, "k": 2}, "up_gate",

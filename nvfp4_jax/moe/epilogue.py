@@ -167,16 +167,17 @@ def tiles_per_program(n_tiles: int, rows: int, halves: int) -> int:
 def _fc1_epilogue_kernel(route_ref, be_ref, nb_ref, part_ref, a1_ref, g2_ref, rg2_ref, hv_ref, *h_ref,
                          mt: int, split: int, inter: int, per: int, activation: str,
                          gate_up_order: str, mode: str, recipe: str, exact_asm: bool,
-                         n_routes: int | None, prescaled: bool):
+                         n_routes: int | None, prescaled: bool, by_route: bool = False):
     n_groups = inter // (TILE * per)
     pid = pl.program_id(0)
     b, c0 = pid // n_groups, pid % n_groups * (TILE * per)
 
-    @pl.when(b < nb_ref[0])
-    def _():
-        rows = pl.ds(b * mt, mt)
+    # by_route: program b is route b (route_ref: route_pos, be_ref: the routes' experts), its
+    # one row at its sorted position; else block b's mt rows (blocks past num_blocks: nothing)
+    def body():
+        rows = pl.ds(route_ref[b], 1) if by_route else pl.ds(b * mt, mt)
         load_kw, store_kw = {}, {}  # n_routes given: only the block's routed rows are read and written
-        if n_routes is not None:
+        if n_routes is not None and not by_route:
             live = (plgpu.load(route_ref.at[rows]) < n_routes)[:, None]
             load_kw, store_kw = {"mask": live, "other": 0.0}, {"mask": live}
 
@@ -205,17 +206,26 @@ def _fc1_epilogue_kernel(route_ref, be_ref, nb_ref, part_ref, a1_ref, g2_ref, rg
             plgpu.store(hv_ref.at[rows, cols], permute_k_order(q.reshape(mt, TILE)).astype(jnp.bfloat16),
                         **store_kw)
 
+    if by_route:
+        body()
+    else:
+        pl.when(b < nb_ref[0])(body)
+
 
 def fc1_epilogue(part: jax.Array, block_expert: jax.Array, num_blocks: jax.Array, a1: jax.Array,
                  g2: jax.Array, rg2: jax.Array, *, inter: int, activation: str, gate_up_order: str,
                  mode: str, recipe: str, return_h: bool = False, interpret: bool = False,
-                 sorted_route: jax.Array | None = None, n_routes: int | None = None):
+                 sorted_route: jax.Array | None = None, n_routes: int | None = None,
+                 route_pos: jax.Array | None = None, route_expert: jax.Array | None = None):
     """FC1 partials -> the FC2 operand (K-permuted ``q * sf`` bf16 [EM, I]) and, with
     ``return_h``, ``h`` bf16 [EM, I] (natural order).
 
     ``sorted_route`` int32 [EM] with ``n_routes`` (= T*k, the padding sentinel): padding rows
     are neither read (masked loads: no memory traffic) nor written; without them every row
-    of the valid blocks is processed.
+    of the valid blocks is processed. ``route_pos`` and ``route_expert`` int32 [T*k] (each
+    route's sorted row and expert) instead: one program per route and column group, each
+    loading only its route's row (``MosaicMoEConfig.epilogue="routes"``); the same values, and
+    padding rows are not written either.
 
     part fp32 [split, EM, R_pad] (``mosaic.grouped_matmul``'s output, token-major, times 2^-7;
     R = I or 2I for swiglu, R_pad >= R; EM = NB * block_m), or bf16 [1, EM, R_pad]: the
@@ -234,17 +244,25 @@ def fc1_epilogue(part: jax.Array, block_expert: jax.Array, num_blocks: jax.Array
                          f"and NB = {nb} blocks, got {part.shape} for I={inter}, {activation}")
     if (sorted_route is None) != (n_routes is None):
         raise ValueError("sorted_route and n_routes: give both (skip padding rows) or neither")
-    mt = em // nb
+    by_route = route_pos is not None
+    if by_route != (route_expert is not None) or (by_route and sorted_route is not None):
+        raise ValueError("route_pos and route_expert: give both (one program per route), and "
+                         "then not sorted_route")
+    mt = 1 if by_route else em // nb
     per = tiles_per_program(inter // TILE, mt, 2 if activation == "swiglu" else 1)
     out = [jax.ShapeDtypeStruct((em, inter), jnp.bfloat16)] * (2 if return_h else 1)
     kern = functools.partial(_fc1_epilogue_kernel, mt=mt, split=split, inter=inter, per=per,
                              activation=activation, gate_up_order=gate_up_order, mode=mode,
                              recipe=recipe, exact_asm=not interpret, n_routes=n_routes,
-                             prescaled=prescaled)
-    route = sorted_route if sorted_route is not None else jnp.zeros((1,), jnp.int32)  # unread
-    res = _call(kern, tuple(out), (nb * (inter // (TILE * per)),), num_warps=4,
+                             prescaled=prescaled, by_route=by_route)
+    if by_route:
+        route, who, programs = route_pos.astype(jnp.int32), route_expert.astype(jnp.int32), route_pos.shape[0]
+    else:
+        route = sorted_route if sorted_route is not None else jnp.zeros((1,), jnp.int32)  # unread
+        who, programs = block_expert, nb
+    res = _call(kern, tuple(out), (programs * (inter // (TILE * per)),), num_warps=4,
                 name="nvfp4_moe_fc1_epilogue", interpret=interpret)(
-        route, block_expert, num_blocks, part, a1, g2, rg2)
+        route, who, num_blocks, part, a1, g2, rg2)
     return (res[0], res[1]) if return_h else (res[0], None)
 
 

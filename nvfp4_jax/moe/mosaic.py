@@ -136,6 +136,12 @@ class MosaicMoEConfig:
     (no rounding there) and for a split GEMM. H200 (session 9): passes the oracle tests; the
     default from ``BF16_PARTIALS_ROUTES`` routed rows on and in two ``AUTO_SM90`` entries,
     where it measured faster (nemotron T = 4096: -3.5 %, qwen3 T = 512: -5 %).
+    epilogue: "blocks" (the default: the FC1 epilogue kernel runs one program per routing block
+    and column group, masking the padding rows with skip_padding) or "routes" (one program
+    per route and column group, loading only that route's row: at decode most block rows are
+    padding, e.g. nemotron T = 8 has ~1.2 routed rows per 8-row block, and a block program
+    holds registers for all 8). The same values (CPU, interpret mode); session 11, CPU only,
+    not yet measured.
     scales: "kernel" (the default: ``epilogue.moe_scales_kernel``, one Pallas-Triton launch,
     ``div.rn.f32`` whatever XLA's flags; with ``routing="kernel"`` the routing kernel's launch
     computes them) or "xla" (``xla.moe_scales`` and two reciprocals: 11-14 small XLA fusions
@@ -156,6 +162,7 @@ class MosaicMoEConfig:
     skip_padding: bool = False
     bf16_partials: bool = False
     scales: str = "kernel"
+    epilogue: str = "blocks"
 
     def __post_init__(self) -> None:
         for name in ("skip_padding", "bf16_partials"):
@@ -166,6 +173,8 @@ class MosaicMoEConfig:
                              f"got {self.routing!r}")
         if self.scales not in ("xla", "kernel"):
             raise ValueError(f"MosaicMoEConfig.scales: expected 'xla' or 'kernel', got {self.scales!r}")
+        if self.epilogue not in ("blocks", "routes"):
+            raise ValueError(f"MosaicMoEConfig.epilogue: expected 'blocks' or 'routes', got {self.epilogue!r}")
         if self.routing == "fused" and not (self.skip_padding and self.scales == "kernel"):
             raise ValueError("MosaicMoEConfig.routing: 'fused' computes the scales and writes only "
                              "the routed operand rows; it needs scales='kernel' and skip_padding=True, "
@@ -717,7 +726,12 @@ def moe_mosaic(
     if on2:
         # FC1 epilogue (alpha, bf16, activation, requantization, K permutation), FC2 (Mosaic),
         # combine (alpha2, bf16, router weight, top-k sum): one launch each
-        skip = {"sorted_route": br.sorted_route, "n_routes": n_routes} if config.skip_padding else {}
+        if config.epilogue == "routes":  # one program per route: only routed rows, unmasked
+            skip = {"route_pos": br.route_pos, "route_expert": topk_ids.reshape(-1)}
+        elif config.skip_padding:
+            skip = {"sorted_route": br.sorted_route, "n_routes": n_routes}
+        else:
+            skip = {}
         hvp, hb = fc1_epilogue(part1, *meta, a1, g2, rg2, inter=inter, **skip,
                                activation=activation, gate_up_order=gate_up_order, mode=mode,
                                recipe=recipe, return_h=return_intermediates, interpret=reference)

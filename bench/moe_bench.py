@@ -256,9 +256,8 @@ def main():
         p1, p2 = (q1, q2) if args.scale_layout == "linear" else (
             jax.block_until_ready(q1.with_layout(args.scale_layout)),
             jax.block_until_ready(q2.with_layout(args.scale_layout)))
-        padded = args.pad_fc2 and pad_fc2(p2).shape != p2.shape
-        if padded:
-            p2 = jax.block_until_ready(pad_fc2(p2))
+        p2p = jax.block_until_ready(pad_fc2(p2)) if args.pad_fc2 else p2  # (a no-op at I % 256 == 0)
+        padded, p2 = p2p.shape != p2.shape, p2p
         layers = {
             "nvfp4_moe": (nvfp4_layer(act, "pallas"), (p1, p2, s1, s2)),
             "dequant_ragged_dot": (nvfp4_layer(act, "xla"), (q1, q2, s1, s2)),

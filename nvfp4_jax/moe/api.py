@@ -63,7 +63,7 @@ def _check(hidden, fc1, fc2, s1, s2, activation, gate_up_order, mode, backend, a
         if s.dtype != jnp.float32 or s.shape not in ((e,), ()):
             raise ValueError(f"{name}: expected float32 [E={e}] (ModelOpt input_scale, decode form), "
                              f"got {s.dtype} {s.shape}")
-    return e
+    return e, inter
 
 
 def moe(
@@ -118,7 +118,8 @@ def moe(
         activation_scale = "scalar" if mode == "trtllm_cutlass" else "per_expert"
     s1 = jnp.asarray(fc1_input_scale)
     s2 = jnp.asarray(fc2_input_scale)
-    e = _check(hidden, fc1, fc2, s1, s2, activation, gate_up_order, mode, backend, activation_scale)
+    e, inter = _check(hidden, fc1, fc2, s1, s2, activation, gate_up_order, mode, backend,
+                      activation_scale)
     if kernel not in KERNELS:
         raise ValueError(f"kernel: expected one of {KERNELS}, got {kernel!r}")
     s1, s2 = jnp.broadcast_to(s1, (e,)), jnp.broadcast_to(s2, (e,))
@@ -149,7 +150,6 @@ def moe(
     if backend == "auto":
         backend = "pallas" if _on_gpu() else "xla"
     if backend == "xla":
-        inter = fc1.shape[1] // 2 if activation == "swiglu" else fc1.shape[1]
         return moe_xla(hidden, topk_ids, topk_weights, fc1, unpad_fc2(fc2, inter), s1, s2, **kw)
     from .pallas_triton import moe_pallas
 

@@ -177,7 +177,7 @@ def _fc1_epilogue_kernel(route_ref, be_ref, nb_ref, part_ref, a1_ref, g2_ref, rg
     def body():
         rows = pl.ds(route_ref[b], 1) if by_route else pl.ds(b * mt, mt)
         load_kw, store_kw = {}, {}  # n_routes given: only the block's routed rows are read and written
-        if n_routes is not None and not by_route:
+        if n_routes is not None:  # (never with by_route: fc1_epilogue refuses the pair)
             live = (plgpu.load(route_ref.at[rows]) < n_routes)[:, None]
             load_kw, store_kw = {"mask": live, "other": 0.0}, {"mask": live}
 
@@ -379,6 +379,12 @@ def _route_positions(ids_ref, *, n: int, num_experts: int, block_m: int):
     return j, valid, pos, padded, pad_end, ep
 
 
+def _lane_ids(ids_ref, start: int, size: int, n: int, fill: int):
+    """(lanes start..start+size-1, their routes' experts; ``fill`` past the n routes)."""
+    jj = start + lax.broadcasted_iota(jnp.int32, (size,), 0)
+    return jj, jnp.where(jj < n, plgpu.load(ids_ref.at[jnp.minimum(jj, n - 1)]), fill)
+
+
 def _route_counts(ids_ref, *, n: int):
     """The "routes" method's first pass: (j, valid, ids, rank, count) [np] with each route's
     expert, its rank among the earlier routes of that expert and that expert's route count,
@@ -386,14 +392,12 @@ def _route_counts(ids_ref, *, n: int):
     invalid, id -1, count 0)."""
     np_ = _pow2(n)
     c = min(np_, ROUTE_CHUNK)
-    j = lax.broadcasted_iota(jnp.int32, (np_,), 0)
+    j, ids = _lane_ids(ids_ref, 0, np_, n, -1)
     valid = j < n
-    ids = jnp.where(valid, plgpu.load(ids_ref.at[jnp.minimum(j, n - 1)]), -1)
     rank = jnp.zeros((np_,), jnp.int32)
     count = jnp.zeros((np_,), jnp.int32)
     for c0 in range(0, np_, c):  # static: np_ / c <= 16 chunks
-        jj = c0 + lax.broadcasted_iota(jnp.int32, (c,), 0)
-        idc = jnp.where(jj < n, plgpu.load(ids_ref.at[jnp.minimum(jj, n - 1)]), -2)  # -2: no match
+        jj, idc = _lane_ids(ids_ref, c0, c, n, -2)  # -2 matches no lane, valid (-1) or not
         same = ids[:, None] == idc[None, :]  # [np, c]
         count = count + jnp.sum(same.astype(jnp.int32), axis=1)
         rank = rank + jnp.sum((same & (jj[None, :] < j[:, None])).astype(jnp.int32), axis=1)
@@ -415,9 +419,8 @@ def _route_rows(ids_ref, ids, fp, rank, *, n: int, block_m: int):
     j = lax.broadcasted_iota(jnp.int32, (np_,), 0)
     start = jnp.zeros((np_,), jnp.int32)
     for c0 in range(0, np_, c):
-        jj = c0 + lax.broadcasted_iota(jnp.int32, (c,), 0)
+        jj, idc = _lane_ids(ids_ref, c0, c, n, -2)
         vv = jj < n
-        idc = jnp.where(vv, plgpu.load(ids_ref.at[jnp.minimum(jj, n - 1)]), -2)
         same = idc[:, None] == ids[None, :]  # [c, np]
         cnt = jnp.sum(same.astype(jnp.int32), axis=1)
         rk = jnp.sum((same & (j[None, :] < jj[:, None])).astype(jnp.int32), axis=1)
@@ -440,12 +443,14 @@ def _store_sorted(j, valid, pos, sorted_ref, pos_ref, *, n: int, em: int, interp
     plgpu.store(sorted_ref.at[jnp.where(valid, pos, em + j)], j, mask=valid)
 
 
-def _store_routing_routes(j, valid, pos, fp, ids_ref, sorted_ref, be_ref, nb_ref, pos_ref, *,
+def _store_routing_routes(j, valid, ids, rank, fp, ids_ref, sorted_ref, be_ref, nb_ref, pos_ref, *,
                           n: int, num_experts: int, block_m: int, nb: int, em: int, interpret: bool):
-    """The "routes" method's stores: rows and sorted order (``_store_sorted``), then, after a
-    CTA barrier, each block's expert read back as the expert of the block's first row (always
-    a route: a block starts within its expert's routes), E - 1 past the last block (as
-    ``block_routing``), and the block count."""
+    """The "routes" method from its first pass's values (``_route_counts``, ``_first_padded``):
+    every route's row (``_route_rows``), the rows and the sorted order (``_store_sorted``),
+    then, after a CTA barrier, each block's expert read back as the expert of the block's first
+    row (always a route: a block starts within its expert's routes), E - 1 past the last block
+    (as ``block_routing``), and the block count."""
+    pos = _route_rows(ids_ref, ids, fp, rank, n=n, block_m=block_m)
     _store_sorted(j, valid, pos, sorted_ref, pos_ref, n=n, em=em, interpret=interpret)
     if not interpret:
         plgpu.debug_barrier()  # the sorted order is in memory before it is read back
@@ -479,10 +484,9 @@ def _routing_kernel(ids_ref, sorted_ref, be_ref, nb_ref, pos_ref, *, n: int, num
                     block_m: int, nb: int, em: int, interpret: bool, method: str):
     if method == "routes":
         j, valid, ids, rank, count = _route_counts(ids_ref, n=n)
-        fp = _first_padded(valid, rank, count, block_m)
-        pos = _route_rows(ids_ref, ids, fp, rank, n=n, block_m=block_m)
-        _store_routing_routes(j, valid, pos, fp, ids_ref, sorted_ref, be_ref, nb_ref, pos_ref,
-                              n=n, num_experts=num_experts, block_m=block_m, nb=nb, em=em,
+        _store_routing_routes(j, valid, ids, rank, _first_padded(valid, rank, count, block_m),
+                              ids_ref, sorted_ref, be_ref, nb_ref, pos_ref, n=n,
+                              num_experts=num_experts, block_m=block_m, nb=nb, em=em,
                               interpret=interpret)
         return
     route = _route_positions(ids_ref, n=n, num_experts=num_experts, block_m=block_m)
@@ -599,8 +603,8 @@ def _routing_operand_kernel(ids_ref, w1_ref, w2_ref, s1_ref, s2_ref, x_ref, srt_
 
         @pl.when((r == 0) & (kt == 0))
         def _():
-            pos = _route_rows(ids_ref, ids, fp, rank, n=n, block_m=bm)
-            _store_routing_routes(j, valid, pos, fp, ids_ref, srt_ref, be_ref, nb_ref, pos_ref, **kw)
+            _store_routing_routes(j, valid, ids, rank, fp, ids_ref, srt_ref, be_ref, nb_ref, pos_ref,
+                                  **kw)
             _store_scales(je, evalid, vals, scale_refs)
     else:
         route = _route_positions(ids_ref, n=n, num_experts=kw["num_experts"], block_m=bm)

@@ -82,7 +82,7 @@ from .epilogue import (
     routing_operand_kernel,
 )
 from .routing import block_routing, max_blocks
-from .weights import unpad_fc2
+from .weights import padded_inter, unpad_fc2
 from .xla import activate, moe_scales, quantized_values, recipe_of, sorted_rows
 from .xla import bf16_round as _bf16_round
 
@@ -501,9 +501,9 @@ def grouped_matmul(
     e, n, _ = codes.shape
     kc = codes.shape[2] * 2  # the weights' K: x's, or x's zero-padded to a multiple of 256
     padded = kc != k
-    if padded and not (kc == _cdiv(k, BLOCK_K) * BLOCK_K and k % 128 == 0):
+    if padded and not (kc == padded_inter(k) and k % 128 == 0):
         raise ValueError(f"codes: expected shape {(e, n, k // 2)} for K={k} (or, zero-padded "
-                         f"along K, {(e, n, _cdiv(k, BLOCK_K) * BLOCK_K // 2)}), got {codes.shape}")
+                         f"along K, {(e, n, padded_inter(k) // 2)}), got {codes.shape}")
     if scales.dtype not in (jnp.uint8, jnp.float8_e4m3fn):
         raise ValueError(f"scales: expected uint8 or float8_e4m3fn, got {scales.dtype}")
     if scale_layout not in ("linear", "swizzled_128x4"):

@@ -17,13 +17,11 @@ import logging
 
 import jax.numpy as jnp
 
+from ..gemm.mosaic import BLOCK_K as PAD_MULTIPLE  # the grouped kernel's K step
 from ..layouts import swizzle
 from ..quantize import NVFP4Array
 
 log = logging.getLogger("nvfp4_jax")
-
-#: the grouped kernel's K step (``gemm.mosaic.BLOCK_K``): padded FC2 rows are a multiple of it
-PAD_MULTIPLE = 256
 
 
 def padded_inter(inter: int) -> int:

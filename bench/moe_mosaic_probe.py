@@ -183,26 +183,20 @@ def main():
     ap.add_argument("--swizzled", action="store_true",
                     help="also time the Mosaic default with both weight stacks' scales in "
                          "swizzled_128x4 (variant 'swizzled')")
-    ap.add_argument("--swizzled-bn64", action="store_true",
-                    help="moe.mosaic.SWIZZLED_BLOCK_N64 on for the run: block_n 64 variants read "
-                         "swizzled scales as they are (off: converted to linear on every call)")
     ap.add_argument("--routes-method", action="store_true",
-                    help="moe.epilogue.ROUTES_METHOD on for the run: routing kernels over more "
-                         "than 128 experts (nemotron) take the routes method (off: XLA routing)")
+                    help="routing kernels over more than 128 experts (nemotron) take the routes "
+                         "method at any size it takes (moe.epilogue.ROUTES_AUTO_MAX raised to "
+                         "ROUTING_ROUTES_MAX; else: up to ROUTES_AUTO_MAX routes, XLA routing above)")
     args = ap.parse_args()
-    if args.swizzled_bn64:
-        import nvfp4_jax.moe.mosaic as _mm
-
-        _mm.SWIZZLED_BLOCK_N64 = True
     if args.routes_method:
         import nvfp4_jax.moe.epilogue as _ep
 
-        _ep.ROUTES_METHOD = True
+        _ep.ROUTES_AUTO_MAX = _ep.ROUTING_ROUTES_MAX
     os.makedirs(args.out, exist_ok=True)
     t0 = time.time()
     rng = np.random.default_rng(0)
     doc = {**run_metadata(), "what": "moe mosaic probe", "harness": HARNESS,
-           "swizzled_bn64": args.swizzled_bn64, "routes_method": args.routes_method, "records": []}
+           "routes_method": args.routes_method, "records": []}
     recs = doc["records"]
     path = os.path.join(args.out, "moe-mosaic-probe-h200.json")
 
@@ -268,12 +262,12 @@ def main():
             continue
         if not args.no_triton:
             refs[(sname, t)] = run_one(*c, "triton", "default", None)
-        # what the API picks: the linear weights' entry (AUTO_SM90_LINEAR first) for "default",
-        # the swizzled one for "swizzled" and as the base of the named configs
+        # what the API picks (AUTO_SM90) for "default" (linear weights) and "swizzled", and the
+        # base of the named configs
         shape_kw = {"hidden": s["hidden"], "inter": s["inter"],
                     "rows1": (2 if s["activation"] == "swiglu" else 1) * s["inter"]}
         cfg = auto_config(t * s["top_k"], s["experts"], **shape_kw)
-        out = run_one(*c, "mosaic", "default", auto_config(t * s["top_k"], s["experts"], **shape_kw, linear=True),
+        out = run_one(*c, "mosaic", "default", cfg,
                       ref=refs.get((sname, t)), auto=True)
         if (sname, t) not in refs and out is not None:  # no Pallas-Triton layer: the variants'
             refs[(sname, t)] = out  # outputs are compared with the Mosaic default's

@@ -53,7 +53,7 @@ for s in $STEPS; do
       timeout "${T_PROBE:-200}" python3 bench/moe_mosaic_probe.py --out "$OUT" \
         --shapes "${PROBE_SHAPES:-nemotron,qwen3_30b}" --tokens "${PROBE_TOKENS:-1,8,64}" \
         --budget-s $((${T_PROBE:-200} - 40)) ${PROBE_SWEEP:+--sweep} ${PROBE_CONFIGS:+--configs $PROBE_CONFIGS} \
-        ${PROBE_NO_TRITON:+--no-triton} ${PROBE_SWIZZLED:+--swizzled} ${PROBE_SWIZZLED_BN64:+--swizzled-bn64} \
+        ${PROBE_NO_TRITON:+--no-triton} ${PROBE_SWIZZLED:+--swizzled} \
         ${PROBE_ROUTES_METHOD:+--routes-method} \
         --rounds "${PROBE_ROUNDS:-1}" 2>&1 \
         | grep -v Warning | tail -40 | tee -a "$OUT/run.log" ;;

@@ -288,13 +288,15 @@ def test_routing_kernel_lowers_and_refuses_large_routings(monkeypatch):
         f = jax.jit(lambda ids: ep.routing_kernel(ids, 512, 8, method="routes"))
         text = f.trace(jax.ShapeDtypeStruct((t, 22), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
         assert "nvfp4_moe_routing" in text
-    # the layer picks the routes method only once ROUTES_METHOD is on (after its GPU tests)
+    # the layer picks the routes method by itself up to ROUTES_AUTO_MAX routes (nemotron T = 1,
+    # where it measured faster than the XLA routing; at T = 8 it was slower), an explicit
+    # request up to ROUTING_ROUTES_MAX
+    assert ep.routing_methods(22, 512, 8) == ("routes",) and ep.routing_kernel_fits(22, 512, 8)
     assert ep.routing_methods(8 * 22, 512, 8, explicit=True) == ("routes",)
     assert ep.routing_methods(8 * 22, 512, 8) == () and not ep.routing_kernel_fits(8 * 22, 512, 8)
-    assert ep.routing_methods(8 * 8, 128, 8) == ("experts",)  # qwen3 T = 8: as measured
-    monkeypatch.setattr(ep, "ROUTES_METHOD", True)
+    assert ep.routing_methods(8 * 8, 128, 8) == ("experts", "routes")  # qwen3 T = 8: experts first
+    monkeypatch.setattr(ep, "ROUTES_AUTO_MAX", 512)
     assert ep.routing_methods(8 * 22, 512, 8) == ("routes",) and ep.routing_kernel_fits(8 * 22, 512, 8)
-    assert ep.routing_methods(8 * 8, 128, 8) == ("experts", "routes")
     assert not ep.routing_kernel_fits(64 * 22, 512, 8)  # nemotron T = 64: XLA routing
     with pytest.raises(ValueError, match="^topk_ids: 1408 routes over 512 experts"):
         ep.routing_kernel(jnp.zeros((64, 22), jnp.int32), 512, 8, interpret=True)

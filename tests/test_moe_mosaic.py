@@ -251,10 +251,9 @@ def test_moe_mosaic_dataflow_matches_oracle(name, mode, activation, order, kw, c
 
 
 @pytest.mark.parametrize("inter,swizzle", [(384, ("fc1", "fc2")), (256, ("fc2",))])
-def test_moe_mosaic_dataflow_swizzled_weights(inter, swizzle, caplog, monkeypatch):
+def test_moe_mosaic_dataflow_swizzled_weights(inter, swizzle, caplog):
     """swizzled_128x4 weight stacks go to the grouped kernel as they are (no conversion, no
-    warning) at block_n 128 (and 64 with SWIZZLED_BLOCK_N64), and the layer still matches the
-    oracle; with two compute warpgroups at block_n 64 they are converted to linear on every
+    warning) at block_n 128 and 64, and the layer still matches the oracle; with two compute warpgroups at block_n 64 they are converted to linear on every
     call, with a warning."""
     case = make_case(np.random.default_rng(inter), t=7, h=256, inter=inter, e=5, k=2, activation="relu2")
     with caplog.at_level(logging.WARNING, logger="nvfp4_jax.moe"):
@@ -267,16 +266,13 @@ def test_moe_mosaic_dataflow_swizzled_weights(inter, swizzle, caplog, monkeypatc
                             fc2=MosaicConfig(block_n=128, split_k=3))
     out, h = _run(case, mode="trtllm_cutlass", activation="relu2", swizzle=swizzle, config=split)
     check_against_oracle(case, out, h, mode="trtllm_cutlass", activation="relu2")
-    # block_n 64: converted on every call (warned) until SWIZZLED_BLOCK_N64 is on (after its
-    # GPU tests), then read as they are (each CTA half of a 128-row tile), no warning
+    # block_n 64: read as they are (each CTA half of a 128-row tile), no warning
     bn64 = MosaicMoEConfig(block_m=8, fc1=MosaicConfig(block_n=64), fc2=MosaicConfig(block_n=64, split_k=2))
-    for on in (False, True):
-        monkeypatch.setattr(mm, "SWIZZLED_BLOCK_N64", on)
-        caplog.clear()
-        with caplog.at_level(logging.WARNING, logger="nvfp4_jax.moe"):
-            out, h = _run(case, mode="trtllm_cutlass", activation="relu2", swizzle=swizzle, config=bn64)
-        assert ("converted to linear" in caplog.text) == (not on)
-        check_against_oracle(case, out, h, mode="trtllm_cutlass", activation="relu2")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="nvfp4_jax.moe"):
+        out, h = _run(case, mode="trtllm_cutlass", activation="relu2", swizzle=swizzle, config=bn64)
+    assert "converted to linear" not in caplog.text
+    check_against_oracle(case, out, h, mode="trtllm_cutlass", activation="relu2")
     # block_n 64 with two compute warpgroups cannot: converted on every call, with a warning
     which = "fc1" if "fc1" in swizzle else "fc2"  # (K = I = 384 has no linear ws form)
     ws64 = MosaicMoEConfig(block_m=16, **{which: MosaicConfig(block_n=64, consumers=2)})
@@ -500,15 +496,6 @@ def test_auto_table_entries_are_valid_and_looked_up():
         for c, k in ((cfg.fc1, h), (cfg.fc2, i)):
             for swz in (False, True):
                 assert check_config(c, k, cfg.block_m, swizzled=swz) >= 1
-    # the linear-scales entries: looked up only when both weights are linear, run with linear
-    # scales, and differ from the AUTO_SM90 entry they override
-    for (e, h, r, i, b), cfg in mm.AUTO_SM90_LINEAR.items():
-        routes = {8: 8, 64: 64}[b]
-        assert mm.auto_config(routes, e, hidden=h, rows1=r, inter=i, linear=True) == cfg
-        assert mm.auto_config(routes, e, hidden=h, rows1=r, inter=i) != cfg
-        assert cfg.block_m == default_config(routes, e, hidden=h, rows1=r, inter=i).block_m
-        for c, k in ((cfg.fc1, h), (cfg.fc2, i)):
-            assert check_config(c, k, cfg.block_m) >= 1
 
 
 @pytest.mark.parametrize("n,k,bn", [(1024, 2688, 128), (1024, 2688, 64), (256, 384, 64), (300, 1152, 128)])
@@ -542,36 +529,6 @@ def test_whole_k_scale_addressing(n, k, bn):
                             flat[off : off + 8], scales[n0 + r, 16 * i + 8 * g : 16 * i + 8 * g + 8])
 
 
-def test_linear_scales_table_only_for_linear_weights(monkeypatch, caplog):
-    """An ``AUTO_SM90_LINEAR`` entry (block_n 64) is picked for linear weights only: swizzled
-    weights get the ``AUTO_SM90`` entry (block_n 128, read as they are, no conversion), and
-    both layers match the oracle."""
-    case = make_case(np.random.default_rng(11), t=7, h=256, inter=256, e=5, k=2, activation="relu2")
-    key = (5, 256, 256, 256, mm._bucket(14))
-    bm = default_config(14, 5, hidden=256, rows1=256, inter=256).block_m
-    base = MosaicMoEConfig(block_m=bm, fc1=MosaicConfig(block_n=128, num_stages=2),
-                           fc2=MosaicConfig(block_n=128, num_stages=2))
-    lin = dataclasses.replace(base, fc1=MosaicConfig(block_n=64, num_stages=2),
-                              fc2=MosaicConfig(block_n=64, num_stages=2))
-    monkeypatch.setitem(mm.AUTO_SM90, key, base)
-    monkeypatch.setitem(mm.AUTO_SM90_LINEAR, key, lin)
-    built = []
-    real_gm = mm.grouped_matmul
-
-    def spy(*args, config, **kw):
-        built.append(config.block_n)
-        return real_gm(*args, config=config, **kw)
-
-    monkeypatch.setattr(mm, "grouped_matmul", spy)
-    for swizzle, want in (((), 64), (("fc1", "fc2"), 128)):
-        built.clear()
-        caplog.clear()
-        with caplog.at_level(logging.WARNING, logger="nvfp4_jax.moe"):
-            out, h = _run(case, mode="trtllm_cutlass", activation="relu2", swizzle=swizzle)
-        assert built == [want, want], swizzle
-        assert "converted to linear" not in caplog.text
-        check_against_oracle(case, out, h, mode="trtllm_cutlass", activation="relu2")
-
 
 def test_fused_routing_config_is_checked():
     """routing="fused" writes only the routed operand rows and computes the scales: a config
@@ -586,13 +543,12 @@ def test_fused_routing_config_is_checked():
 
 @pytest.mark.parametrize("routing", ["kernel", "fused"])
 def test_moe_mosaic_dataflow_routes_method(routing, monkeypatch, caplog):
-    """The routing kernels' "routes" method (above 128 experts, once ROUTES_METHOD is on;
+    """The routing kernels' "routes" method (above 128 experts, up to ROUTES_AUTO_MAX routes;
     forced here at 24 experts by lowering ROUTING_EXPERTS_MAX) inside the layer, against the
     oracle; no fallback to XLA."""
     from nvfp4_jax.moe import epilogue as ep
 
     monkeypatch.setattr(ep, "ROUTING_EXPERTS_MAX", 8)
-    monkeypatch.setattr(ep, "ROUTES_METHOD", True)
     assert ep.routing_methods(9 * 3, 24, 8) == ("routes",)
     case = make_case(np.random.default_rng(31), t=9, h=256, inter=384, e=24, k=3, activation="relu2",
                      routing="skewed")

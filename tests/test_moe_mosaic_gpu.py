@@ -307,7 +307,6 @@ def test_moe_mosaic_gpu_routes_method_matches_oracle(routing, monkeypatch):
     from nvfp4_jax.moe import epilogue as ep
 
     monkeypatch.setattr(ep, "ROUTING_EXPERTS_MAX", 8)
-    monkeypatch.setattr(ep, "ROUTES_METHOD", True)  # these tests are what turn it on for good
     assert ep.routing_methods(8 * 6, 24, 8) == ("routes",)
     case = make_case_fast(np.random.default_rng(24), **{**NEMO, "t": 8, "e": 24, "k": 6})
     cfg = MosaicMoEConfig(block_m=8, routing=routing, skip_padding=True)
@@ -315,18 +314,58 @@ def test_moe_mosaic_gpu_routes_method_matches_oracle(routing, monkeypatch):
     check_against_oracle(case, out, h, mode="trtllm_cutlass", activation="relu2")
 
 
-def test_moe_mosaic_gpu_swizzled_bn64_matches_oracle(monkeypatch, caplog):
-    """qwen3's layer on swizzled weights with 64-row weight tiles in both GEMMs (what
-    AUTO_SM90_LINEAR picks for linear weights at T = 1), read as they are
-    (SWIZZLED_BLOCK_N64 on: this test is what turns it on for good), fused routing."""
-    from nvfp4_jax.moe import mosaic as mm
-
-    monkeypatch.setattr(mm, "SWIZZLED_BLOCK_N64", True)
+def test_moe_mosaic_gpu_swizzled_bn64_matches_oracle(caplog):
+    """qwen3's layer on swizzled weights with 64-row weight tiles in both GEMMs (AUTO_SM90's
+    T = 1 entry), read as they are, fused routing."""
     case = make_case_fast(np.random.default_rng(64), **{**QWEN, "t": 3, "e": 16, "k": 4})
     hidden, ids, w, fc1, fc2, s1, s2 = to_jax(case)
     cfg = MosaicMoEConfig(block_m=8, fc1=MosaicConfig(block_n=64, split_k=2, num_stages=2),
                           fc2=MosaicConfig(block_n=64, split_k=1, num_stages=2),
                           routing="fused", skip_padding=True)
+    fn = functools.partial(moe_pallas, activation="swiglu", gate_up_order="up_gate", mode="b12x",
+                           activation_scale="per_expert", kernel="mosaic", return_intermediates=True,
+                           config=cfg)
+    with caplog.at_level(logging.WARNING, logger="nvfp4_jax.moe"):
+        out, inter = jax.jit(fn)(hidden, ids, w, fc1.with_layout("swizzled_128x4"),
+                                 fc2.with_layout("swizzled_128x4"), s1, s2)
+    assert "converted to linear" not in caplog.text
+    f = lambda a: np.asarray(a.astype(jnp.float32), np.float64)
+    check_against_oracle(case, f(out), f(inter["h"]), mode="b12x", activation="swiglu")
+
+
+@pytest.mark.parametrize("bucket,t", [(32, 1), (256, 8)])
+def test_auto_sm90_nemotron_decode_entries_match_oracle(bucket, t, monkeypatch):
+    """nemotron's decode ``AUTO_SM90`` entries as the bench runs them (swizzled weights, FC2
+    padded by ``pad_fc2``) at 24 experts, against the oracle. ROUTING_EXPERTS_MAX lowered so
+    the routing kernels take the routes method, as at nemotron's 512 experts (T = 1: fused
+    routing, scales and FC1 operand; T = 8: XLA routing, ROUTES_AUTO_MAX)."""
+    from nvfp4_jax.moe import epilogue as ep
+    from nvfp4_jax.moe import mosaic as mm
+    from nvfp4_jax.moe import pad_fc2
+
+    monkeypatch.setattr(ep, "ROUTING_EXPERTS_MAX", 8)
+    cfg = mm.AUTO_SM90[(*mm._NEMO, bucket)]
+    assert ep.routing_kernel_fits(t * 22, 24, cfg.block_m) == (cfg.routing != "xla")
+    case = make_case_fast(np.random.default_rng(bucket), **{**NEMO, "t": t, "e": 24, "k": 22})
+    hidden, ids, w, fc1, fc2, s1, s2 = to_jax(case)
+    fn = functools.partial(moe_pallas, activation="relu2", gate_up_order="up_gate", mode="trtllm_cutlass",
+                           activation_scale="scalar", kernel="mosaic", return_intermediates=True,
+                           config=cfg)
+    out, inter = jax.jit(fn)(hidden, ids, w, fc1.with_layout("swizzled_128x4"),
+                             pad_fc2(fc2.with_layout("swizzled_128x4")), s1, s2)
+    f = lambda a: np.asarray(a.astype(jnp.float32), np.float64)
+    check_against_oracle(case, f(out), f(inter["h"]), mode="trtllm_cutlass", activation="relu2")
+
+
+@pytest.mark.parametrize("bucket,t", [(8, 1), (64, 8)])
+def test_auto_sm90_qwen3_decode_entries_match_oracle(bucket, t, caplog):
+    """qwen3's decode ``AUTO_SM90`` entries (block_n 64 on swizzled scales, fused routing) as
+    the bench runs them, at 16 experts, against the oracle; the scales read as they are."""
+    from nvfp4_jax.moe import mosaic as mm
+
+    cfg = mm.AUTO_SM90[(*mm._QWEN, bucket)]
+    case = make_case_fast(np.random.default_rng(bucket), **{**QWEN, "t": t, "e": 16, "k": 8})
+    hidden, ids, w, fc1, fc2, s1, s2 = to_jax(case)
     fn = functools.partial(moe_pallas, activation="swiglu", gate_up_order="up_gate", mode="b12x",
                            activation_scale="per_expert", kernel="mosaic", return_intermediates=True,
                            config=cfg)

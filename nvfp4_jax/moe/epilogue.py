@@ -352,11 +352,15 @@ ROUTING_KERNEL_MAX_ELEMS = 1 << 15
 ROUTING_EXPERTS_MAX = 128
 ROUTING_ROUTES_MAX = 512
 ROUTE_CHUNK = 32
-#: Whether the layer may pick the "routes" method by itself. Off until it has passed its GPU
-#: tests (written in session 11, after the device budget was spent: its CTA barriers and the
-#: read-back are checked on the CPU in interpret mode only); ``routing_kernel(method="routes")``
-#: runs it when asked.
-ROUTES_METHOD = False
+#: Up to how many routes the layer picks the "routes" method by itself (an ``explicit``
+#: request takes it up to ROUTING_ROUTES_MAX). It passed its GPU tests in session 12 (H200,
+#: nemotron T = 1 / 8 / 23 against ``block_routing``; the layer against the oracle), and in
+#: the layer at nemotron T = 1 (22 routes) it saved 5-6 us against the XLA routing (47.5 vs
+#: 52.4 us; fused with the FC1 operand 46.4), but at T = 8 (176 routes) it cost 39 us more
+#: (220.4 vs 181.7): the routing alone took ~53 us there whatever the warp count, 120 us at
+#: 352 routes (bench/routing_probe.py; bench/results/run-h200-session12.log). Its quadratic
+#: compares run in 2 x N / 32 dependent chunks, each ending in cross-warp reductions.
+ROUTES_AUTO_MAX = 64
 
 
 def _route_positions(ids_ref, *, n: int, num_experts: int, block_m: int):
@@ -531,7 +535,7 @@ def routing_methods(n_routes: int, num_experts: int, block_m: int, *,
                     explicit: bool = False) -> tuple[str, ...]:
     """The routing kernels' methods that take this routing, the default first: "experts" up to
     ROUTING_EXPERTS_MAX experts when its tiles fit, "routes" up to ROUTING_ROUTES_MAX routes
-    (only when ROUTES_METHOD is on, or for an ``explicit`` request)."""
+    (up to ROUTES_AUTO_MAX routes, or ROUTING_ROUTES_MAX for an ``explicit`` request)."""
     from .routing import max_blocks
 
     nb = max_blocks(n_routes, num_experts, block_m)
@@ -539,9 +543,21 @@ def routing_methods(n_routes: int, num_experts: int, block_m: int, *,
     if (num_experts <= ROUTING_EXPERTS_MAX
             and _pow2(num_experts) * max(_pow2(n_routes), _pow2(nb)) <= ROUTING_KERNEL_MAX_ELEMS):
         out.append("experts")
-    if n_routes <= ROUTING_ROUTES_MAX and (ROUTES_METHOD or explicit):
+    if n_routes <= (ROUTING_ROUTES_MAX if explicit else min(ROUTES_AUTO_MAX, ROUTING_ROUTES_MAX)):
         out.append("routes")
     return tuple(out)
+
+
+#: Warps of the one-program routing kernel per (method, routes padded to a power of two); a
+#: dict so bench/routing_probe.py can time others. The routes method's [N, 32] tiles: 8 warps
+#: from 128 routes (ptxas sm_90 at nemotron T = 8, 176 routes: 248 registers with 4 warps).
+ROUTING_WARPS: dict = {}
+
+
+def routing_warps(method: str, n_routes: int) -> int:
+    """The routing kernel's num_warps (``ROUTING_WARPS`` overrides the default)."""
+    np_ = _pow2(n_routes)
+    return ROUTING_WARPS.get((method, np_), 8 if method == "routes" and np_ >= 128 else 4)
 
 
 def routing_kernel_fits(n_routes: int, num_experts: int, block_m: int) -> bool:
@@ -566,9 +582,7 @@ def routing_kernel(topk_ids: jax.Array, num_experts: int, block_m: int, *,
 
     flat, rkw, outs = _routing_plan(topk_ids, num_experts, block_m, interpret, method)
     kern = functools.partial(_routing_kernel, **rkw)
-    # the routes method's [N, 32] tiles: 8 warps from 128 routes (ptxas sm_90 at nemotron
-    # T = 8, 176 routes: 248 registers with 4 warps)
-    nw = 8 if rkw["method"] == "routes" and _pow2(rkw["n"]) >= 128 else 4
+    nw = routing_warps(rkw["method"], rkw["n"])
     if scales is None:
         srt, be, nbk, pos = _call(kern, outs, (1,), num_warps=nw, name="nvfp4_moe_routing",
                                   interpret=interpret)(flat)

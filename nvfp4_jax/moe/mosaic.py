@@ -114,11 +114,10 @@ class MosaicMoEConfig:
     ``routing_kernel_fits``; larger ones use "xla", logged). Both give the same routing.
     Measured on the H200: faster for qwen3 at T <= 8 (-2.4..-3.5 us), slower for nemotron
     T = 1 (+7 us, session 8: one program compared 512 experts), so ``AUTO_SM90`` sets it per
-    shape and "xla" is the default. Routings over more than 128 experts (nemotron up to
-    T = 23) fit the kernel's "routes" method (session 11: route-by-route compares, no expert
-    dimension), CPU-tested and compiled (ptxas sm_90: 32 registers at nemotron T = 1), not yet
-    run on a GPU: until ``epilogue.ROUTES_METHOD`` is turned on after its GPU tests they get
-    the XLA routing (logged), and nemotron's ``AUTO_SM90`` entries keep "xla".
+    shape and "xla" is the default. Routings over more than 128 experts take the kernel's
+    "routes" method (route-by-route compares, no expert dimension) up to
+    ``epilogue.ROUTES_AUTO_MAX`` routes: 5-6 us faster than the XLA routing at nemotron T = 1
+    (22 routes), 39 us slower at T = 8 (session 12); larger ones get the XLA routing (logged).
     "fused" (``epilogue.routing_operand_kernel``; needs
     ``scales="kernel"`` and ``skip_padding``): the routing, the scales and the FC1 operand in
     one launch instead of two, each program recomputing the small routing in registers. Bit for
@@ -219,7 +218,11 @@ AUTO_SM90: dict[tuple[int, int, int, int, int], MosaicMoEConfig] = {
     # skip_padding (session 8, 2026-11-30, bench/results/moe-mosaic-probe-round6-h200.json,
     # swizzled weights): T = 1 50.5 vs 51.1 us; T = 8 183.8 vs 184.6. The routing kernel was
     # slower at T = 1 (58.3: one program over 512 experts) and does not fit T = 8.
-    (*_NEMO, 32): dataclasses.replace(_NEMO_CFG, skip_padding=True,
+    # Routing, scales and FC1 operand in one launch with the routing kernels' routes method
+    # (session 12, bench/results/moe-mosaic-probe-round12-h200.json, FC2 padded by pad_fc2,
+    # median of 3 rounds): 46.4 vs 52.4 us (the routing kernel alone 47.5; with the FC1
+    # epilogue by route 51.0)
+    (*_NEMO, 32): dataclasses.replace(_NEMO_CFG, skip_padding=True, routing="fused",
                                       fc2=MosaicConfig(block_n=128, split_k=3, num_stages=2)),
     (*_NEMO, 256): dataclasses.replace(_NEMO_CFG, skip_padding=True,
                                        fc2=MosaicConfig(block_n=128, split_k=2, num_stages=2)),
@@ -231,35 +234,23 @@ AUTO_SM90: dict[tuple[int, int, int, int, int], MosaicMoEConfig] = {
     # 32.0 vs 35.4 us (routing kernel alone 31.9, skip_padding alone 35.4). Routing, scales and
     # FC1 operand in one launch (session 11, bench/results/moe-mosaic-probe-round10-h200.json,
     # per-layer scales, median of 3 rounds; passes the oracle GPU tests): 30.9 vs 32.9 us;
-    # the scales in XLA instead of the routing kernel's launch: 37.1
-    (*_QWEN, 8): MosaicMoEConfig(block_m=8, fc1=MosaicConfig(block_n=128, split_k=2, num_stages=2),
-                                 fc2=MosaicConfig(block_n=128, split_k=1, num_stages=2),
+    # the scales in XLA instead of the routing kernel's launch: 37.1. block_n 64 in both GEMMs
+    # (session 10 on linear scales: 30.5 us, nine other variants 31.5-34.5; at 8 routes FC2's
+    # N = 2048 in 128-row tiles is 128 CTAs, one per SM, 64-row tiles make two per SM and twice
+    # the loads in flight), read from swizzled scales as they are (session 12,
+    # bench/results/moe-mosaic-probe-round13-h200.json, median of 3 rounds): 29.5 vs 31.0 us
+    # (linear weights 29.6; FC2 alone at 64: 29.8; with the FC1 epilogue by route: 29.4)
+    (*_QWEN, 8): MosaicMoEConfig(block_m=8, fc1=MosaicConfig(block_n=64, split_k=2, num_stages=2),
+                                 fc2=MosaicConfig(block_n=64, split_k=1, num_stages=2),
                                  routing="fused", skip_padding=True),
     # qwen3-30B T = 8: 101.0 vs 143.7 us; routing kernel + skip_padding: 76.7 vs 79.1 us
     # (routing kernel alone 76.9, skip_padding alone 78.3); bf16 products (session 9, same
     # file as the nemotron T = 64 entry): 75.1 vs 76.9. Fused routing (session 11, as T = 1):
-    # 74.1 vs 76.6 us (XLA scales 81.3)
-    (*_QWEN, 64): MosaicMoEConfig(block_m=8, fc1=MosaicConfig(block_n=128, split_k=1, num_stages=2),
-                                  fc2=MosaicConfig(block_n=128, split_k=1, num_stages=2),
+    # 74.1 vs 76.6 us (XLA scales 81.3). block_n 64 in both GEMMs on swizzled scales (session
+    # 12, as T = 1): 72.6 vs 74.8 us (FC2 alone at 64: 73.8; with the FC1 epilogue by route 73.1)
+    (*_QWEN, 64): MosaicMoEConfig(block_m=8, fc1=MosaicConfig(block_n=64, split_k=1, num_stages=2),
+                                  fc2=MosaicConfig(block_n=64, split_k=1, num_stages=2),
                                   routing="fused", skip_padding=True, bf16_partials=True),
-}
-
-
-#: Entries for weights whose scales are both linear (the layout of a loaded checkpoint), looked
-#: up before ``AUTO_SM90``: configs with block_n 64, measured on linear scales. (Until session
-#: 11 swizzled_128x4 scales could not feed block_n 64 without a conversion on every call; the
-#: grouped kernel now reads them there too, twice the scale bytes per CTA, not yet measured.)
-AUTO_SM90_LINEAR: dict[tuple[int, int, int, int, int], MosaicMoEConfig] = {
-    # qwen3-30B T = 1, block_n 64 in both GEMMs (session 10,
-    # bench/results/moe-mosaic-probe-round9-sweep-h200.json): 30.5 us
-    # (FC2 alone 30.7; nine other variants 31.5-34.5) vs 32.2 for this entry's AUTO_SM90
-    # config on linear scales and 31.5 on swizzled ones. The probe fed it swizzled weights,
-    # converted to linear inside the timed loop (loop-invariant there, so hoisted or not, a
-    # linear checkpoint does no worse). At 8 routes FC2 (N = 2048) is 8 x 16 = 128 CTAs of
-    # 128 weight rows, one per SM; 64-row tiles make two per SM and twice the loads in flight.
-    (*_QWEN, 8): dataclasses.replace(AUTO_SM90[(*_QWEN, 8)],
-                                     fc1=MosaicConfig(block_n=64, split_k=2, num_stages=2),
-                                     fc2=MosaicConfig(block_n=64, split_k=1, num_stages=2)),
 }
 
 
@@ -316,13 +307,12 @@ def default_config(routes: int, num_experts: int, *, hidden: int, rows1: int, in
     return MosaicMoEConfig(block_m=bm, fc1=cfgs[0], fc2=cfgs[1], bf16_partials=routes >= BF16_PARTIALS_ROUTES)
 
 
-def auto_config(routes: int, num_experts: int, *, hidden: int, rows1: int, inter: int,
-                linear: bool = False) -> MosaicMoEConfig:
-    """The measured config for this layer and routes bucket (``AUTO_SM90_LINEAR`` first when
-    ``linear``: both weights' scales linear), else ``default_config``."""
+def auto_config(routes: int, num_experts: int, *, hidden: int, rows1: int, inter: int) -> MosaicMoEConfig:
+    """The measured config for this layer and routes bucket (``AUTO_SM90``), else
+    ``default_config``."""
     key = (num_experts, hidden, rows1, inter, _bucket(routes))
-    return ((linear and AUTO_SM90_LINEAR.get(key)) or AUTO_SM90.get(key)
-            or default_config(routes, num_experts, hidden=hidden, rows1=rows1, inter=inter))
+    return AUTO_SM90.get(key) or default_config(routes, num_experts, hidden=hidden, rows1=rows1,
+                                                inter=inter)
 
 
 def supported(k: int, n: int) -> bool:
@@ -556,19 +546,12 @@ def grouped_matmul(
                   padded=padded)(*operands)
 
 
-#: The layer reads swizzled_128x4 scales as they are at block_n 64 too (each CTA half of a
-#: 128-row tile; ``grouped_matmul`` takes them either way). Off until that path has passed
-#: its GPU tests (written in session 11, after the device budget was spent): until then the
-#: layer converts such weights to linear on every call, with a warning, as before.
-SWIZZLED_BLOCK_N64 = False
-
-
 def _reads_swizzled(w: NVFP4Array, cfg: MosaicConfig) -> bool:
     """Whether the grouped kernel reads ``w``'s scales as they are, swizzled_128x4 (per-step
-    2 KB tiles; block_n 128, or 64 with one warpgroup when SWIZZLED_BLOCK_N64), rather than
-    converted to linear."""
+    2 KB tiles; block_n 128, or 64 with one warpgroup: each CTA half of a 128-row tile),
+    rather than converted to linear."""
     return w.layout == "swizzled_128x4" and (
-        cfg.block_n == 128 or (SWIZZLED_BLOCK_N64 and cfg.block_n == 64 and cfg.consumers == 1))
+        cfg.block_n == 128 or (cfg.block_n == 64 and cfg.consumers == 1))
 
 
 def _block_rows(part: jax.Array, n: int) -> jax.Array:
@@ -628,8 +611,7 @@ def moe_mosaic(
         check_supported(h_dim, n=r, name="fc1")
     auto = config is None
     if auto:
-        config = auto_config(n_routes, e, hidden=h_dim, rows1=r, inter=inter,
-                             linear=fc1.layout == fc2.layout == "linear")
+        config = auto_config(n_routes, e, hidden=h_dim, rows1=r, inter=inter)
     if not isinstance(config, MosaicMoEConfig):
         raise ValueError(f"config: expected a MosaicMoEConfig, got {type(config).__name__}")  # noqa: TRY004
 
@@ -689,13 +671,13 @@ def moe_mosaic(
 
     def scales_u8(w: NVFP4Array, cfg: MosaicConfig, name: str):
         """(uint8 scales, their layout) as the grouped kernel reads them: swizzled_128x4
-        directly at block_n 128 (per-step 2 KB tiles), anything else as linear scales."""
+        directly (``_reads_swizzled``), anything else as linear scales."""
         if _reads_swizzled(w, cfg):
             return lax.bitcast_convert_type(w.scales, jnp.uint8), "swizzled_128x4"
         if w.layout != "linear":
             log.warning("nvfp4_jax.moe: %s scales in layout %s are converted to linear on every "
-                        "call (the Mosaic kernel reads linear, or swizzled_128x4 at block_n 128; "
-                        "at 64 with one compute warpgroup once SWIZZLED_BLOCK_N64 is on)",
+                        "call (the Mosaic kernel reads linear, or swizzled_128x4 at block_n 128 "
+                        "and at 64 with one compute warpgroup)",
                         name, w.layout)
         return lax.bitcast_convert_type(w.linear_scales(), jnp.uint8), "linear"
 

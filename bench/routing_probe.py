@@ -1,0 +1,89 @@
+"""Why is the routing kernel's "routes" method slow at nemotron T = 8? (H200)
+
+Session 12's probe: routing="kernel" with the routes method cost ~39 us more than the XLA
+routing at nemotron T = 8 (176 routes over 512 experts) while it saved ~5 us at T = 1 (22
+routes). This times the routing alone, in-graph: ``block_routing`` (XLA) against
+``routing_kernel`` (routes method, each warp count given) and the fused routing + FC1 operand
+launch, at T = 1, 2, 4, 8 and 16 tokens of 22 routes each.
+
+Usage: python bench/routing_probe.py --out DIR [--rounds 3] [--tokens 1,2,4,8,16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import gemm_bench as gb
+import jax.numpy as jnp
+import numpy as np
+from run_meta import run_metadata
+
+from nvfp4_jax.moe import epilogue as ep
+from nvfp4_jax.moe.mosaic import recipe_of
+from nvfp4_jax.moe.routing import block_routing
+
+E, K, BM, H = 512, 22, 8, 1024
+
+
+def flat(r) -> jnp.ndarray:
+    """All of a BlockRouting's arrays in one (so nothing is dead code)."""
+    return jnp.concatenate([a.reshape(-1) for a in (r.sorted_route, r.block_expert, r.num_blocks,
+                                                     r.route_pos)])
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default="/tmp/routing-probe")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--tokens", default="1,2,4,8,16")
+    p.add_argument("--warps", default="2,4,8,16")
+    a = p.parse_args()
+    rng = np.random.default_rng(0)
+    ones = jnp.ones((E,), jnp.float32)
+    scales = (ones * 2e-5, ones * 3e-5, ones[:1] * 0.5, ones[:1] * 0.25, "trtllm_cutlass", "scalar")
+    timers, rows = [], []
+    for t in (int(v) for v in a.tokens.split(",")):
+        ids = jnp.asarray(np.stack([rng.choice(E, K, replace=False) for _ in range(t)]).astype(np.int32))
+        hidden = jnp.asarray(rng.standard_normal((t, H)), jnp.bfloat16)
+        plan = [("xla block_routing", None, lambda i, w: flat(block_routing(i, E, BM)))]
+        np_ = ep._pow2(t * K)
+        for nw in (int(v) for v in a.warps.split(",")):
+            def rk(i, w, nw=nw, np_=np_):
+                ep.ROUTING_WARPS[("routes", np_)] = nw
+                return flat(ep.routing_kernel(i, E, BM, method="routes"))
+            plan.append((f"routes kernel {nw}w", nw, rk))
+
+        def fused(i, w, hidden=hidden):
+            r, _, xp = ep.routing_operand_kernel(i, hidden, E, BM, scales, recipe=recipe_of("trtllm_cutlass"),
+                                                  method="routes")
+            return jnp.concatenate([flat(r).astype(jnp.float32), xp[:8].reshape(-1).astype(jnp.float32)])
+        plan.append(("fused routing+operand", None, fused))
+        for name, nw, fn in plan:
+            try:
+                timers.append(gb.make_timer(fn, ids, [jnp.zeros((1,))], target_s=0.02))
+            except Exception as e:  # noqa: BLE001 (a warp count that does not compile: say so)
+                print(f"T={t:3d} {name}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+                continue
+            rows.append({"tokens": t, "routes": t * K, "case": name, "warps": nw, "rounds_us": []})
+        ep.ROUTING_WARPS.clear()
+    for _ in range(a.rounds):
+        for tm, r in zip(timers, rows):
+            r["rounds_us"].append(tm() * 1e6)
+    for r in rows:
+        r["median_us"] = float(np.median(r["rounds_us"]))
+        print(f"T={r['tokens']:3d} N={r['routes']:4d} {r['case']:24s} {r['median_us']:7.2f} us  "
+              f"rounds {min(r['rounds_us']):.2f}-{max(r['rounds_us']):.2f}", flush=True)
+    os.makedirs(a.out, exist_ok=True)
+    with open(os.path.join(a.out, "routing-probe-h200.json"), "w") as f:
+        json.dump({**run_metadata(), "what": "routing alone: XLA vs the routes-method kernel",
+                   "records": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -187,7 +187,14 @@ def main():
                     help="routing kernels over more than 128 experts (nemotron) take the routes "
                          "method at any size it takes (moe.epilogue.ROUTES_AUTO_MAX raised to "
                          "ROUTING_ROUTES_MAX; else: up to ROUTES_AUTO_MAX routes, XLA routing above)")
+    ap.add_argument("--tokens-method", action="store_true",
+                    help="moe.epilogue.TOKENS_METHOD on for the run: routing kernels over more "
+                         "than 128 experts take the tokens method above ROUTES_AUTO_MAX routes")
     args = ap.parse_args()
+    if args.tokens_method:
+        import nvfp4_jax.moe.epilogue as _ep
+
+        _ep.TOKENS_METHOD = True
     if args.routes_method:
         import nvfp4_jax.moe.epilogue as _ep
 
@@ -196,7 +203,7 @@ def main():
     t0 = time.time()
     rng = np.random.default_rng(0)
     doc = {**run_metadata(), "what": "moe mosaic probe", "harness": HARNESS,
-           "routes_method": args.routes_method, "records": []}
+           "routes_method": args.routes_method, "tokens_method": args.tokens_method, "records": []}
     recs = doc["records"]
     path = os.path.join(args.out, "moe-mosaic-probe-h200.json")
 

@@ -3,10 +3,14 @@
 Session 12's probe: routing="kernel" with the routes method cost ~39 us more than the XLA
 routing at nemotron T = 8 (176 routes over 512 experts) while it saved ~5 us at T = 1 (22
 routes). This times the routing alone, in-graph: ``block_routing`` (XLA) against
-``routing_kernel`` (routes method, each warp count given) and the fused routing + FC1 operand
-launch, at T = 1, 2, 4, 8 and 16 tokens of 22 routes each.
+``routing_kernel`` (each method and warp count given: "routes", and "tokens", written after
+that measurement) and the fused routing + FC1 operand launch (routes method), at T = 1, 2,
+4, 8 and 16 tokens of 22 routes each. The loop around each call costs ~15-25 us per
+iteration on the H200 (block_routing alone reads 16-30 us), so only differences between
+rows of one T mean anything, and only where they exceed that floor's spread.
 
 Usage: python bench/routing_probe.py --out DIR [--rounds 3] [--tokens 1,2,4,8,16]
+       [--methods routes,tokens] [--warps 2,4,8,16] [--no-fused]
 """
 
 from __future__ import annotations
@@ -43,6 +47,8 @@ def main():
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--tokens", default="1,2,4,8,16")
     p.add_argument("--warps", default="2,4,8,16")
+    p.add_argument("--methods", default="routes")
+    p.add_argument("--no-fused", action="store_true")
     a = p.parse_args()
     rng = np.random.default_rng(0)
     ones = jnp.ones((E,), jnp.float32)
@@ -53,17 +59,19 @@ def main():
         hidden = jnp.asarray(rng.standard_normal((t, H)), jnp.bfloat16)
         plan = [("xla block_routing", None, lambda i, w: flat(block_routing(i, E, BM)))]
         np_ = ep._pow2(t * K)
-        for nw in (int(v) for v in a.warps.split(",")):
-            def rk(i, w, nw=nw, np_=np_):
-                ep.ROUTING_WARPS[("routes", np_)] = nw
-                return flat(ep.routing_kernel(i, E, BM, method="routes"))
-            plan.append((f"routes kernel {nw}w", nw, rk))
+        for method in a.methods.split(","):
+            for nw in (int(v) for v in a.warps.split(",")):
+                def rk(i, w, nw=nw, np_=np_, method=method):
+                    ep.ROUTING_WARPS[(method, np_)] = nw
+                    return flat(ep.routing_kernel(i, E, BM, method=method))
+                plan.append((f"{method} kernel {nw}w", nw, rk))
 
         def fused(i, w, hidden=hidden):
             r, _, xp = ep.routing_operand_kernel(i, hidden, E, BM, scales, recipe=recipe_of("trtllm_cutlass"),
                                                   method="routes")
             return jnp.concatenate([flat(r).astype(jnp.float32), xp[:8].reshape(-1).astype(jnp.float32)])
-        plan.append(("fused routing+operand", None, fused))
+        if not a.no_fused:
+            plan.append(("fused routing+operand", None, fused))
         for name, nw, fn in plan:
             try:
                 timers.append(gb.make_timer(fn, ids, [jnp.zeros((1,))], target_s=0.02))

@@ -143,11 +143,12 @@ def test_scales_kernel_is_the_oracle(e, data, mode_scale):
 @settings(max_examples=120 if DEEP else 12, deadline=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(st.sampled_from([(3, 6, 24), (4, 22, 512), (8, 22, 512), (2, 8, 160)]), st.sampled_from([8, 16]),
-       st.data())
-def test_routing_kernel_routes_method_is_the_grouping(shape, bm, data):
-    """The routing kernel's "routes" method (interpret mode) gives exactly the grouping of an
-    independent numpy sort for drawn routings: distinct experts per token, drawn from a
-    handful (long groups, many experts without tokens) or from all E (nemotron's 512)."""
+       st.sampled_from(["routes", "tokens"]), st.data())
+def test_routing_kernel_methods_are_the_grouping(shape, bm, method, data):
+    """The routing kernel's "routes" and "tokens" methods (interpret mode) give exactly the
+    grouping of an independent numpy sort for drawn routings: distinct experts per token,
+    drawn from a handful (long groups, many experts without tokens) or from all E
+    (nemotron's 512)."""
     from test_moe_epilogue import _numpy_block_routing
 
     from nvfp4_jax.moe import epilogue as ep
@@ -157,7 +158,7 @@ def test_routing_kernel_routes_method_is_the_grouping(shape, bm, data):
     ids = np.stack([np.asarray(data.draw(st.permutations(range(pool)), label="token order"))[:k]
                     for _ in range(t)]).astype(np.int32)
     ids = np.asarray(data.draw(st.permutations(range(e))), np.int32)[ids]  # which experts
-    got = ep.routing_kernel(jnp.asarray(ids), e, bm, interpret=True, method="routes")
+    got = ep.routing_kernel(jnp.asarray(ids), e, bm, interpret=True, method=method)
     for name, w in zip(("sorted_route", "block_expert", "num_blocks", "route_pos"),
                        _numpy_block_routing(ids, e, bm), strict=True):
         np.testing.assert_array_equal(np.asarray(getattr(got, name)), w, err_msg=name)

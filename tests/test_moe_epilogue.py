@@ -239,15 +239,17 @@ def _numpy_block_routing(ids, e, bm):
     (1, 8, 128, 8, "random"), (8, 8, 128, 8, "random"), (1, 22, 512, 8, "random"),
     (5, 3, 7, 16, "random"), (9, 4, 16, 8, "skewed"), (6, 2, 5, 8, "one_expert"),
     (2, 22, 512, 16, "random"), (8, 22, 512, 8, "random"), (8, 22, 512, 8, "skewed"),
-    (23, 22, 512, 8, "one_expert"), (37, 3, 128, 16, "skewed"),
+    (23, 22, 512, 8, "one_expert"), (37, 3, 128, 16, "skewed"), (6, 4, 16, 8, "repeats"),
 ])
-@pytest.mark.parametrize("method", ["experts", "routes"])
+@pytest.mark.parametrize("method", ["experts", "routes", "tokens"])
 def test_routing_kernel_is_the_block_routing(t, k, e, bm, kind, method):
-    """The one-launch routing kernel (interpret mode), both methods where they fit, gives
+    """The one-launch routing kernel (interpret mode), every method where it fits, gives
     exactly the numpy grouping and exactly what the XLA ``block_routing`` gives: uneven groups,
     experts without tokens, all tokens on one expert (506 routes on three experts), E not a
-    power of two, nemotron T = 8 (176 routes over 512 experts: the routes method only)."""
-    if method not in ep.routing_methods(t * k, e, bm, explicit=True):
+    power of two, nemotron T = 8 (176 routes over 512 experts: not the experts method), a
+    token routed twice to one expert ("one_expert", "repeats": the tokens method counts them
+    per token)."""
+    if method not in ep.routing_methods(t * k, e, bm, top_k=k, explicit=True):
         pytest.skip(f"{method} does not take {t * k} routes over {e} experts")
     rng = np.random.default_rng(t * 100 + k)
     ids = np.argsort(rng.random((t, e)), axis=1)[:, :k].astype(np.int32)
@@ -256,6 +258,9 @@ def test_routing_kernel_is_the_block_routing(t, k, e, bm, kind, method):
     if kind == "one_expert":
         ids[:, 0] = 3  # every token's first route on expert 3, the others on experts 0 and 1
         ids[:, 1:] = ids[:, 1:] % 2
+    if kind == "repeats":
+        ids[:, 1] = ids[:, 0]  # every token twice on its first expert, token 2 always on 5
+        ids[2] = 5
     got = ep.routing_kernel(jnp.asarray(ids), e, bm, interpret=True, method=method)
     want = _numpy_block_routing(ids, e, bm)
     xla = block_routing(jnp.asarray(ids), e, bm)
@@ -284,8 +289,8 @@ def test_routing_kernel_with_scales(mode, act_scale):
 
 
 def test_routing_kernel_lowers_and_refuses_large_routings(monkeypatch):
-    for t in (1, 8):  # nemotron T = 1 and 8: the routes method
-        f = jax.jit(lambda ids: ep.routing_kernel(ids, 512, 8, method="routes"))
+    for t, method in ((1, "routes"), (8, "routes"), (8, "tokens"), (23, "tokens")):  # nemotron
+        f = jax.jit(lambda ids, m=method: ep.routing_kernel(ids, 512, 8, method=m))
         text = f.trace(jax.ShapeDtypeStruct((t, 22), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
         assert "nvfp4_moe_routing" in text
     # the layer picks the routes method by itself up to ROUTES_AUTO_MAX routes (nemotron T = 1,
@@ -295,6 +300,17 @@ def test_routing_kernel_lowers_and_refuses_large_routings(monkeypatch):
     assert ep.routing_methods(8 * 22, 512, 8, explicit=True) == ("routes",)
     assert ep.routing_methods(8 * 22, 512, 8) == () and not ep.routing_kernel_fits(8 * 22, 512, 8)
     assert ep.routing_methods(8 * 8, 128, 8) == ("experts", "routes")  # qwen3 T = 8: experts first
+    # the tokens method: for a [T, k] routing only (not the fused launch, top_k None), by
+    # itself once TOKENS_METHOD is on; its [T, E] table fits up to T = 64 at 512 experts, its
+    # [N, k] compare tile up to 1024 routes
+    assert ep.routing_methods(8 * 22, 512, 8, top_k=22, explicit=True) == ("routes", "tokens")
+    assert ep.routing_methods(8 * 22, 512, 8, top_k=22) == ()
+    monkeypatch.setattr(ep, "TOKENS_METHOD", True)
+    assert ep.routing_methods(8 * 22, 512, 8, top_k=22) == ("tokens",)
+    assert ep.routing_methods(22, 512, 8, top_k=22) == ("routes", "tokens")
+    assert not ep.routing_kernel_fits(8 * 22, 512, 8)  # no top_k: not the tokens method
+    assert ep.routing_kernel_fits(46 * 22, 512, 8, top_k=22)
+    assert not ep.routing_kernel_fits(47 * 22, 512, 8, top_k=22)  # 1034 routes
     monkeypatch.setattr(ep, "ROUTES_AUTO_MAX", 512)
     assert ep.routing_methods(8 * 22, 512, 8) == ("routes",) and ep.routing_kernel_fits(8 * 22, 512, 8)
     assert not ep.routing_kernel_fits(64 * 22, 512, 8)  # nemotron T = 64: XLA routing

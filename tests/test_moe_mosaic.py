@@ -541,15 +541,19 @@ def test_fused_routing_config_is_checked():
     assert MosaicMoEConfig(routing="fused", skip_padding=True).routing == "fused"
 
 
-@pytest.mark.parametrize("routing", ["kernel", "fused"])
-def test_moe_mosaic_dataflow_routes_method(routing, monkeypatch, caplog):
+@pytest.mark.parametrize("routing,method", [("kernel", "routes"), ("fused", "routes"), ("kernel", "tokens")])
+def test_moe_mosaic_dataflow_routes_method(routing, method, monkeypatch, caplog):
     """The routing kernels' "routes" method (above 128 experts, up to ROUTES_AUTO_MAX routes;
-    forced here at 24 experts by lowering ROUTING_EXPERTS_MAX) inside the layer, against the
-    oracle; no fallback to XLA."""
+    forced here at 24 experts by lowering ROUTING_EXPERTS_MAX) and "tokens" method (with
+    TOKENS_METHOD on, ROUTES_AUTO_MAX 0) inside the layer, against the oracle; no fallback to
+    XLA."""
     from nvfp4_jax.moe import epilogue as ep
 
     monkeypatch.setattr(ep, "ROUTING_EXPERTS_MAX", 8)
-    assert ep.routing_methods(9 * 3, 24, 8) == ("routes",)
+    if method == "tokens":
+        monkeypatch.setattr(ep, "TOKENS_METHOD", True)
+        monkeypatch.setattr(ep, "ROUTES_AUTO_MAX", 0)
+    assert ep.routing_methods(9 * 3, 24, 8, top_k=3)[0] == method
     case = make_case(np.random.default_rng(31), t=9, h=256, inter=384, e=24, k=3, activation="relu2",
                      routing="skewed")
     cfg = MosaicMoEConfig(block_m=8, routing=routing, skip_padding=True)

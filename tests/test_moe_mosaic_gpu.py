@@ -299,15 +299,45 @@ def test_routing_kernel_routes_method_on_gpu(t):
     np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32))
 
 
-@pytest.mark.parametrize("routing", ["kernel", "fused"])
-def test_moe_mosaic_gpu_routes_method_matches_oracle(routing, monkeypatch):
+@pytest.mark.parametrize("t", [1, 8, 23, 46])
+def test_routing_kernel_tokens_method_on_gpu(t):
+    """The routing kernels' "tokens" method (nemotron: 22 routes per token over 512 experts)
+    on the GPU: its scratch table's barriers give exactly the XLA ``block_routing``, alone and
+    with the scales; also with every token routed twice to its first expert."""
+    from nvfp4_jax.moe import epilogue as ep
+    from nvfp4_jax.moe.routing import block_routing
+
+    rng = np.random.default_rng(t)
+    e, k, bm = 512, 22, 8
+    assert "tokens" in ep.routing_methods(t * k, e, bm, top_k=k, explicit=True)
+    ids = np.argsort(rng.random((t, e)), axis=1)[:, :k].astype(np.int32)
+    rep = ids.copy()
+    rep[:, 1] = rep[:, 0]
+    vecs = [jnp.asarray(np.exp2(rng.uniform(-12, 4, e)).astype(np.float32)) for _ in range(4)]
+    scales = (*vecs, "trtllm_cutlass", "scalar")
+    for i in (jnp.asarray(ids), jnp.asarray(rep)):
+        want = block_routing(i, e, bm)
+        got = jax.jit(lambda i: ep.routing_kernel(i, e, bm, method="tokens"))(i)
+        got_s, _ = jax.jit(lambda i: ep.routing_kernel(i, e, bm, scales=scales, method="tokens"))(i)
+        for br in (got, got_s):
+            for name in ("sorted_route", "block_expert", "num_blocks", "route_pos"):
+                np.testing.assert_array_equal(np.asarray(getattr(br, name)), np.asarray(getattr(want, name)),
+                                              err_msg=name)
+
+
+@pytest.mark.parametrize("routing,method", [("kernel", "routes"), ("fused", "routes"), ("kernel", "tokens")])
+def test_moe_mosaic_gpu_routes_method_matches_oracle(routing, method, monkeypatch):
     """The layer with the "routes" routing method (taken above 128 experts; forced here at 24
     by lowering ROUTING_EXPERTS_MAX) against the oracle, in the routing kernel's launch or
-    fused with the FC1 operand."""
+    fused with the FC1 operand; and with the "tokens" method (TOKENS_METHOD on,
+    ROUTES_AUTO_MAX 0)."""
     from nvfp4_jax.moe import epilogue as ep
 
     monkeypatch.setattr(ep, "ROUTING_EXPERTS_MAX", 8)
-    assert ep.routing_methods(8 * 6, 24, 8) == ("routes",)
+    if method == "tokens":
+        monkeypatch.setattr(ep, "TOKENS_METHOD", True)
+        monkeypatch.setattr(ep, "ROUTES_AUTO_MAX", 0)
+    assert ep.routing_methods(8 * 6, 24, 8, top_k=6)[0] == method
     case = make_case_fast(np.random.default_rng(24), **{**NEMO, "t": 8, "e": 24, "k": 6})
     cfg = MosaicMoEConfig(block_m=8, routing=routing, skip_padding=True)
     out, h = _run(case, mode="trtllm_cutlass", activation="relu2", config=cfg)

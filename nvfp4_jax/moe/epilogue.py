@@ -348,6 +348,13 @@ def combine(part: jax.Array, route_pos: jax.Array, topk_ids: jax.Array, topk_wei
 #: session 8). "routes" (``_route_counts``): no expert dimension at all, every quantity from
 #: route-by-route compares in [N, ROUTE_CHUNK] tiles (O(N^2)), the block experts read back
 #: from the sorted order; for up to ROUTING_ROUTES_MAX routes (nemotron T = 8: 176).
+#: "tokens" (``_route_tokens``): token-major, for top-k routings (the layer's [T, k]): a
+#: [T, E] table of how many of each token's routes go to each expert, scattered into a
+#: scratch output, then counts, padded starts and each cell's first row from cumsums over
+#: that table, written back and gathered per route (a token's duplicate experts, if any, by
+#: a [N, k] compare); no O(N^2) term. For tables and [N, k] tiles (powers of two) of at most
+#: ROUTING_KERNEL_MAX_ELEMS elements (nemotron up to T = 46). Only for an explicit request
+#: until TOKENS_METHOD is on.
 ROUTING_KERNEL_MAX_ELEMS = 1 << 15
 ROUTING_EXPERTS_MAX = 128
 ROUTING_ROUTES_MAX = 512
@@ -361,6 +368,10 @@ ROUTE_CHUNK = 32
 #: 352 routes (bench/routing_probe.py; bench/results/run-h200-session12.log). Its quadratic
 #: compares run in 2 x N / 32 dependent chunks, each ending in cross-warp reductions.
 ROUTES_AUTO_MAX = 64
+#: Whether the layer may pick the "tokens" method by itself (first above ROUTING_EXPERTS_MAX
+#: experts). Off until it has passed its GPU tests and measured faster than the XLA routing
+#: (written in session 12 after the routes method measured slow at 176 routes).
+TOKENS_METHOD = False
 
 
 def _route_positions(ids_ref, *, n: int, num_experts: int, block_m: int):
@@ -447,25 +458,70 @@ def _store_sorted(j, valid, pos, sorted_ref, pos_ref, *, n: int, em: int, interp
     plgpu.store(sorted_ref.at[jnp.where(valid, pos, em + j)], j, mask=valid)
 
 
-def _store_routing_routes(j, valid, ids, rank, fp, ids_ref, sorted_ref, be_ref, nb_ref, pos_ref, *,
-                          n: int, num_experts: int, block_m: int, nb: int, em: int, interpret: bool):
-    """The "routes" method from its first pass's values (``_route_counts``, ``_first_padded``):
-    every route's row (``_route_rows``), the rows and the sorted order (``_store_sorted``),
-    then, after a CTA barrier, each block's expert read back as the expert of the block's first
+def _route_tokens(ids_ref, m_ref, *, n: int, top_k: int, num_experts: int, block_m: int,
+                  interpret: bool):
+    """The "tokens" method: (j, valid, pos, total blocks) with pos [np] each route's row. ``m_ref``:
+    an int32 scratch output of [pow2(T) * pow2(E)] cells (token t, expert x at t * pow2(E) + x)."""
+    np_, kp = _pow2(n), _pow2(top_k)
+    tp, ep = _pow2(n // top_k), _pow2(num_experts)
+    j, ids = _lane_ids(ids_ref, 0, np_, n, -1)
+    valid = j < n
+    tok = j // top_k
+    # each route's token's routes: how many share its expert, how many of those come earlier
+    c = lax.broadcasted_iota(jnp.int32, (1, kp), 1)
+    jj = tok[:, None] * top_k + c  # [np, kp]
+    inrow = (c < top_k) & valid[:, None]
+    idt = jnp.where(inrow, plgpu.load(ids_ref.at[jnp.where(inrow, jj, 0)]), -2)
+    same = idt == ids[:, None]
+    mult = jnp.sum(same.astype(jnp.int32), axis=1)
+    dup = jnp.sum((same & (jj < j[:, None])).astype(jnp.int32), axis=1)
+    cell = lax.broadcasted_iota(jnp.int32, (tp, 1), 0) * ep + lax.broadcasted_iota(jnp.int32, (1, ep), 1)
+    plgpu.store(m_ref.at[cell], jnp.zeros((tp, ep), jnp.int32))
+    if not interpret:
+        plgpu.debug_barrier()  # the table is zero before any route's count lands
+    first = valid & (dup == 0)  # one store per (token, expert); masked lanes index past the end
+    mine = jnp.where(valid, tok * ep + ids, tp * ep + j)
+    plgpu.store(m_ref.at[jnp.where(first, mine, tp * ep + j)], mult, mask=first)
+    if not interpret:
+        plgpu.debug_barrier()
+    m = plgpu.load(m_ref.at[cell])  # [tp, ep] routes of token t on expert x
+    padded = (jnp.sum(m, axis=0) + block_m - 1) // block_m * block_m
+    start = jnp.cumsum(padded, axis=0) - padded
+    base = start[None, :] + jnp.cumsum(m, axis=0) - m  # the first row of (t, x)'s routes
+    if not interpret:
+        plgpu.debug_barrier()  # every thread has read the table before it is overwritten
+    plgpu.store(m_ref.at[cell], base)
+    if not interpret:
+        plgpu.debug_barrier()
+    pos = plgpu.load(m_ref.at[jnp.where(valid, mine, 0)]) + dup
+    return j, valid, pos, jnp.sum(padded) // block_m
+
+
+def _store_block_experts(total, ids_ref, sorted_ref, be_ref, nb_ref, *, n: int, num_experts: int,
+                         block_m: int, nb: int, interpret: bool):
+    """After a CTA barrier, each block's expert read back as the expert of the block's first
     row (always a route: a block starts within its expert's routes), E - 1 past the last block
-    (as ``block_routing``), and the block count."""
-    pos = _route_rows(ids_ref, ids, fp, rank, n=n, block_m=block_m)
-    _store_sorted(j, valid, pos, sorted_ref, pos_ref, n=n, em=em, interpret=interpret)
+    (as ``block_routing``), and the block count ``total``."""
     if not interpret:
         plgpu.debug_barrier()  # the sorted order is in memory before it is read back
     nbp = _pow2(nb)
-    total = jnp.sum(fp) // block_m
     bi = lax.broadcasted_iota(jnp.int32, (nbp,), 0)
     live = bi < total
     row = plgpu.load(sorted_ref.at[jnp.where(live, bi * block_m, 0)])
     bexp = jnp.where(live, plgpu.load(ids_ref.at[jnp.clip(row, 0, n - 1)]), num_experts - 1)
     plgpu.store(be_ref.at[bi], bexp, mask=bi < nb)
     plgpu.store(nb_ref.at[lax.broadcasted_iota(jnp.int32, (1,), 0)], jnp.full((1,), total, jnp.int32))
+
+
+def _store_routing_routes(j, valid, ids, rank, fp, ids_ref, sorted_ref, be_ref, nb_ref, pos_ref, *,
+                          n: int, num_experts: int, block_m: int, nb: int, em: int, interpret: bool):
+    """The "routes" method from its first pass's values (``_route_counts``, ``_first_padded``):
+    every route's row (``_route_rows``), the rows and the sorted order (``_store_sorted``),
+    the block experts and count (``_store_block_experts``)."""
+    pos = _route_rows(ids_ref, ids, fp, rank, n=n, block_m=block_m)
+    _store_sorted(j, valid, pos, sorted_ref, pos_ref, n=n, em=em, interpret=interpret)
+    _store_block_experts(jnp.sum(fp) // block_m, ids_ref, sorted_ref, be_ref, nb_ref, n=n,
+                         num_experts=num_experts, block_m=block_m, nb=nb, interpret=interpret)
 
 
 def _store_routing(route, sorted_ref, be_ref, nb_ref, pos_ref, *, n: int, num_experts: int,
@@ -484,8 +540,16 @@ def _store_routing(route, sorted_ref, be_ref, nb_ref, pos_ref, *, n: int, num_ex
     plgpu.store(nb_ref.at[lax.broadcasted_iota(jnp.int32, (1,), 0)], jnp.full((1,), total, jnp.int32))
 
 
-def _routing_kernel(ids_ref, sorted_ref, be_ref, nb_ref, pos_ref, *, n: int, num_experts: int,
-                    block_m: int, nb: int, em: int, interpret: bool, method: str):
+def _routing_kernel(ids_ref, sorted_ref, be_ref, nb_ref, pos_ref, *scratch, n: int, num_experts: int,
+                    block_m: int, nb: int, em: int, interpret: bool, method: str, top_k: int = 0):
+    if method == "tokens":
+        j, valid, pos, total = _route_tokens(ids_ref, scratch[0], n=n, top_k=top_k,
+                                             num_experts=num_experts, block_m=block_m,
+                                             interpret=interpret)
+        _store_sorted(j, valid, pos, sorted_ref, pos_ref, n=n, em=em, interpret=interpret)
+        _store_block_experts(total, ids_ref, sorted_ref, be_ref, nb_ref, n=n,
+                             num_experts=num_experts, block_m=block_m, nb=nb, interpret=interpret)
+        return
     if method == "routes":
         j, valid, ids, rank, count = _route_counts(ids_ref, n=n)
         _store_routing_routes(j, valid, ids, rank, _first_padded(valid, rank, count, block_m),
@@ -499,15 +563,19 @@ def _routing_kernel(ids_ref, sorted_ref, be_ref, nb_ref, pos_ref, *, n: int, num
 
 
 def _routing_plan(topk_ids: jax.Array, num_experts: int, block_m: int, interpret: bool,
-                  method: str | None = None):
-    """(flat int32 routes, the routing kernels' static arguments, their four int32 outputs'
-    shapes) for a routing ``routing_kernel_fits`` takes; ValueError naming topk_ids if not.
-    ``method``: "experts" or "routes" (both must fit), None: ``routing_method``'s choice."""
+                  method: str | None = None, tokens: bool = True):
+    """(flat int32 routes, the routing kernels' static arguments, their int32 outputs' shapes:
+    BlockRouting's four, then the "tokens" method's scratch table) for a routing
+    ``routing_kernel_fits`` takes; ValueError naming topk_ids if not. ``method``: one of
+    ``routing_methods`` (it must fit), None: its first; ``tokens``: whether "tokens" may be."""
     from .routing import max_blocks
 
+    if topk_ids.ndim != 2:
+        raise ValueError(f"topk_ids: expected [T, k] expert ids, got shape {topk_ids.shape}")
     flat = topk_ids.reshape(-1).astype(jnp.int32)
-    n = flat.shape[0]
-    fits = routing_methods(n, num_experts, block_m, explicit=method is not None)
+    n, top_k = flat.shape[0], topk_ids.shape[1]
+    fits = routing_methods(n, num_experts, block_m, top_k=top_k if tokens else None,
+                           explicit=method is not None)
     if not fits or (method is not None and method not in fits):
         raise ValueError(f"topk_ids: {n} routes over {num_experts} experts are too many for the "
                          f"one-program routing kernel ({method or 'any'} method, "
@@ -517,7 +585,11 @@ def _routing_plan(topk_ids: jax.Array, num_experts: int, block_m: int, interpret
     i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)
     kw = {"n": n, "num_experts": num_experts, "block_m": block_m, "nb": nb, "em": em,
           "interpret": interpret, "method": method or fits[0]}
-    return flat, kw, (i32(em), i32(nb), i32(1), i32(n))
+    outs = (i32(em), i32(nb), i32(1), i32(n))
+    if kw["method"] == "tokens":
+        kw["top_k"] = top_k
+        outs += (i32(_pow2(n // top_k) * _pow2(num_experts)),)
+    return flat, kw, outs
 
 
 def _scales_plan(scales: tuple, num_experts: int, interpret: bool):
@@ -531,11 +603,13 @@ def _scales_plan(scales: tuple, num_experts: int, interpret: bool):
     return _scale_operands(vecs, num_experts), kw, (f32,) * 6
 
 
-def routing_methods(n_routes: int, num_experts: int, block_m: int, *,
+def routing_methods(n_routes: int, num_experts: int, block_m: int, *, top_k: int | None = None,
                     explicit: bool = False) -> tuple[str, ...]:
     """The routing kernels' methods that take this routing, the default first: "experts" up to
-    ROUTING_EXPERTS_MAX experts when its tiles fit, "routes" up to ROUTING_ROUTES_MAX routes
-    (up to ROUTES_AUTO_MAX routes, or ROUTING_ROUTES_MAX for an ``explicit`` request)."""
+    ROUTING_EXPERTS_MAX experts when its tiles fit, "routes" up to ROUTES_AUTO_MAX routes
+    (ROUTING_ROUTES_MAX for an ``explicit`` request), "tokens" for a [T, top_k] routing (None:
+    not offered, e.g. for the fused launch) when its tiles fit and TOKENS_METHOD is on (or the
+    request is ``explicit``)."""
     from .routing import max_blocks
 
     nb = max_blocks(n_routes, num_experts, block_m)
@@ -545,6 +619,10 @@ def routing_methods(n_routes: int, num_experts: int, block_m: int, *,
         out.append("experts")
     if n_routes <= (ROUTING_ROUTES_MAX if explicit else min(ROUTES_AUTO_MAX, ROUTING_ROUTES_MAX)):
         out.append("routes")
+    if (top_k is not None and (TOKENS_METHOD or explicit) and n_routes % top_k == 0
+            and _pow2(n_routes // top_k) * _pow2(num_experts) <= ROUTING_KERNEL_MAX_ELEMS
+            and _pow2(n_routes) * _pow2(top_k) <= ROUTING_KERNEL_MAX_ELEMS):
+        out.append("tokens")
     return tuple(out)
 
 
@@ -555,14 +633,18 @@ ROUTING_WARPS: dict = {}
 
 
 def routing_warps(method: str, n_routes: int) -> int:
-    """The routing kernel's num_warps (``ROUTING_WARPS`` overrides the default)."""
+    """The routing kernel's num_warps (``ROUTING_WARPS`` overrides the default; the tokens
+    method: ~64 elements of its [N, 32] compare tile per thread, 4 to 16 warps)."""
     np_ = _pow2(n_routes)
-    return ROUTING_WARPS.get((method, np_), 8 if method == "routes" and np_ >= 128 else 4)
+    default = {"routes": 8 if np_ >= 128 else 4, "tokens": max(4, min(16, np_ // 64))}.get(method, 4)
+    return ROUTING_WARPS.get((method, np_), default)
 
 
-def routing_kernel_fits(n_routes: int, num_experts: int, block_m: int) -> bool:
-    """Whether ``routing_kernel`` takes this routing (one of its methods fits one program)."""
-    return bool(routing_methods(n_routes, num_experts, block_m))
+def routing_kernel_fits(n_routes: int, num_experts: int, block_m: int, *,
+                        top_k: int | None = None) -> bool:
+    """Whether ``routing_kernel`` takes this routing (one of its methods fits one program;
+    ``top_k``: as ``routing_methods``)."""
+    return bool(routing_methods(n_routes, num_experts, block_m, top_k=top_k))
 
 
 def routing_kernel(topk_ids: jax.Array, num_experts: int, block_m: int, *,
@@ -571,8 +653,8 @@ def routing_kernel(topk_ids: jax.Array, num_experts: int, block_m: int, *,
     fusions: counts, padded cumsum and each route's rank among its expert's routes from an
     [E, N] one-hot tile, the block experts from an [NB, E] compare tile, the inverse
     permutation as sentinel stores, a CTA barrier, then one scatter. Same outputs, bit for bit
-    (integers). For small routings only (``routing_kernel_fits``). ``method``: "experts" or
-    "routes" (ROUTING_EXPERTS_MAX's comment), None: the first of ``routing_methods``.
+    (integers). For small routings only (``routing_kernel_fits``). ``method``: "experts",
+    "routes" or "tokens" (ROUTING_EXPERTS_MAX's comment), None: the first of ``routing_methods``.
 
     scales: None, or ``(fc1_weight_scale_2, fc2_weight_scale_2, fc1_input_scale,
     fc2_input_scale, mode, activation_scale)``: the same program also computes
@@ -583,19 +665,19 @@ def routing_kernel(topk_ids: jax.Array, num_experts: int, block_m: int, *,
     flat, rkw, outs = _routing_plan(topk_ids, num_experts, block_m, interpret, method)
     kern = functools.partial(_routing_kernel, **rkw)
     nw = routing_warps(rkw["method"], rkw["n"])
+    nr = len(outs)  # BlockRouting's four arrays, then any scratch
     if scales is None:
-        srt, be, nbk, pos = _call(kern, outs, (1,), num_warps=nw, name="nvfp4_moe_routing",
-                                  interpret=interpret)(flat)
-        return BlockRouting(srt, be, nbk, pos)
+        res = _call(kern, outs, (1,), num_warps=nw, name="nvfp4_moe_routing", interpret=interpret)(flat)
+        return BlockRouting(*res[:4])
     ops, skw, souts = _scales_plan(scales, num_experts, interpret)
 
-    def both(ids_ref, w1_ref, w2_ref, s1_ref, s2_ref, srt_ref, be_ref, nb_ref, pos_ref, *scale_refs):
-        _scales_kernel(w1_ref, w2_ref, s1_ref, s2_ref, *scale_refs, **skw)
-        kern(ids_ref, srt_ref, be_ref, nb_ref, pos_ref)
+    def both(ids_ref, w1_ref, w2_ref, s1_ref, s2_ref, *refs):
+        _scales_kernel(w1_ref, w2_ref, s1_ref, s2_ref, *refs[nr:], **skw)
+        kern(ids_ref, *refs[:nr])
 
-    srt, be, nbk, pos, *sv = _call(both, (*outs, *souts), (1,), num_warps=nw,
-                                   name="nvfp4_moe_routing_scales", interpret=interpret)(flat, *ops)
-    return BlockRouting(srt, be, nbk, pos), tuple(sv)
+    res = _call(both, (*outs, *souts), (1,), num_warps=nw, name="nvfp4_moe_routing_scales",
+                interpret=interpret)(flat, *ops)
+    return BlockRouting(*res[:4]), tuple(res[nr:])
 
 
 def _routing_operand_kernel(ids_ref, w1_ref, w2_ref, s1_ref, s2_ref, x_ref, srt_ref, be_ref, nb_ref,
@@ -659,7 +741,8 @@ def routing_operand_kernel(topk_ids: jax.Array, hidden: jax.Array, num_experts: 
         raise ValueError(f"hidden: expected [T, H] with H % 256 == 0 (the grouped kernel's K), got {hidden.shape}")
     if topk_ids.ndim != 2 or topk_ids.shape[0] != t:
         raise ValueError(f"topk_ids: expected [T, k] with T = {t} (hidden's rows), got {topk_ids.shape}")
-    flat, rkw, outs = _routing_plan(topk_ids, num_experts, block_m, interpret, method)
+    flat, rkw, outs = _routing_plan(topk_ids, num_experts, block_m, interpret, method,
+                                    tokens=False)  # each program needs its row alone
     ops, skw, souts = _scales_plan(scales, num_experts, interpret)
     bk = _row_tile(h)
     kern = functools.partial(

@@ -643,7 +643,8 @@ def moe_mosaic(
     scale_spec = (*scale_args, mode, activation_scale)  # the scale kernels' ``scales``
     sv = None  # (g1, 1/g1, alpha1, g2, 1/g2, alpha2)
     xp = None  # the FC1 operand, when the routing kernel writes it too ("fused")
-    if config.routing != "xla" and routing_kernel_fits(n_routes, e, bm):
+    if config.routing != "xla" and routing_kernel_fits(
+            n_routes, e, bm, top_k=None if config.routing == "fused" else topk_ids.shape[1]):
         if config.routing == "fused":  # routing, scales and the FC1 operand in one launch
             br, sv, xp = routing_operand_kernel(topk_ids, hidden, e, bm, scale_spec, recipe=recipe,
                                                 interpret=reference)

@@ -301,9 +301,10 @@ def test_routing_kernel_lowers_and_refuses_large_routings(monkeypatch):
     assert ep.routing_methods(8 * 22, 512, 8) == () and not ep.routing_kernel_fits(8 * 22, 512, 8)
     assert ep.routing_methods(8 * 8, 128, 8) == ("experts", "routes")  # qwen3 T = 8: experts first
     # the tokens method: for a [T, k] routing only (not the fused launch, top_k None), by
-    # itself once TOKENS_METHOD is on; its [T, E] table fits up to T = 64 at 512 experts, its
+    # itself while TOKENS_METHOD is on; its [T, E] table fits up to T = 64 at 512 experts, its
     # [N, k] compare tile up to 1024 routes
     assert ep.routing_methods(8 * 22, 512, 8, top_k=22, explicit=True) == ("routes", "tokens")
+    monkeypatch.setattr(ep, "TOKENS_METHOD", False)
     assert ep.routing_methods(8 * 22, 512, 8, top_k=22) == ()
     monkeypatch.setattr(ep, "TOKENS_METHOD", True)
     assert ep.routing_methods(8 * 22, 512, 8, top_k=22) == ("tokens",)

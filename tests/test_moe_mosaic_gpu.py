@@ -367,15 +367,17 @@ def test_moe_mosaic_gpu_swizzled_bn64_matches_oracle(caplog):
 def test_auto_sm90_nemotron_decode_entries_match_oracle(bucket, t, monkeypatch):
     """nemotron's decode ``AUTO_SM90`` entries as the bench runs them (swizzled weights, FC2
     padded by ``pad_fc2``) at 24 experts, against the oracle. ROUTING_EXPERTS_MAX lowered so
-    the routing kernels take the routes method, as at nemotron's 512 experts (T = 1: fused
-    routing, scales and FC1 operand; T = 8: XLA routing, ROUTES_AUTO_MAX)."""
+    the routing kernels take the methods they take at nemotron's 512 experts (T = 1: the
+    routes method, fused with the scales and the FC1 operand; T = 8: the tokens method with
+    the scales)."""
     from nvfp4_jax.moe import epilogue as ep
     from nvfp4_jax.moe import mosaic as mm
     from nvfp4_jax.moe import pad_fc2
 
     monkeypatch.setattr(ep, "ROUTING_EXPERTS_MAX", 8)
     cfg = mm.AUTO_SM90[(*mm._NEMO, bucket)]
-    assert ep.routing_kernel_fits(t * 22, 24, cfg.block_m) == (cfg.routing != "xla")
+    assert ep.routing_kernel_fits(t * 22, 24, cfg.block_m,
+                                  top_k=None if cfg.routing == "fused" else 22) == (cfg.routing != "xla")
     case = make_case_fast(np.random.default_rng(bucket), **{**NEMO, "t": t, "e": 24, "k": 22})
     hidden, ids, w, fc1, fc2, s1, s2 = to_jax(case)
     fn = functools.partial(moe_pallas, activation="relu2", gate_up_order="up_gate", mode="trtllm_cutlass",

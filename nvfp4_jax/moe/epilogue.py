@@ -353,8 +353,7 @@ def combine(part: jax.Array, route_pos: jax.Array, topk_ids: jax.Array, topk_wei
 #: scratch output, then counts, padded starts and each cell's first row from cumsums over
 #: that table, written back and gathered per route (a token's duplicate experts, if any, by
 #: a [N, k] compare); no O(N^2) term. For tables and [N, k] tiles (powers of two) of at most
-#: ROUTING_KERNEL_MAX_ELEMS elements (nemotron up to T = 46). Only for an explicit request
-#: until TOKENS_METHOD is on.
+#: ROUTING_KERNEL_MAX_ELEMS elements (nemotron up to T = 46), above ROUTES_AUTO_MAX routes.
 ROUTING_KERNEL_MAX_ELEMS = 1 << 15
 ROUTING_EXPERTS_MAX = 128
 ROUTING_ROUTES_MAX = 512
@@ -368,10 +367,14 @@ ROUTE_CHUNK = 32
 #: 352 routes (bench/routing_probe.py; bench/results/run-h200-session12.log). Its quadratic
 #: compares run in 2 x N / 32 dependent chunks, each ending in cross-warp reductions.
 ROUTES_AUTO_MAX = 64
-#: Whether the layer may pick the "tokens" method by itself (first above ROUTING_EXPERTS_MAX
-#: experts). Off until it has passed its GPU tests and measured faster than the XLA routing
-#: (written in session 12 after the routes method measured slow at 176 routes).
-TOKENS_METHOD = False
+#: Whether the layer may pick the "tokens" method by itself (above ROUTING_EXPERTS_MAX experts
+#: and ROUTES_AUTO_MAX routes). Written in session 12 after the routes method measured slow at
+#: 176 routes; on the H200 it passed its GPU tests (nemotron T = 1 / 8 / 23 / 46 against
+#: ``block_routing``, repeats included; the layer against the oracle) and, with the scales in
+#: the same launch, took nemotron T = 8 from 182.0 to 180.0 us (median of 3 rounds,
+#: 177.1-181.1; bench/results/moe-mosaic-probe-round16-h200.json), output bit for bit the XLA
+#: routing's.
+TOKENS_METHOD = True
 
 
 def _route_positions(ids_ref, *, n: int, num_experts: int, block_m: int):

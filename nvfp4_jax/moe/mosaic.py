@@ -117,7 +117,9 @@ class MosaicMoEConfig:
     shape and "xla" is the default. Routings over more than 128 experts take the kernel's
     "routes" method (route-by-route compares, no expert dimension) up to
     ``epilogue.ROUTES_AUTO_MAX`` routes: 5-6 us faster than the XLA routing at nemotron T = 1
-    (22 routes), 39 us slower at T = 8 (session 12); larger ones get the XLA routing (logged).
+    (22 routes), 39 us slower at T = 8 (session 12); above, the "tokens" method (a [T, E] table
+    in a scratch output; up to nemotron T = 46): 2 us faster than the XLA routing at T = 8;
+    larger ones get the XLA routing (logged).
     "fused" (``epilogue.routing_operand_kernel``; needs
     ``scales="kernel"`` and ``skip_padding``): the routing, the scales and the FC1 operand in
     one launch instead of two, each program recomputing the small routing in registers. Bit for
@@ -224,7 +226,10 @@ AUTO_SM90: dict[tuple[int, int, int, int, int], MosaicMoEConfig] = {
     # epilogue by route 51.0)
     (*_NEMO, 32): dataclasses.replace(_NEMO_CFG, skip_padding=True, routing="fused",
                                       fc2=MosaicConfig(block_n=128, split_k=3, num_stages=2)),
-    (*_NEMO, 256): dataclasses.replace(_NEMO_CFG, skip_padding=True,
+    # The routing kernel's tokens method with the scales in its launch (session 12,
+    # bench/results/moe-mosaic-probe-round16-h200.json, FC2 padded, median of 3 rounds): 180.0
+    # vs 182.0 us (the routes method, session 12 round 12: 220.4)
+    (*_NEMO, 256): dataclasses.replace(_NEMO_CFG, skip_padding=True, routing="kernel",
                                        fc2=MosaicConfig(block_n=128, split_k=2, num_stages=2)),
     # bf16 products (session 9, bench/results/moe-mosaic-probe-round8-h200.json, swizzled
     # weights): T = 64 537.2 vs 546.6 us; T = 8: 186.3 either way (skip_padding already reads

@@ -381,12 +381,22 @@ def test_routing_operand_kernel_lowers_and_checks_operands():
     assert "nvfp4_moe_routing_operand" in text
 
 
+def test_route_tiles_per_program():
+    """The FC1 epilogue by route splits each route's columns until the grid has
+    EPILOGUE_MIN_PROGRAMS programs where it can: nemotron (21 tiles) T = 1 / 8 / 64, qwen3
+    (6 tiles, swiglu) T = 1 / 8 / 64."""
+    assert ep.EPILOGUE_MIN_PROGRAMS == 264
+    got = [ep.route_tiles_per_program(21, n, 1) for n in (22, 176, 1408)]
+    got += [ep.route_tiles_per_program(6, n, 2) for n in (8, 64, 512)]
+    assert got == [1, 7, 21, 1, 1, 6]
+
+
 @pytest.mark.parametrize("activation,split", [("relu2", 1), ("swiglu", 2)])
-def test_skip_padding_rows_keeps_the_routed_rows(activation, split):
+def test_skip_padding_rows_keeps_the_routed_rows(activation, split, monkeypatch):
     """skip_padding (operand) and sorted_route (epilogue), or the epilogue one program per
-    route (route_pos): the routed rows are bit for bit the full kernels' rows; the padding
-    rows are not written (the partials' padding rows hold NaN here, as garbage would on the
-    GPU, and no NaN reaches a routed row)."""
+    route (route_pos; one and two column tiles per program): the routed rows are bit for bit
+    the full kernels' rows; the padding rows are not written (the partials' padding rows hold
+    NaN here, as garbage would on the GPU, and no NaN reaches a routed row)."""
     rng = np.random.default_rng(5 + split)
     t, k, e, bm, h, inter = 6, 3, 8, 8, 256, 256
     ids, br, nb = _routing(rng, t, k, e, bm, skew=True)
@@ -410,10 +420,13 @@ def test_skip_padding_rows_keeps_the_routed_rows(activation, split):
                                  _div(1.0, g2), **ekw)
     hv_s, hb_s = ep.fc1_epilogue(part, br.block_expert, br.num_blocks, a1, g2, _div(1.0, g2),
                                  sorted_route=br.sorted_route, n_routes=t * k, **ekw)
-    hv_r, hb_r = ep.fc1_epilogue(part, br.block_expert, br.num_blocks, a1, g2, _div(1.0, g2),
-                                 route_pos=br.route_pos, route_expert=jnp.asarray(ids.reshape(-1), jnp.int32),
-                                 **ekw)
-    for got, want in ((hv_s, hv_f), (hb_s, hb_f), (hv_r, hv_f), (hb_r, hb_f)):
+    by_route = {"route_pos": br.route_pos, "route_expert": jnp.asarray(ids.reshape(-1), jnp.int32)}
+    assert ep.route_tiles_per_program(inter // ep.TILE, t * k, 2 if activation == "swiglu" else 1) == 1
+    hv_r, hb_r = ep.fc1_epilogue(part, br.block_expert, br.num_blocks, a1, g2, _div(1.0, g2), **by_route, **ekw)
+    monkeypatch.setattr(ep, "EPILOGUE_MIN_PROGRAMS", 1)
+    assert ep.route_tiles_per_program(inter // ep.TILE, t * k, 2 if activation == "swiglu" else 1) == 2
+    hv_2, hb_2 = ep.fc1_epilogue(part, br.block_expert, br.num_blocks, a1, g2, _div(1.0, g2), **by_route, **ekw)
+    for got, want in ((hv_s, hv_f), (hb_s, hb_f), (hv_r, hv_f), (hb_r, hb_f), (hv_2, hv_f), (hb_2, hb_f)):
         g, w = np.asarray(got, np.float32)[live], np.asarray(want, np.float32)[live]
         assert np.all(np.isfinite(g)) and np.count_nonzero(w) > w.size // 4
         np.testing.assert_array_equal(g, w)

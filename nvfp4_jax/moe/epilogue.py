@@ -164,6 +164,22 @@ def tiles_per_program(n_tiles: int, rows: int, halves: int) -> int:
     return best
 
 
+#: Programs the FC1 epilogue by route aims for (two per SM on the H200's 132): with one row
+#: per program, ``tiles_per_program`` alone gave nemotron T = 1 22 programs of all 21 column
+#: tiles each (vs ~154 block programs), and the layer ran 4.6 us slower (session 12).
+EPILOGUE_MIN_PROGRAMS = 264
+
+
+def route_tiles_per_program(n_tiles: int, routes: int, halves: int) -> int:
+    """Column tiles per program of the FC1 epilogue by route: the largest divisor d of
+    ``n_tiles`` that ``tiles_per_program`` allows (one row) and that still makes
+    ``routes * n_tiles / d >= EPILOGUE_MIN_PROGRAMS`` programs (1 if none does)."""
+    cap = tiles_per_program(n_tiles, 1, halves)
+    ok = [d for d in range(1, cap + 1)
+          if n_tiles % d == 0 and routes * (n_tiles // d) >= EPILOGUE_MIN_PROGRAMS]
+    return max(ok, default=1)
+
+
 def _fc1_epilogue_kernel(route_ref, be_ref, nb_ref, part_ref, a1_ref, g2_ref, rg2_ref, hv_ref, *h_ref,
                          mt: int, split: int, inter: int, per: int, activation: str,
                          gate_up_order: str, mode: str, recipe: str, exact_asm: bool,
@@ -249,7 +265,9 @@ def fc1_epilogue(part: jax.Array, block_expert: jax.Array, num_blocks: jax.Array
         raise ValueError("route_pos and route_expert: give both (one program per route), and "
                          "then not sorted_route")
     mt = 1 if by_route else em // nb
-    per = tiles_per_program(inter // TILE, mt, 2 if activation == "swiglu" else 1)
+    halves = 2 if activation == "swiglu" else 1
+    per = (route_tiles_per_program(inter // TILE, route_pos.shape[0], halves) if by_route
+           else tiles_per_program(inter // TILE, mt, halves))
     out = [jax.ShapeDtypeStruct((em, inter), jnp.bfloat16)] * (2 if return_h else 1)
     kern = functools.partial(_fc1_epilogue_kernel, mt=mt, split=split, inter=inter, per=per,
                              activation=activation, gate_up_order=gate_up_order, mode=mode,

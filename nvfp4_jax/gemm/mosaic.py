@@ -384,6 +384,12 @@ def _decode_fn(block_n: int, g: int, block_k: int = BLOCK_K, scale_stride: int |
 # ----------------------------------------------------------------------------- kernel
 
 
+def reads_swizzled_scales(cfg: MosaicConfig) -> bool:
+    """Whether a kernel with this config can read ``swizzled_128x4`` scales per step: block_n
+    128, or 64 with one compute warpgroup (each CTA half of a 128-row tile)."""
+    return cfg.block_n == 128 or (cfg.block_n == 64 and cfg.consumers == 1)
+
+
 def check_config(cfg: MosaicConfig, k: int, m_tile: int, *, swizzled: bool = False,
                  padded: bool = False) -> int:
     """Raise ValueError naming ``config`` if ``cfg`` cannot run with this K and token tile
@@ -396,7 +402,7 @@ def check_config(cfg: MosaicConfig, k: int, m_tile: int, *, swizzled: bool = Fal
     largest split up to ``cfg.split_k`` that leaves no split empty. ``padded``: K is the
     weights' zero-padded K (the grouped kernel's x is narrower, its missing columns read as
     zeros), whose K / block_k steps split unevenly the same way, whatever the scale layout."""
-    if swizzled and not (cfg.block_n == 128 or (cfg.block_n == 64 and cfg.consumers == 1)):
+    if swizzled and not reads_swizzled_scales(cfg):
         raise ValueError(f"config: swizzled_128x4 scales need block_n=128 (or 64 with one "
                          f"compute warpgroup), got block_n={cfg.block_n}, consumers={cfg.consumers}")
     whole = k % BLOCK_K == 128

@@ -10,7 +10,7 @@ from .configs import MoEConfig
 from .mosaic import MosaicMoEConfig
 from .pallas_triton import KERNELS
 from .routing import ROUTINGS, select_experts
-from .weights import padded_inter, unpad_fc2
+from .weights import intermediate_size, padded_inter, unpad_fc2
 from .xla import ACTIVATION_SCALES, ACTIVATIONS, GATE_UP_ORDERS, MODES, moe_xla
 
 BACKENDS = ("auto", "pallas", "xla")
@@ -49,7 +49,7 @@ def _check(hidden, fc1, fc2, s1, s2, activation, gate_up_order, mode, backend, a
     e, r, h = fc1.shape
     if h != hidden.shape[1]:
         raise ValueError(f"fc1: expected K = H = {hidden.shape[1]}, got shape {fc1.shape}")
-    inter = r // 2 if activation == "swiglu" else r
+    inter = intermediate_size(r, activation)
     if activation == "swiglu" and r % 2:
         raise ValueError(f"fc1: swiglu needs an even number of rows [up; gate], got {r}")
     if fc2.shape not in ((e, h, inter), (e, h, padded_inter(inter))):

@@ -501,7 +501,7 @@ def _route_tokens(ids_ref, m_ref, *, n: int, top_k: int, num_experts: int, block
     if not interpret:
         plgpu.debug_barrier()  # the table is zero before any route's count lands
     first = valid & (dup == 0)  # one store per (token, expert); masked lanes index past the end
-    mine = jnp.where(valid, tok * ep + ids, tp * ep + j)
+    mine = tok * ep + ids  # the route's (token, expert) cell
     plgpu.store(m_ref.at[jnp.where(first, mine, tp * ep + j)], mult, mask=first)
     if not interpret:
         plgpu.debug_barrier()

@@ -59,6 +59,7 @@ from ..gemm.mosaic import (  # BLOCK_K: K % 256 for TMA; TOKEN_TILES: rows per b
     accumulate_and_store,
     check_config,
     mosaic_kernel,
+    reads_swizzled_scales,
     split_steps,
     swizzled_tile_view,
     whole_k_pair_rows,
@@ -82,7 +83,7 @@ from .epilogue import (
     routing_operand_kernel,
 )
 from .routing import block_routing, max_blocks
-from .weights import padded_inter, unpad_fc2
+from .weights import intermediate_size, padded_inter, unpad_fc2
 from .xla import activate, moe_scales, quantized_values, recipe_of, sorted_rows
 from .xla import bf16_round as _bf16_round
 
@@ -141,8 +142,9 @@ class MosaicMoEConfig:
     and column group, masking the padding rows with skip_padding) or "routes" (one program
     per route and column group, loading only that route's row: at decode most block rows are
     padding, e.g. nemotron T = 8 has ~1.2 routed rows per 8-row block, and a block program
-    holds registers for all 8). The same values (CPU, interpret mode); session 11, CPU only,
-    not yet measured.
+    holds registers for all 8). The same values; passes the oracle GPU tests, but measured no
+    faster on the H200 (session 12; its grid was then one program per route, now split to
+    ``epilogue.EPILOGUE_MIN_PROGRAMS``, not yet measured), so nothing picks it.
     scales: "kernel" (the default: ``epilogue.moe_scales_kernel``, one Pallas-Triton launch,
     ``div.rn.f32`` whatever XLA's flags; with ``routing="kernel"`` the routing kernel's launch
     computes them) or "xla" (``xla.moe_scales`` and two reciprocals: 11-14 small XLA fusions
@@ -555,8 +557,7 @@ def _reads_swizzled(w: NVFP4Array, cfg: MosaicConfig) -> bool:
     """Whether the grouped kernel reads ``w``'s scales as they are, swizzled_128x4 (per-step
     2 KB tiles; block_n 128, or 64 with one warpgroup: each CTA half of a 128-row tile),
     rather than converted to linear."""
-    return w.layout == "swizzled_128x4" and (
-        cfg.block_n == 128 or (cfg.block_n == 64 and cfg.consumers == 1))
+    return w.layout == "swizzled_128x4" and reads_swizzled_scales(cfg)
 
 
 def _block_rows(part: jax.Array, n: int) -> jax.Array:
@@ -602,7 +603,7 @@ def moe_mosaic(
 
     t, k = topk_ids.shape
     e, r, h_dim = fc1.shape
-    inter = r // 2 if activation == "swiglu" else r
+    inter = intermediate_size(r, activation)
     k2 = fc2.shape[2]  # inter, or zero-padded to a multiple of 256 (``pad_fc2``)
     n_routes = t * k
     on1, on2 = mosaic_plan(h_dim, inter, n1=r, n2=h_dim)

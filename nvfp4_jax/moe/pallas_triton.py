@@ -50,7 +50,7 @@ from ..quantize import NVFP4Array
 from ..quantize import _div as _ieee_div
 from .configs import Config, MoEConfig, default_config
 from .routing import block_routing
-from .weights import unpad_fc2
+from .weights import intermediate_size, unpad_fc2
 from .xla import recipe_of, sorted_rows
 
 log = logging.getLogger(__name__)
@@ -367,8 +367,8 @@ def moe_pallas(
     ``config``: ``MoEConfig`` (Pallas-Triton tiles), ``mosaic.MosaicMoEConfig`` or None (defaults).
     """
     t, k = topk_ids.shape
-    e, _r, h_dim = fc1.shape
-    inter = _r // 2 if activation == "swiglu" else _r
+    e, r, h_dim = fc1.shape
+    inter = intermediate_size(r, activation)
     n_routes = t * k
     if choose_kernel(kernel, config, routes=n_routes, hidden=h_dim, interpret=interpret) == "mosaic":
         from .mosaic import moe_mosaic

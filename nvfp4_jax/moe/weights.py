@@ -24,6 +24,12 @@ from ..quantize import NVFP4Array
 log = logging.getLogger("nvfp4_jax")
 
 
+def intermediate_size(rows1: int, activation: str) -> int:
+    """The intermediate size I of an FC1 stack with ``rows1`` rows: 2I rows for swiglu
+    ([up; gate] or [gate; up]), I for relu2. FC2's K is I, or ``padded_inter(I)``."""
+    return rows1 // 2 if activation == "swiglu" else rows1
+
+
 def padded_inter(inter: int) -> int:
     """The K of zero-padded FC2 weights for intermediate size ``inter``: the next multiple of 256."""
     return -(-inter // PAD_MULTIPLE) * PAD_MULTIPLE

@@ -142,9 +142,10 @@ class MosaicMoEConfig:
     and column group, masking the padding rows with skip_padding) or "routes" (one program
     per route and column group, loading only that route's row: at decode most block rows are
     padding, e.g. nemotron T = 8 has ~1.2 routed rows per 8-row block, and a block program
-    holds registers for all 8). The same values; passes the oracle GPU tests, but measured no
-    faster on the H200 (session 12; its grid was then one program per route, now split to
-    ``epilogue.EPILOGUE_MIN_PROGRAMS``, not yet measured), so nothing picks it.
+    holds registers for all 8). The same values; passes the oracle GPU tests. With one program
+    per route it measured no faster (session 12); with each route's columns split until
+    ``epilogue.EPILOGUE_MIN_PROGRAMS`` it is 1.1-2.5 us faster at T <= 8 on both models
+    (session 13), so ``AUTO_SM90``'s decode entries set it.
     scales: "kernel" (the default: ``epilogue.moe_scales_kernel``, one Pallas-Triton launch,
     ``div.rn.f32`` whatever XLA's flags; with ``routing="kernel"`` the routing kernel's launch
     computes them) or "xla" (``xla.moe_scales`` and two reciprocals: 11-14 small XLA fusions
@@ -226,12 +227,15 @@ AUTO_SM90: dict[tuple[int, int, int, int, int], MosaicMoEConfig] = {
     # (session 12, bench/results/moe-mosaic-probe-round12-h200.json, FC2 padded by pad_fc2,
     # median of 3 rounds): 46.4 vs 52.4 us (the routing kernel alone 47.5; with the FC1
     # epilogue by route 51.0)
-    (*_NEMO, 32): dataclasses.replace(_NEMO_CFG, skip_padding=True, routing="fused",
+    # The FC1 epilogue by route at its ~2-programs-per-SM grid (session 13,
+    # bench/results/moe-mosaic-probe-round17-h200.json, median of 3 rounds): 44.7 vs 45.8 us
+    (*_NEMO, 32): dataclasses.replace(_NEMO_CFG, skip_padding=True, routing="fused", epilogue="routes",
                                       fc2=MosaicConfig(block_n=128, split_k=3, num_stages=2)),
     # The routing kernel's tokens method with the scales in its launch (session 12,
     # bench/results/moe-mosaic-probe-round16-h200.json, FC2 padded, median of 3 rounds): 180.0
-    # vs 182.0 us (the routes method, session 12 round 12: 220.4)
-    (*_NEMO, 256): dataclasses.replace(_NEMO_CFG, skip_padding=True, routing="kernel",
+    # vs 182.0 us (the routes method, session 12 round 12: 220.4). The FC1 epilogue by route
+    # (session 13, round 17, as T = 1): 175.1 vs 177.6 us
+    (*_NEMO, 256): dataclasses.replace(_NEMO_CFG, skip_padding=True, routing="kernel", epilogue="routes",
                                        fc2=MosaicConfig(block_n=128, split_k=2, num_stages=2)),
     # bf16 products (session 9, bench/results/moe-mosaic-probe-round8-h200.json, swizzled
     # weights): T = 64 537.2 vs 546.6 us; T = 8: 186.3 either way (skip_padding already reads
@@ -246,18 +250,21 @@ AUTO_SM90: dict[tuple[int, int, int, int, int], MosaicMoEConfig] = {
     # N = 2048 in 128-row tiles is 128 CTAs, one per SM, 64-row tiles make two per SM and twice
     # the loads in flight), read from swizzled scales as they are (session 12,
     # bench/results/moe-mosaic-probe-round13-h200.json, median of 3 rounds): 29.5 vs 31.0 us
-    # (linear weights 29.6; FC2 alone at 64: 29.8; with the FC1 epilogue by route: 29.4)
+    # (linear weights 29.6; FC2 alone at 64: 29.8; with the FC1 epilogue by route: 29.4). The
+    # FC1 epilogue by route at its new grid (session 13, round 17, as nemotron): 27.6 vs 29.4 us
     (*_QWEN, 8): MosaicMoEConfig(block_m=8, fc1=MosaicConfig(block_n=64, split_k=2, num_stages=2),
                                  fc2=MosaicConfig(block_n=64, split_k=1, num_stages=2),
-                                 routing="fused", skip_padding=True),
+                                 routing="fused", skip_padding=True, epilogue="routes"),
     # qwen3-30B T = 8: 101.0 vs 143.7 us; routing kernel + skip_padding: 76.7 vs 79.1 us
     # (routing kernel alone 76.9, skip_padding alone 78.3); bf16 products (session 9, same
     # file as the nemotron T = 64 entry): 75.1 vs 76.9. Fused routing (session 11, as T = 1):
     # 74.1 vs 76.6 us (XLA scales 81.3). block_n 64 in both GEMMs on swizzled scales (session
-    # 12, as T = 1): 72.6 vs 74.8 us (FC2 alone at 64: 73.8; with the FC1 epilogue by route 73.1)
+    # 12, as T = 1): 72.6 vs 74.8 us (FC2 alone at 64: 73.8; with the FC1 epilogue by route 73.1).
+    # The FC1 epilogue by route at its new grid (session 13, round 17): 69.3 vs 70.4 us
     (*_QWEN, 64): MosaicMoEConfig(block_m=8, fc1=MosaicConfig(block_n=64, split_k=1, num_stages=2),
                                   fc2=MosaicConfig(block_n=64, split_k=1, num_stages=2),
-                                  routing="fused", skip_padding=True, bf16_partials=True),
+                                  routing="fused", skip_padding=True, bf16_partials=True,
+                                  epilogue="routes"),
 }
 
 

@@ -290,10 +290,13 @@ def main():
                 break
             cc = (*c[:3], sw, *c[4:]) if args.swizzled else c
             pad, cname = weight_knobs(name)
-            if pad:  # FC2 weights zero-padded along K (moe.pad_fc2), prepared outside the loop
+            base = cfg
+            if pad:  # FC2 weights zero-padded along K (moe.pad_fc2), prepared outside the loop;
+                # the base is what the API picks for them (AUTO_SM90_PADDED_FC2)
                 q1, q2, s1, s2 = cc[3]
                 cc = (*cc[:3], (q1, pad_fc2(q2), s1, s2), *cc[4:])
-            run_one(*cc, "mosaic", name, named_config(cname, cfg, s["hidden"], s["inter"]) if cname else cfg,
+                base = auto_config(t * s["top_k"], s["experts"], **shape_kw, fc2_padded=True)
+            run_one(*cc, "mosaic", name, named_config(cname, base, s["hidden"], s["inter"]) if cname else base,
                     ref=refs.get((sname, t)), ref_name=ref_name[(sname, t)])
     if args.sweep:  # priority 2: variants, round robin over the cases
         sweep_t = set(map(int, args.sweep_tokens.split(",")))

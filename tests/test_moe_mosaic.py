@@ -496,6 +496,15 @@ def test_auto_table_entries_are_valid_and_looked_up():
         for c, k in ((cfg.fc1, h), (cfg.fc2, i)):
             for swz in (False, True):
                 assert check_config(c, k, cfg.block_m, swizzled=swz) >= 1
+    # FC2 zero-padded along K (pad_fc2): its own FC2 config where measured, the rest as above
+    for key, c2 in mm.AUTO_SM90_PADDED_FC2.items():
+        e, h, r, i, b = key
+        routes = {32: 22, 256: 176}[b]
+        want = dataclasses.replace(mm.AUTO_SM90[key], fc2=c2)
+        assert mm.auto_config(routes, e, hidden=h, rows1=r, inter=i, fc2_padded=True) == want
+        assert mm.auto_config(routes, e, hidden=h, rows1=r, inter=i) == mm.AUTO_SM90[key]
+        for swz in (False, True):
+            assert check_config(c2, -(-i // 256) * 256, want.block_m, swizzled=swz, padded=True) >= 1
 
 
 @pytest.mark.parametrize("n,k,bn", [(1024, 2688, 128), (1024, 2688, 64), (256, 384, 64), (300, 1152, 128)])

@@ -268,6 +268,15 @@ AUTO_SM90: dict[tuple[int, int, int, int, int], MosaicMoEConfig] = {
 }
 
 
+#: FC2's config in place of the ``AUTO_SM90`` entry's when FC2 is zero-padded along K
+#: (``pad_fc2``): with 128-byte aligned code rows the split that paid on the unpadded rows no
+#: longer does. nemotron T = 8 (session 13, bench/results/moe-mosaic-probe-round18-h200.json,
+#: median of 3 rounds): split 1 169.8 vs split 2 171.5 us (3 stages 175.5, split 3 174.8)
+AUTO_SM90_PADDED_FC2: dict[tuple[int, int, int, int, int], MosaicConfig] = {
+    (*_NEMO, 256): MosaicConfig(block_n=128, split_k=1, num_stages=2),
+}
+
+
 def _bucket(routes: int) -> int:
     return _pow2(routes)
 
@@ -321,12 +330,18 @@ def default_config(routes: int, num_experts: int, *, hidden: int, rows1: int, in
     return MosaicMoEConfig(block_m=bm, fc1=cfgs[0], fc2=cfgs[1], bf16_partials=routes >= BF16_PARTIALS_ROUTES)
 
 
-def auto_config(routes: int, num_experts: int, *, hidden: int, rows1: int, inter: int) -> MosaicMoEConfig:
-    """The measured config for this layer and routes bucket (``AUTO_SM90``), else
-    ``default_config``."""
+def auto_config(routes: int, num_experts: int, *, hidden: int, rows1: int, inter: int,
+                fc2_padded: bool = False) -> MosaicMoEConfig:
+    """The measured config for this layer and routes bucket (``AUTO_SM90``; with
+    ``fc2_padded``, FC2 zero-padded along K by ``pad_fc2``, FC2's config from
+    ``AUTO_SM90_PADDED_FC2`` where it has one), else ``default_config``."""
     key = (num_experts, hidden, rows1, inter, _bucket(routes))
-    return AUTO_SM90.get(key) or default_config(routes, num_experts, hidden=hidden, rows1=rows1,
-                                                inter=inter)
+    cfg = AUTO_SM90.get(key)
+    if cfg is None:
+        return default_config(routes, num_experts, hidden=hidden, rows1=rows1, inter=inter)
+    if fc2_padded and key in AUTO_SM90_PADDED_FC2:
+        cfg = dataclasses.replace(cfg, fc2=AUTO_SM90_PADDED_FC2[key])
+    return cfg
 
 
 def supported(k: int, n: int) -> bool:
@@ -624,7 +639,7 @@ def moe_mosaic(
         check_supported(h_dim, n=r, name="fc1")
     auto = config is None
     if auto:
-        config = auto_config(n_routes, e, hidden=h_dim, rows1=r, inter=inter)
+        config = auto_config(n_routes, e, hidden=h_dim, rows1=r, inter=inter, fc2_padded=k2 != inter)
     if not isinstance(config, MosaicMoEConfig):
         raise ValueError(f"config: expected a MosaicMoEConfig, got {type(config).__name__}")  # noqa: TRY004
 

@@ -1,6 +1,7 @@
 """Where does one MoE layer's time go? Device kernels of ``nvfp4_jax.moe`` from a profiler trace.
 
 Usage: python3 bench/moe_profile.py --out DIR [--cases qwen3_30b:1,nemotron:1,nemotron:8]
+[--scale-layout swizzled_128x4] [--pad-fc2] (the weights as ``moe_bench`` times them)
 Runs each case's jitted layer (NROT layers back to back, as moe_bench times it) under
 ``jax.profiler.trace(create_perfetto_trace=True)``, then sums the device events per kernel name
 and prints per-layer microseconds: the two Pallas kernels against the XLA glue (routing
@@ -37,6 +38,8 @@ from moe_bench import (
     per_layer_scales,
     unrolled_layers,
 )
+
+from nvfp4_jax.moe import pad_fc2
 
 
 def device_events(trace_dir: str) -> tuple[list[dict], list[str]]:
@@ -86,10 +89,15 @@ def kernel_table(evs: list[dict], units: int) -> tuple[list[tuple[float, float, 
     return rows, sum(r[0] for r in rows), span
 
 
-def profile_case(sname: str, t: int, reps: int, hlo_path: str | None = None) -> dict:
+def profile_case(sname: str, t: int, reps: int, hlo_path: str | None = None, *,
+                 scale_layout: str = "linear", padded: bool = False) -> dict:
     s = {**SHAPES, **SMOKE}[sname]
     e, h, _i, k, act = s["experts"], s["hidden"], s["inter"], s["top_k"], s["activation"]
     _, _, q1, q2 = make_weights(jax.random.PRNGKey(1), s)
+    if scale_layout != "linear":
+        q1, q2 = q1.with_layout(scale_layout), q2.with_layout(scale_layout)
+    if padded:
+        q2 = pad_fc2(q2)  # a no-op at I % 256 == 0
     ids, wts = make_routing(np.random.default_rng(0), t, e, k, "random")
     ids, wts = jnp.asarray(ids), jnp.asarray(wts)
     x0 = make_hidden(t, h)
@@ -107,7 +115,8 @@ def profile_case(sname: str, t: int, reps: int, hlo_path: str | None = None) -> 
     print(f"\n{sname} T={t}: {len(evs)} device events, {busy:.1f} us busy / {span:.1f} us span per layer")
     for us, cnt, name in rows[:25]:
         print(f"  {us:8.2f} us  x{cnt:5.2f}  {name[:110]}")
-    return {"shape": sname, "T": t, "busy_us_per_layer": busy, "span_us_per_layer": span,
+    return {"shape": sname, "T": t, "scale_layout": scale_layout, "fc2_padded": padded,
+            "busy_us_per_layer": busy, "span_us_per_layer": span,
             "tracks": tracks[:20],
             "kernels": [{"name": n[:200], "us_per_layer": u, "calls_per_layer": c} for u, c, n in rows[:60]]}
 
@@ -118,6 +127,8 @@ def main():
     ap.add_argument("--cases", default="qwen3_30b:1,nemotron:1,nemotron:8,qwen3_30b:64")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--hlo", action="store_true", help="write the first case's optimized HLO")
+    ap.add_argument("--scale-layout", default="linear", choices=("linear", "swizzled_128x4"))
+    ap.add_argument("--pad-fc2", action="store_true", help="FC2 zero-padded along K (moe.pad_fc2)")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     res = []
@@ -125,7 +136,8 @@ def main():
         sname, t = case.split(":")
         try:
             hlo = os.path.join(args.out, f"moe-hlo-{sname}-{t}.txt") if args.hlo and not res else None
-            res.append(profile_case(sname, int(t), args.reps, hlo))
+            res.append(profile_case(sname, int(t), args.reps, hlo, scale_layout=args.scale_layout,
+                                    padded=args.pad_fc2))
         except Exception as exc:  # noqa: BLE001 - report and go on
             print(f"{case}: FAILED {type(exc).__name__}: {str(exc)[:400]}", flush=True)
             res.append({"case": case, "error": f"{type(exc).__name__}: {str(exc)[:400]}"})

@@ -41,6 +41,7 @@ for s in $STEPS; do
     profile)
       step "moe profile"
       timeout "$T_PROFILE" python3 bench/moe_profile.py --out "$OUT" --reps 2 ${PROFILE_HLO:+--hlo} \
+        --scale-layout "${MOE_SCALE_LAYOUT:-linear}" ${MOE_PAD_FC2:+--pad-fc2} \
         --cases "${PROFILE_CASES:-nemotron:4096,qwen3_30b:4096,qwen3_30b:1}" 2>&1 \
         | grep -v Warning | tail -45 | tee -a "$OUT/run.log" ;;
     gprofile)

@@ -119,6 +119,7 @@ LAYER_KNOBS = {
     "sx": ("scales", "xla"),  # ... from XLA fusions instead
     "fr": ("routing", "fused"),  # routing, scales and FC1 operand in one launch (with sk, sp)
     "er": ("epilogue", "routes"),  # the FC1 epilogue one program per route
+    "gw": ("wide_glue", True),  # FC1 operand and combine in fewer, larger programs
 }
 
 

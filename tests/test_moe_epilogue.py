@@ -51,16 +51,19 @@ def _scales(rng, e, mode, act_scale, in_mag=1.0):
     return moe_scales(ws2, ws2 * 0.7, s_in, s_in * 1.3, mode, act_scale)
 
 
-@pytest.mark.parametrize("mode,act_scale,in_mag,skew", [
-    ("trtllm_cutlass", "scalar", 1.0, False),
-    ("b12x", "per_expert", 1.0, True),
-    ("b12x", "scalar", 2.0**6, False),          # small G: most block scales E4M3 subnormals
-    ("trtllm_cutlass", "scalar", 2.0**6, True),
-    ("trtllm_cutlass", "scalar", 2.0**-6, False),  # large G: block scales saturate at 448
+@pytest.mark.parametrize("mode,act_scale,in_mag,skew,wide", [
+    ("trtllm_cutlass", "scalar", 1.0, False, False),
+    ("b12x", "per_expert", 1.0, True, False),
+    ("b12x", "scalar", 2.0**6, False, False),          # small G: most block scales E4M3 subnormals
+    ("trtllm_cutlass", "scalar", 2.0**6, True, False),
+    ("trtllm_cutlass", "scalar", 2.0**-6, False, False),  # large G: block scales saturate at 448
+    ("b12x", "per_expert", 2.0**6, True, True),  # wide: 8 sorted rows per program, one gather
+    ("trtllm_cutlass", "scalar", 1.0, False, True),
 ])
-def test_fc1_operand_is_the_xla_operand(mode, act_scale, in_mag, skew):
+def test_fc1_operand_is_the_xla_operand(mode, act_scale, in_mag, skew, wide):
     rng = np.random.default_rng(int(in_mag * 7) + skew)
     t, k, e, bm, h = 9, 3, 8, 8, 512
+    assert ep.operand_rows(bm, h, wide) == (8 if wide else 1)
     _, br, nb = _routing(rng, t, k, e, bm, skew)
     hidden = jnp.asarray(rng.standard_normal((t, h)) * rng.choice([1e-3, 1.0, 50.0], (t, 1)), jnp.bfloat16)
     g1, _, _, _ = _scales(rng, e, mode, act_scale, in_mag)
@@ -70,7 +73,7 @@ def test_fc1_operand_is_the_xla_operand(mode, act_scale, in_mag, skew):
         assert np.mean(sf < 2.0**-6) > 0.5  # the case drives the block scales into subnormals
     got = ep.fc1_operand(hidden, br.sorted_route, br.block_expert, br.num_blocks, g1, _div(1.0, g1),
                          top_k=k, block_m=bm, recipe=recipe, per_expert=act_scale == "per_expert",
-                         interpret=True)
+                         interpret=True, wide=wide)
     wts = jnp.ones((t, k), jnp.float32)
     xv, _, _ = sorted_rows(hidden, wts, g1, br.sorted_route, br.block_expert, top_k=k, block_m=bm,
                            recipe=recipe, activation_scale=act_scale)
@@ -78,6 +81,27 @@ def test_fc1_operand_is_the_xla_operand(mode, act_scale, in_mag, skew):
     rows = nb * bm
     assert np.count_nonzero(np.asarray(want[:rows], np.float32)) > t * k * h // 4  # not all zeros
     np.testing.assert_array_equal(np.asarray(got[:rows], np.float32), np.asarray(want[:rows], np.float32))
+
+
+def test_wide_fc1_operand_skip_padding_writes_only_routed_rows():
+    """Wide programs (4 rows at bm 16: a block spans several programs) with skip_padding: the
+    routed rows are the narrow kernel's, bit for bit; padding rows are not written (interpret
+    mode fills outputs with NaN, so an unmasked store of a padding row's zeros would show)."""
+    rng = np.random.default_rng(3)
+    t, k, e, bm, h = 11, 3, 8, 16, 1024
+    assert ep.operand_rows(bm, h, True) == 8
+    _, br, nb = _routing(rng, t, k, e, bm, skew=True)
+    hidden = jnp.asarray(rng.standard_normal((t, h)) * 3.0, jnp.bfloat16)
+    g1, _, _, _ = _scales(rng, e, "trtllm_cutlass", "scalar")
+    kw = {"top_k": k, "block_m": bm, "recipe": "trtllm", "per_expert": False, "interpret": True}
+    args = (hidden, br.sorted_route, br.block_expert, br.num_blocks, g1, _div(1.0, g1))
+    narrow = np.asarray(ep.fc1_operand(*args, **kw), np.float32)
+    wide = np.asarray(ep.fc1_operand(*args, **kw, skip_padding=True, wide=True), np.float32)
+    routed = np.asarray(br.sorted_route) < t * k
+    assert routed.sum() == t * k and (~routed[: nb * bm]).sum() > 0  # both kinds of rows
+    np.testing.assert_array_equal(wide[routed], narrow[routed])
+    assert np.count_nonzero(narrow[routed]) > t * k * h // 4
+    assert np.all(np.isnan(wide[: nb * bm][~routed[: nb * bm]]))
 
 
 @pytest.mark.parametrize("activation,order,mode,split,mag,bm,inter,per", [  # mag: size of the partials
@@ -130,10 +154,12 @@ def _bf16_neighbours(v):
     return np.minimum(lo, b), np.maximum(hi, b)
 
 
-@pytest.mark.parametrize("mode,split,mt,k", [("trtllm_cutlass", 1, 8, 6), ("b12x", 3, 16, 6),
-                                             ("trtllm_cutlass", 2, 64, 6), ("trtllm_cutlass", 1, 8, 22),
-                                             ("b12x", 1, 8, 1)])
-def test_combine_is_a_bounded_fp32_sum_of_the_mode_terms(mode, split, mt, k):
+@pytest.mark.parametrize("mode,split,mt,k,wide", [
+    ("trtllm_cutlass", 1, 8, 6, False), ("b12x", 3, 16, 6, False), ("trtllm_cutlass", 2, 64, 6, False),
+    ("trtllm_cutlass", 1, 8, 22, False), ("b12x", 1, 8, 1, False),
+    ("trtllm_cutlass", 1, 64, 22, True), ("b12x", 3, 8, 6, True),  # wide: 256 columns per program
+])
+def test_combine_is_a_bounded_fp32_sum_of_the_mode_terms(mode, split, mt, k, wide):
     """Each route's term is exact (split-K sum of the partials in order, times alpha2 * 2^7,
     bf16-rounded in trtllm_cutlass, times the router weight: fp32 products); their fp32 sum
     (any order, possibly with fused multiply-adds) lies within gamma_(k-1) * sum |term| of the
@@ -145,8 +171,9 @@ def test_combine_is_a_bounded_fp32_sum_of_the_mode_terms(mode, split, mt, k):
     part = jnp.asarray(rng.standard_normal((split, nbk * mt, h + 128)) * 3.0, jnp.float32)
     wts = jnp.asarray(rng.uniform(0.0, 1.0, (t, k)), jnp.float32)
     a2 = jnp.asarray(rng.uniform(0.5, 2.0, e) * 2.0**-9, jnp.float32)
+    assert ep.combine_width(h, ep._pow2(k), wide) == (256 if wide else ep.COMBINE_WIDTH)
     got = np.asarray(ep.combine(part, br.route_pos, jnp.asarray(ids), wts, a2, hidden=h, mode=mode,
-                                interpret=True), np.float64)
+                                interpret=True, wide=wide), np.float64)
     p32, pos, w = np.asarray(part), np.asarray(br.route_pos), np.asarray(wts)
     a2n = np.asarray(a2)
     terms = np.zeros((t, k, h), np.float64)
@@ -183,9 +210,12 @@ def test_glue_kernels_lower_for_cuda():
 
     def f(hidden, sr, be, nbk, pos, ids, wts, part1, part2, g, a):
         xp = ep.fc1_operand(hidden, sr, be, nbk, g, g, top_k=k, block_m=bm, recipe="trtllm", per_expert=False)
+        xw = ep.fc1_operand(hidden, sr, be, nbk, g, g, top_k=k, block_m=bm, recipe="trtllm", per_expert=False,
+                            skip_padding=True, wide=True)
         hv, _ = ep.fc1_epilogue(part1, be, nbk, a, g, g, inter=inter, activation="relu2",
                                 gate_up_order="up_gate", mode="trtllm_cutlass", recipe="trtllm")
-        return xp, hv, ep.combine(part2, pos, ids, wts, a, hidden=h, mode="trtllm_cutlass")
+        return (xp, xw, hv, ep.combine(part2, pos, ids, wts, a, hidden=h, mode="trtllm_cutlass"),
+                ep.combine(part2, pos, ids, wts, a, hidden=h, mode="trtllm_cutlass", wide=True))
 
     args = (jax.ShapeDtypeStruct((t, h), jnp.bfloat16), i32(nb * bm), i32(nb), i32(1), i32(t * k),
             i32(t, k), f32(t, k), f32(1, nb * bm, inter), f32(1, nb * bm, h), f32(e), f32(e))

@@ -241,6 +241,12 @@ SPLIT = MosaicMoEConfig(block_m=16, fc1=MosaicConfig(block_n=64, split_k=2, num_
                                                                     bf16_partials=True)),
     ("epilogue_routes_swiglu_b12x", "b12x", "swiglu", "gate_up", {"t": 4, "h": 512, "inter": 256, "e": 6, "k": 2},
      MosaicMoEConfig(block_m=8, epilogue="routes", routing="fused", skip_padding=True)),
+    # wide glue: 8-row FC1-operand programs, 256-column combine programs (prefill), both modes
+    ("wide_glue_relu2_trtllm", "trtllm_cutlass", "relu2", "up_gate",
+     {"t": 9, "h": 512, "inter": 256, "e": 4, "k": 3, "routing": "skewed"},
+     MosaicMoEConfig(block_m=16, wide_glue=True, bf16_partials=True)),
+    ("wide_glue_swiglu_b12x", "b12x", "swiglu", "gate_up", {"t": 7, "h": 256, "inter": 256, "e": 5, "k": 2},
+     MosaicMoEConfig(block_m=8, wide_glue=True, skip_padding=True)),
 ])
 def test_moe_mosaic_dataflow_matches_oracle(name, mode, activation, order, kw, config):
     case = make_case(np.random.default_rng(len(name)), activation=activation, **kw)

@@ -108,6 +108,12 @@ def _run(case, *, mode, activation, order="up_gate", config=None, kernel="mosaic
      MosaicMoEConfig(block_m=8, epilogue="routes", skip_padding=True)),
     ("qwen_epilogue_routes_b12x", "b12x", {**QWEN, "t": 3, "e": 16, "k": 4}, "up_gate",
      MosaicMoEConfig(block_m=8, epilogue="routes", routing="fused", skip_padding=True)),
+    # wide glue (session 13): 8-row FC1-operand programs (4 at qwen3's H = 2048), 256 / 512
+    # combine columns per program, at prefill-like blocks
+    ("nemotron_wide_glue_trtllm", "trtllm_cutlass", {**NEMO, "t": 64, "e": 4, "k": 4}, "up_gate",
+     MosaicMoEConfig(block_m=64, bf16_partials=True, wide_glue=True)),
+    ("qwen_wide_glue_b12x", "b12x", {**QWEN, "t": 40, "e": 4, "k": 2}, "up_gate",
+     MosaicMoEConfig(block_m=32, wide_glue=True)),
     # warp-specialized grouped GEMMs (consumers: compute warpgroups sharing x); "ws" in the
     # name: run them alone first on a new GPU
     ("qwen_ws2_trtllm", "trtllm_cutlass", {**QWEN, "t": 40, "e": 4, "k": 2}, "up_gate",

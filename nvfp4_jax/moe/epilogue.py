@@ -80,34 +80,64 @@ def _row_tile(h: int) -> int:
 
 def _operand_kernel(route_ref, be_ref, nb_ref, x_ref, g_ref, rg_ref, o_ref, *, mt: int, top_k: int,
                     n_routes: int, bk: int, recipe: str, per_expert: bool, exact_asm: bool,
-                    skip_padding: bool):
+                    skip_padding: bool, rows: int = 1):
     p, kt = pl.program_id(0), pl.program_id(1)
-    b = p // mt
+    b = p * rows // mt  # rows divides mt: a program's rows lie in one block
 
     @pl.when(b < nb_ref[0])
     def _():
-        route = route_ref[p]
+        if rows == 1:
+            route = route_ref[p]
+        else:  # the program's routes first, then their token rows as one [rows, bk] gather
+            route = plgpu.load(route_ref.at[pl.ds(p * rows, rows)])
         e = be_ref[b] if per_expert else 0  # issued before the first use of route
         valid = route < n_routes
 
         def row():
             tok = jnp.where(valid, route, 0) // top_k
-            x = plgpu.load(x_ref.at[tok, pl.ds(kt * bk, bk)]).astype(jnp.float32)
-            q = _requantize(x.reshape(bk // 16, 16), g_ref[e], rg_ref[e], recipe, exact_asm)
-            q = jnp.where(valid, q, 0.0)
-            plgpu.store(o_ref.at[p, pl.ds(kt * bk, bk)],
-                        permute_k_order(q.reshape(bk)).astype(jnp.bfloat16))
+            if rows == 1:
+                x = plgpu.load(x_ref.at[tok, pl.ds(kt * bk, bk)])
+            else:
+                cols = kt * bk + lax.broadcasted_iota(jnp.int32, (1, bk), 1)
+                x = plgpu.load(x_ref.at[tok[:, None], cols])
+            x = x.astype(jnp.float32).reshape(rows * bk // 16, 16)
+            q = _requantize(x, g_ref[e], rg_ref[e], recipe, exact_asm).reshape(rows, bk)
+            q = jnp.where(valid if rows == 1 else valid[:, None], q, 0.0)
+            q = permute_k_order(q).astype(jnp.bfloat16)
+            if rows == 1:
+                plgpu.store(o_ref.at[p, pl.ds(kt * bk, bk)], q.reshape(bk))
+            else:  # skip_padding: the padding rows' stores masked off
+                plgpu.store(o_ref.at[pl.ds(p * rows, rows), pl.ds(kt * bk, bk)], q,
+                            mask=valid[:, None] if skip_padding else None)
 
-        if skip_padding:  # padding rows stay unwritten: their GEMM rows are never read
+        if skip_padding and rows == 1:  # padding rows stay unwritten: their GEMM rows are never read
             pl.when(valid)(row)
         else:
             row()
 
 
+#: Wide glue (``MosaicMoEConfig.glue="wide"``): sorted rows per FC1-operand program, and the
+#: most elements an FC1-operand or combine thread holds (8 warps).
+WIDE_OPERAND_ROWS = 8
+WIDE_THREAD_ELEMS = 32
+
+
+def operand_rows(block_m: int, h: int, wide: bool) -> int:
+    """Sorted rows per ``fc1_operand`` program: 1, or with ``wide`` the largest power of two
+    <= WIDE_OPERAND_ROWS dividing ``block_m`` whose [rows, H tile] fits 8 warps of
+    WIDE_THREAD_ELEMS elements."""
+    if not wide:
+        return 1
+    r = WIDE_OPERAND_ROWS
+    while r > 1 and (block_m % r or r * _row_tile(h) > 8 * 32 * WIDE_THREAD_ELEMS):
+        r //= 2
+    return r
+
+
 def fc1_operand(hidden: jax.Array, sorted_route: jax.Array, block_expert: jax.Array,
                 num_blocks: jax.Array, g1: jax.Array, rg1: jax.Array, *, top_k: int, block_m: int,
                 recipe: str, per_expert: bool, skip_padding: bool = False,
-                interpret: bool = False) -> jax.Array:
+                interpret: bool = False, wide: bool = False) -> jax.Array:
     """The FC1 operand of the grouped kernel, K-permuted: bf16 [EM, H].
 
     hidden bf16 [T, H] (H % 256 == 0); sorted_route int32 [EM] (sentinel T*k on padding rows);
@@ -116,16 +146,20 @@ def fc1_operand(hidden: jax.Array, sorted_route: jax.Array, block_expert: jax.Ar
     holds the quantized ``hidden[sorted_route[p] // top_k]`` as ``q * sf`` (exact in bf16),
     zeros on padding rows (``skip_padding``: padding rows are not written either; nothing
     downstream reads their results); rows of blocks past ``num_blocks`` are not written.
+    ``wide``: ``operand_rows`` sorted rows per program (their routes loaded first, then the
+    rows as one gather) instead of one: the same values, fewer programs.
     """
     t, h = hidden.shape
     if h % 256:
         raise ValueError(f"hidden: expected [T, H] with H % 256 == 0 (the grouped kernel's K), got {hidden.shape}")
     em = sorted_route.shape[0]
     bk = _row_tile(h)
+    rows = operand_rows(block_m, h, wide)
     kern = functools.partial(_operand_kernel, mt=block_m, top_k=top_k, n_routes=t * top_k, bk=bk,
                              recipe=recipe, per_expert=per_expert, exact_asm=not interpret,
-                             skip_padding=skip_padding)
-    return _call(kern, jax.ShapeDtypeStruct((em, h), jnp.bfloat16), (em, h // bk), num_warps=4,
+                             skip_padding=skip_padding, rows=rows)
+    nw = 4 if rows == 1 else max(4, min(8, rows * bk // (32 * WIDE_THREAD_ELEMS)))
+    return _call(kern, jax.ShapeDtypeStruct((em, h), jnp.bfloat16), (em // rows, h // bk), num_warps=nw,
                  name="nvfp4_moe_fc1_operand", interpret=interpret)(
         sorted_route, block_expert, num_blocks, hidden, g1, rg1)
 
@@ -328,8 +362,21 @@ def _combine_kernel(pos_ref, ids_ref, w_ref, part_ref, a2_ref, o_ref, *, split: 
     plgpu.store(o_ref.at[t, pl.ds(c0, width)], out.astype(jnp.bfloat16))
 
 
+def combine_width(hidden: int, kp: int, wide: bool) -> int:
+    """Output columns per combine program: COMBINE_WIDTH (TILE where H is not a multiple of
+    it), or with ``wide`` the widest of 128 / 256 / 512 dividing H whose [kp, width] tile fits
+    8 warps of WIDE_THREAD_ELEMS elements."""
+    width = COMBINE_WIDTH if hidden % COMBINE_WIDTH == 0 else TILE
+    if wide:
+        for w in (128, 256, 512):
+            if hidden % w == 0 and kp * w <= 8 * 32 * WIDE_THREAD_ELEMS:
+                width = max(width, w)
+    return width
+
+
 def combine(part: jax.Array, route_pos: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array,
-            a2: jax.Array, *, hidden: int, mode: str, interpret: bool = False) -> jax.Array:
+            a2: jax.Array, *, hidden: int, mode: str, interpret: bool = False,
+            wide: bool = False) -> jax.Array:
     """FC2 partials -> the layer output bf16 [T, H].
 
     part fp32 [split, EM, H_pad] (``mosaic.grouped_matmul``'s output, token-major, times 2^-7),
@@ -337,7 +384,8 @@ def combine(part: jax.Array, route_pos: jax.Array, topk_ids: jax.Array, topk_wei
     (trtllm_cutlass only; a2 is then unread); route_pos int32 [T*k] (each route's sorted
     row); topk_ids int [T, k] and topk_weights [T, k]; a2 fp32 [E]. ``out[t] = sum_j w[t, j] * (alpha2[e] * acc[route_pos[t*k + j]])``
     (the product bf16-rounded first in trtllm_cutlass), summed over j in fp32 (a tree order:
-    the oracle's sum is exact, and the tests bound this one).
+    the oracle's sum is exact, and the tests bound this one). ``wide``: ``combine_width``
+    columns per program instead of COMBINE_WIDTH (the same values, fewer programs).
     """
     t, k = topk_weights.shape
     if part.ndim != 3 or hidden % TILE or part.shape[2] < hidden:
@@ -345,8 +393,8 @@ def combine(part: jax.Array, route_pos: jax.Array, topk_ids: jax.Array, topk_wei
                          f"{part.shape} for H={hidden}")
     split = part.shape[0]
     prescaled = _check_prescaled(part, mode)
-    width = COMBINE_WIDTH if hidden % COMBINE_WIDTH == 0 else TILE
     kp = _pow2(k)
+    width = combine_width(hidden, kp, wide)
     nw = max(1, min(8, kp * width // (32 * COMBINE_ELEMS)))
     kern = functools.partial(_combine_kernel, split=split, top_k=k, kp=kp, mode=mode, width=width,
                              interpret=interpret, prescaled=prescaled)

@@ -156,6 +156,12 @@ class MosaicMoEConfig:
     did until session 10, and measured no difference); a model's layers each pay it. The
     kernel passes the oracle tests on the H200 (session 10); default since session 10 for
     the IEEE divisions and the launch count, not yet timed under the fixed harness.
+    wide_glue: the FC1 operand kernel takes ``epilogue.operand_rows`` sorted rows per program
+    (their routes first, then one [rows, H tile] gather) and the combine
+    ``epilogue.combine_width`` output columns per program (256 at nemotron, 512 at qwen3)
+    instead of one row and 64 columns: fewer, larger programs for prefill, where the profile
+    (session 13, nemotron T = 4096) had the two at 156 and 198 us, ~1.2 and ~0.9 TB/s. The
+    same values (the combine's top-k sum in Triton's tree order for its tile shape).
     """
 
     block_m: int = 8
@@ -167,9 +173,10 @@ class MosaicMoEConfig:
     bf16_partials: bool = False
     scales: str = "kernel"
     epilogue: str = "blocks"
+    wide_glue: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("skip_padding", "bf16_partials"):
+        for name in ("skip_padding", "bf16_partials", "wide_glue"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"MosaicMoEConfig.{name}: expected a bool, got {getattr(self, name)!r}")
         if self.routing not in ("xla", "kernel", "fused"):
@@ -730,7 +737,8 @@ def moe_mosaic(
     if xp is None:
         xp = fc1_operand(hidden, br.sorted_route, *meta, g1, rg1, top_k=k, block_m=bm,
                          recipe=recipe, per_expert=activation_scale == "per_expert",
-                         skip_padding=config.skip_padding, interpret=reference)
+                         skip_padding=config.skip_padding, interpret=reference,
+                         wide=config.wide_glue)
     part1 = grouped_matmul(xp, fc1.codes, s1u, *meta, block_m=bm, config=cfg1,
                            reference=reference, name="fc1", scale_layout=lay1,
                            alpha=products(a1, cfg1, h_dim, lay1, "fc1") if on2 else None)
@@ -751,7 +759,7 @@ def moe_mosaic(
                                reference=reference, name="fc2", scale_layout=lay2,
                                alpha=products(a2, cfg2, k2, lay2, "fc2", padded=k2 != inter))
         out = combine(part2, br.route_pos, topk_ids, topk_weights, a2, hidden=h_dim,
-                      mode=mode, interpret=reference)
+                      mode=mode, interpret=reference, wide=config.wide_glue)
     else:
         # FC2 on Pallas-Triton (I % 128 != 0): the FC1 epilogue in XLA (the functions of xla.py)
         _, wt, row_expert = sorted_rows(hidden, topk_weights, g1, br.sorted_route,

@@ -459,6 +459,7 @@ def test_default_configs():
             # from WS_ROUTES routed rows on: two compute warpgroups
             assert c.consumers == (2 if routes >= mm.WS_ROUTES else 1), (routes, cfg)
         assert cfg.bf16_partials == (routes >= mm.BF16_PARTIALS_ROUTES)
+        assert cfg.wide_glue == (routes >= mm.WIDE_GLUE_ROUTES)
 
 
 def test_prefill_default_config_drops_ws_for_linear_whole_k(monkeypatch, caplog):
@@ -467,6 +468,7 @@ def test_prefill_default_config_drops_ws_for_linear_whole_k(monkeypatch, caplog)
     a caller's config is refused instead."""
     monkeypatch.setattr(mm, "WS_ROUTES", 16)
     monkeypatch.setattr(mm, "BF16_PARTIALS_ROUTES", 16)
+    monkeypatch.setattr(mm, "WIDE_GLUE_ROUTES", 16)  # the prefill default's wide glue too
     case = make_case(np.random.default_rng(5), t=9, h=256, inter=384, e=4, k=2, activation="relu2")
     with caplog.at_level(logging.INFO, logger="nvfp4_jax.moe"):
         out, h = _run(case, mode="trtllm_cutlass", activation="relu2")

@@ -161,7 +161,10 @@ class MosaicMoEConfig:
     ``epilogue.combine_width`` output columns per program (256 at nemotron, 512 at qwen3)
     instead of one row and 64 columns: fewer, larger programs for prefill, where the profile
     (session 13, nemotron T = 4096) had the two at 156 and 198 us, ~1.2 and ~0.9 TB/s. The
-    same values (the combine's top-k sum in Triton's tree order for its tile shape).
+    same values (the combine's top-k sum in Triton's tree order for its tile shape); passes
+    the oracle GPU tests; on the H200 (session 13) 204 us faster at nemotron T = 4096 (3279
+    us, 302 TFLOP/s), 1-3 % at qwen3 T = 4096 and both at T = 512, so ``default_config``
+    sets it from ``WIDE_GLUE_ROUTES`` routed rows on.
     """
 
     block_m: int = 8
@@ -307,6 +310,12 @@ def _split_for(tiles: int, steps: int, want: int) -> int:
 #: Two warpgroups win with 64-row blocks and lose with 32-row ones (T = 512).
 BF16_PARTIALS_ROUTES = 4096
 WS_ROUTES = 32768
+#: Routed rows from which ``default_config`` picks the wide glue kernels (``wide_glue``). H200,
+#: session 13 (bench/results/moe-mosaic-probe-round20-h200.json, swizzled weights, FC2 padded
+#: by pad_fc2, median of 3 rounds, us): nemotron T = 4096 3482.9 -> 3279.3, T = 512 976.9 ->
+#: 957.4; qwen3 T = 4096 1159.6 -> 1127.7, T = 512 (4096 routes) 276.1 -> 273.2. Not measured
+#: between the decode entries (<= 1408 routes) and 4096.
+WIDE_GLUE_ROUTES = 4096
 
 
 def default_config(routes: int, num_experts: int, *, hidden: int, rows1: int, inter: int) -> MosaicMoEConfig:
@@ -316,7 +325,7 @@ def default_config(routes: int, num_experts: int, *, hidden: int, rows1: int, in
     best at small M), split-K until the expected CTAs (blocks x output tiles x split) reach
     about two per SM. bf16 products (``bf16_partials``) from ``BF16_PARTIALS_ROUTES`` routed
     rows on, two compute warpgroups per CTA (where they fit the shared memory) from
-    ``WS_ROUTES`` on."""
+    ``WS_ROUTES`` on, the wide glue kernels (``wide_glue``) from ``WIDE_GLUE_ROUTES`` on."""
     lo = 8 if mosaic_plan(hidden, inter, n1=rows1, n2=hidden)[1] else 16
     per_expert = -(-routes // max(1, min(num_experts, routes)))
     bm = next((t for t in TOKEN_TILES if t >= max(lo, per_expert)), TOKEN_TILES[-1])
@@ -334,7 +343,8 @@ def default_config(routes: int, num_experts: int, *, hidden: int, rows1: int, in
         if ws_ok and bn == 128 and ws.smem_bytes(bm) <= SMEM_LIMIT:
             cfg = ws  # whole-K with linear scales: moe_mosaic drops it to one warpgroup (logged)
         cfgs.append(cfg)
-    return MosaicMoEConfig(block_m=bm, fc1=cfgs[0], fc2=cfgs[1], bf16_partials=routes >= BF16_PARTIALS_ROUTES)
+    return MosaicMoEConfig(block_m=bm, fc1=cfgs[0], fc2=cfgs[1], bf16_partials=routes >= BF16_PARTIALS_ROUTES,
+                           wide_glue=routes >= WIDE_GLUE_ROUTES)
 
 
 def auto_config(routes: int, num_experts: int, *, hidden: int, rows1: int, inter: int,

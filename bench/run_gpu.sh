@@ -2,7 +2,8 @@
 # GPU tests (incl. the SM12x compile check) and both benchmarks on the GPU machine.
 # Usage (device tool): NVFP4_COMMIT=<hash> STEPS="tests gemm moe ncu" bash bench/run_gpu.sh
 # Steps: tests gemm moe profile gprofile probe sweep ncu mncu. Each has its own timeout (T_TESTS, T_GEMM, T_MOE,
-# T_PROFILE, T_PROBE, T_NCU seconds; all GPU test modules take ~290 s); GEMM_SHAPES, GEMM_MS
+# T_PROFILE, T_PROBE, T_NCU seconds; all GPU test modules take ~290 s; TEST_FILES picks modules
+# (split at spaces), TEST_K a pytest -k expression, spaces allowed); GEMM_SHAPES, GEMM_MS
 # and MOE_TOKENS narrow the benches (MOE_PAD_FC2=1: ours on FC2 weights padded by moe.pad_fc2;
 # MOE_SCALE_LAYOUT=linear: ours on linear weight scales, kept
 # apart from the committed swizzled rows; bench/merge_results.py merges a partial run into the
@@ -23,7 +24,7 @@ for s in $STEPS; do
     tests)
       step "gpu tests (IEEE fp32 division for bit-exact quantization)"
       XLA_FLAGS="--xla_backend_extra_options=-nvptx-prec-divf32=2" timeout "$T_TESTS" \
-        python3 -m pytest -m gpu -q -p no:cacheprovider -rs ${TEST_FILES:-tests/test_moe_gpu.py \
+        python3 -m pytest -m gpu -q -p no:cacheprovider -rs ${TEST_K:+-k "$TEST_K"} ${TEST_FILES:-tests/test_moe_gpu.py \
         tests/test_moe_mosaic_gpu.py tests/test_gemm_mosaic_gpu.py tests/test_gemm_gpu.py \
         tests/test_quantize_gpu.py} 2>&1 \
         | tail -40 | tee -a "$OUT/run.log" ;;

@@ -17,7 +17,8 @@ launch that touches only the blocks below ``num_blocks``:
   both halves' tiles for swiglu) -> ``h`` bf16, requantization with ``G2[e]``
   (``pallas_triton._requantize``, the recipes' op order with IEEE division) -> the FC2 operand,
   K-permuted.
-* :func:`combine`: one program per (token, 64 columns of H): the token's k route rows as one
+  With ``wide`` (``MosaicMoEConfig.wide_glue``, prefill): ``operand_rows`` rows per program.
+* :func:`combine`: one program per (token, 64 columns of H; ``combine_width`` with ``wide``): the token's k route rows as one
   [kp, 64] gather (positions, experts and router weights loaded, then a CTA barrier, then the
   rows: one round trip each), ``* alpha2[e]`` (bf16 in trtllm_cutlass) ``* router weight``,
   summed over the routes in fp32 (a tree order) -> bf16.
@@ -116,7 +117,7 @@ def _operand_kernel(route_ref, be_ref, nb_ref, x_ref, g_ref, rg_ref, o_ref, *, m
             row()
 
 
-#: Wide glue (``MosaicMoEConfig.glue="wide"``): sorted rows per FC1-operand program, and the
+#: Wide glue (``MosaicMoEConfig.wide_glue``): sorted rows per FC1-operand program, and the
 #: most elements an FC1-operand or combine thread holds (8 warps).
 WIDE_OPERAND_ROWS = 8
 WIDE_THREAD_ELEMS = 32

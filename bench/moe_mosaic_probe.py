@@ -191,7 +191,16 @@ def main():
     ap.add_argument("--tokens-method", action="store_true",
                     help="moe.epilogue.TOKENS_METHOD on for the run: routing kernels over more "
                          "than 128 experts take the tokens method above ROUTES_AUTO_MAX routes")
+    ap.add_argument("--prefer-routes", action="store_true",
+                    help="routing kernels over <= 128 experts (qwen3) take the routes method where it "
+                         "fits (moe.epilogue.ROUTING_EXPERTS_MAX set to 0 for the run; the fused "
+                         "launch at qwen3 T = 8: 64 vs 128 registers, ~1.4K vs ~3.0K SASS "
+                         "instructions, ptxas sm_90)")
     args = ap.parse_args()
+    if args.prefer_routes:
+        import nvfp4_jax.moe.epilogue as _ep
+
+        _ep.ROUTING_EXPERTS_MAX = 0
     if args.tokens_method:
         import nvfp4_jax.moe.epilogue as _ep
 
@@ -204,7 +213,8 @@ def main():
     t0 = time.time()
     rng = np.random.default_rng(0)
     doc = {**run_metadata(), "what": "moe mosaic probe", "harness": HARNESS,
-           "routes_method": args.routes_method, "tokens_method": args.tokens_method, "records": []}
+           "routes_method": args.routes_method, "tokens_method": args.tokens_method,
+           "prefer_routes": args.prefer_routes, "records": []}
     recs = doc["records"]
     path = os.path.join(args.out, "moe-mosaic-probe-h200.json")
 

@@ -61,7 +61,7 @@ from moe_bench import (
 from run_meta import run_metadata
 
 from nvfp4_jax.gemm.mosaic import MosaicConfig
-from nvfp4_jax.moe import pad_fc2
+from nvfp4_jax.moe import epilogue, pad_fc2
 from nvfp4_jax.moe.api import moe
 from nvfp4_jax.moe.mosaic import MosaicMoEConfig, auto_config
 
@@ -198,17 +198,11 @@ def main():
                          "instructions, ptxas sm_90)")
     args = ap.parse_args()
     if args.prefer_routes:
-        import nvfp4_jax.moe.epilogue as _ep
-
-        _ep.ROUTING_EXPERTS_MAX = 0
+        epilogue.ROUTING_EXPERTS_MAX = 0
     if args.tokens_method:
-        import nvfp4_jax.moe.epilogue as _ep
-
-        _ep.TOKENS_METHOD = True
+        epilogue.TOKENS_METHOD = True
     if args.routes_method:
-        import nvfp4_jax.moe.epilogue as _ep
-
-        _ep.ROUTES_AUTO_MAX = _ep.ROUTING_ROUTES_MAX
+        epilogue.ROUTES_AUTO_MAX = epilogue.ROUTING_ROUTES_MAX
     os.makedirs(args.out, exist_ok=True)
     t0 = time.time()
     rng = np.random.default_rng(0)

@@ -6,10 +6,17 @@ Usage (on the GPU machine):
     python bench/gemm_bench.py --check --out DIR         # quick correctness on the GPU
 
 Timing is in-graph: one jitted program runs ``R`` iterations of a ``fori_loop`` whose body
-calls the implementation once per weight copy (``C`` distinct copies, together > 4x the 60 MB
-L2, so every call streams its weights from HBM). The per-call time is
-``(T(R2) - T(R1)) / ((R2 - R1) * C)``, host time of whole programs (medians of 3), so dispatch
-and compile are excluded and back-to-back launch gaps are included, as in a real model.
+is an inner ``fori_loop`` of ``U`` rounds (a static trip count), each round calling the
+implementation once per weight copy (``C`` distinct copies, together > 4x the 60 MB L2, so
+every call streams its weights from HBM). The per-call time is
+``(T(R2) - T(R1)) / ((R2 - R1) * U * C)``, host time of whole programs (medians of 3), so
+dispatch and compile are excluded and back-to-back launch gaps are included, as in a real model.
+Why the inner loop: ``R`` is a run-time value, and XLA:GPU runs a while loop of unknown trip
+count by copying the predicate to the host and waiting for it every iteration (``WhileThunk``;
+a loop of known trip count runs its body without that round trip). Until session 14 the body
+was one round (``U = 1``), so every call carried 1/C of a host round trip: the same bias for
+every impl in absolute time, ~O/2 per call at 28672x8192 (C = 2). ``U = ceil(64 / C)``
+(``--inner-calls``; 1 reproduces the old harness) leaves 1/64 of it.
 Each iteration's activation depends on the previous iteration's output (``x + 0*out[0]``), so
 XLA can neither hoist nor merge the calls. Our NVFP4 calls each get their own activation
 (``per_call_x``: ``x + 0*out[0]*(c+1)`` for copy c) where they prepare x in XLA (W4A16 on the
@@ -55,6 +62,10 @@ def log(*a):
 # --------------------------------------------------------------------------- timing
 
 
+#: calls per outer loop iteration, i.e. per host round trip of the loop predicate (see above)
+INNER_CALLS = 64
+
+
 def time_per_call(fn, x, ws, *, target_s: float = 0.03, per_call_x: bool = False) -> float:
     """Median per-call device time (s) of ``fn(x, w)`` over the weight copies ``ws``.
 
@@ -64,27 +75,25 @@ def time_per_call(fn, x, ws, *, target_s: float = 0.03, per_call_x: bool = False
     return make_timer(fn, x, ws, target_s=target_s, per_call_x=per_call_x)()
 
 
-def make_timer(fn, x, ws, *, target_s: float = 0.03, per_call_x: bool = False):
+def inner_rounds(copies: int, inner_calls: int | None = None) -> int:
+    """Rounds over the ``copies`` weight copies per outer loop iteration: ``inner_calls``
+    (default ``INNER_CALLS``) calls or more."""
+    calls = INNER_CALLS if inner_calls is None else inner_calls
+    if calls < 1:
+        raise ValueError(f"inner_calls: expected >= 1, got {calls}")
+    return -(-calls // copies)
+
+
+def make_timer(fn, x, ws, *, target_s: float = 0.03, per_call_x: bool = False,
+               inner_calls: int | None = None):
     """Compile once; return a callable that times one more round (see ``time_per_call``).
 
     Calling it several times, interleaved with other impls' timers, separates a real
     difference from the GPU's drift between rounds (``mosaic_sweep --rounds``).
+    ``inner_calls``: calls per host round trip of the outer loop (module docstring).
     """
-
-    def prog(x, ws, r):
-        def body(i, outs):
-            # data dependency on the previous iteration (a float "* 0" is not folded by XLA)
-            dep = outs[0].reshape(-1)[0].astype(jnp.float32) * 0.0
-            if per_call_x:
-                return tuple(fn(x + (dep * (c + 1)).astype(x.dtype), w) for c, w in enumerate(ws))
-            xd = x + dep.astype(x.dtype)
-            return tuple(fn(xd, w) for w in ws)
-
-        init = tuple(jax.eval_shape(fn, x, w) for w in ws)
-        init = tuple(jnp.zeros(s.shape, s.dtype) for s in init)
-        return jax.lax.fori_loop(0, r, body, init)
-
-    f = jax.jit(prog)
+    f = timed_program(fn, x, ws, per_call_x=per_call_x, inner_calls=inner_calls)
+    rounds = f.rounds
 
     def run(r):
         ts = []
@@ -100,9 +109,35 @@ def make_timer(fn, x, ws, *, target_s: float = 0.03, per_call_x: bool = False):
         t1 = run(1)
         n = int(min(60, max(2, math.ceil(target_s / max(t1, 1e-6)))))
         t2 = run(1 + n)
-        return max(t2 - t1, 1e-9) / (n * len(ws))
+        return max(t2 - t1, 1e-9) / (n * rounds * len(ws))
 
     return one_round
+
+
+def timed_program(fn, x, ws, *, per_call_x: bool = False, inner_calls: int | None = None):
+    """The jitted program ``make_timer`` times: ``f(x, ws, r)`` runs ``r`` (a run-time value)
+    outer iterations of ``f.rounds`` rounds (a static inner loop) of one call per copy."""
+    rounds = inner_rounds(len(ws), inner_calls)
+
+    def prog(x, ws, r):
+        def one_round(i, outs):
+            # data dependency on the previous round (a float "* 0" is not folded by XLA)
+            dep = outs[0].reshape(-1)[0].astype(jnp.float32) * 0.0
+            if per_call_x:
+                return tuple(fn(x + (dep * (c + 1)).astype(x.dtype), w) for c, w in enumerate(ws))
+            xd = x + dep.astype(x.dtype)
+            return tuple(fn(xd, w) for w in ws)
+
+        def body(i, outs):  # static trip count: no host round trip between these rounds
+            return jax.lax.fori_loop(0, rounds, one_round, outs)
+
+        init = tuple(jax.eval_shape(fn, x, w) for w in ws)
+        init = tuple(jnp.zeros(s.shape, s.dtype) for s in init)
+        return jax.lax.fori_loop(0, r, body, init)
+
+    f = jax.jit(prog)
+    f.rounds = rounds
+    return f
 
 
 def n_copies(bytes_per_copy: float) -> int:
@@ -515,7 +550,10 @@ def main():
         default="",
         help=f"extra comma-separated impls timed side by side: {','.join(EXTRA_IMPLS)}",
     )
+    p.add_argument("--inner-calls", type=int, default=INNER_CALLS,
+                   help="calls per outer loop iteration (host round trip); 1: the pre-session-14 harness")
     a = p.parse_args()
+    globals()["INNER_CALLS"] = a.inner_calls
     os.makedirs(a.out, exist_ok=True)
     shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",") if s] or SHAPES
     ms = [int(v) for v in a.ms.split(",") if v] or MS
@@ -560,7 +598,8 @@ def main():
     records = bench(a.out, shapes, ms, a.budget_s, extra)
     doc = {
         **run_metadata(),
-        "timing": "in-graph fori_loop over distinct weight copies, (T(R2)-T(R1))/calls",
+        "timing": "in-graph fori_loop over distinct weight copies, (T(R2)-T(R1))/calls, "
+                  f"{INNER_CALLS}+ calls per host round trip of the loop predicate",
         "records": records,
     }
     with open(os.path.join(a.out, "gemm-h200.json"), "w") as f:

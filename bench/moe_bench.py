@@ -2,14 +2,16 @@
 dequantize-then-ragged_dot, whole layer (FC1, activation, FC2, weighted top-k sum) from the same
 given routing.
 
-Timing is in-graph: one jitted ``fori_loop`` whose every iteration runs 8 layers back to back
-(an inner loop with a static trip count), one per routing (so touched experts differ from layer
-to layer and the 60 MB L2 cannot keep them), each layer's input depending on the previous
-output. A loop iteration of XLA:GPU with a run-time trip count costs a host round trip for its
-predicate, so 8 layers share one, and the per-layer time is the difference of two loop lengths:
-``(t(1 + n) - t(1)) / (8 n)`` (medians of ``reps`` runs each), which also removes the call's
-fixed cost (``measure`` has the rule for slow layers). Round 1 and the first final run
-timed one layer per iteration and ``t(n) / n``, which charged every layer a loop round trip.
+Timing is in-graph: one jitted ``fori_loop`` whose every iteration runs ``INNER_ROUNDS`` (4)
+rounds of 8 layers back to back (a Python-unrolled round inside an inner loop of static trip
+count), one layer per routing (so touched experts differ from layer to layer and the 60 MB L2
+cannot keep them), each layer's input depending on the previous output. A loop iteration of
+XLA:GPU with a run-time trip count costs a host round trip for its predicate (a static trip
+count does not), so 32 layers share one, and the per-layer time is the difference of two loop
+lengths: ``(t(1 + n) - t(1)) / (32 n)`` (medians of ``reps`` runs each), which also removes
+the call's fixed cost (``measure`` has the rule for slow layers). Round 1 and the first final
+run timed one layer per iteration and ``t(n) / n``, which charged every layer a loop round
+trip; sessions 2-13 shared one round trip among 8 layers.
 
 Each layer's global scales (the input scales and the weights' ``decode_scale``) depend on the
 running activation (``+ 0 * x[0]``, exact at run time; ``per_layer_scales``), as if every
@@ -56,7 +58,7 @@ TOKENS = (1, 8, 64, 512, 4096)
 ROUTINGS = ("random", "skewed")
 NROT = 8
 #: recorded with every run: what the timed loop gives each layer (module docstring)
-HARNESS = "per-layer global scales (session 10)"
+HARNESS = "per-layer global scales (session 10); 32 layers per loop round trip (session 14)"
 
 
 def make_weights(key, s):
@@ -163,30 +165,48 @@ def unrolled_layers(layer, refresh=None):
     return layers
 
 
-def timed_loop(layer, refresh=None):
-    """Jitted ``n`` outer iterations of ``unrolled_layers(layer, refresh)`` each (n is a
-    runtime value: one compile).
+#: rounds of the NROT unrolled layers per outer loop iteration (a static inner loop): the
+#: outer loop's run-time trip count costs a host round trip per iteration (XLA:GPU copies the
+#: predicate to the host; a loop of static trip count does not), so it is shared by
+#: NROT * INNER_ROUNDS layers. Until session 14: 1 (8 layers per round trip).
+INNER_ROUNDS = 4
 
-    An inner ``fori_loop`` over the NROT layers (the previous harness) cost ~8-16 us per layer
-    at T = 1 on the H200 (NOTES-moe.md); the outer loop's run-time trip count costs one host
-    round trip per iteration, i.e. per NROT layers.
+
+def timed_loop(layer, refresh=None, inner_rounds: int | None = None):
+    """Jitted ``n`` outer iterations (n is a runtime value: one compile), each an inner loop
+    of static trip count ``inner_rounds`` (default ``INNER_ROUNDS``) over
+    ``unrolled_layers(layer, refresh)``. ``run.layers_per_iter``: layers per outer iteration.
+
+    An inner ``fori_loop`` over the NROT layers that indexed stacked routings (the round-1
+    harness) cost ~8-16 us per layer at T = 1 on the H200 (NOTES-moe.md); the layers are
+    unrolled, and the inner loop only repeats them.
     """
     layers = unrolled_layers(layer, refresh)
+    rounds = INNER_ROUNDS if inner_rounds is None else inner_rounds
+    if rounds < 1:
+        raise ValueError(f"inner_rounds: expected >= 1, got {rounds}")
+
+    def body(i, x, ids, wts, params):  # static trip count: no host round trip inside
+        return jax.lax.fori_loop(0, rounds, lambda j, x: layers(x, ids, wts, params), x)
 
     @jax.jit
     def run(x, ids, wts, n, params):
-        return jax.lax.fori_loop(0, n, lambda i, x: layers(x, ids, wts, params), x)
+        return jax.lax.fori_loop(0, n, lambda i, x: body(i, x, ids, wts, params), x)
+    run.layers_per_iter = NROT * rounds
     return run
 
 
 def measure(run, hidden, ids, wts, params, budget_s=1.0, reps=3):
     """Per-layer device time (us) and the number of layers timed.
 
-    ``(t(1 + n) - t(1)) / (NROT * n)`` (medians of ``reps`` runs each), which removes the call's
-    fixed cost and amortizes the outer loop's round trip over NROT layers. Layers slower than
-    5 ms (the bf16 baselines at T >= 64) take ``t(1) / NROT`` from one run: the fixed cost
-    (tens of us) is then < 0.1 %, and the difference would cost seconds of GPU time.
+    ``(t(1 + n) - t(1)) / (L * n)`` (medians of ``reps`` runs each; L = ``run.layers_per_iter``,
+    NROT * INNER_ROUNDS), which removes the call's fixed cost and amortizes the outer loop's
+    round trip over L layers. Layers slower than 5 ms (the bf16 baselines at T >= 64) take
+    ``t(1) / L`` from one run: the fixed cost (tens of us) is then < 0.1 %, and the difference
+    would cost seconds of GPU time.
     """
+    per_iter = getattr(run, "layers_per_iter", NROT)
+
     def t_of(n, r):
         ts = []
         for _ in range(r):
@@ -197,12 +217,12 @@ def measure(run, hidden, ids, wts, params, budget_s=1.0, reps=3):
 
     run(hidden, ids, wts, 1, params).block_until_ready()  # compile + warm
     t1 = t_of(1, 1)
-    if t1 > 5e-3 * NROT:
-        return t1 / NROT * 1e6, NROT
+    if t1 > 5e-3 * per_iter:
+        return t1 / per_iter * 1e6, per_iter
     t1 = t_of(1, reps)
     n = int(max(2, min(100, budget_s / reps / max(t1, 1e-6))))
     t2 = t_of(1 + n, reps)
-    return max(t2 - t1, 1e-9) / (NROT * n) * 1e6, NROT * n
+    return max(t2 - t1, 1e-9) / (per_iter * n) * 1e6, per_iter * n
 
 
 def hbm_copy_tbps():

@@ -127,3 +127,51 @@ def test_merge_refuses_to_mix_scale_layouts():
         merge("moe", old, new)
     new["records"][0]["scale_layout"] = "swizzled_128x4"
     assert merge("moe", old, new)["records"][0]["median_us"] == 48.0
+
+
+def _while_trip_counts(hlo_text):
+    """[known trip count or None] of every while loop in a compiled HLO module's text."""
+    import re
+
+    out = []
+    for line in hlo_text.splitlines():
+        if " while(" in line:
+            m = re.search(r'known_trip_count":\{"n":"(\d+)"', line)
+            out.append(int(m.group(1)) if m else None)
+    return out
+
+
+def test_bench_loops_share_one_host_round_trip_among_many_calls():
+    """Both benches' timed programs: the outer loop (run-time trip count: XLA:GPU copies its
+    predicate to the host every iteration) wraps an inner loop of static trip count, so one
+    host round trip is shared by >= gemm_bench.INNER_CALLS GEMM calls and by NROT *
+    INNER_ROUNDS MoE layers (session 14; before, by C weight copies and by 8 layers)."""
+    import sys
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    gb = _load("gemm_bench")
+    ws = [jnp.full((32, 16), 1.0 + c, jnp.float32) for c in range(3)]
+    x = jnp.ones((2, 32), jnp.float32)
+    f = gb.timed_program(lambda x, w: x @ w, x, ws)
+    assert f.rounds * len(ws) >= gb.INNER_CALLS and (f.rounds - 1) * len(ws) < gb.INNER_CALLS
+    counts = _while_trip_counts(f.lower(x, ws, 3).compile().as_text())
+    assert sorted(counts, key=str) == [f.rounds, None]
+    # the timed value: the program's outputs are those of f.rounds rounds per iteration
+    outs = f(x, ws, 2)
+    assert float(outs[2][0, 0]) == 32 * 3.0
+
+    mb = _load("moe_bench")
+    mb.NROT = 2
+    s = {"hidden": 256, "inter": 256, "experts": 8, "top_k": 2, "activation": "swiglu"}
+    _, _, q1, q2 = mb.make_weights(jax.random.PRNGKey(1), s)
+    params = (q1, q2, *mb.input_scales(s))
+    ids = jnp.asarray(np.array([[[0, 3]] * 3, [[5, 1]] * 3], np.int32))
+    args = (mb.make_hidden(3, 256), ids, jnp.full(ids.shape, 0.5, jnp.float32), 2, params)
+    run = mb.timed_loop(mb.nvfp4_layer("swiglu", "pallas"), mb.per_layer_scales)
+    assert run.layers_per_iter == mb.NROT * mb.INNER_ROUNDS
+    counts = _while_trip_counts(run.lower(*args).compile().as_text())
+    assert None in counts and mb.INNER_ROUNDS in counts

@@ -30,6 +30,8 @@ def merge(kind: str, old: dict, new: dict) -> dict:
     stamp = {"commit": new.get("commit"), "date": new.get("date")}
     if kind == "moe":
         stamp["harness"] = new.get("harness", "shared global scales (before session 10)")
+    else:  # gemm: a run without "round trip" in its timing note predates session 14's loop
+        stamp["timing"] = new.get("timing", "")
     fresh = [{**r, **{k: v for k, v in stamp.items() if k not in r}} for r in new["records"]]
     seen = {key(r) for r in fresh}
     if kind == "moe":  # the tables show one weight-scale layout per row: never mix them

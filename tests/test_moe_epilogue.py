@@ -329,7 +329,14 @@ def test_routing_kernel_lowers_and_refuses_large_routings(monkeypatch):
     assert ep.routing_methods(22, 512, 8) == ("routes",) and ep.routing_kernel_fits(22, 512, 8)
     assert ep.routing_methods(8 * 22, 512, 8, explicit=True) == ("routes",)
     assert ep.routing_methods(8 * 22, 512, 8) == () and not ep.routing_kernel_fits(8 * 22, 512, 8)
-    assert ep.routing_methods(8 * 8, 128, 8) == ("experts", "routes")  # qwen3 T = 8: experts first
+    # qwen3 T = 8: routes first (PREFER_ROUTES, measured faster in session 14); experts above
+    # ROUTES_AUTO_MAX routes (T = 16) or with PREFER_ROUTES off; explicit routes after experts
+    assert ep.routing_methods(8 * 8, 128, 8) == ("routes", "experts")
+    assert ep.routing_methods(16 * 8, 128, 8) == ("experts",)
+    assert ep.routing_methods(16 * 8, 128, 8, explicit=True) == ("experts", "routes")
+    monkeypatch.setattr(ep, "PREFER_ROUTES", False)
+    assert ep.routing_methods(8 * 8, 128, 8) == ("experts", "routes")
+    monkeypatch.setattr(ep, "PREFER_ROUTES", True)
     # the tokens method: for a [T, k] routing only (not the fused launch, top_k None), by
     # itself while TOKENS_METHOD is on; its [T, E] table fits up to T = 64 at 512 experts, its
     # [N, k] compare tile up to 1024 routes

@@ -271,18 +271,20 @@ def test_moe_mosaic_gpu_padded_fc2_matches_oracle(layout):
         check_against_oracle(case, f(out), f(inter["h"]), mode="trtllm_cutlass", activation="relu2")
 
 
-@pytest.mark.parametrize("t", [1, 8, 23])
-def test_routing_kernel_routes_method_on_gpu(t):
-    """The routing kernels' "routes" method (nemotron: 22 routes per token over 512 experts) on
-    the GPU: its CTA barriers and the read-back of the sorted order give exactly the XLA
+@pytest.mark.parametrize("t,e,k", [(1, 512, 22), (8, 512, 22), (23, 512, 22), (1, 128, 8), (8, 128, 8)])
+def test_routing_kernel_routes_method_on_gpu(t, e, k):
+    """The routing kernels' "routes" method on the GPU (nemotron: 22 routes per token over 512
+    experts; qwen3: 8 over 128, where it is the default up to T = 8, ``PREFER_ROUTES``): its
+    CTA barriers and the read-back of the sorted order give exactly the XLA
     ``block_routing``, alone, with the scales, and inside the fused launch (whose FC1 operand
     rows are bit for bit ``fc1_operand``'s)."""
     from nvfp4_jax.moe import epilogue as ep
     from nvfp4_jax.moe.routing import block_routing
 
     rng = np.random.default_rng(t)
-    e, k, bm, h = 512, 22, 8, 1024
-    assert ep.routing_methods(t * k, e, bm, explicit=True) == ("routes",)
+    bm, h = 8, 1024
+    methods = ep.routing_methods(t * k, e, bm, explicit=True)
+    assert methods == (("routes", "experts") if e <= ep.ROUTING_EXPERTS_MAX else ("routes",))
     ids = jnp.asarray(np.argsort(rng.random((t, e)), axis=1)[:, :k].astype(np.int32))
     want = block_routing(ids, e, bm)
     vecs = [jnp.asarray(np.exp2(rng.uniform(-12, 4, e)).astype(np.float32)) for _ in range(4)]

@@ -442,6 +442,14 @@ ROUTES_AUTO_MAX = 64
 #: 177.1-181.1; bench/results/moe-mosaic-probe-round16-h200.json), output bit for bit the XLA
 #: routing's.
 TOKENS_METHOD = True
+#: Whether the "routes" method goes before "experts" where both take a routing (up to
+#: ROUTES_AUTO_MAX routes and ROUTING_EXPERTS_MAX experts: qwen3 up to T = 8). Session 14
+#: (H200, bench/moe_mosaic_probe.py --prefer-routes, median of 3 rounds, the layer with the
+#: fused routing launch): qwen3 T = 8 69.4 -> 67.3 us (swizzled scales; linear 73.5 -> 71.2),
+#: T = 1 26.7 -> 26.2 (26.9 -> 26.5). ptxas sm_90 for the fused launch at T = 8: 64 registers
+#: and ~1.4K SASS instructions against 128 and ~3.0K for "experts" (its [E, N] one-hot tiles
+#: span all 128 experts; "routes" compares 64 routes pairwise).
+PREFER_ROUTES = True
 
 
 def _route_positions(ids_ref, *, n: int, num_experts: int, block_m: int):
@@ -675,11 +683,12 @@ def _scales_plan(scales: tuple, num_experts: int, interpret: bool):
 
 def routing_methods(n_routes: int, num_experts: int, block_m: int, *, top_k: int | None = None,
                     explicit: bool = False) -> tuple[str, ...]:
-    """The routing kernels' methods that take this routing, the default first: "experts" up to
-    ROUTING_EXPERTS_MAX experts when its tiles fit, "routes" up to ROUTES_AUTO_MAX routes
-    (ROUTING_ROUTES_MAX for an ``explicit`` request), "tokens" for a [T, top_k] routing (None:
-    not offered, e.g. for the fused launch) when its tiles fit and TOKENS_METHOD is on (or the
-    request is ``explicit``)."""
+    """The routing kernels' methods that take this routing, the default first: "routes" up to
+    ROUTES_AUTO_MAX routes (ROUTING_ROUTES_MAX for an ``explicit`` request; after "experts"
+    above ROUTES_AUTO_MAX or with PREFER_ROUTES off), "experts" up to ROUTING_EXPERTS_MAX
+    experts when its tiles fit, "tokens" for a [T, top_k] routing (None: not offered, e.g. for
+    the fused launch) when its tiles fit and TOKENS_METHOD is on (or the request is
+    ``explicit``)."""
     from .routing import max_blocks
 
     nb = max_blocks(n_routes, num_experts, block_m)
@@ -688,7 +697,10 @@ def routing_methods(n_routes: int, num_experts: int, block_m: int, *, top_k: int
             and _pow2(num_experts) * max(_pow2(n_routes), _pow2(nb)) <= ROUTING_KERNEL_MAX_ELEMS):
         out.append("experts")
     if n_routes <= (ROUTING_ROUTES_MAX if explicit else min(ROUTES_AUTO_MAX, ROUTING_ROUTES_MAX)):
-        out.append("routes")
+        if PREFER_ROUTES and n_routes <= ROUTES_AUTO_MAX:
+            out.insert(0, "routes")
+        else:
+            out.append("routes")
     if (top_k is not None and (TOKENS_METHOD or explicit) and n_routes % top_k == 0
             and _pow2(n_routes // top_k) * _pow2(num_experts) <= ROUTING_KERNEL_MAX_ELEMS
             and _pow2(n_routes) * _pow2(top_k) <= ROUTING_KERNEL_MAX_ELEMS):

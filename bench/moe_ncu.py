@@ -5,7 +5,9 @@ Usage: ncu -k regex:nvfp4_moe --launch-skip 5 --launch-count 5 python bench/moe_
 (default nemotron:8; each case runs three layers, eagerly, on the same routing: skip the first
 layer's five kernels, profile the second's). Prints the host time of each call only; the
 profiler reports registers, occupancy, DRAM throughput and warp stall reasons per kernel
-(operand gather, FC1, FC1 epilogue, FC2, combine).
+(operand gather, FC1, FC1 epilogue, FC2, combine). ``MOE_SCALE_LAYOUT`` (default linear) and
+``MOE_PAD_FC2=1`` set the weights as ``moe_bench --scale-layout / --pad-fc2`` does, so the
+layer picks the bench's configs.
 """
 
 from __future__ import annotations
@@ -21,11 +23,18 @@ import jax
 import numpy as np
 from moe_bench import SHAPES, input_scales, make_hidden, make_routing, make_weights, nvfp4_layer
 
+from nvfp4_jax.moe import pad_fc2
+
 
 def run(sname: str, t: int) -> None:
     s = SHAPES[sname]
     _w1, _w2, q1, q2 = make_weights(jax.random.PRNGKey(1), s)
     del _w1, _w2
+    layout = os.environ.get("MOE_SCALE_LAYOUT", "linear")
+    if layout != "linear":
+        q1, q2 = q1.with_layout(layout), q2.with_layout(layout)
+    if os.environ.get("MOE_PAD_FC2"):
+        q2 = pad_fc2(q2)  # a no-op at I % 256 == 0
     ids, wts = make_routing(np.random.default_rng(0), t, s["experts"], s["top_k"], "random")
     params = (q1, q2, *input_scales(s))
     f = jax.jit(nvfp4_layer(s["activation"], "pallas"))

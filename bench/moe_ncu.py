@@ -1,11 +1,12 @@
 """Run the MoE layer (public ``nvfp4_jax.moe``, backend pallas, kernel auto) a few times on one
 routing, for Nsight Compute to attach.
 
-Usage: ncu -k regex:nvfp4_moe --launch-skip 5 --launch-count 5 python bench/moe_ncu.py [shape:T ...]
+Usage: ncu -k regex:nvfp4_moe --launch-skip 6 --launch-count 6 python bench/moe_ncu.py [shape:T ...]
 (default nemotron:8; each case runs three layers, eagerly, on the same routing: skip the first
-layer's five kernels, profile the second's). Prints the host time of each call only; the
-profiler reports registers, occupancy, DRAM throughput and warp stall reasons per kernel
-(operand gather, FC1, FC1 epilogue, FC2, combine). ``MOE_SCALE_LAYOUT`` (default linear) and
+layer's six kernels, profile the second's; a layer with the XLA routing or a separate scales
+launch has another count). Prints the host time of each call only; the profiler reports
+registers, occupancy, DRAM throughput and warp stall reasons per kernel (routing + scales,
+operand gather, FC1, FC1 epilogue, FC2, combine). ``MOE_SCALE_LAYOUT`` (default linear) and
 ``MOE_PAD_FC2=1`` set the weights as ``moe_bench --scale-layout / --pad-fc2`` does, so the
 layer picks the bench's configs.
 """

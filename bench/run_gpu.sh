@@ -76,9 +76,9 @@ for s in $STEPS; do
         python3 bench/mosaic_ncu.py ${NCU_SHAPES:-28672x8192x16 28672x8192x64} > "$OUT/ncu-mosaic.txt" 2>&1
       grep -v "^==PROF==" "$OUT/ncu-mosaic.txt" | tail -60 | tee -a "$OUT/run.log" ;;
     mncu)
-      step "Nsight Compute: one MoE layer's five kernels (${MNCU_CASES:-nemotron:8})"
+      step "Nsight Compute: one MoE layer's six kernels (${MNCU_CASES:-nemotron:8})"
       XLA_PYTHON_CLIENT_PREALLOCATE=false timeout "${T_MNCU:-150}" ncu -k regex:nvfp4_moe \
-        --launch-skip 5 --launch-count 5 --clock-control none \
+        --launch-skip "${MNCU_SKIP:-6}" --launch-count "${MNCU_COUNT:-6}" --clock-control none \
         --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
         --section MemoryWorkloadAnalysis \
         python3 bench/moe_ncu.py ${MNCU_CASES:-nemotron:8} > "$OUT/ncu-moe.txt" 2>&1

@@ -196,7 +196,13 @@ def main():
                          "fits (moe.epilogue.ROUTING_EXPERTS_MAX set to 0 for the run; the fused "
                          "launch at qwen3 T = 8: 64 vs 128 registers, ~1.4K vs ~3.0K SASS "
                          "instructions, ptxas sm_90)")
+    ap.add_argument("--routing-warps", type=int, default=0,
+                    help="the routing kernels' warp count for every method and size "
+                         "(moe.epilogue.ROUTING_WARPS; 0: routing_warps's defaults)")
     args = ap.parse_args()
+    if args.routing_warps:
+        epilogue.ROUTING_WARPS.update({(m, 1 << i): args.routing_warps
+                                       for m in ("experts", "routes", "tokens") for i in range(13)})
     if args.prefer_routes:
         epilogue.ROUTING_EXPERTS_MAX = 0
     if args.tokens_method:
@@ -208,7 +214,7 @@ def main():
     rng = np.random.default_rng(0)
     doc = {**run_metadata(), "what": "moe mosaic probe", "harness": HARNESS,
            "routes_method": args.routes_method, "tokens_method": args.tokens_method,
-           "prefer_routes": args.prefer_routes, "records": []}
+           "prefer_routes": args.prefer_routes, "routing_warps": args.routing_warps, "records": []}
     recs = doc["records"]
     path = os.path.join(args.out, "moe-mosaic-probe-h200.json")
 

@@ -308,17 +308,21 @@ def test_routing_kernel_routes_method_on_gpu(t, e, k):
     np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32))
 
 
-@pytest.mark.parametrize("t", [1, 8, 23, 46])
-def test_routing_kernel_tokens_method_on_gpu(t):
+@pytest.mark.parametrize("t,warps", [(1, None), (8, None), (23, None), (46, None), (8, 8), (8, 16)])
+def test_routing_kernel_tokens_method_on_gpu(t, warps, monkeypatch):
     """The routing kernels' "tokens" method (nemotron: 22 routes per token over 512 experts)
     on the GPU: its scratch table's barriers give exactly the XLA ``block_routing``, alone and
-    with the scales; also with every token routed twice to its first expert."""
+    with the scales; also with every token routed twice to its first expert. ``warps``: the
+    program's warp count instead of ``routing_warps``'s default (T = 8: 4)."""
     from nvfp4_jax.moe import epilogue as ep
     from nvfp4_jax.moe.routing import block_routing
 
     rng = np.random.default_rng(t)
     e, k, bm = 512, 22, 8
     assert "tokens" in ep.routing_methods(t * k, e, bm, top_k=k, explicit=True)
+    if warps is not None:
+        monkeypatch.setitem(ep.ROUTING_WARPS, ("tokens", ep._pow2(t * k)), warps)
+        assert ep.routing_warps("tokens", t * k) == warps
     ids = np.argsort(rng.random((t, e)), axis=1)[:, :k].astype(np.int32)
     rep = ids.copy()
     rep[:, 1] = rep[:, 0]

@@ -86,6 +86,22 @@ def _scale_divisions(text: str) -> tuple[int, int]:
     return sites(comps["ENTRY"]), sum(sites(c) for name, c in comps.items() if name != "ENTRY")
 
 
+def _tiny_moe_loop():
+    """moe_bench (NROT = 2) and the timed loop's arguments (x, ids, weights, n = 2, params) for a
+    small swiglu layer: 8 experts, top-2, 3 tokens."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    mb = _load("moe_bench")
+    mb.NROT = 2
+    s = {"hidden": 256, "inter": 256, "experts": 8, "top_k": 2, "activation": "swiglu"}
+    _, _, q1, q2 = mb.make_weights(jax.random.PRNGKey(1), s)
+    params = (q1, q2, *mb.input_scales(s))
+    ids = jnp.asarray(np.array([[[0, 3]] * 3, [[5, 1]] * 3], np.int32))
+    return mb, (mb.make_hidden(3, 256), ids, jnp.full(ids.shape, 0.5, jnp.float32), 2, params)
+
+
 def test_moe_bench_loop_recomputes_scales_per_layer():
     """The MoE bench's timed loop gives every layer its own run-time global scales, so XLA
     computes the scale expressions (G = 1 / input_scale, the alphas: f32 divisions over
@@ -94,18 +110,9 @@ def test_moe_bench_loop_recomputes_scales_per_layer():
     the layers and hoisted them out of the loop."""
     import sys
 
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
 
     sys.path.insert(0, os.path.join(ROOT, "bench"))
-    mb = _load("moe_bench")
-    mb.NROT = 2
-    s = {"hidden": 256, "inter": 256, "experts": 8, "top_k": 2, "activation": "swiglu"}
-    _, _, q1, q2 = mb.make_weights(jax.random.PRNGKey(1), s)
-    params = (q1, q2, *mb.input_scales(s))
-    ids = jnp.asarray(np.array([[[0, 3]] * 3, [[5, 1]] * 3], np.int32))
-    args = (mb.make_hidden(3, 256), ids, jnp.full(ids.shape, 0.5, jnp.float32), 2, params)
+    mb, args = _tiny_moe_loop()
     layer = mb.nvfp4_layer("swiglu", "pallas")
 
     shared = _scale_divisions(mb.timed_loop(layer).lower(*args).compile().as_text())
@@ -148,9 +155,7 @@ def test_bench_loops_share_one_host_round_trip_among_many_calls():
     INNER_ROUNDS MoE layers (session 14; before, by C weight copies and by 8 layers)."""
     import sys
 
-    import jax
     import jax.numpy as jnp
-    import numpy as np
 
     sys.path.insert(0, os.path.join(ROOT, "bench"))
     gb = _load("gemm_bench")
@@ -160,17 +165,10 @@ def test_bench_loops_share_one_host_round_trip_among_many_calls():
     assert f.rounds * len(ws) >= gb.INNER_CALLS and (f.rounds - 1) * len(ws) < gb.INNER_CALLS
     counts = _while_trip_counts(f.lower(x, ws, 3).compile().as_text())
     assert sorted(counts, key=str) == [f.rounds, None]
-    # the timed value: the program's outputs are those of f.rounds rounds per iteration
-    outs = f(x, ws, 2)
+    outs = f(x, ws, 2)  # the program runs: its outputs are the last round's calls
     assert float(outs[2][0, 0]) == 32 * 3.0
 
-    mb = _load("moe_bench")
-    mb.NROT = 2
-    s = {"hidden": 256, "inter": 256, "experts": 8, "top_k": 2, "activation": "swiglu"}
-    _, _, q1, q2 = mb.make_weights(jax.random.PRNGKey(1), s)
-    params = (q1, q2, *mb.input_scales(s))
-    ids = jnp.asarray(np.array([[[0, 3]] * 3, [[5, 1]] * 3], np.int32))
-    args = (mb.make_hidden(3, 256), ids, jnp.full(ids.shape, 0.5, jnp.float32), 2, params)
+    mb, args = _tiny_moe_loop()
     run = mb.timed_loop(mb.nvfp4_layer("swiglu", "pallas"), mb.per_layer_scales)
     assert run.layers_per_iter == mb.NROT * mb.INNER_ROUNDS
     counts = _while_trip_counts(run.lower(*args).compile().as_text())

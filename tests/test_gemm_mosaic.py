@@ -202,3 +202,44 @@ def test_bf16_store_elsewhere_is_logged(caplog):
         with caplog.at_level("INFO", logger="nvfp4_jax.gemm.mosaic"):
             f.trace(*_args(16, 1024, 2048)).lower(lowering_platforms=("cuda",))
         assert "bf16_store needs split_k 1 and a bf16 output" in caplog.text
+
+
+@pytest.mark.parametrize("m,n,k,split,bn", [(1, 28672, 8192, 4, 64), (5, 1000, 2048, 2, 64),
+                                            (16, 4096, 14336, 8, 128), (9, 333, 768, 3, 64)])
+def test_cluster_reduce_lowers_for_cuda(m, n, k, split, bn, caplog):
+    """cluster_reduce: one launch of clusters of ``split`` CTAs (the cluster barrier in the
+    module), output [1, mt, N padded] in the output dtype (bf16, or fp32 with XLA's cast to
+    fp16), no fp32 partials [split, ...] and no XLA split-K sum; alpha is a 4th operand. With
+    a K too short to split it runs unsplit and says so."""
+    cfg = MosaicConfig(block_n=bn, split_k=split, num_stages=2, cluster_reduce=True)
+    assert check_config(cfg, k, token_tile(m)) == split
+    mt, npad = token_tile(m), -(-n // bn) * bn
+    for out_dtype, kdt in ((jnp.bfloat16, "bf16"), (jnp.float32, "f32"), (jnp.float16, "f32")):
+        f = jax.jit(functools.partial(matmul_mosaic, config=cfg, out_dtype=out_dtype))
+        text = f.trace(*_args(m, n, k)).lower(lowering_platforms=("cuda",)).as_text()
+        assert "barrier.cluster.arrive.release" in text and "nvvm.mapa" in text
+        assert f"tensor<1x{mt}x{npad}x{kdt}>" in text and "tensor<1xf32>" in text
+        assert f"tensor<{split}x{mt}x{npad}xf32>" not in text
+        assert "stablehlo.reduce" not in text  # no XLA split-K sum
+    unclustered = dataclasses.replace(cfg, cluster_reduce=False)
+    text = jax.jit(functools.partial(matmul_mosaic, config=unclustered)).trace(
+        *_args(m, n, k)).lower(lowering_platforms=("cuda",)).as_text()
+    assert "stablehlo.reduce" in text and "barrier.cluster" not in text
+    short = MosaicConfig(block_n=64, split_k=2, num_stages=2, cluster_reduce=True)
+    with caplog.at_level("INFO", logger="nvfp4_jax.gemm.mosaic"):
+        text = jax.jit(functools.partial(matmul_mosaic, config=short)).trace(
+            *_args(4, 512, 256)).lower(lowering_platforms=("cuda",)).as_text()
+    assert "nothing to reduce" in caplog.text and "barrier.cluster" not in text
+
+
+def test_cluster_reduce_validation():
+    for bad in ({"cluster_reduce": True}, {"cluster_reduce": True, "split_k": 9},
+                {"cluster_reduce": True, "split_k": 2, "consumers": 2}):
+        with pytest.raises(ValueError, match="^MosaicConfig.cluster_reduce"):
+            MosaicConfig(**bad)
+    with pytest.raises(TypeError, match="^MosaicConfig.cluster_reduce"):
+        MosaicConfig(split_k=2, cluster_reduce=1)
+    # the other splits' partials are kernel-level scratch on top of the pipeline
+    base = MosaicConfig(block_n=64, split_k=4, num_stages=2)
+    cr = dataclasses.replace(base, cluster_reduce=True)
+    assert cr.smem_bytes(8) == base.smem_bytes(8) + 3 * 64 * 8 * 4

@@ -77,6 +77,16 @@ def _run(x, wo, out_dtype, cfg):
                      id="bs_m64"),
         pytest.param(37, 3000, 1024, 3.0, MosaicConfig(block_n=64, split_k=1, num_stages=2, consumers=2,
                                                        bf16_store=True), id="bs_ws2_ragged"),
+        # cluster_reduce: the split CTAs of a tile as one cluster, summed in CTA 0's shared
+        # memory (ids "cr*": lowered on the CPU in session 14, first run on a GPU pending)
+        pytest.param(1, 4096, 4096, 1.0, MosaicConfig(block_n=64, split_k=4, num_stages=2,
+                                                      cluster_reduce=True), id="cr4_m1"),
+        pytest.param(5, 1000, 2048, 40.0, MosaicConfig(block_n=64, split_k=2, num_stages=2,
+                                                       cluster_reduce=True), id="cr2_ragged"),
+        pytest.param(16, 4000, 4608, 1e-2, MosaicConfig(block_n=128, split_k=6, num_stages=2,
+                                                        cluster_reduce=True), id="cr6_m16_bn128"),
+        pytest.param(9, 3000, 8192, 3.0, MosaicConfig(block_n=64, split_k=8, num_stages=3,
+                                                      cluster_reduce=True), id="cr8"),
     ],
 )
 @pytest.mark.parametrize("out_dtype", [jnp.float32, jnp.bfloat16])

@@ -397,6 +397,8 @@ def test_validation_names_the_argument():
         g(x, c, s, be, nb, config=MosaicConfig(block_k=512))
     with pytest.raises(ValueError, match="^config: MosaicConfig.bf16_store is the dense kernel's"):
         g(x, c, s, be, nb, config=MosaicConfig(bf16_store=True))
+    with pytest.raises(ValueError, match="^config: MosaicConfig.cluster_reduce is the dense kernel's"):
+        g(x, c, s, be, nb, config=MosaicConfig(split_k=2, cluster_reduce=True))
     with pytest.raises(ValueError, match="^config: .* bytes of shared memory"):
         grouped_matmul(jnp.zeros((128, 512), jnp.bfloat16), c[:, :, :1] .repeat(256, 2), s[:, :, :1].repeat(32, 2),
                        be, nb, block_m=64, reference=True,

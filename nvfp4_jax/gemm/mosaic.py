@@ -43,6 +43,7 @@ from jax import lax
 log = logging.getLogger(__name__)
 
 MAX_M = 64
+MAX_CLUSTER = 8  # the portable thread-block cluster size limit
 TOKEN_TILES = (8, 16, 32, 64)
 BLOCK_K = 256  # smallest K per pipeline step (scales tile = 16 bytes per row: the TMA minimum)
 BLOCK_KS = (256, 512)
@@ -85,6 +86,13 @@ class MosaicConfig:
     fp16/fp32 output) fp32 partials and the XLA epilogue, logged. The grouped kernel refuses it
     (``MosaicMoEConfig.bf16_partials`` is its form). Passes the oracle GPU tests (session 10);
     ``AUTO_SM90`` uses it where it measured faster (M = 64 unsplit buckets).
+    cluster_reduce: dense kernel, split_k 2..8, one warpgroup: the ``split`` CTAs of an output
+    tile run as one thread-block cluster and sum their partials in the kernel (each CTA after
+    the first stores its fp32 accumulator into the first CTA's shared memory, a cluster barrier
+    with release/acquire semantics, the first CTA adds them in split order and stores
+    ``alpha * sum`` as bf16, or fp32 for other output dtypes): one launch per call instead of
+    the kernel and XLA's split-K sum. Lowered for sm_90 on the CPU (session 14); not yet run on
+    a GPU, so ``AUTO_SM90`` does not use it.
     """
 
     block_n: int = 128
@@ -95,6 +103,7 @@ class MosaicConfig:
     overlap: bool = False
     consumers: int = 1
     bf16_store: bool = False
+    cluster_reduce: bool = False
 
     def __post_init__(self) -> None:
         if self.block_n not in (64, 128):
@@ -107,7 +116,7 @@ class MosaicConfig:
             raise ValueError(f"MosaicConfig.block_k: expected one of {BLOCK_KS}, got {self.block_k}")
         if not 0 <= self.prefetch <= 16:
             raise ValueError(f"MosaicConfig.prefetch: expected 0..16 steps, got {self.prefetch}")
-        for name in ("overlap", "bf16_store"):
+        for name in ("overlap", "bf16_store", "cluster_reduce"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"MosaicConfig.{name}: expected a bool, got {getattr(self, name)!r}")
         if self.consumers not in (1, 2, 3):
@@ -120,6 +129,10 @@ class MosaicConfig:
             raise ValueError(f"MosaicConfig.consumers: expected 1..3, got {self.consumers}")
         if self.consumers > 1 and self.prefetch:
             raise ValueError("MosaicConfig.prefetch: not available with consumers > 1")
+        if self.cluster_reduce and (self.consumers > 1 or not 2 <= self.split_k <= MAX_CLUSTER):
+            raise ValueError(f"MosaicConfig.cluster_reduce: needs consumers=1 and split_k in "
+                             f"2..{MAX_CLUSTER} (one cluster of CTAs per output tile), got "
+                             f"consumers={self.consumers}, split_k={self.split_k}")
 
     def smem_bytes(self, m_tile: int, whole_k: int | None = None) -> int:
         """Shared memory of one CTA: the larger of the pipeline stages (codes, scales, x) and
@@ -139,7 +152,10 @@ class MosaicConfig:
             extra = 0
         else:
             extra = whole_k_pair_rows(self.block_n, whole_k) * 2 * (whole_k // 16)
-        return max(self.num_stages * stage + extra, self.block_n * m_tile * 4)
+        # cluster_reduce: the other splits' fp32 partials, kernel-level scratch (peers write it
+        # while this CTA's pipeline may still run)
+        red = (self.split_k - 1) * self.block_n * m_tile * 4 if self.cluster_reduce else 0
+        return max(self.num_stages * stage + extra, self.block_n * m_tile * 4) + red
 
 
 # Shapes where backend="auto" picks this kernel on sm_90: (M bucket as configs.m_bucket, N, K)
@@ -727,36 +743,40 @@ def store_tile(acc, o_dst, *, scale=None) -> None:
     so a CTA needs max(stages, output tile) of SMEM, not their sum (``smem_bytes``). At a
     64-token tile that is what lets two 128-row CTAs share an SM.
 
-    scale: None, or an fp32 scalar: the tile is stored as bf16(acc * scale) (one fp32 multiply,
-    one round to nearest even) into a bf16 ``o_dst``: half the bytes of fp32 partials, for
-    consumers whose first step is exactly that rounding (TensorRT-LLM's bf16 GEMM outputs).
+    scale: None, or an fp32 scalar: the tile is stored as acc * scale (one fp32 multiply) in
+    ``o_dst``'s dtype: bf16 (one round to nearest even; half the bytes of fp32 partials, for
+    consumers whose first step is exactly that rounding: TensorRT-LLM's bf16 GEMM outputs) or
+    fp32 (``cluster_reduce`` with an fp32 output).
     """
     pl, plgpu = _pallas_mosaic_gpu()
     bn, mt = acc.shape
-    dtype = jnp.float32 if scale is None else jnp.bfloat16
     pl.run_scoped(lambda o_smem: write_tile(o_smem, acc, o_dst, scale=scale),
-                  plgpu.SMEM((mt, bn), dtype))
+                  plgpu.SMEM((mt, bn), o_dst.dtype))
 
 
 def write_tile(o_smem, acc, o_dst, *, scale=None) -> None:
-    """The fp32 accumulator [block_n, m_tile] (times ``scale`` and rounded to bf16 if given)
+    """The fp32 accumulator [block_n, m_tile] (times ``scale`` if given, in ``o_smem``'s dtype)
     -> SMEM tile ``o_smem`` [m_tile, block_n] (transposed: the WGMMA_TRANSPOSED layout) ->
     GMEM ``o_dst`` by TMA, issued and awaited by the calling warpgroup."""
     _, plgpu = _pallas_mosaic_gpu()
     if scale is not None:
-        acc = (acc * scale).astype(jnp.bfloat16)
+        acc = acc * scale
+    if acc.dtype != o_smem.dtype:
+        acc = acc.astype(o_smem.dtype)
     o_smem.T[...] = plgpu.layout_cast(acc, plgpu.Layout.WGMMA_TRANSPOSED)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(o_smem, o_dst)
     plgpu.wait_smem_to_gmem(0)
 
 
-def mosaic_kernel(body, *, out_type, grid, grid_names, scratch=None, num_threads=None):
+def mosaic_kernel(body, *, out_type, grid, grid_names, scratch=None, num_threads=None,
+                  cluster=None):
     """``plgpu.kernel`` across JAX versions (``out_type``/``scratch_types`` in JAX >= 0.10.2,
     ``out_shape``/``scratch_shapes`` before). Without ``scratch`` there is no kernel-level
     scratch: the body allocates its SMEM in scopes (``accumulate_tile``, ``store_tile``).
-    ``num_threads``: warpgroups per CTA (warp-specialized kernels; axis name "wg"). Named
-    after ``body``."""
+    ``num_threads``: warpgroups per CTA (warp-specialized kernels; axis name "wg").
+    ``cluster``: CTAs per thread-block cluster along one axis named "s" (``grid`` then counts
+    clusters). Named after ``body``."""
     _, plgpu = _pallas_mosaic_gpu()
     params = inspect.signature(plgpu.kernel).parameters
     new_api = "out_type" in params and "scratch_types" in params
@@ -765,15 +785,43 @@ def mosaic_kernel(body, *, out_type, grid, grid_names, scratch=None, num_threads
         kw["scratch_types" if new_api else "scratch_shapes"] = scratch
     if num_threads is not None:
         kw.update(num_threads=num_threads, thread_name="wg")
+    if cluster is not None:
+        kw.update(cluster=(cluster,), cluster_names=("s",))
     return plgpu.kernel(body, grid=grid, grid_names=grid_names, **kw)
 
 
-def _build(m_tile: int, n: int, k: int, cfg: MosaicConfig, split: int, scaled: bool = False):
+_CLUSTER_SYNC = "barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;"
+
+
+def cluster_sync() -> None:
+    """Kernel-body building block: every thread of every CTA in the cluster arrives at the
+    cluster barrier with release semantics and waits with acquire semantics (PTX
+    ``barrier.cluster``): shared-memory writes made before it by any thread of the cluster,
+    to its own CTA's memory or a peer's (``plgpu.cluster_ref``), are visible to every thread
+    of the cluster after it. All threads of all the cluster's CTAs must call it."""
+    _, plgpu = _pallas_mosaic_gpu()
+
+    @plgpu.inline_mgpu()
+    def sync(_launch_ctx):
+        from jax._src.lib.mlir import ir
+        from jax._src.lib.mlir.dialects import llvm
+
+        llvm.inline_asm(ir.Type.parse("!llvm.void"), [], _CLUSTER_SYNC, "", has_side_effects=True)
+
+    sync()
+
+
+def _build(m_tile: int, n: int, k: int, cfg: MosaicConfig, split: int, scaled: bool = False,
+           clustered=None):
     """The dense kernel: CTA tiles of ``consumers * block_n`` weight rows (one warpgroup,
     ``accumulate_tile``; or ``consumers`` compute warpgroups, ``accumulate_tiles_ws``).
-    Operands (x, codes, scales[, alpha fp32 [1] if ``scaled``]); output [split, m_tile,
-    N padded to whole CTA tiles]: fp32 partials, or bf16(acc * alpha * POST_SCALE) if
-    ``scaled`` (split 1: the finished output, no XLA epilogue)."""
+    Operands (x, codes, scales[, alpha fp32 [1] if ``scaled`` or ``clustered``]); output
+    [split, m_tile, N padded to whole CTA tiles]: fp32 partials, or bf16(acc * alpha *
+    POST_SCALE) if ``scaled`` (split 1: the finished output, no XLA epilogue).
+    clustered: None, or the output dtype (bf16 or fp32) of ``cluster_reduce``: the ``split``
+    CTAs of a tile are one cluster (``_build_clustered``), output [1, m_tile, N padded]."""
+    if clustered is not None:
+        return _build_clustered(m_tile, n, k, cfg, split, clustered)
     pl, _ = _pallas_mosaic_gpu()
     bn, nc = cfg.block_n, cfg.consumers
     rows = nc * bn
@@ -808,6 +856,56 @@ def _build(m_tile: int, n: int, k: int, cfg: MosaicConfig, split: int, scaled: b
     def make(out):
         return mosaic_kernel(nvfp4_w4a16_mosaic, out_type=out, grid=(n_tiles, split),
                              grid_names=("n", "s"), **ws_kernel_kw(cfg, m_tile, dtype))
+
+    return make, out_type
+
+
+def _build_clustered(m_tile: int, n: int, k: int, cfg: MosaicConfig, split: int, dtype):
+    """The dense kernel with ``cluster_reduce``: grid (N tiles,) of clusters of ``split`` CTAs
+    (cluster axis "s" = the K range). Each CTA accumulates its K range as the unclustered
+    kernel does; CTA s > 0 stores its fp32 accumulator [block_n, m_tile] (WGMMA register
+    layout, stored and loaded alike) into slot s - 1 of CTA 0's scratch [split - 1, block_n,
+    m_tile]; ``cluster_sync``; CTA 0 adds the slots in split order to its own accumulator and
+    stores ``(sum * alpha * POST_SCALE)`` in ``dtype`` (``store_tile``). Operands (x, codes,
+    scales, alpha fp32 [1]); output [1, m_tile, N padded]."""
+    pl, plgpu = _pallas_mosaic_gpu()
+    bn = cfg.block_n
+    n_tiles = -(-n // bn)
+    ks = k // split
+    steps = ks // cfg.block_k
+
+    def nvfp4_w4a16_mosaic_cluster(x_gmem, c_gmem, s_gmem, a_gmem, o_gmem, red):
+        ni = lax.axis_index("n")
+        si = lax.axis_index("s")
+        n0 = ni * bn
+        scale = a_gmem[0] * jnp.float32(POST_SCALE)
+
+        def sources():
+            return (c_gmem.at[pl.ds(n0, bn), pl.ds(si * (ks // 2), ks // 2)],
+                    s_gmem.at[pl.ds(n0, bn), pl.ds(si * (ks // 16), ks // 16)],
+                    x_gmem.at[:, pl.ds(si * ks, ks)])
+
+        acc = accumulate_tile(sources, cfg=cfg, m_tile=m_tile, steps=steps)
+
+        @pl.when(si != 0)
+        def _():
+            plgpu.cluster_ref(red, {"s": 0})[si - 1] = acc
+
+        cluster_sync()
+
+        @pl.when(si == 0)
+        def _():
+            tot = acc
+            for j in range(split - 1):
+                tot = tot + plgpu.load(red.at[j], (), layout=plgpu.Layout.WGMMA)
+            store_tile(tot, o_gmem.at[0, :, pl.ds(n0, bn)], scale=scale)
+
+    out_type = jax.ShapeDtypeStruct((1, m_tile, n_tiles * bn), dtype)
+
+    def make(out):
+        return mosaic_kernel(nvfp4_w4a16_mosaic_cluster, out_type=out, grid=(n_tiles,),
+                             grid_names=("n",), cluster=split,
+                             scratch=[plgpu.SMEM((split - 1, bn, m_tile), jnp.float32)])
 
     return make, out_type
 
@@ -861,18 +959,30 @@ def matmul_mosaic(
     if w_scales.dtype != jnp.uint8:
         w_scales = lax.bitcast_convert_type(w_scales, jnp.uint8)
     xp = permute_x(x, mt)
+    # cluster_reduce: the split CTAs of a tile sum their partials in the kernel and store
+    # alpha * POST_SCALE * sum (bf16, else fp32 and XLA's cast); no XLA epilogue
+    clustered = None
+    if cfg.cluster_reduce:
+        if split > 1:
+            clustered = jnp.bfloat16 if jnp.dtype(out_dtype) == jnp.bfloat16 else jnp.float32
+        else:
+            log.info("nvfp4_jax.gemm: cluster_reduce with K=%d runs unsplit (split_k %d -> 1): "
+                     "nothing to reduce", k, cfg.split_k)
     # bf16_store: the kernel stores bf16(acc * alpha * POST_SCALE), the same fp32 multiply and
     # round to nearest even as the XLA epilogue, one launch fewer
     scaled = cfg.bf16_store and split == 1 and jnp.dtype(out_dtype) == jnp.bfloat16
     if cfg.bf16_store and not scaled:
         log.info("nvfp4_jax.gemm: bf16_store needs split_k 1 and a bf16 output (split %d, %s): "
                  "fp32 partials and the XLA epilogue", split, jnp.dtype(out_dtype).name)
-    make, out_type = _build(mt, n, k, cfg, split, scaled=scaled)
+    make, out_type = _build(mt, n, k, cfg, split, scaled=scaled, clustered=clustered)
     if poison and not isinstance(x, jax.core.Tracer):
         # best effort (plgpu.kernel has no input_output_aliases): free a NaN buffer of the
         # output's size just before the call, so the allocator tends to hand that memory to
         # the kernel's output and a skipped tile reads NaN (or stale data from another call)
         jax.block_until_ready(jnp.full(out_type.shape, jnp.nan, out_type.dtype)).delete()
+    if clustered is not None:
+        out = make(out_type)(xp, w_codes, w_scales, alpha.reshape(1))[0, :m, :n]
+        return out.astype(out_dtype)
     if scaled:
         return make(out_type)(xp, w_codes, w_scales, alpha.reshape(1))[0, :m, :n]
     part = make(out_type)(xp, w_codes, w_scales)  # [split, mt, N_pad] fp32

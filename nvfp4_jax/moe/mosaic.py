@@ -562,6 +562,9 @@ def grouped_matmul(
     if cfg.bf16_store:
         raise ValueError("config: MosaicConfig.bf16_store is the dense kernel's; the grouped "
                          "kernel stores bf16 products through MosaicMoEConfig.bf16_partials")
+    if cfg.cluster_reduce:
+        raise ValueError("config: MosaicConfig.cluster_reduce is the dense kernel's; the grouped "
+                         "kernel's split-K partials are summed by its consumers")
     split = check_config(cfg, kc, block_m, swizzled=swizzled, padded=padded)
     if alpha is not None:
         if alpha.shape != (e,) or alpha.dtype != jnp.float32:

@@ -20,6 +20,7 @@ sweep): ``_``-joined knobs applied to both GEMMs of the case's default config: `
 (``MosaicMoEConfig.routing="kernel"``); ``sp``: ``skip_padding``; ``bf``: ``bf16_partials``;
 ``sk`` / ``sx``: the scales from one kernel (``scales="kernel"``, the default since session 10) /
 from XLA fusions (``scales="xla"``); ``fr``: ``routing="fused"``; ``er``: ``epilogue="routes"``;
+``gw``: ``wide_glue``; ``tq``: ``token_quant``;
 ``pf``: the same config on FC2
 weights zero-padded along K (``nvfp4_jax.moe.pad_fc2``, made outside the timed loop).
 With ``--swizzled`` the named configs run on the swizzled weights. ``--swizzled``: the default
@@ -120,6 +121,7 @@ LAYER_KNOBS = {
     "fr": ("routing", "fused"),  # routing, scales and FC1 operand in one launch (with sk, sp)
     "er": ("epilogue", "routes"),  # the FC1 epilogue one program per route
     "gw": ("wide_glue", True),  # FC1 operand and combine in fewer, larger programs
+    "tq": ("token_quant", True),  # each token's FC1 input quantized once, routed rows gathered
 }
 
 
@@ -164,6 +166,8 @@ def named_config(name: str, base: MosaicMoEConfig, hidden: int, inter: int) -> M
     if top.get("scales") == "xla" and "routing" not in top and base.routing == "fused":
         top["routing"] = "kernel"  # "fused" computes the scales itself: sx times the routing
         # kernel with the scales in XLA (the closest layer that has them there)
+    if top.get("token_quant") and "routing" not in top and base.routing == "fused":
+        top["routing"] = "kernel"  # "fused" quantizes the operand in its launch
     return dataclasses.replace(base, **top, fc1=apply(base.fc1, gemm["fc1"], hidden),
                                fc2=apply(base.fc2, gemm["fc2"], inter))
 

@@ -62,6 +62,8 @@ def test_probe_config_names():
     assert base.routing == "fused"
     sx = probe.named_config("sx", base, 2048, 768)
     assert (sx.scales, sx.routing) == ("xla", "kernel")
+    tq = probe.named_config("tq", base, 2048, 768)  # ... and so does token_quant
+    assert tq.token_quant and tq.routing == "kernel"
     with pytest.raises(ValueError, match="unknown knob"):
         probe.named_config("fast", base, 2048, 768)
     # pf: a weight knob (FC2 padded by moe.pad_fc2), not a config field

@@ -83,6 +83,40 @@ def test_fc1_operand_is_the_xla_operand(mode, act_scale, in_mag, skew, wide):
     np.testing.assert_array_equal(np.asarray(got[:rows], np.float32), np.asarray(want[:rows], np.float32))
 
 
+@pytest.mark.parametrize("mode,in_mag,t,bm,wide,skip", [
+    ("trtllm_cutlass", 1.0, 9, 8, False, False),
+    ("trtllm_cutlass", 2.0**6, 11, 16, True, True),   # subnormal block scales; T not a multiple of 8
+    ("b12x", 2.0**-6, 16, 8, True, False),            # b12x with a scalar activation scale
+])
+def test_token_operand_then_gather_is_the_fc1_operand(mode, in_mag, t, bm, wide, skip):
+    """token_quant's two kernels (each token quantized once, then the routed rows gathered)
+    give the one-kernel FC1 operand bit for bit on every routed row (routes of one token
+    share its row), with zeros (or, with skip_padding, nothing) on padding rows."""
+    rng = np.random.default_rng(t + bm)
+    k, e, h = 3, 8, 512
+    _, br, nb = _routing(rng, t, k, e, bm, skew=True)
+    hidden = jnp.asarray(rng.standard_normal((t, h)) * rng.choice([1e-3, 1.0, 50.0], (t, 1)), jnp.bfloat16)
+    g1, _, _, _ = _scales(rng, e, mode, "scalar", in_mag)
+    kw = {"top_k": k, "block_m": bm, "recipe": recipe_of(mode), "per_expert": False,
+          "interpret": True, "wide": wide, "skip_padding": skip}
+    args = (br.sorted_route, br.block_expert, br.num_blocks, g1, _div(1.0, g1))
+    want = np.asarray(ep.fc1_operand(hidden, *args, **kw), np.float32)
+    xq = ep.token_operand(hidden, g1, _div(1.0, g1), recipe=recipe_of(mode), interpret=True, wide=wide)
+    assert xq.shape == (-(-t // ep.TOKEN_BLOCK) * ep.TOKEN_BLOCK, h)
+    assert not np.any(np.asarray(xq, np.float32)[t:])  # rows past T: zeros
+    got = np.asarray(ep.fc1_operand(xq, *args, **kw, prequantized=True, num_tokens=t), np.float32)
+    rows = np.arange(nb * bm)
+    routed = np.asarray(br.sorted_route)[rows] < t * k
+    assert np.count_nonzero(want[rows][routed]) > t * k * h // 4
+    np.testing.assert_array_equal(got[rows][routed], want[rows][routed])
+    if not skip:
+        np.testing.assert_array_equal(got[rows][~routed], want[rows][~routed])
+    with pytest.raises(ValueError, match="^per_expert: prequantized"):
+        ep.fc1_operand(xq, *args, **{**kw, "per_expert": True}, prequantized=True, num_tokens=t)
+    with pytest.raises(ValueError, match="^num_tokens"):
+        ep.fc1_operand(xq, *args, **kw, prequantized=True, num_tokens=xq.shape[0] + 1)
+
+
 def test_wide_fc1_operand_skip_padding_writes_only_routed_rows():
     """Wide programs (4 rows at bm 16: a block spans several programs) with skip_padding: the
     routed rows are the narrow kernel's, bit for bit; padding rows are not written (interpret

@@ -247,6 +247,14 @@ SPLIT = MosaicMoEConfig(block_m=16, fc1=MosaicConfig(block_n=64, split_k=2, num_
      MosaicMoEConfig(block_m=16, wide_glue=True, bf16_partials=True)),
     ("wide_glue_swiglu_b12x", "b12x", "swiglu", "gate_up", {"t": 7, "h": 256, "inter": 256, "e": 5, "k": 2},
      MosaicMoEConfig(block_m=8, wide_glue=True, skip_padding=True)),
+    # token_quant: each token's FC1 input quantized once, the routed rows gathered from it
+    # (trtllm_cutlass: one encode scale), narrow and wide, E4M3-subnormal block scales
+    ("token_quant_subnormal_relu2_trtllm", "trtllm_cutlass", "relu2", "up_gate",
+     {"t": 9, "h": 256, "inter": 384, "e": 6, "k": 3, "routing": "skewed", "scale_factor": 2.0**15},
+     MosaicMoEConfig(block_m=8, token_quant=True, routing="kernel")),
+    ("token_quant_wide_swiglu_trtllm", "trtllm_cutlass", "swiglu", "up_gate",
+     {"t": 11, "h": 512, "inter": 256, "e": 5, "k": 4},
+     MosaicMoEConfig(block_m=16, token_quant=True, wide_glue=True, skip_padding=True, bf16_partials=True)),
 ])
 def test_moe_mosaic_dataflow_matches_oracle(name, mode, activation, order, kw, config):
     case = make_case(np.random.default_rng(len(name)), activation=activation, **kw)
@@ -580,3 +588,26 @@ def test_moe_mosaic_dataflow_routes_method(routing, method, monkeypatch, caplog)
         out, h = _run(case, mode="trtllm_cutlass", activation="relu2", config=cfg)
     assert "does not fit" not in caplog.text
     check_against_oracle(case, out, h, mode="trtllm_cutlass", activation="relu2")
+
+
+def test_token_quant_runs_where_one_scale_serves_all_experts(caplog):
+    """token_quant: with one encode scale (trtllm_cutlass, scalar activation scale) the layer
+    runs the token quantization and the gather kernel (their names in the program) instead of
+    the per-route operand kernel; with per-expert scales (b12x) it keeps the per-route kernel
+    and says why; with the fused routing it is refused."""
+    case = make_case(np.random.default_rng(5), t=6, h=256, inter=256, e=4, k=2, activation="relu2")
+    cfg = MosaicMoEConfig(block_m=8, token_quant=True)
+    for mode, act, gather in (("trtllm_cutlass", "scalar", True), ("b12x", "per_expert", False)):
+        fn = functools.partial(moe_pallas, activation="relu2", gate_up_order="up_gate", mode=mode,
+                               activation_scale=act, config=cfg, kernel="mosaic", interpret=True)
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="nvfp4_jax.moe"):
+            text = str(jax.make_jaxpr(fn)(*to_jax(case)))
+        assert ("nvfp4_moe_fc1_gather" in text) == gather
+        assert ("nvfp4_moe_token_operand" in text) == gather
+        assert ("nvfp4_moe_fc1_operand" in text) == (not gather)
+        assert ("token_quant ignored" in caplog.text) == (not gather)
+    with pytest.raises(ValueError, match="^MosaicMoEConfig.token_quant: routing='fused'"):
+        MosaicMoEConfig(token_quant=True, routing="fused", skip_padding=True)
+    with pytest.raises(TypeError, match="^MosaicMoEConfig.token_quant"):
+        MosaicMoEConfig(token_quant=1)

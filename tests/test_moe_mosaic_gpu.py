@@ -114,6 +114,12 @@ def _run(case, *, mode, activation, order="up_gate", config=None, kernel="mosaic
      MosaicMoEConfig(block_m=64, bf16_partials=True, wide_glue=True)),
     ("qwen_wide_glue_b12x", "b12x", {**QWEN, "t": 40, "e": 4, "k": 2}, "up_gate",
      MosaicMoEConfig(block_m=32, wide_glue=True)),
+    # token_quant (session 14, not yet run on a GPU): each token quantized once, the routed
+    # rows gathered (trtllm_cutlass: one encode scale), wide and narrow
+    ("nemotron_token_quant_wide_trtllm", "trtllm_cutlass", {**NEMO, "t": 64, "e": 4, "k": 4}, "up_gate",
+     MosaicMoEConfig(block_m=64, bf16_partials=True, wide_glue=True, token_quant=True)),
+    ("qwen_token_quant_trtllm", "trtllm_cutlass", {**QWEN, "t": 13, "e": 16, "k": 8, "routing": "skewed"},
+     "up_gate", MosaicMoEConfig(block_m=16, token_quant=True, routing="kernel")),
     # warp-specialized grouped GEMMs (consumers: compute warpgroups sharing x); "ws" in the
     # name: run them alone first on a new GPU
     ("qwen_ws2_trtllm", "trtllm_cutlass", {**QWEN, "t": 40, "e": 4, "k": 2}, "up_gate",

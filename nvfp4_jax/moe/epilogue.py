@@ -81,7 +81,7 @@ def _row_tile(h: int) -> int:
 
 def _operand_kernel(route_ref, be_ref, nb_ref, x_ref, g_ref, rg_ref, o_ref, *, mt: int, top_k: int,
                     n_routes: int, bk: int, recipe: str, per_expert: bool, exact_asm: bool,
-                    skip_padding: bool, rows: int = 1):
+                    skip_padding: bool, rows: int = 1, prequantized: bool = False):
     p, kt = pl.program_id(0), pl.program_id(1)
     b = p * rows // mt  # rows divides mt: a program's rows lie in one block
 
@@ -101,10 +101,14 @@ def _operand_kernel(route_ref, be_ref, nb_ref, x_ref, g_ref, rg_ref, o_ref, *, m
             else:
                 cols = kt * bk + lax.broadcasted_iota(jnp.int32, (1, bk), 1)
                 x = plgpu.load(x_ref.at[tok[:, None], cols])
-            x = x.astype(jnp.float32).reshape(rows * bk // 16, 16)
-            q = _requantize(x, g_ref[e], rg_ref[e], recipe, exact_asm).reshape(rows, bk)
-            q = jnp.where(valid if rows == 1 else valid[:, None], q, 0.0)
-            q = permute_k_order(q).astype(jnp.bfloat16)
+            if prequantized:  # the token's row is already quantized and K-permuted
+                q = jnp.where(valid if rows == 1 else valid[:, None], x.reshape(rows, bk), 0.0)
+                q = q.astype(jnp.bfloat16)
+            else:
+                x = x.astype(jnp.float32).reshape(rows * bk // 16, 16)
+                q = _requantize(x, g_ref[e], rg_ref[e], recipe, exact_asm).reshape(rows, bk)
+                q = jnp.where(valid if rows == 1 else valid[:, None], q, 0.0)
+                q = permute_k_order(q).astype(jnp.bfloat16)
             if rows == 1:
                 plgpu.store(o_ref.at[p, pl.ds(kt * bk, bk)], q.reshape(bk))
             else:  # skip_padding: the padding rows' stores masked off
@@ -138,7 +142,9 @@ def operand_rows(block_m: int, h: int, wide: bool) -> int:
 def fc1_operand(hidden: jax.Array, sorted_route: jax.Array, block_expert: jax.Array,
                 num_blocks: jax.Array, g1: jax.Array, rg1: jax.Array, *, top_k: int, block_m: int,
                 recipe: str, per_expert: bool, skip_padding: bool = False,
-                interpret: bool = False, wide: bool = False) -> jax.Array:
+                interpret: bool = False, wide: bool = False,
+                prequantized: bool = False, num_tokens: int | None = None,
+                kernel_name: str | None = None) -> jax.Array:
     """The FC1 operand of the grouped kernel, K-permuted: bf16 [EM, H].
 
     hidden bf16 [T, H] (H % 256 == 0); sorted_route int32 [EM] (sentinel T*k on padding rows);
@@ -149,20 +155,54 @@ def fc1_operand(hidden: jax.Array, sorted_route: jax.Array, block_expert: jax.Ar
     downstream reads their results); rows of blocks past ``num_blocks`` are not written.
     ``wide``: ``operand_rows`` sorted rows per program (their routes loaded first, then the
     rows as one gather) instead of one: the same values, fewer programs.
+    ``prequantized``: ``hidden`` is ``token_operand``'s output (every token's row already
+    quantized with the one encode scale and K-permuted, rows padded past T): the kernel only
+    gathers rows; per_expert must be False. ``num_tokens``: T when ``hidden`` has more rows.
+    ``kernel_name``: the launch's name in profiles (default nvfp4_moe_fc1_operand, or
+    nvfp4_moe_fc1_gather when prequantized).
     """
     t, h = hidden.shape
     if h % 256:
         raise ValueError(f"hidden: expected [T, H] with H % 256 == 0 (the grouped kernel's K), got {hidden.shape}")
+    if num_tokens is not None:
+        if not 1 <= num_tokens <= t:
+            raise ValueError(f"num_tokens: expected 1..{t} (the rows of hidden), got {num_tokens}")
+        t = num_tokens
+    if prequantized and per_expert:
+        raise ValueError("per_expert: prequantized token rows share one encode scale; "
+                         "per-expert scales quantize each route with its expert's")
     em = sorted_route.shape[0]
     bk = _row_tile(h)
     rows = operand_rows(block_m, h, wide)
     kern = functools.partial(_operand_kernel, mt=block_m, top_k=top_k, n_routes=t * top_k, bk=bk,
                              recipe=recipe, per_expert=per_expert, exact_asm=not interpret,
-                             skip_padding=skip_padding, rows=rows)
+                             skip_padding=skip_padding, rows=rows, prequantized=prequantized)
     nw = 4 if rows == 1 else max(4, min(8, rows * bk // (32 * WIDE_THREAD_ELEMS)))
+    name = kernel_name or ("nvfp4_moe_fc1_gather" if prequantized else "nvfp4_moe_fc1_operand")
     return _call(kern, jax.ShapeDtypeStruct((em, h), jnp.bfloat16), (em // rows, h // bk), num_warps=nw,
-                 name="nvfp4_moe_fc1_operand", interpret=interpret)(
+                 name=name, interpret=interpret)(
         sorted_route, block_expert, num_blocks, hidden, g1, rg1)
+
+
+#: Token rows per ``token_operand`` program block (its output has T rounded up to this).
+TOKEN_BLOCK = 8
+
+
+def token_operand(hidden: jax.Array, g1: jax.Array, rg1: jax.Array, *, recipe: str,
+                  interpret: bool = False, wide: bool = False) -> jax.Array:
+    """Every token's FC1 input quantized once with the shared encode scale ``g1[0]`` (and
+    ``rg1[0]`` = IEEE 1/g1[0]) and K-permuted: bf16 [T rounded up to TOKEN_BLOCK, H], rows past
+    T zero. ``fc1_operand(..., prequantized=True, num_tokens=T)`` then gathers the routed rows
+    from it: with one encode scale for all experts (``trtllm_cutlass``, or a scalar activation
+    scale) a token's k routes quantize to the same row, so this does the quantization T times
+    instead of T * k. The same values as ``fc1_operand`` on ``hidden``, bit for bit."""
+    t = hidden.shape[0]
+    tp = -(-t // TOKEN_BLOCK) * TOKEN_BLOCK
+    route = jnp.arange(tp, dtype=jnp.int32)  # rows past T: the sentinel (route >= T routes)
+    nb = tp // TOKEN_BLOCK
+    return fc1_operand(hidden, route, jnp.zeros((nb,), jnp.int32), jnp.full((1,), nb, jnp.int32),
+                       g1, rg1, top_k=1, block_m=TOKEN_BLOCK, recipe=recipe, per_expert=False,
+                       interpret=interpret, wide=wide, kernel_name="nvfp4_moe_token_operand")
 
 
 def _check_prescaled(part: jax.Array, mode: str) -> bool:

@@ -81,6 +81,7 @@ from .epilogue import (
     routing_kernel,
     routing_kernel_fits,
     routing_operand_kernel,
+    token_operand,
 )
 from .routing import block_routing, max_blocks
 from .weights import intermediate_size, padded_inter, unpad_fc2
@@ -165,6 +166,15 @@ class MosaicMoEConfig:
     the oracle GPU tests; on the H200 (session 13) 204 us faster at nemotron T = 4096 (3279
     us, 302 TFLOP/s), 1-3 % at qwen3 T = 4096 and both at T = 512, so ``default_config``
     sets it from ``WIDE_GLUE_ROUTES`` routed rows on.
+    token_quant: where one encode scale serves all experts (``activation_scale`` "scalar",
+    as in ``trtllm_cutlass``), quantize each token's FC1 input once (``epilogue.token_operand``,
+    T rows) and let the FC1 operand kernel only gather the routed rows from it, instead of
+    quantizing every route (T * k rows: 8x the work at qwen3, 22x at nemotron). Bit for bit the
+    same operand (CPU, interpret mode); one more launch. Per-expert activation scales quantize
+    each route with its expert's scale: there it is ignored, logged. Incompatible with
+    ``routing="fused"`` (which computes the operand in the routing launch): refused there.
+    Written in session 14 for prefill (the operand kernel took 95 us of qwen3's T = 4096 layer,
+    instruction-bound by the quantization); not yet run on a GPU, so no config sets it.
     """
 
     block_m: int = 8
@@ -177,9 +187,10 @@ class MosaicMoEConfig:
     scales: str = "kernel"
     epilogue: str = "blocks"
     wide_glue: bool = False
+    token_quant: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("skip_padding", "bf16_partials", "wide_glue"):
+        for name in ("skip_padding", "bf16_partials", "wide_glue", "token_quant"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"MosaicMoEConfig.{name}: expected a bool, got {getattr(self, name)!r}")
         if self.routing not in ("xla", "kernel", "fused"):
@@ -189,6 +200,9 @@ class MosaicMoEConfig:
             raise ValueError(f"MosaicMoEConfig.scales: expected 'xla' or 'kernel', got {self.scales!r}")
         if self.epilogue not in ("blocks", "routes"):
             raise ValueError(f"MosaicMoEConfig.epilogue: expected 'blocks' or 'routes', got {self.epilogue!r}")
+        if self.routing == "fused" and self.token_quant:
+            raise ValueError("MosaicMoEConfig.token_quant: routing='fused' quantizes the FC1 operand "
+                             "in the routing launch; use routing='kernel' or 'xla' with token_quant")
         if self.routing == "fused" and not (self.skip_padding and self.scales == "kernel"):
             raise ValueError("MosaicMoEConfig.routing: 'fused' computes the scales and writes only "
                              "the routed operand rows; it needs scales='kernel' and skip_padding=True, "
@@ -748,10 +762,19 @@ def moe_mosaic(
 
     # FC1 operand (gather + quantize + K permutation, one Pallas-Triton launch), FC1 (Mosaic)
     if xp is None:
-        xp = fc1_operand(hidden, br.sorted_route, *meta, g1, rg1, top_k=k, block_m=bm,
-                         recipe=recipe, per_expert=activation_scale == "per_expert",
+        per_expert = activation_scale == "per_expert"
+        src, pre = hidden, False
+        if config.token_quant and per_expert:
+            log.info("nvfp4_jax.moe: token_quant ignored with per-expert activation scales "
+                     "(each route is quantized with its expert's scale)")
+        elif config.token_quant:  # quantize T token rows once, then gather the routed rows
+            src = token_operand(hidden, g1, rg1, recipe=recipe, interpret=reference,
+                                wide=config.wide_glue)
+            pre = True
+        xp = fc1_operand(src, br.sorted_route, *meta, g1, rg1, top_k=k, block_m=bm,
+                         recipe=recipe, per_expert=per_expert,
                          skip_padding=config.skip_padding, interpret=reference,
-                         wide=config.wide_glue)
+                         wide=config.wide_glue, prequantized=pre, num_tokens=hidden.shape[0])
     part1 = grouped_matmul(xp, fc1.codes, s1u, *meta, block_m=bm, config=cfg1,
                            reference=reference, name="fc1", scale_layout=lay1,
                            alpha=products(a1, cfg1, h_dim, lay1, "fc1") if on2 else None)

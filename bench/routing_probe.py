@@ -5,9 +5,10 @@ routing at nemotron T = 8 (176 routes over 512 experts) while it saved ~5 us at 
 routes). This times the routing alone, in-graph: ``block_routing`` (XLA) against
 ``routing_kernel`` (each method and warp count given: "routes", and "tokens", written after
 that measurement) and the fused routing + FC1 operand launch (routes method), at T = 1, 2,
-4, 8 and 16 tokens of 22 routes each. The loop around each call costs ~15-25 us per
-iteration on the H200 (block_routing alone reads 16-30 us), so only differences between
-rows of one T mean anything, and only where they exceed that floor's spread.
+4, 8 and 16 tokens of 22 routes each. Until session 14 the timing loop cost a host round
+trip (~15-25 us on the H200) per call here (one "weight copy"), so only differences between
+rows of one T meant anything; since then ``gemm_bench.make_timer`` shares one round trip
+among 64 calls and the rows are the calls' own times.
 
 Usage: python bench/routing_probe.py --out DIR [--rounds 3] [--tokens 1,2,4,8,16]
        [--methods routes,tokens] [--warps 2,4,8,16] [--no-fused]

@@ -95,6 +95,17 @@ def make_routing(rng, t, e, k, kind):
     return ids, (w / w.sum(-1, keepdims=True)).astype(np.float32)
 
 
+def ours_weights(q1, q2, scale_layout: str = "linear", pad: bool = False):
+    """(fc1, fc2) as ours runs them in the tools: the weight scales in ``scale_layout`` and,
+    with ``pad``, FC2 zero-padded along K (``moe.pad_fc2``; a no-op at I % 256 == 0); made
+    once, outside any timed program."""
+    if scale_layout != "linear":
+        q1, q2 = q1.with_layout(scale_layout), q2.with_layout(scale_layout)
+    if pad:
+        q2 = pad_fc2(q2)
+    return jax.block_until_ready((q1, q2))
+
+
 def input_scales(s):
     """fp32 [E] FC1 and FC2 input scales (ModelOpt decode form) the tools use for shape ``s``."""
     e = s["experts"]
@@ -273,11 +284,8 @@ def main():
         w1t, w2t = jnp.swapaxes(w1, 1, 2), jnp.swapaxes(w2, 1, 2)
         del w1, w2
         s1, s2 = input_scales(s)
-        p1, p2 = (q1, q2) if args.scale_layout == "linear" else (
-            jax.block_until_ready(q1.with_layout(args.scale_layout)),
-            jax.block_until_ready(q2.with_layout(args.scale_layout)))
-        p2p = jax.block_until_ready(pad_fc2(p2)) if args.pad_fc2 else p2  # (a no-op at I % 256 == 0)
-        padded, p2 = p2p.shape != p2.shape, p2p
+        p1, p2 = ours_weights(q1, q2, args.scale_layout, args.pad_fc2)
+        padded = p2.shape != q2.shape
         layers = {
             "nvfp4_moe": (nvfp4_layer(act, "pallas"), (p1, p2, s1, s2)),
             "dequant_ragged_dot": (nvfp4_layer(act, "xla"), (q1, q2, s1, s2)),

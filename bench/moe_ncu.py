@@ -22,20 +22,23 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import jax
 import numpy as np
-from moe_bench import SHAPES, input_scales, make_hidden, make_routing, make_weights, nvfp4_layer
-
-from nvfp4_jax.moe import pad_fc2
+from moe_bench import (
+    SHAPES,
+    input_scales,
+    make_hidden,
+    make_routing,
+    make_weights,
+    nvfp4_layer,
+    ours_weights,
+)
 
 
 def run(sname: str, t: int) -> None:
     s = SHAPES[sname]
     _w1, _w2, q1, q2 = make_weights(jax.random.PRNGKey(1), s)
     del _w1, _w2
-    layout = os.environ.get("MOE_SCALE_LAYOUT", "linear")
-    if layout != "linear":
-        q1, q2 = q1.with_layout(layout), q2.with_layout(layout)
-    if os.environ.get("MOE_PAD_FC2"):
-        q2 = pad_fc2(q2)  # a no-op at I % 256 == 0
+    q1, q2 = ours_weights(q1, q2, os.environ.get("MOE_SCALE_LAYOUT", "linear"),
+                          bool(os.environ.get("MOE_PAD_FC2")))
     ids, wts = make_routing(np.random.default_rng(0), t, s["experts"], s["top_k"], "random")
     params = (q1, q2, *input_scales(s))
     f = jax.jit(nvfp4_layer(s["activation"], "pallas"))

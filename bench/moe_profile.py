@@ -35,11 +35,10 @@ from moe_bench import (
     make_routing,
     make_weights,
     nvfp4_layer,
+    ours_weights,
     per_layer_scales,
     unrolled_layers,
 )
-
-from nvfp4_jax.moe import pad_fc2
 
 
 def device_events(trace_dir: str) -> tuple[list[dict], list[str]]:
@@ -94,10 +93,7 @@ def profile_case(sname: str, t: int, reps: int, hlo_path: str | None = None, *,
     s = {**SHAPES, **SMOKE}[sname]
     e, h, _i, k, act = s["experts"], s["hidden"], s["inter"], s["top_k"], s["activation"]
     _, _, q1, q2 = make_weights(jax.random.PRNGKey(1), s)
-    if scale_layout != "linear":
-        q1, q2 = q1.with_layout(scale_layout), q2.with_layout(scale_layout)
-    if padded:
-        q2 = pad_fc2(q2)  # a no-op at I % 256 == 0
+    q1, q2 = ours_weights(q1, q2, scale_layout, padded)
     ids, wts = make_routing(np.random.default_rng(0), t, e, k, "random")
     ids, wts = jnp.asarray(ids), jnp.asarray(wts)
     x0 = make_hidden(t, h)

@@ -811,6 +811,19 @@ def cluster_sync() -> None:
     sync()
 
 
+def _k_range_sources(x_gmem, c_gmem, s_gmem, n0, rows: int, si, ks: int):
+    """The dense kernels' ``sources`` for ``accumulate_tile``: weight rows [n0, n0 + rows) and
+    K range ``si`` of length ``ks`` (codes, scales, x)."""
+    pl, _ = _pallas_mosaic_gpu()
+
+    def sources():
+        return (c_gmem.at[pl.ds(n0, rows), pl.ds(si * (ks // 2), ks // 2)],
+                s_gmem.at[pl.ds(n0, rows), pl.ds(si * (ks // 16), ks // 16)],
+                x_gmem.at[:, pl.ds(si * ks, ks)])
+
+    return sources
+
+
 def _build(m_tile: int, n: int, k: int, cfg: MosaicConfig, split: int, scaled: bool = False,
            clustered=None):
     """The dense kernel: CTA tiles of ``consumers * block_n`` weight rows (one warpgroup,
@@ -838,12 +851,7 @@ def _build(m_tile: int, n: int, k: int, cfg: MosaicConfig, split: int, scaled: b
         n0 = ni * rows
         # loaded before the pipeline, so its latency hides behind the first copies
         scale = rest[0][0] * jnp.float32(POST_SCALE) if scaled else None
-
-        def sources():
-            return (c_gmem.at[pl.ds(n0, rows), pl.ds(si * (ks // 2), ks // 2)],
-                    s_gmem.at[pl.ds(n0, rows), pl.ds(si * (ks // 16), ks // 16)],
-                    x_gmem.at[:, pl.ds(si * ks, ks)])
-
+        sources = _k_range_sources(x_gmem, c_gmem, s_gmem, n0, rows, si, ks)
         accumulate_and_store(sources, lambda w: o_gmem.at[si, :, pl.ds(n0 + w * bn, bn)],
                              cfg=cfg, m_tile=m_tile, steps=steps, scale=scale,
                              tiles=rest[-1] if nc > 1 else None)
@@ -879,12 +887,7 @@ def _build_clustered(m_tile: int, n: int, k: int, cfg: MosaicConfig, split: int,
         si = lax.axis_index("s")
         n0 = ni * bn
         scale = a_gmem[0] * jnp.float32(POST_SCALE)
-
-        def sources():
-            return (c_gmem.at[pl.ds(n0, bn), pl.ds(si * (ks // 2), ks // 2)],
-                    s_gmem.at[pl.ds(n0, bn), pl.ds(si * (ks // 16), ks // 16)],
-                    x_gmem.at[:, pl.ds(si * ks, ks)])
-
+        sources = _k_range_sources(x_gmem, c_gmem, s_gmem, n0, bn, si, ks)
         acc = accumulate_tile(sources, cfg=cfg, m_tile=m_tile, steps=steps)
 
         @pl.when(si != 0)
@@ -980,11 +983,9 @@ def matmul_mosaic(
         # output's size just before the call, so the allocator tends to hand that memory to
         # the kernel's output and a skipped tile reads NaN (or stale data from another call)
         jax.block_until_ready(jnp.full(out_type.shape, jnp.nan, out_type.dtype)).delete()
-    if clustered is not None:
+    if clustered is not None or scaled:  # the kernel's output is the finished product
         out = make(out_type)(xp, w_codes, w_scales, alpha.reshape(1))[0, :m, :n]
         return out.astype(out_dtype)
-    if scaled:
-        return make(out_type)(xp, w_codes, w_scales, alpha.reshape(1))[0, :m, :n]
     part = make(out_type)(xp, w_codes, w_scales)  # [split, mt, N_pad] fp32
     out = part.sum(axis=0)[:m, :n] * (alpha * POST_SCALE)
     return out.astype(out_dtype)

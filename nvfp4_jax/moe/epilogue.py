@@ -101,14 +101,13 @@ def _operand_kernel(route_ref, be_ref, nb_ref, x_ref, g_ref, rg_ref, o_ref, *, m
             else:
                 cols = kt * bk + lax.broadcasted_iota(jnp.int32, (1, bk), 1)
                 x = plgpu.load(x_ref.at[tok[:, None], cols])
+            live = valid if rows == 1 else valid[:, None]
             if prequantized:  # the token's row is already quantized and K-permuted
-                q = jnp.where(valid if rows == 1 else valid[:, None], x.reshape(rows, bk), 0.0)
-                q = q.astype(jnp.bfloat16)
+                q = jnp.where(live, x.reshape(rows, bk), 0.0).astype(jnp.bfloat16)
             else:
                 x = x.astype(jnp.float32).reshape(rows * bk // 16, 16)
                 q = _requantize(x, g_ref[e], rg_ref[e], recipe, exact_asm).reshape(rows, bk)
-                q = jnp.where(valid if rows == 1 else valid[:, None], q, 0.0)
-                q = permute_k_order(q).astype(jnp.bfloat16)
+                q = permute_k_order(jnp.where(live, q, 0.0)).astype(jnp.bfloat16)
             if rows == 1:
                 plgpu.store(o_ref.at[p, pl.ds(kt * bk, bk)], q.reshape(bk))
             else:  # skip_padding: the padding rows' stores masked off

@@ -15,7 +15,7 @@ experts' NVFP4 weights (0.5625 B/weight), averaged over the NROT routings.
 ``--configs``: named Mosaic configs measured on every case after the defaults (before the
 sweep): ``_``-joined knobs applied to both GEMMs of the case's default config: ``bm<N>``
 (block_m), ``bn<N>`` (block_n), ``s<N>`` (stages), ``k<N>`` (split_k, where K allows it),
-``ov`` (overlap), ``bk512``, ``c<N>`` (consumers: warp-specialized GEMM); prefixed
+``ov`` (overlap), ``ln`` (lane semantics), ``bk512``, ``c<N>`` (consumers: warp-specialized GEMM); prefixed
 ``f1``/``f2``, to one GEMM only; ``rk``: the one-launch routing kernel
 (``MosaicMoEConfig.routing="kernel"``); ``sp``: ``skip_padding``; ``bf``: ``bf16_partials``;
 ``sk`` / ``sx``: the scales from one kernel (``scales="kernel"``, the default since session 10) /
@@ -141,13 +141,17 @@ def named_config(name: str, base: MosaicMoEConfig, hidden: int, inter: int) -> M
             field, value = LAYER_KNOBS[knob]
             top[field] = value
             continue
-        m = re.fullmatch(r"(f[12])?(?:(bm|bn|s|k|bk|c)(\d+)|(ov))", knob)
+        m = re.fullmatch(r"(f[12])?(?:(bm|bn|s|k|bk|c)(\d+)|(ov)|(ln))", knob)
         if m is None:
             raise ValueError(f"--configs: unknown knob {knob!r} in {name!r}")
         which = [m.group(1).replace("f", "fc")] if m.group(1) else ["fc1", "fc2"]
         if m.group(4):
             for w in which:
                 gemm[w]["overlap"] = True
+            continue
+        if m.group(5):  # the GEMM kernels under Mosaic's lane semantics
+            for w in which:
+                gemm[w]["semantics"] = "lane"
             continue
         key, v = m.group(2), int(m.group(3))
         if key == "bm":

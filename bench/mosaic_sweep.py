@@ -97,7 +97,10 @@ def variants(m, n, k, spec):
             if item == "base":
                 continue
             key, val = item.split("=")
-            kw[key] = bool(int(val)) if key in ("overlap", "bf16_store", "cluster_reduce") else int(val)
+            if key == "semantics":
+                kw[key] = val
+            else:
+                kw[key] = bool(int(val)) if key in ("overlap", "bf16_store", "cluster_reduce") else int(val)
         cfg = dataclasses.replace(base, **kw)
         try:
             check_config(cfg, k, token_tile(m))

@@ -232,6 +232,25 @@ def test_cluster_reduce_lowers_for_cuda(m, n, k, split, bn, caplog):
     assert "nothing to reduce" in caplog.text and "barrier.cluster" not in text
 
 
+def test_semantics_reach_the_kernel():
+    """MosaicConfig.semantics picks Mosaic's lowering semantics: lane and warpgroup lower to
+    different modules, "default" to JAX's own choice (one of the two); cluster_reduce lowers
+    under lane ("default" means lane there) and refuses warpgroup, which cannot lower its
+    store into a peer CTA's shared memory."""
+    def text(**kw):
+        cfg = MosaicConfig(block_n=64, split_k=2, num_stages=2, **kw)
+        return jax.jit(functools.partial(matmul_mosaic, config=cfg)).trace(
+            *_args(1, 512, 1024)).lower(lowering_platforms=("cuda",)).as_text()
+
+    lane, wg, default = text(semantics="lane"), text(semantics="warpgroup"), text()
+    assert lane != wg and default in (lane, wg)
+    assert text(cluster_reduce=True) == text(cluster_reduce=True, semantics="lane")
+    with pytest.raises(ValueError, match="^MosaicConfig.semantics: cluster_reduce needs lane"):
+        MosaicConfig(split_k=2, cluster_reduce=True, semantics="warpgroup")
+    with pytest.raises(ValueError, match="^MosaicConfig.semantics: expected one of"):
+        MosaicConfig(semantics="thread")
+
+
 def test_cluster_reduce_validation():
     for bad in ({"cluster_reduce": True}, {"cluster_reduce": True, "split_k": 9},
                 {"cluster_reduce": True, "split_k": 2, "consumers": 2}):

@@ -77,8 +77,13 @@ def _run(x, wo, out_dtype, cfg):
                      id="bs_m64"),
         pytest.param(37, 3000, 1024, 3.0, MosaicConfig(block_n=64, split_k=1, num_stages=2, consumers=2,
                                                        bf16_store=True), id="bs_ws2_ragged"),
+        # the same kernels under Mosaic's lane semantics (JAX 0.11's default is warpgroup)
+        pytest.param(16, 4000, 4096, 1.0, MosaicConfig(block_n=64, split_k=2, num_stages=2,
+                                                       overlap=True, semantics="lane"), id="ln_m16"),
+        pytest.param(37, 3000, 1024, 3.0, MosaicConfig(block_n=64, split_k=1, num_stages=2, consumers=2,
+                                                       bf16_store=True, semantics="lane"), id="ln_ws2"),
         # cluster_reduce: the split CTAs of a tile as one cluster, summed in CTA 0's shared
-        # memory (ids "cr*": lowered on the CPU in session 14, first run on a GPU pending)
+        # memory (ids "cr*"; lane semantics: warpgroup semantics cannot lower the remote store)
         pytest.param(1, 4096, 4096, 1.0, MosaicConfig(block_n=64, split_k=4, num_stages=2,
                                                       cluster_reduce=True), id="cr4_m1"),
         pytest.param(5, 1000, 2048, 40.0, MosaicConfig(block_n=64, split_k=2, num_stages=2,

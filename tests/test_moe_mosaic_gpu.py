@@ -114,8 +114,13 @@ def _run(case, *, mode, activation, order="up_gate", config=None, kernel="mosaic
      MosaicMoEConfig(block_m=64, bf16_partials=True, wide_glue=True)),
     ("qwen_wide_glue_b12x", "b12x", {**QWEN, "t": 40, "e": 4, "k": 2}, "up_gate",
      MosaicMoEConfig(block_m=32, wide_glue=True)),
-    # token_quant (session 14, not yet run on a GPU): each token quantized once, the routed
-    # rows gathered (trtllm_cutlass: one encode scale), wide and narrow
+    # both grouped GEMMs under Mosaic's lane semantics (JAX 0.11's default is warpgroup),
+    # whole-K scales (nemotron FC2) included
+    ("nemotron_lane_trtllm", "trtllm_cutlass", {**NEMO, "t": 8, "e": 24, "k": 6}, "up_gate",
+     MosaicMoEConfig(block_m=8, fc1=MosaicConfig(block_n=128, split_k=2, num_stages=3, semantics="lane"),
+                     fc2=MosaicConfig(block_n=128, num_stages=3, semantics="lane"))),
+    # token_quant (session 14; passed on the H200 in session 15): each token quantized once,
+    # the routed rows gathered (trtllm_cutlass: one encode scale), wide and narrow
     ("nemotron_token_quant_wide_trtllm", "trtllm_cutlass", {**NEMO, "t": 64, "e": 4, "k": 4}, "up_gate",
      MosaicMoEConfig(block_m=64, bf16_partials=True, wide_glue=True, token_quant=True)),
     ("qwen_token_quant_trtllm", "trtllm_cutlass", {**QWEN, "t": 13, "e": 16, "k": 8, "routing": "skewed"},

@@ -44,6 +44,7 @@ log = logging.getLogger(__name__)
 
 MAX_M = 64
 MAX_CLUSTER = 8  # the portable thread-block cluster size limit
+SEMANTICS = ("default", "lane", "warpgroup")  # MosaicConfig.semantics
 TOKEN_TILES = (8, 16, 32, 64)
 BLOCK_K = 256  # smallest K per pipeline step (scales tile = 16 bytes per row: the TMA minimum)
 BLOCK_KS = (256, 512)
@@ -91,8 +92,14 @@ class MosaicConfig:
     the first stores its fp32 accumulator into the first CTA's shared memory, a cluster barrier
     with release/acquire semantics, the first CTA adds them in split order and stores
     ``alpha * sum`` as bf16, or fp32 for other output dtypes): one launch per call instead of
-    the kernel and XLA's split-K sum. Lowered for sm_90 on the CPU (session 14); not yet run on
-    a GPU, so ``AUTO_SM90`` does not use it.
+    the kernel and XLA's split-K sum. The store into a peer CTA's shared memory lowers only
+    under Mosaic's lane semantics (JAX >= 0.11's default, warpgroup semantics, has no
+    lowering for a vector store to cluster shared memory), so the clustered kernel runs
+    ``semantics="lane"`` unless told otherwise, and refuses ``"warpgroup"``.
+    semantics: Mosaic GPU lowering semantics of the kernel: ``"default"`` (JAX's default:
+    lane in JAX 0.10, warpgroup in JAX 0.11; lane for ``cluster_reduce``), ``"lane"`` or
+    ``"warpgroup"``. The same kernel body either way; the generated code, and so the speed,
+    can differ.
     """
 
     block_n: int = 128
@@ -104,6 +111,7 @@ class MosaicConfig:
     consumers: int = 1
     bf16_store: bool = False
     cluster_reduce: bool = False
+    semantics: str = "default"
 
     def __post_init__(self) -> None:
         if self.block_n not in (64, 128):
@@ -119,6 +127,13 @@ class MosaicConfig:
         for name in ("overlap", "bf16_store", "cluster_reduce"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"MosaicConfig.{name}: expected a bool, got {getattr(self, name)!r}")
+        if self.semantics not in SEMANTICS:
+            raise ValueError(f"MosaicConfig.semantics: expected one of {SEMANTICS}, got "
+                             f"{self.semantics!r}")
+        if self.cluster_reduce and self.semantics == "warpgroup":
+            raise ValueError("MosaicConfig.semantics: cluster_reduce needs lane semantics (the "
+                             "store into a peer CTA's shared memory has no warpgroup lowering); "
+                             "use 'default' or 'lane'")
         if self.consumers not in (1, 2, 3):
             # 4 compute warpgroups hung on the H200 (session 9, three shapes). Likely cause, by
             # arithmetic: 5 warpgroups (640 threads) launch with 96 registers per thread (65536
@@ -722,14 +737,14 @@ def accumulate_and_store(sources, dst, *, cfg: MosaicConfig, m_tile: int, steps:
 
 
 def ws_kernel_kw(cfg: MosaicConfig, m_tile: int, dtype) -> dict:
-    """``mosaic_kernel`` arguments for ``cfg``: none with one warpgroup; else the consumers'
-    output tiles (SMEM scratch [consumers, m_tile, block_n] of the output dtype, the last
-    kernel operand) and ``consumers + 1`` warpgroups."""
+    """``mosaic_kernel`` arguments for ``cfg``: its lowering semantics; with more than one
+    warpgroup also the consumers' output tiles (SMEM scratch [consumers, m_tile, block_n] of
+    the output dtype, the last kernel operand) and ``consumers + 1`` warpgroups."""
     if cfg.consumers == 1:
-        return {}
+        return {"semantics": cfg.semantics}
     _, plgpu = _pallas_mosaic_gpu()
     return {"scratch": [plgpu.SMEM((cfg.consumers, m_tile, cfg.block_n), dtype)],
-            "num_threads": cfg.consumers + 1}
+            "num_threads": cfg.consumers + 1, "semantics": cfg.semantics}
 
 
 def store_tile(acc, o_dst, *, scale=None) -> None:
@@ -770,13 +785,14 @@ def write_tile(o_smem, acc, o_dst, *, scale=None) -> None:
 
 
 def mosaic_kernel(body, *, out_type, grid, grid_names, scratch=None, num_threads=None,
-                  cluster=None):
+                  cluster=None, semantics="default"):
     """``plgpu.kernel`` across JAX versions (``out_type``/``scratch_types`` in JAX >= 0.10.2,
     ``out_shape``/``scratch_shapes`` before). Without ``scratch`` there is no kernel-level
     scratch: the body allocates its SMEM in scopes (``accumulate_tile``, ``store_tile``).
     ``num_threads``: warpgroups per CTA (warp-specialized kernels; axis name "wg").
     ``cluster``: CTAs per thread-block cluster along one axis named "s" (``grid`` then counts
-    clusters). Named after ``body``."""
+    clusters). ``semantics``: ``MosaicConfig.semantics`` ("default" leaves JAX's). Named after
+    ``body``."""
     _, plgpu = _pallas_mosaic_gpu()
     params = inspect.signature(plgpu.kernel).parameters
     new_api = "out_type" in params and "scratch_types" in params
@@ -787,6 +803,10 @@ def mosaic_kernel(body, *, out_type, grid, grid_names, scratch=None, num_threads
         kw.update(num_threads=num_threads, thread_name="wg")
     if cluster is not None:
         kw.update(cluster=(cluster,), cluster_names=("s",))
+    if semantics != "default":
+        from jax.experimental.mosaic import gpu as mgpu
+        sem = {"lane": mgpu.LoweringSemantics.Lane, "warpgroup": mgpu.LoweringSemantics.Warpgroup}
+        kw["compiler_params"] = plgpu.CompilerParams(lowering_semantics=sem[semantics])
     return plgpu.kernel(body, grid=grid, grid_names=grid_names, **kw)
 
 
@@ -908,6 +928,7 @@ def _build_clustered(m_tile: int, n: int, k: int, cfg: MosaicConfig, split: int,
     def make(out):
         return mosaic_kernel(nvfp4_w4a16_mosaic_cluster, out_type=out, grid=(n_tiles,),
                              grid_names=("n",), cluster=split,
+                             semantics="lane" if cfg.semantics == "default" else cfg.semantics,
                              scratch=[plgpu.SMEM((split - 1, bn, m_tile), jnp.float32)])
 
     return make, out_type

@@ -470,6 +470,7 @@ def test_default_configs():
             assert c.consumers == (2 if routes >= mm.WS_ROUTES else 1), (routes, cfg)
         assert cfg.bf16_partials == (routes >= mm.BF16_PARTIALS_ROUTES)
         assert cfg.wide_glue == (routes >= mm.WIDE_GLUE_ROUTES)
+        assert cfg.token_quant == (routes >= mm.TOKEN_QUANT_ROUTES)
 
 
 def test_prefill_default_config_drops_ws_for_linear_whole_k(monkeypatch, caplog):

@@ -173,8 +173,10 @@ class MosaicMoEConfig:
     same operand (CPU, interpret mode); one more launch. Per-expert activation scales quantize
     each route with its expert's scale: there it is ignored, logged. Incompatible with
     ``routing="fused"`` (which computes the operand in the routing launch): refused there.
-    Written in session 14 for prefill (the operand kernel took 95 us of qwen3's T = 4096 layer,
-    instruction-bound by the quantization); not yet run on a GPU, so no config sets it.
+    Written for prefill (the operand kernel took 95 us of qwen3's T = 4096 layer,
+    instruction-bound by the quantization); passes the oracle GPU tests and measured faster at
+    every prefill size on the H200 (session 15, ``TOKEN_QUANT_ROUTES``), so ``default_config``
+    sets it from there on.
     """
 
     block_m: int = 8
@@ -330,6 +332,12 @@ WS_ROUTES = 32768
 #: 957.4; qwen3 T = 4096 1159.6 -> 1127.7, T = 512 (4096 routes) 276.1 -> 273.2. Not measured
 #: between the decode entries (<= 1408 routes) and 4096.
 WIDE_GLUE_ROUTES = 4096
+#: Routed rows from which ``default_config`` sets ``token_quant``. H200, session 15
+#: (bench/results/moe-mosaic-probe-round25/26-h200.json, swizzled weights, FC2 padded, us):
+#: qwen3 T = 4096 1125.8 -> 1081.4 and T = 512 (4096 routes) 271.6 -> 262.9 (medians of 3
+#: rounds); nemotron T = 4096 3287.7 -> 3211.1 and T = 512 951.6 -> 946.6 (one round). Not
+#: measured below 4096 routes, where the extra launch weighs more than the saved work.
+TOKEN_QUANT_ROUTES = 4096
 
 
 def default_config(routes: int, num_experts: int, *, hidden: int, rows1: int, inter: int) -> MosaicMoEConfig:
@@ -339,7 +347,9 @@ def default_config(routes: int, num_experts: int, *, hidden: int, rows1: int, in
     best at small M), split-K until the expected CTAs (blocks x output tiles x split) reach
     about two per SM. bf16 products (``bf16_partials``) from ``BF16_PARTIALS_ROUTES`` routed
     rows on, two compute warpgroups per CTA (where they fit the shared memory) from
-    ``WS_ROUTES`` on, the wide glue kernels (``wide_glue``) from ``WIDE_GLUE_ROUTES`` on."""
+    ``WS_ROUTES`` on, the wide glue kernels (``wide_glue``) from ``WIDE_GLUE_ROUTES`` on, each
+    token quantized once (``token_quant``, where the activation scale allows) from
+    ``TOKEN_QUANT_ROUTES`` on."""
     lo = 8 if mosaic_plan(hidden, inter, n1=rows1, n2=hidden)[1] else 16
     per_expert = -(-routes // max(1, min(num_experts, routes)))
     bm = next((t for t in TOKEN_TILES if t >= max(lo, per_expert)), TOKEN_TILES[-1])
@@ -358,7 +368,8 @@ def default_config(routes: int, num_experts: int, *, hidden: int, rows1: int, in
             cfg = ws  # whole-K with linear scales: moe_mosaic drops it to one warpgroup (logged)
         cfgs.append(cfg)
     return MosaicMoEConfig(block_m=bm, fc1=cfgs[0], fc2=cfgs[1], bf16_partials=routes >= BF16_PARTIALS_ROUTES,
-                           wide_glue=routes >= WIDE_GLUE_ROUTES)
+                           wide_glue=routes >= WIDE_GLUE_ROUTES,
+                           token_quant=routes >= TOKEN_QUANT_ROUTES)
 
 
 def auto_config(routes: int, num_experts: int, *, hidden: int, rows1: int, inter: int,

@@ -15,7 +15,7 @@ from nvfp4_jax.moe import block_routing, select_experts
 from nvfp4_jax.moe.api import moe
 from nvfp4_jax.moe.configs import Config, MoEConfig
 from nvfp4_jax.moe.pallas_triton import moe_pallas
-from nvfp4_jax.moe.routing import max_blocks
+from nvfp4_jax.moe.routing import max_blocks, sort_keys
 from nvfp4_jax.moe.xla import moe_xla
 
 SMALL = MoEConfig(Config(16, 32, 32, decode="bits"), Config(16, 32, 32, decode="bits"))
@@ -93,7 +93,7 @@ def test_experts_without_tokens_cost_nothing():
 
 @pytest.mark.parametrize("method", ["sort", "dense"])
 @pytest.mark.parametrize("t,k,e,bm", [(1, 1, 4, 16), (5, 2, 8, 16), (100, 4, 16, 16), (64, 8, 128, 32),
-                                      (3, 3, 3, 16), (64, 22, 512, 8)])
+                                      (3, 3, 3, 16), (64, 22, 512, 8), (40, 8, 256, 16)])
 def test_block_routing_invariants(t, k, e, bm, method):
     rng = np.random.default_rng(t * 131 + e)
     ids = np.argsort(rng.random((t, e)), axis=1)[:, :k]
@@ -128,6 +128,21 @@ def test_block_routing_methods_agree():
             np.testing.assert_array_equal(np.asarray(getattr(a, f)), np.asarray(getattr(b, f)), err_msg=f)
     with pytest.raises(ValueError, match="method"):
         block_routing(ids, e, bm, method="scan")
+
+
+@pytest.mark.parametrize("e,key", [(8, "u8"), (256, "u8"), (257, "u16"), (512, "u16"),
+                                   (70000, "s32")])
+def test_sort_routing_sorts_narrow_keys(e, key):
+    """The sort routing (and the XLA MoE's) sort the expert ids as the narrowest unsigned type
+    that holds them: one CUB radix pass per key byte on the GPU, and 8-bit keys go to CUB at
+    any length (the int32 keys took 4 passes)."""
+    ids = jnp.asarray(np.random.default_rng(e).integers(0, e, (64, 4)), jnp.int32)
+    hlo = jax.jit(functools.partial(block_routing, method="sort"), static_argnums=(1, 2)).lower(
+        ids, e, 16).compiler_ir("hlo").as_hlo_text()
+    sorts = [ln for ln in hlo.splitlines() if " sort(" in ln]
+    assert len(sorts) == 1 and f"= ({key}[256]{{0}}, s32[256]{{0}}) sort(" in sorts[0], sorts
+    np.testing.assert_array_equal(np.asarray(sort_keys(ids.reshape(-1), e)),
+                                  np.asarray(ids).reshape(-1))  # same values
 
 
 def test_select_experts():

@@ -50,11 +50,26 @@ class BlockRouting:
 DENSE_MAX_ROUTES = 2048
 
 
+def sort_keys(flat: jax.Array, num_experts: int) -> jax.Array:
+    """Expert ids int32 [N] as the narrowest unsigned type that holds [0, num_experts): uint8
+    up to 256 experts, uint16 up to 65536, else int32 unchanged. XLA:GPU sorts such keys with
+    CUB's radix sort, one 8-bit digit pass per key byte (4 passes for int32 keys: ~27 us of
+    qwen3's T = 4096 layer on the H200, session 14), and its H100 heuristic hands every
+    single-row 8-bit sort to CUB, where 32-bit keys go to XLA's own sort below ~22000
+    elements. The order is the same: a stable sort of the same values."""
+    if num_experts <= 1 << 8:
+        return flat.astype(jnp.uint8)
+    if num_experts <= 1 << 16:
+        return flat.astype(jnp.uint16)
+    return flat
+
+
 def block_routing(topk_ids: jax.Array, num_experts: int, block_m: int, *,
                   method: str = "auto") -> BlockRouting:
     """Group routes by expert into blocks of ``block_m`` rows; topk_ids int [T, k] in [0, E).
 
-    method: "sort" (stable argsort, scatter-add counts, cumsums, two scatters), "dense" (no
+    method: "sort" (stable argsort of ``sort_keys``, scatter-add counts, cumsums, two
+    scatters), "dense" (no
     sort: counts, each route's rank among the routes of its expert and the padded cumsum as
     compare-and-count reductions over [E, N], [N, N] and [E, E]; the inverse permutation by a
     [EM, N] reduction while that is at most 2^20 elements, else one scatter), or "auto"
@@ -83,7 +98,7 @@ def block_routing(topk_ids: jax.Array, num_experts: int, block_m: int, *,
         else:
             sorted_route = jnp.full((em,), n, jnp.int32).at[route_pos].set(p)
     else:
-        order = jnp.argsort(flat, stable=True).astype(jnp.int32)
+        order = jnp.argsort(sort_keys(flat, num_experts), stable=True).astype(jnp.int32)
         counts = jnp.zeros((num_experts,), jnp.int32).at[flat].add(1)
         padded = (counts + block_m - 1) // block_m * block_m
         pad_end = jnp.cumsum(padded)

@@ -23,6 +23,7 @@ from ..quantize import (
     _div,  # IEEE division (XLA rewrites x / broadcast(b) into x * (1/b))
     dequantize,
 )
+from .routing import sort_keys
 
 MODES = ("trtllm_cutlass", "b12x")
 ACTIVATIONS = ("relu2", "swiglu")
@@ -140,7 +141,7 @@ def moe_xla(
     g1, g2, a1, a2 = moe_scales(fc1.decode_scale, fc2.decode_scale, fc1_input_scale,
                                 fc2_input_scale, mode, activation_scale)
     flat = topk_ids.reshape(-1).astype(jnp.int32)
-    order = jnp.argsort(flat, stable=True)
+    order = jnp.argsort(sort_keys(flat, e), stable=True)
     e_sorted = flat[order]
     tok_sorted = order // k
     group_sizes = jnp.zeros((e,), jnp.int32).at[flat].add(1)

@@ -64,6 +64,8 @@ def test_probe_config_names():
     assert (sx.scales, sx.routing) == ("xla", "kernel")
     tq = probe.named_config("tq", base, 2048, 768)  # ... and so does token_quant
     assert tq.token_quant and tq.routing == "kernel"
+    ln = probe.named_config("f2ln", base, 2048, 768)  # lane semantics, FC2 only
+    assert (ln.fc1.semantics, ln.fc2.semantics) == ("default", "lane")
     with pytest.raises(ValueError, match="unknown knob"):
         probe.named_config("fast", base, 2048, 768)
     # pf: a weight knob (FC2 padded by moe.pad_fc2), not a config field
@@ -175,3 +177,26 @@ def test_bench_loops_share_one_host_round_trip_among_many_calls():
     assert run.layers_per_iter == mb.NROT * mb.INNER_ROUNDS
     counts = _while_trip_counts(run.lower(*args).compile().as_text())
     assert None in counts and mb.INNER_ROUNDS in counts
+
+
+def test_sort_probe_times_int32_keys_only_inside_its_context():
+    """bench/sort_probe.py's A/B: inside ``int32_keys(True)`` the routing sorts int32 keys (the
+    sort before session 15), outside it the narrow keys again."""
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+
+    from nvfp4_jax.moe import routing
+
+    probe = _load("sort_probe")
+    ids = jnp.zeros((8, 4), jnp.int32)
+
+    def sort_line():
+        hlo = jax.jit(functools.partial(routing.block_routing, method="sort"),
+                      static_argnums=(1, 2)).lower(ids, 128, 16).compiler_ir("hlo").as_hlo_text()
+        return next(ln for ln in hlo.splitlines() if " sort(" in ln)
+
+    with probe.int32_keys(True):
+        assert "(s32[32]{0}, s32[32]{0}) sort(" in sort_line()
+    assert "(u8[32]{0}, s32[32]{0}) sort(" in sort_line()

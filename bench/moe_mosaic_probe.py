@@ -20,7 +20,8 @@ sweep): ``_``-joined knobs applied to both GEMMs of the case's default config: `
 (``MosaicMoEConfig.routing="kernel"``); ``sp``: ``skip_padding``; ``bf``: ``bf16_partials``;
 ``sk`` / ``sx``: the scales from one kernel (``scales="kernel"``, the default since session 10) /
 from XLA fusions (``scales="xla"``); ``fr``: ``routing="fused"``; ``er``: ``epilogue="routes"``;
-``gw``: ``wide_glue``; ``tq``: ``token_quant``;
+``gw``: ``wide_glue``; ``tq``: ``token_quant``; ``ew``: the FC1 epilogue's block programs
+load whole blocks (no row split: ``epilogue.EPILOGUE_LOADED_ELEMS`` unbounded while tracing);
 ``pf``: the same config on FC2
 weights zero-padded along K (``nvfp4_jax.moe.pad_fc2``, made outside the timed loop).
 With ``--swizzled`` the named configs run on the swizzled weights. ``--swizzled``: the default
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import dataclasses
 import json
 import os
@@ -130,6 +132,32 @@ def weight_knobs(name: str) -> tuple[bool, str]:
     zero-padded along K (``nvfp4_jax.moe.pad_fc2``: 128-byte aligned rows), same config."""
     knobs = name.split("_")
     return "pf" in knobs, "_".join(k for k in knobs if k != "pf")
+
+
+#: --configs knobs that set a module constant while the case is traced (bench-only A/B of
+#: a choice that is not a config field): ``ew``: the FC1 epilogue's block programs load whole
+#: blocks (no row split, ``epilogue.EPILOGUE_LOADED_ELEMS`` unbounded: before session 15)
+TRACE_KNOBS = {"ew": (epilogue, "EPILOGUE_LOADED_ELEMS", 1 << 40)}
+
+
+def trace_knobs(name: str) -> tuple[list, str]:
+    """([(module, attribute, value)] to set while tracing, the config knobs left)."""
+    knobs = name.split("_")
+    return ([TRACE_KNOBS[k] for k in knobs if k in TRACE_KNOBS],
+            "_".join(k for k in knobs if k not in TRACE_KNOBS))
+
+
+@contextlib.contextmanager
+def patched(patches: list):
+    """Set each (module, attribute, value) for the duration (restored after)."""
+    saved = [(m, a, getattr(m, a)) for m, a, _ in patches]
+    for m, a, v in patches:
+        setattr(m, a, v)
+    try:
+        yield
+    finally:
+        for m, a, v in saved:
+            setattr(m, a, v)
 
 
 def named_config(name: str, base: MosaicMoEConfig, hidden: int, inter: int) -> MosaicMoEConfig:
@@ -309,14 +337,16 @@ def main():
                 break
             cc = (*c[:3], sw, *c[4:]) if args.swizzled else c
             pad, cname = weight_knobs(name)
+            patches, cname = trace_knobs(cname)
             base = cfg
             if pad:  # FC2 weights zero-padded along K (moe.pad_fc2), prepared outside the loop;
                 # the base is what the API picks for them (AUTO_SM90_PADDED_FC2)
                 q1, q2, s1, s2 = cc[3]
                 cc = (*cc[:3], (q1, pad_fc2(q2), s1, s2), *cc[4:])
                 base = auto_config(t * s["top_k"], s["experts"], **shape_kw, fc2_padded=True)
-            run_one(*cc, "mosaic", name, named_config(cname, base, s["hidden"], s["inter"]) if cname else base,
-                    ref=refs.get((sname, t)), ref_name=ref_name[(sname, t)])
+            with patched(patches):  # the case compiles in run_one (later rounds reuse it)
+                run_one(*cc, "mosaic", name, named_config(cname, base, s["hidden"], s["inter"]) if cname else base,
+                        ref=refs.get((sname, t)), ref_name=ref_name[(sname, t)])
     if args.sweep:  # priority 2: variants, round robin over the cases
         sweep_t = set(map(int, args.sweep_tokens.split(",")))
         plans = []

@@ -64,6 +64,15 @@ def test_probe_config_names():
     assert (sx.scales, sx.routing) == ("xla", "kernel")
     tq = probe.named_config("tq", base, 2048, 768)  # ... and so does token_quant
     assert tq.token_quant and tq.routing == "kernel"
+    # ew: a module constant set while tracing (not a config field), restored after
+    patches, rest = probe.trace_knobs("pf_ew_tq")
+    assert rest == "pf_tq" and [(m.__name__, a) for m, a, _ in patches] == [
+        ("nvfp4_jax.moe.epilogue", "EPILOGUE_LOADED_ELEMS")]
+    from nvfp4_jax.moe import epilogue as ep
+    before = ep.EPILOGUE_LOADED_ELEMS
+    with probe.patched(patches):
+        assert ep.epilogue_row_chunk(64, 2) == 64  # whole 64-row blocks
+    assert ep.EPILOGUE_LOADED_ELEMS == before and ep.epilogue_row_chunk(64, 2) == 32
     ln = probe.named_config("f2ln", base, 2048, 768)  # lane semantics, FC2 only
     assert (ln.fc1.semantics, ln.fc2.semantics) == ("default", "lane")
     with pytest.raises(ValueError, match="unknown knob"):

@@ -138,16 +138,21 @@ def test_wide_fc1_operand_skip_padding_writes_only_routed_rows():
     assert np.all(np.isnan(wide[: nb * bm][~routed[: nb * bm]]))
 
 
-@pytest.mark.parametrize("activation,order,mode,split,mag,bm,inter,per", [  # mag: size of the partials
-    ("relu2", "up_gate", "trtllm_cutlass", 1, 1.0, 16, 256, 2),  # per: column tiles per program
-    ("swiglu", "gate_up", "b12x", 3, 1.0, 16, 256, 1),
-    ("swiglu", "up_gate", "trtllm_cutlass", 1, 2.0**-9, 8, 384, 1),  # small h: subnormal block scales
-    ("relu2", "up_gate", "b12x", 3, 2.0**6, 8, 384, 3),
+@pytest.mark.parametrize("activation,order,mode,split,mag,bm,inter,per,chunk", [  # mag: size of the partials
+    ("relu2", "up_gate", "trtllm_cutlass", 1, 1.0, 16, 256, 2, 16),  # per: column tiles per program
+    ("swiglu", "gate_up", "b12x", 3, 1.0, 16, 256, 1, 16),
+    ("swiglu", "up_gate", "trtllm_cutlass", 1, 2.0**-9, 8, 384, 1, 8),  # small h: subnormal block scales
+    ("relu2", "up_gate", "b12x", 3, 2.0**6, 8, 384, 3, 8),
+    # blocks split into programs of fewer rows (chunk: rows per program)
+    ("swiglu", "up_gate", "trtllm_cutlass", 1, 1.0, 64, 256, 1, 32),
+    ("relu2", "up_gate", "b12x", 2, 1.0, 128, 256, 1, 64),
 ])
-def test_fc1_epilogue_is_the_xla_epilogue(activation, order, mode, split, mag, bm, inter, per):
+def test_fc1_epilogue_is_the_xla_epilogue(activation, order, mode, split, mag, bm, inter, per, chunk):
     rng = np.random.default_rng(split * 11 + len(activation))
     t, k, e = 7, 4, 6
-    assert ep.tiles_per_program(inter // ep.TILE, bm, 2 if activation == "swiglu" else 1) == per
+    halves = 2 if activation == "swiglu" else 1
+    assert ep.epilogue_row_chunk(bm, halves) == chunk
+    assert ep.tiles_per_program(inter // ep.TILE, chunk, halves) == per
     r = 2 * inter if activation == "swiglu" else inter
     r_pad = r + 128  # the kernel's output rows are padded to its block_n
     _, br, nb = _routing(rng, t, k, e, bm, skew=True)
@@ -491,13 +496,18 @@ def test_skip_padding_rows_keeps_the_routed_rows(activation, split, monkeypatch)
                                  _div(1.0, g2), **ekw)
     hv_s, hb_s = ep.fc1_epilogue(part, br.block_expert, br.num_blocks, a1, g2, _div(1.0, g2),
                                  sorted_route=br.sorted_route, n_routes=t * k, **ekw)
+    with monkeypatch.context() as m:  # each block in programs of 4 rows, padding rows masked
+        m.setattr(ep, "epilogue_row_chunk", lambda block_m, halves: 4)
+        hv_c, hb_c = ep.fc1_epilogue(part, br.block_expert, br.num_blocks, a1, g2, _div(1.0, g2),
+                                     sorted_route=br.sorted_route, n_routes=t * k, **ekw)
     by_route = {"route_pos": br.route_pos, "route_expert": jnp.asarray(ids.reshape(-1), jnp.int32)}
     assert ep.route_tiles_per_program(inter // ep.TILE, t * k, 2 if activation == "swiglu" else 1) == 1
     hv_r, hb_r = ep.fc1_epilogue(part, br.block_expert, br.num_blocks, a1, g2, _div(1.0, g2), **by_route, **ekw)
     monkeypatch.setattr(ep, "EPILOGUE_MIN_PROGRAMS", 1)
     assert ep.route_tiles_per_program(inter // ep.TILE, t * k, 2 if activation == "swiglu" else 1) == 2
     hv_2, hb_2 = ep.fc1_epilogue(part, br.block_expert, br.num_blocks, a1, g2, _div(1.0, g2), **by_route, **ekw)
-    for got, want in ((hv_s, hv_f), (hb_s, hb_f), (hv_r, hv_f), (hb_r, hb_f), (hv_2, hv_f), (hb_2, hb_f)):
+    for got, want in ((hv_s, hv_f), (hb_s, hb_f), (hv_c, hv_f), (hb_c, hb_f), (hv_r, hv_f), (hb_r, hb_f),
+                      (hv_2, hv_f), (hb_2, hb_f)):
         g, w = np.asarray(got, np.float32)[live], np.asarray(want, np.float32)[live]
         assert np.all(np.isfinite(g)) and np.count_nonzero(w) > w.size // 4
         np.testing.assert_array_equal(g, w)

@@ -255,6 +255,10 @@ SPLIT = MosaicMoEConfig(block_m=16, fc1=MosaicConfig(block_n=64, split_k=2, num_
     ("token_quant_wide_swiglu_trtllm", "trtllm_cutlass", "swiglu", "up_gate",
      {"t": 11, "h": 512, "inter": 256, "e": 5, "k": 4},
      MosaicMoEConfig(block_m=16, token_quant=True, wide_glue=True, skip_padding=True, bf16_partials=True)),
+    # 64-row blocks (the prefill default's): the swiglu FC1 epilogue in programs of 32 rows
+    ("prefill_blocks_swiglu_trtllm", "trtllm_cutlass", "swiglu", "up_gate",
+     {"t": 40, "h": 256, "inter": 256, "e": 3, "k": 2},
+     MosaicMoEConfig(block_m=64, token_quant=True, wide_glue=True, bf16_partials=True)),
 ])
 def test_moe_mosaic_dataflow_matches_oracle(name, mode, activation, order, kw, config):
     case = make_case(np.random.default_rng(len(name)), activation=activation, **kw)

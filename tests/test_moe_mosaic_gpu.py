@@ -114,6 +114,10 @@ def _run(case, *, mode, activation, order="up_gate", config=None, kernel="mosaic
      MosaicMoEConfig(block_m=64, bf16_partials=True, wide_glue=True)),
     ("qwen_wide_glue_b12x", "b12x", {**QWEN, "t": 40, "e": 4, "k": 2}, "up_gate",
      MosaicMoEConfig(block_m=32, wide_glue=True)),
+    # qwen3's prefill default at 64-row blocks: the FC1 epilogue in programs of 32 rows
+    # (epilogue_row_chunk, session 15), each token quantized once, the wide glue
+    ("qwen_prefill_default_trtllm", "trtllm_cutlass", {**QWEN, "t": 96, "e": 4, "k": 2}, "up_gate",
+     MosaicMoEConfig(block_m=64, bf16_partials=True, wide_glue=True, token_quant=True)),
     # both grouped GEMMs under Mosaic's lane semantics (JAX 0.11's default is warpgroup),
     # whole-K scales (nemotron FC2) included
     ("nemotron_lane_trtllm", "trtllm_cutlass", {**NEMO, "t": 8, "e": 24, "k": 6}, "up_gate",

@@ -226,6 +226,25 @@ def _check_prescaled(part: jax.Array, mode: str) -> bool:
 EPILOGUE_ELEMS = 4096
 
 
+#: Most partial elements (rows x 128 columns x halves) one FC1-epilogue block program loads:
+#: larger blocks are split into programs of fewer rows (``epilogue_row_chunk``). On the H200
+#: the relu2 epilogue at 64-row blocks (8192 elements per program) ran at ~3.4 TB/s (nemotron
+#: T = 4096, session 13: 1.14 GB in 339 us), the swiglu one at 64-row blocks (16384: 64
+#: fp32 values per thread per half at 4 warps) at ~2.5 TB/s (qwen3 T = 4096, session 14: ~170
+#: MB in 69 us).
+EPILOGUE_LOADED_ELEMS = 8192
+
+
+def epilogue_row_chunk(block_m: int, halves: int) -> int:
+    """Rows per FC1-epilogue block program: ``block_m`` halved (a divisor, >= 8) until a
+    program loads at most ``EPILOGUE_LOADED_ELEMS`` partials (one 128-column tile per half).
+    Only the row split changes; every row's values are the same."""
+    rows = block_m
+    while rows > 8 and rows % 2 == 0 and rows * TILE * halves > EPILOGUE_LOADED_ELEMS:
+        rows //= 2
+    return rows
+
+
 def tiles_per_program(n_tiles: int, rows: int, halves: int) -> int:
     """Largest divisor d of ``n_tiles`` with ``d * rows * TILE * halves <= EPILOGUE_ELEMS`` (>= 1):
     one program covers d column tiles of its block, so that the per-program latency (the
@@ -257,15 +276,21 @@ def route_tiles_per_program(n_tiles: int, routes: int, halves: int) -> int:
 def _fc1_epilogue_kernel(route_ref, be_ref, nb_ref, part_ref, a1_ref, g2_ref, rg2_ref, hv_ref, *h_ref,
                          mt: int, split: int, inter: int, per: int, activation: str,
                          gate_up_order: str, mode: str, recipe: str, exact_asm: bool,
-                         n_routes: int | None, prescaled: bool, by_route: bool = False):
+                         n_routes: int | None, prescaled: bool, by_route: bool = False,
+                         chunk: int | None = None):
     n_groups = inter // (TILE * per)
+    chunk = mt if chunk is None else chunk
+    chunks = mt // chunk
     pid = pl.program_id(0)
-    b, c0 = pid // n_groups, pid % n_groups * (TILE * per)
+    bc, c0 = pid // n_groups, pid % n_groups * (TILE * per)
+    b, ci = bc // chunks, bc % chunks
 
     # by_route: program b is route b (route_ref: route_pos, be_ref: the routes' experts), its
-    # one row at its sorted position; else block b's mt rows (blocks past num_blocks: nothing)
+    # one row at its sorted position; else rows [ci * chunk, (ci + 1) * chunk) of block b
+    # (blocks past num_blocks: nothing)
     def body():
-        rows = pl.ds(route_ref[b], 1) if by_route else pl.ds(b * mt, mt)
+        rows = pl.ds(route_ref[b], 1) if by_route else pl.ds(b * mt + ci * chunk, chunk)
+        mt_ = 1 if by_route else chunk
         load_kw, store_kw = {}, {}  # n_routes given: only the block's routed rows are read and written
         if n_routes is not None:  # (never with by_route: fc1_epilogue refuses the pair)
             live = (plgpu.load(route_ref.at[rows]) < n_routes)[:, None]
@@ -292,8 +317,8 @@ def _fc1_epilogue_kernel(route_ref, be_ref, nb_ref, part_ref, a1_ref, g2_ref, rg
                                gate_up_order=gate_up_order, mode=mode, exact_asm=exact_asm)  # bf16 [mt, TILE]
             if h_ref:
                 plgpu.store(h_ref[0].at[rows, cols], h, **store_kw)
-            q = _requantize(h.astype(jnp.float32).reshape(mt, TILE // 16, 16), g, rg, recipe, exact_asm)
-            plgpu.store(hv_ref.at[rows, cols], permute_k_order(q.reshape(mt, TILE)).astype(jnp.bfloat16),
+            q = _requantize(h.astype(jnp.float32).reshape(mt_, TILE // 16, 16), g, rg, recipe, exact_asm)
+            plgpu.store(hv_ref.at[rows, cols], permute_k_order(q.reshape(mt_, TILE)).astype(jnp.bfloat16),
                         **store_kw)
 
     if by_route:
@@ -340,18 +365,19 @@ def fc1_epilogue(part: jax.Array, block_expert: jax.Array, num_blocks: jax.Array
                          "then not sorted_route")
     mt = 1 if by_route else em // nb
     halves = 2 if activation == "swiglu" else 1
+    chunk = 1 if by_route else epilogue_row_chunk(mt, halves)
     per = (route_tiles_per_program(inter // TILE, route_pos.shape[0], halves) if by_route
-           else tiles_per_program(inter // TILE, mt, halves))
+           else tiles_per_program(inter // TILE, chunk, halves))
     out = [jax.ShapeDtypeStruct((em, inter), jnp.bfloat16)] * (2 if return_h else 1)
     kern = functools.partial(_fc1_epilogue_kernel, mt=mt, split=split, inter=inter, per=per,
                              activation=activation, gate_up_order=gate_up_order, mode=mode,
                              recipe=recipe, exact_asm=not interpret, n_routes=n_routes,
-                             prescaled=prescaled, by_route=by_route)
+                             prescaled=prescaled, by_route=by_route, chunk=chunk)
     if by_route:
         route, who, programs = route_pos.astype(jnp.int32), route_expert.astype(jnp.int32), route_pos.shape[0]
     else:
         route = sorted_route if sorted_route is not None else jnp.zeros((1,), jnp.int32)  # unread
-        who, programs = block_expert, nb
+        who, programs = block_expert, nb * (mt // chunk)
     res = _call(kern, tuple(out), (programs * (inter // (TILE * per)),), num_warps=4,
                 name="nvfp4_moe_fc1_epilogue", interpret=interpret)(
         route, who, num_blocks, part, a1, g2, rg2)

@@ -69,10 +69,10 @@ def block_routing(topk_ids: jax.Array, num_experts: int, block_m: int, *,
     """Group routes by expert into blocks of ``block_m`` rows; topk_ids int [T, k] in [0, E).
 
     method: "sort" (stable argsort of ``sort_keys``, scatter-add counts, cumsums, two
-    scatters), "dense" (no
-    sort: counts, each route's rank among the routes of its expert and the padded cumsum as
-    compare-and-count reductions over [E, N], [N, N] and [E, E]; the inverse permutation by a
-    [EM, N] reduction while that is at most 2^20 elements, else one scatter), or "auto"
+    scatters), "dense" (no sort: counts, each route's rank among the routes of its expert and
+    the padded cumsum as compare-and-count reductions over [E, N], [N, N] and [E, E]; the
+    inverse permutation by a [EM, N] reduction while that is at most 2^20 elements, else one
+    scatter), or "auto"
     (dense up to ``DENSE_MAX_ROUTES`` routes, where its ~5 fusions cost less than the sort
     path's ~10 launches; the quadratic terms grow past that). Both give the same routing.
     """

@@ -17,7 +17,6 @@ Usage: python bench/routing_probe.py --out DIR [--rounds 3] [--tokens 1,2,4,8,16
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -27,7 +26,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import gemm_bench as gb
 import jax.numpy as jnp
 import numpy as np
-from run_meta import run_metadata
+from run_meta import dump_records, finish_rounds
 
 from nvfp4_jax.moe import epilogue as ep
 from nvfp4_jax.moe.mosaic import recipe_of
@@ -84,14 +83,11 @@ def main():
     for _ in range(a.rounds):
         for tm, r in zip(timers, rows):
             r["rounds_us"].append(tm() * 1e6)
+    finish_rounds(rows)
     for r in rows:
-        r["median_us"] = float(np.median(r["rounds_us"]))
         print(f"T={r['tokens']:3d} N={r['routes']:4d} {r['case']:24s} {r['median_us']:7.2f} us  "
               f"rounds {min(r['rounds_us']):.2f}-{max(r['rounds_us']):.2f}", flush=True)
-    os.makedirs(a.out, exist_ok=True)
-    with open(os.path.join(a.out, "routing-probe-h200.json"), "w") as f:
-        json.dump({**run_metadata(), "what": "routing alone: XLA vs the routes-method kernel",
-                   "records": rows}, f, indent=1)
+    dump_records(a.out, "routing-probe-h200.json", "routing alone: XLA vs the routes-method kernel", rows)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import subprocess
 
@@ -41,3 +42,18 @@ def run_metadata() -> dict:
         "jax": jax.__version__,
         "jaxlib": jaxlib.__version__,
     }
+
+
+def finish_rounds(rows: list) -> None:
+    """Each row's ``median_us`` from its ``rounds_us`` (the timing rounds, interleaved)."""
+    import numpy as np
+
+    for r in rows:
+        r["median_us"] = float(np.median(r["rounds_us"]))
+
+
+def dump_records(out_dir: str, name: str, what: str, rows: list) -> None:
+    """``out_dir/name``: the run's header, ``what`` was measured and the ``records``."""
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, name), "w") as f:
+        json.dump({**run_metadata(), "what": what, "records": rows}, f, indent=1)

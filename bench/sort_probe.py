@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import sys
 
@@ -26,7 +25,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import gemm_bench as gb
 import jax.numpy as jnp
 import numpy as np
-from run_meta import run_metadata
+from run_meta import dump_records, finish_rounds
 
 from nvfp4_jax.moe import routing
 
@@ -75,15 +74,13 @@ def main():
     for _ in range(a.rounds):
         for tm, r in zip(timers, rows):
             r["rounds_us"].append(tm() * 1e6)
+    finish_rounds(rows)
     for r in rows:
-        r["median_us"] = float(np.median(r["rounds_us"]))
         print(f"{r['shape']:10s} T={r['tokens']:5d} N={r['routes']:6d} {r['what']:14s} {r['keys']:6s} "
               f"{r['median_us']:8.2f} us  rounds {min(r['rounds_us']):.2f}-{max(r['rounds_us']):.2f}",
               flush=True)
-    os.makedirs(a.out, exist_ok=True)
-    with open(os.path.join(a.out, "sort-probe-h200.json"), "w") as f:
-        json.dump({**run_metadata(), "what": "the routing's sort: narrow (routing.sort_keys) vs int32 keys",
-                   "records": rows}, f, indent=1)
+    dump_records(a.out, "sort-probe-h200.json",
+                 "the routing's sort: narrow (routing.sort_keys) vs int32 keys", rows)
 
 
 if __name__ == "__main__":

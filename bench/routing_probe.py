@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import gemm_bench as gb
 import jax.numpy as jnp
 import numpy as np
-from run_meta import dump_records, finish_rounds
+from run_meta import dump_records, time_rounds
 
 from nvfp4_jax.moe import epilogue as ep
 from nvfp4_jax.moe.mosaic import recipe_of
@@ -80,10 +80,7 @@ def main():
                 continue
             rows.append({"tokens": t, "routes": t * K, "case": name, "warps": nw, "rounds_us": []})
         ep.ROUTING_WARPS.clear()
-    for _ in range(a.rounds):
-        for tm, r in zip(timers, rows):
-            r["rounds_us"].append(tm() * 1e6)
-    finish_rounds(rows)
+    time_rounds(timers, rows, a.rounds)
     for r in rows:
         print(f"T={r['tokens']:3d} N={r['routes']:4d} {r['case']:24s} {r['median_us']:7.2f} us  "
               f"rounds {min(r['rounds_us']):.2f}-{max(r['rounds_us']):.2f}", flush=True)

@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import gemm_bench as gb
 import jax.numpy as jnp
 import numpy as np
-from run_meta import dump_records, finish_rounds
+from run_meta import dump_records, time_rounds
 
 from nvfp4_jax.moe import routing
 
@@ -71,10 +71,7 @@ def main():
                         timers.append(gb.make_timer(fn, ids, [jnp.zeros((1,))], target_s=0.02))
                     rows.append({"shape": shape, "tokens": t, "routes": t * k, "experts": e,
                                  "what": what, "keys": keys, "rounds_us": []})
-    for _ in range(a.rounds):
-        for tm, r in zip(timers, rows):
-            r["rounds_us"].append(tm() * 1e6)
-    finish_rounds(rows)
+    time_rounds(timers, rows, a.rounds)
     for r in rows:
         print(f"{r['shape']:10s} T={r['tokens']:5d} N={r['routes']:6d} {r['what']:14s} {r['keys']:6s} "
               f"{r['median_us']:8.2f} us  rounds {min(r['rounds_us']):.2f}-{max(r['rounds_us']):.2f}",

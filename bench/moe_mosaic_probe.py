@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import contextlib
 import dataclasses
 import json
 import os
@@ -61,7 +60,7 @@ from moe_bench import (
     per_layer_scales,
     timed_loop,
 )
-from run_meta import run_metadata
+from run_meta import patched, run_metadata
 
 from nvfp4_jax.gemm.mosaic import MosaicConfig
 from nvfp4_jax.moe import epilogue, pad_fc2
@@ -146,18 +145,6 @@ def trace_knobs(name: str) -> tuple[list, str]:
     return ([TRACE_KNOBS[k] for k in knobs if k in TRACE_KNOBS],
             "_".join(k for k in knobs if k not in TRACE_KNOBS))
 
-
-@contextlib.contextmanager
-def patched(patches: list):
-    """Set each (module, attribute, value) for the duration (restored after)."""
-    saved = [(m, a, getattr(m, a)) for m, a, _ in patches]
-    for m, a, v in patches:
-        setattr(m, a, v)
-    try:
-        yield
-    finally:
-        for m, a, v in saved:
-            setattr(m, a, v)
 
 
 def named_config(name: str, base: MosaicMoEConfig, hidden: int, inter: int) -> MosaicMoEConfig:

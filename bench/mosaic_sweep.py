@@ -97,10 +97,8 @@ def variants(m, n, k, spec):
             if item == "base":
                 continue
             key, val = item.split("=")
-            if key == "semantics":
-                kw[key] = val
-            else:
-                kw[key] = bool(int(val)) if key in ("overlap", "bf16_store", "cluster_reduce") else int(val)
+            kind = type(getattr(base, key))  # the field's type: bool as 0/1, int, str as given
+            kw[key] = bool(int(val)) if kind is bool else kind(val)
         cfg = dataclasses.replace(base, **kw)
         try:
             check_config(cfg, k, token_tile(m))

@@ -1,7 +1,10 @@
-"""The header every result JSON of bench/ starts with: date, commit, GPU, jax, jaxlib."""
+"""The header every result JSON of bench/ starts with (date, commit, GPU, jax, jaxlib), and the
+small pieces the probes share: interleaved timing rounds, writing records, patching a module
+constant while a case is traced."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -61,3 +64,17 @@ def dump_records(out_dir: str, name: str, what: str, rows: list) -> None:
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, name), "w") as f:
         json.dump({**run_metadata(), "what": what, "records": rows}, f, indent=1)
+
+
+@contextlib.contextmanager
+def patched(patches: list):
+    """Set each (module, attribute, value) for the duration (restored after): a bench-only
+    A/B of a choice that is not a config field, applied while the case is traced."""
+    saved = [(m, a, getattr(m, a)) for m, a, _ in patches]
+    for m, a, v in patches:
+        setattr(m, a, v)
+    try:
+        yield
+    finally:
+        for m, a, v in saved:
+            setattr(m, a, v)

@@ -15,7 +15,6 @@ Usage: python bench/sort_probe.py --out DIR [--rounds 3] [--tokens 512,4096]
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import sys
 
@@ -25,23 +24,16 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import gemm_bench as gb
 import jax.numpy as jnp
 import numpy as np
-from run_meta import dump_records, time_rounds
+from run_meta import dump_records, patched, time_rounds
 
 from nvfp4_jax.moe import routing
 
 SHAPES = {"qwen3_30b": (128, 8, 64), "nemotron": (512, 22, 64)}  # experts, top-k, block_m
 
 
-@contextlib.contextmanager
 def int32_keys(on: bool):
     """While tracing: ``routing.sort_keys`` as the identity (the int32 keys before session 15)."""
-    saved = routing.sort_keys
-    if on:
-        routing.sort_keys = lambda flat, num_experts: flat
-    try:
-        yield
-    finally:
-        routing.sort_keys = saved
+    return patched([(routing, "sort_keys", lambda flat, num_experts: flat)] if on else [])
 
 
 def main():

@@ -932,7 +932,7 @@ def _build_clustered(m_tile: int, n: int, k: int, cfg: MosaicConfig, split: int,
     def make(out):
         return mosaic_kernel(nvfp4_w4a16_mosaic_cluster, out_type=out, grid=(n_tiles,),
                              grid_names=("n",), cluster=split,
-                             semantics="lane" if cfg.semantics == "default" else cfg.semantics,
+                             semantics="lane",  # MosaicConfig refuses warpgroup here
                              scratch=[plgpu.SMEM((split - 1, bn, m_tile), jnp.float32)])
 
     return make, out_type

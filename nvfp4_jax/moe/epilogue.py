@@ -276,11 +276,9 @@ def route_tiles_per_program(n_tiles: int, routes: int, halves: int) -> int:
 def _fc1_epilogue_kernel(route_ref, be_ref, nb_ref, part_ref, a1_ref, g2_ref, rg2_ref, hv_ref, *h_ref,
                          mt: int, split: int, inter: int, per: int, activation: str,
                          gate_up_order: str, mode: str, recipe: str, exact_asm: bool,
-                         n_routes: int | None, prescaled: bool, by_route: bool = False,
-                         chunk: int | None = None):
+                         n_routes: int | None, prescaled: bool, by_route: bool, chunk: int):
     n_groups = inter // (TILE * per)
-    chunk = mt if chunk is None else chunk
-    chunks = mt // chunk
+    chunks = mt // chunk  # by_route: mt = chunk = 1
     pid = pl.program_id(0)
     bc, c0 = pid // n_groups, pid % n_groups * (TILE * per)
     b, ci = bc // chunks, bc % chunks
@@ -290,7 +288,6 @@ def _fc1_epilogue_kernel(route_ref, be_ref, nb_ref, part_ref, a1_ref, g2_ref, rg
     # (blocks past num_blocks: nothing)
     def body():
         rows = pl.ds(route_ref[b], 1) if by_route else pl.ds(b * mt + ci * chunk, chunk)
-        mt_ = 1 if by_route else chunk
         load_kw, store_kw = {}, {}  # n_routes given: only the block's routed rows are read and written
         if n_routes is not None:  # (never with by_route: fc1_epilogue refuses the pair)
             live = (plgpu.load(route_ref.at[rows]) < n_routes)[:, None]
@@ -317,8 +314,8 @@ def _fc1_epilogue_kernel(route_ref, be_ref, nb_ref, part_ref, a1_ref, g2_ref, rg
                                gate_up_order=gate_up_order, mode=mode, exact_asm=exact_asm)  # bf16 [mt, TILE]
             if h_ref:
                 plgpu.store(h_ref[0].at[rows, cols], h, **store_kw)
-            q = _requantize(h.astype(jnp.float32).reshape(mt_, TILE // 16, 16), g, rg, recipe, exact_asm)
-            plgpu.store(hv_ref.at[rows, cols], permute_k_order(q.reshape(mt_, TILE)).astype(jnp.bfloat16),
+            q = _requantize(h.astype(jnp.float32).reshape(chunk, TILE // 16, 16), g, rg, recipe, exact_asm)
+            plgpu.store(hv_ref.at[rows, cols], permute_k_order(q.reshape(chunk, TILE)).astype(jnp.bfloat16),
                         **store_kw)
 
     if by_route:

@@ -512,13 +512,19 @@ def test_auto_table_entries_are_valid_and_looked_up():
     """The measured entries run (check_config passes for both GEMMs, linear and swizzled
     scales), keep the default heuristic's block size, and auto_config returns them."""
     for (e, h, r, i, b), cfg in mm.AUTO_SM90.items():
-        routes = {32: 22, 256: 176, 2048: 1408, 8: 8, 64: 64}[b]
+        routes = {32: 22, 256: 176, 2048: 1408, 8: 8, 64: 64, 32768: 32768}[b]
         assert mm._bucket(routes) == b
         assert default_config(routes, e, hidden=h, rows1=r, inter=i).block_m == cfg.block_m
         assert mm.auto_config(routes, e, hidden=h, rows1=r, inter=i) == cfg
         for c, k in ((cfg.fc1, h), (cfg.fc2, i)):
             for swz in (False, True):
                 assert check_config(c, k, cfg.block_m, swizzled=swz) >= 1
+    # qwen3 prefill: the default config with skip_padding and FC2 on one warpgroup
+    q = default_config(32768, *mm._QWEN[:1], hidden=mm._QWEN[1], rows1=mm._QWEN[2], inter=mm._QWEN[3])
+    assert mm.AUTO_SM90[(*mm._QWEN, 32768)] == dataclasses.replace(
+        q, skip_padding=True, fc2=dataclasses.replace(q.fc2, consumers=1))
+    assert mm.auto_config(16384, 128, hidden=2048, rows1=1536, inter=768) == default_config(
+        16384, 128, hidden=2048, rows1=1536, inter=768)  # T = 2048: not measured, the default
     # FC2 zero-padded along K (pad_fc2): its own FC2 config where measured, the rest as above
     for key, c2 in mm.AUTO_SM90_PADDED_FC2.items():
         e, h, r, i, b = key

@@ -24,7 +24,7 @@ from test_moe_cases import check_against_oracle, make_case_fast
 
 from nvfp4_jax.gemm.api import _gpu_compute_capability
 from nvfp4_jax.gemm.mosaic import MosaicConfig
-from nvfp4_jax.moe.mosaic import MosaicMoEConfig
+from nvfp4_jax.moe.mosaic import _QWEN, AUTO_SM90, MosaicMoEConfig
 from nvfp4_jax.moe.pallas_triton import moe_pallas
 
 pytestmark = pytest.mark.gpu
@@ -118,6 +118,9 @@ def _run(case, *, mode, activation, order="up_gate", config=None, kernel="mosaic
     # (epilogue_row_chunk, session 15), each token quantized once, the wide glue
     ("qwen_prefill_default_trtllm", "trtllm_cutlass", {**QWEN, "t": 96, "e": 4, "k": 2}, "up_gate",
      MosaicMoEConfig(block_m=64, bf16_partials=True, wide_glue=True, token_quant=True)),
+    # qwen3's measured prefill entry (session 16): skip_padding, FC2 on one warpgroup
+    ("qwen_prefill_auto_trtllm", "trtllm_cutlass", {**QWEN, "t": 96, "e": 4, "k": 2}, "up_gate",
+     AUTO_SM90[(*_QWEN, 32768)]),
     # both grouped GEMMs under Mosaic's lane semantics (JAX 0.11's default is warpgroup),
     # whole-K scales (nemotron FC2) included
     ("nemotron_lane_trtllm", "trtllm_cutlass", {**NEMO, "t": 8, "e": 24, "k": 6}, "up_gate",

@@ -448,7 +448,11 @@ def combine(part: jax.Array, route_pos: jax.Array, topk_ids: jax.Array, topk_wei
     row); topk_ids int [T, k] and topk_weights [T, k]; a2 fp32 [E]. ``out[t] = sum_j w[t, j] * (alpha2[e] * acc[route_pos[t*k + j]])``
     (the product bf16-rounded first in trtllm_cutlass), summed over j in fp32 (a tree order:
     the oracle's sum is exact, and the tests bound this one). ``wide``: ``combine_width``
-    columns per program instead of COMBINE_WIDTH (the same values, fewer programs).
+    columns per program instead of COMBINE_WIDTH: fewer programs, the same products, but
+    not always the same bits on a GPU: Triton's sum over the k routes follows the tile's
+    register layout, so another width may associate it differently (nemotron T = 4096 on
+    the H200, width 512 vs 256: up to 3.5e-3 of max |out|, session 16); every order stays
+    within the tests' bound.
     """
     t, k = topk_weights.shape
     if part.ndim != 3 or hidden % TILE or part.shape[2] < hidden:

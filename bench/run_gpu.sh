@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU tests (incl. the SM12x compile check) and both benchmarks on the GPU machine.
 # Usage (device tool): NVFP4_COMMIT=<hash> STEPS="tests gemm moe ncu" bash bench/run_gpu.sh
-# Steps: tests gemm moe profile gprofile probe sortprobe sweep ncu mncu. Each has its own timeout (T_TESTS, T_GEMM, T_MOE,
+# Steps: tests gemm moe profile gprofile probe sortprobe lprobe sweep ncu mncu. Each has its own timeout (T_TESTS, T_GEMM, T_MOE,
 # T_PROFILE, T_PROBE, T_NCU seconds; all GPU test modules take ~290 s; TEST_FILES picks modules
 # (split at spaces), TEST_K a pytest -k expression, spaces allowed); GEMM_SHAPES, GEMM_MS
 # and MOE_TOKENS narrow the benches (MOE_PAD_FC2=1: ours on FC2 weights padded by moe.pad_fc2;
@@ -64,6 +64,10 @@ for s in $STEPS; do
       step "the routing's sort: narrow vs int32 keys (${SORT_TOKENS:-512,4096})"
       timeout "${T_SORT:-150}" python3 bench/sort_probe.py --out "$OUT" --tokens "${SORT_TOKENS:-512,4096}" \
         --rounds "${SORT_ROUNDS:-3}" 2>&1 | grep -v Warning | tail -20 | tee -a "$OUT/run.log" ;;
+    lprobe)
+      step "launch probe: device events next to trivial Mosaic / Pallas-Triton launches"
+      timeout "${T_LPROBE:-120}" python3 bench/launch_probe.py --out "$OUT" 2>&1 \
+        | grep -v Warning | tail -40 | tee -a "$OUT/run.log" ;;
     sweep)
       step "mosaic GEMM config sweep (${SWEEP_PLAN:-default plan})"
       timeout "${T_SWEEP:-240}" python3 bench/mosaic_sweep.py --out "$OUT" --budget-s $((${T_SWEEP:-240} - 30)) \

@@ -4,7 +4,9 @@ Profiles (``jax.profiler``, GPU stream events) jitted chains of trivial kernels:
 kernels that copy ``n`` separate [8, 256] bf16 inputs through shared memory with TMA (``n``
 load descriptors + ``n`` store descriptors, passed to the launch as a by-value array of
 128-byte descriptors), a Mosaic kernel with no TMA at all (a scalar GMEM load and store), and
-a Pallas-Triton copy as the control. Each chain is ``CALLS`` calls, each call's output feeding
+a Pallas-Triton copy as the control; then the MoE's grouped kernel itself at qwen3's FC1
+decode size, with its int32 block lists as jit parameters and as a Triton kernel's outputs
+(as the MoE layer's routing makes them). Each chain is ``CALLS`` calls, each call's output feeding
 the next; the table gives, per call, every device event's time and count. If ``memcpy32_post``
 (the copy seen in the MoE and GEMM profiles, two per MoE layer) follows every Mosaic launch
 whatever its descriptors, it is the Mosaic runtime's; if its count or size follows the
@@ -81,10 +83,61 @@ def triton_copy(interpret: bool = False):
                           compiler_params=plgpu_tr.CompilerParams(num_warps=4, num_stages=1))
 
 
+#: The grouped MoE kernel at qwen3's FC1 decode size (T = 1: 8 routes, 8 experts, 8-row blocks)
+GROUPED = {"e": 8, "n": 1536, "k": 2048, "block_m": 8}
+
+
+def grouped_inputs():
+    """(x, codes, scales, block_expert, num_blocks) of ``GROUPED``: random codes, scales in
+    E4M3's normal range, one block per expert."""
+    e, n, k, bm = GROUPED["e"], GROUPED["n"], GROUPED["k"], GROUPED["block_m"]
+    key = jax.random.split(jax.random.PRNGKey(0), 3)
+    x = jax.random.normal(key[0], (e * bm, k), jnp.float32).astype(jnp.bfloat16)
+    codes = jax.random.randint(key[1], (e, n, k // 2), 0, 256, jnp.int32).astype(jnp.uint8)
+    scales = jax.random.randint(key[2], (e, n, k // 16), 0x30, 0x40, jnp.int32).astype(jnp.uint8)
+    return x, codes, scales, jnp.arange(e, dtype=jnp.int32), jnp.full((1,), e, jnp.int32)
+
+
+def grouped_step(after_triton: bool):
+    """CALLS grouped-kernel launches chained through x (a zero-valued XLA add between them).
+    ``after_triton``: block_expert and num_blocks come from a Pallas-Triton kernel in the
+    same program before every launch, as the MoE layer's routing kernel makes them."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plgpu_tr
+
+    from nvfp4_jax.moe.mosaic import MosaicConfig, grouped_matmul
+
+    cfg = MosaicConfig(block_n=64, split_k=1, num_stages=2)
+
+    def probe_routing(be_ref, nb_ref, be_out, nb_out):
+        be_out[...] = be_ref[...]
+        nb_out[...] = nb_ref[...]
+
+    e = GROUPED["e"]
+    route = pl.pallas_call(
+        probe_routing, name="probe_routing",
+        out_shape=(jax.ShapeDtypeStruct((e,), jnp.int32), jax.ShapeDtypeStruct((1,), jnp.int32)),
+        compiler_params=plgpu_tr.CompilerParams(num_warps=1, num_stages=1))
+
+    def chain(state):
+        x, codes, scales, be, nb = state
+        for _ in range(CALLS):
+            b, n = route(be, nb) if after_triton else (be, nb)
+            part = grouped_matmul(x, codes, scales, b, n, block_m=GROUPED["block_m"], config=cfg,
+                                  name="probe")
+            x = x + (part[0, 0, 0] * 0.0).astype(x.dtype)
+        return x, codes, scales, be, nb
+
+    return jax.jit(chain)
+
+
 def cases() -> dict:
     """name -> (initial state, step: state -> state of CALLS chained calls)."""
     x = jnp.ones(SHAPE, jnp.bfloat16)
     out = {}
+    g = grouped_inputs()
+    out["grouped"] = (g, grouped_step(False))
+    out["grouped_after_triton"] = (g, grouped_step(True))
     for n in (1, 4, 16):
         k = tma_copy(n)
 

@@ -209,3 +209,26 @@ def test_sort_probe_times_int32_keys_only_inside_its_context():
     with probe.int32_keys(True):
         assert "(s32[32]{0}, s32[32]{0}) sort(" in sort_line()
     assert "(u8[32]{0}, s32[32]{0}) sort(" in sort_line()
+
+
+def test_launch_probe_kernels_lower_for_cuda():
+    """bench/launch_probe.py's cases lower for CUDA on any machine (their GPU run is the
+    probe): the TMA copies, the scalar kernel, and the grouped MoE kernel chained after a
+    Triton kernel, one Mosaic custom call per launch."""
+    import re
+    import sys
+
+    import jax
+    import jax.numpy as jnp
+
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    lp = _load("launch_probe")
+    xs = tuple(jnp.ones(lp.SHAPE, jnp.bfloat16) for _ in range(4))
+    txt = jax.jit(lambda *a: lp.tma_copy(4)(*a)).trace(*xs).lower(lowering_platforms=("cuda",)).as_text()
+    assert re.findall(r"custom_call @(\w+)", txt) == ["mosaic_gpu_v2"]
+    txt = jax.jit(lp.scalar_copy()).trace(jnp.zeros((1,), jnp.int32)).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert re.findall(r"custom_call @(\w+)", txt) == ["mosaic_gpu_v2"]
+    txt = lp.grouped_step(True).trace(lp.grouped_inputs()).lower(lowering_platforms=("cuda",)).as_text()
+    calls = re.findall(r"custom_call @(\w+)", txt)
+    assert calls.count("mosaic_gpu_v2") == lp.CALLS and len(calls) == 2 * lp.CALLS

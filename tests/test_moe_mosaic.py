@@ -520,7 +520,7 @@ def test_auto_table_entries_are_valid_and_looked_up():
             for swz in (False, True):
                 assert check_config(c, k, cfg.block_m, swizzled=swz) >= 1
     # qwen3 prefill: the default config with skip_padding and FC2 on one warpgroup
-    q = default_config(32768, *mm._QWEN[:1], hidden=mm._QWEN[1], rows1=mm._QWEN[2], inter=mm._QWEN[3])
+    q = default_config(32768, mm._QWEN[0], hidden=mm._QWEN[1], rows1=mm._QWEN[2], inter=mm._QWEN[3])
     assert mm.AUTO_SM90[(*mm._QWEN, 32768)] == dataclasses.replace(
         q, skip_padding=True, fc2=dataclasses.replace(q.fc2, consumers=1))
     assert mm.auto_config(16384, 128, hidden=2048, rows1=1536, inter=768) == default_config(

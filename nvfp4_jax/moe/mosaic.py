@@ -377,9 +377,10 @@ def _qwen_prefill() -> MosaicMoEConfig:
     (tests check) with ``skip_padding`` and FC2 on one compute warpgroup. H200, session 16
     (bench/results/moe-mosaic-probe-round29-h200.json, T = 4096, swizzled weights, median of
     3 interleaved rounds, us): default 1041.4, skip_padding 1036.1, FC2 one warpgroup 1036.2,
-    both 1026.9. FC2's K = 768 is three 256-deep steps: with two warpgroups its CTA (171 KB of
-    shared memory at 64-row blocks) has the SM alone and fills and drains its pipeline with
-    nothing overlapping; one warpgroup (~118 KB) fits two CTAs per SM. Both changes lose at
+    both 1026.9. FC2's K = 768 is three 256-deep steps: with two warpgroups its CTA (200 KB of
+    shared memory at 64-row blocks, ``MosaicConfig.smem_bytes``) has the SM alone and fills
+    and drains its pipeline with nothing overlapping; with one (100 KB) two CTAs share an SM.
+    Both changes lose at
     nemotron T = 4096 (skip_padding 3251.3 vs 3190.3 in the same run; FC2 on one warpgroup
     3350.7 vs 3169.3 in round 28, K = 2688: eleven steps), which keeps the default."""
     return MosaicMoEConfig(block_m=64, fc1=MosaicConfig(block_n=128, num_stages=2, consumers=2),

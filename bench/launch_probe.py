@@ -61,7 +61,6 @@ def tma_copy(n: int):
 def scalar_copy():
     """Mosaic kernel without TMA: one int32 read from GMEM and written back plus one (lane
     semantics: a scalar GMEM store)."""
-    _, _plgpu = _pallas_mosaic_gpu()
 
     def probe_scalar(x_gmem, o_gmem):
         o_gmem[0] = x_gmem[0] + 1
@@ -131,38 +130,26 @@ def grouped_step(after_triton: bool):
     return jax.jit(chain)
 
 
+def chained(kernel, unpack: bool = False):
+    """jit of ``CALLS`` chained calls of ``kernel`` (``unpack``: the state is a tuple of its
+    arguments, and its outputs are the next call's)."""
+    def chain(state):
+        for _ in range(CALLS):
+            state = kernel(*state) if unpack else kernel(state)
+        return state
+
+    return jax.jit(chain)
+
+
 def cases() -> dict:
     """name -> (initial state, step: state -> state of CALLS chained calls)."""
     x = jnp.ones(SHAPE, jnp.bfloat16)
-    out = {}
     g = grouped_inputs()
-    out["grouped"] = (g, grouped_step(False))
-    out["grouped_after_triton"] = (g, grouped_step(True))
+    out = {"grouped": (g, grouped_step(False)), "grouped_after_triton": (g, grouped_step(True))}
     for n in (1, 4, 16):
-        k = tma_copy(n)
-
-        def chain(xs, k=k):
-            for _ in range(CALLS):
-                xs = k(*xs)
-            return xs
-
-        out[f"mosaic_tma{n}"] = (tuple(x + i for i in range(n)), jax.jit(chain))
-    ks = scalar_copy()
-
-    def chain_s(v):
-        for _ in range(CALLS):
-            v = ks(v)
-        return v
-
-    out["mosaic_no_tma"] = (jnp.zeros((1,), jnp.int32), jax.jit(chain_s))
-    kt = triton_copy()
-
-    def chain_t(v):
-        for _ in range(CALLS):
-            v = kt(v)
-        return v
-
-    out["triton"] = (x, jax.jit(chain_t))
+        out[f"mosaic_tma{n}"] = (tuple(x + i for i in range(n)), chained(tma_copy(n), unpack=True))
+    out["mosaic_no_tma"] = (jnp.zeros((1,), jnp.int32), chained(scalar_copy()))
+    out["triton"] = (x, chained(triton_copy()))
     return out
 
 

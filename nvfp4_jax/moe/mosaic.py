@@ -291,6 +291,19 @@ AUTO_SM90: dict[tuple[int, int, int, int, int], MosaicMoEConfig] = {
                                   fc2=MosaicConfig(block_n=64, split_k=1, num_stages=2),
                                   routing="fused", skip_padding=True, bf16_partials=True,
                                   epilogue="routes"),
+    # qwen3-30B T = 2049..4096: default_config's (tests check) with skip_padding and FC2 on one
+    # compute warpgroup (session 16, bench/results/moe-mosaic-probe-round29-h200.json, T =
+    # 4096, swizzled weights, median of 3 rounds): 1026.9 vs 1041.4 us (skip_padding alone
+    # 1036.1, FC2 one warpgroup alone 1036.2). FC2's K = 768 is three 256-deep steps: with two
+    # warpgroups its CTA (200 KB of shared memory at 64-row blocks, MosaicConfig.smem_bytes)
+    # has the SM alone and fills and drains its pipeline with nothing overlapping; with one
+    # (100 KB) two CTAs share an SM. Both lose at nemotron T = 4096 (skip_padding 3251.3 vs
+    # 3190.3 in the same run; FC2 on one warpgroup 3350.7 vs 3169.3 in round 28: K = 2688 is
+    # eleven steps), which keeps the default.
+    (*_QWEN, 32768): MosaicMoEConfig(block_m=64, fc1=MosaicConfig(block_n=128, num_stages=2, consumers=2),
+                                     fc2=MosaicConfig(block_n=128, num_stages=2, consumers=1),
+                                     bf16_partials=True, wide_glue=True, token_quant=True,
+                                     skip_padding=True),
 }
 
 
@@ -370,25 +383,6 @@ def default_config(routes: int, num_experts: int, *, hidden: int, rows1: int, in
     return MosaicMoEConfig(block_m=bm, fc1=cfgs[0], fc2=cfgs[1], bf16_partials=routes >= BF16_PARTIALS_ROUTES,
                            wide_glue=routes >= WIDE_GLUE_ROUTES,
                            token_quant=routes >= TOKEN_QUANT_ROUTES)
-
-
-def _qwen_prefill() -> MosaicMoEConfig:
-    """The qwen3-30B entry for 16385..32768 routed rows (T = 2049..4096): ``default_config``'s
-    (tests check) with ``skip_padding`` and FC2 on one compute warpgroup. H200, session 16
-    (bench/results/moe-mosaic-probe-round29-h200.json, T = 4096, swizzled weights, median of
-    3 interleaved rounds, us): default 1041.4, skip_padding 1036.1, FC2 one warpgroup 1036.2,
-    both 1026.9. FC2's K = 768 is three 256-deep steps: with two warpgroups its CTA (200 KB of
-    shared memory at 64-row blocks, ``MosaicConfig.smem_bytes``) has the SM alone and fills
-    and drains its pipeline with nothing overlapping; with one (100 KB) two CTAs share an SM.
-    Both changes lose at
-    nemotron T = 4096 (skip_padding 3251.3 vs 3190.3 in the same run; FC2 on one warpgroup
-    3350.7 vs 3169.3 in round 28, K = 2688: eleven steps), which keeps the default."""
-    return MosaicMoEConfig(block_m=64, fc1=MosaicConfig(block_n=128, num_stages=2, consumers=2),
-                           fc2=MosaicConfig(block_n=128, num_stages=2, consumers=1),
-                           bf16_partials=True, wide_glue=True, token_quant=True, skip_padding=True)
-
-
-AUTO_SM90[(*_QWEN, 32768)] = _qwen_prefill()
 
 
 def auto_config(routes: int, num_experts: int, *, hidden: int, rows1: int, inter: int,

@@ -58,7 +58,8 @@ TOKENS = (1, 8, 64, 512, 4096)
 ROUTINGS = ("random", "skewed")
 NROT = 8
 #: recorded with every run: what the timed loop gives each layer (module docstring)
-HARNESS = "per-layer global scales (session 10); 32 layers per loop round trip (session 14)"
+HARNESS = ("per-layer global scales (session 10); 32 layers per loop round trip (session 14); "
+           "routings as separate arrays, no per-layer slice copies (session 17)")
 
 
 def make_weights(key, s):
@@ -93,6 +94,17 @@ def make_routing(rng, t, e, k, kind):
     ids = np.argsort(-g, axis=-1)[..., :k].astype(np.int32)
     w = rng.random((NROT, t, k)).astype(np.float32) + 0.1
     return ids, (w / w.sum(-1, keepdims=True)).astype(np.float32)
+
+
+def device_routings(ids, wts):
+    """The NROT routings as NROT separate device arrays each (tuples), the form every timed
+    layer reads: ``ids[j]`` of a stacked [NROT, T, k] array inside the jitted program is a
+    slice that XLA:GPU runs as a device-to-device copy (a Mosaic or Triton custom call cannot
+    fuse it), two per layer (ids and weights, ~1 us each on the H200 in session 17's
+    profile); a model's router writes its routing into a buffer of its own, so the copies
+    were the harness's, not the layer's."""
+    return (tuple(jnp.asarray(ids[j]) for j in range(NROT)),
+            tuple(jnp.asarray(wts[j]) for j in range(NROT)))
 
 
 def ours_weights(q1, q2, scale_layout: str = "linear", pad: bool = False):
@@ -265,7 +277,7 @@ def main():
                          "scales per K step)")
     ap.add_argument("--pad-fc2", action="store_true",
                     help="nvfp4_moe's FC2 stack zero-padded along K (nvfp4_jax.moe.pad_fc2, once, "
-                         "outside the timing; a no-op where I % 256 == 0); bytes and TB/s still "
+                         "outside the timing; a no-op where I %% 256 == 0); bytes and TB/s still "
                          "count the unpadded weights")
     ap.add_argument("--budget-s", type=float, default=0.0,
                     help="after this many seconds only nvfp4_moe is measured (0: no limit)")
@@ -299,7 +311,7 @@ def main():
                 ids, wts = make_routing(rng, t, e, k, kind)
                 touched = np.mean([len(np.unique(ids[j])) for j in range(NROT)])
                 hidden = make_hidden(t, h)
-                ids_d, wts_d = jnp.asarray(ids), jnp.asarray(wts)
+                ids_d, wts_d = device_routings(ids, wts)
                 flops = 2.0 * t * k * (r * h + h * i)
                 for impl in impls:
                     if args.budget_s and impl != "nvfp4_moe" and time.time() - t_start > args.budget_s:

@@ -52,6 +52,7 @@ from moe_bench import (
     HARNESS,
     NROT,
     SHAPES,
+    device_routings,
     input_scales,
     make_hidden,
     make_routing,
@@ -263,7 +264,7 @@ def main():
             ids, wts = make_routing(rng, t, e, k, "random")
             touched = float(np.mean([len(np.unique(ids[j])) for j in range(NROT)]))
             tb = touched * (r * h + h * i) * 0.5625
-            cases.append((sname, t, s, params, make_hidden(t, h), jnp.asarray(ids), jnp.asarray(wts),
+            cases.append((sname, t, s, params, make_hidden(t, h), *device_routings(ids, wts),
                           touched, tb))
 
     def run_one(sname, t, s, params, hidden, ids, wts, touched, tb, kernel, name, cfg, ref=None,

@@ -20,7 +20,6 @@ import sys
 import tempfile
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -30,6 +29,7 @@ from moe_bench import (
     NROT,
     SHAPES,
     SMOKE,
+    device_routings,
     input_scales,
     make_hidden,
     make_routing,
@@ -95,7 +95,7 @@ def profile_case(sname: str, t: int, reps: int, hlo_path: str | None = None, *,
     _, _, q1, q2 = make_weights(jax.random.PRNGKey(1), s)
     q1, q2 = ours_weights(q1, q2, scale_layout, padded)
     ids, wts = make_routing(np.random.default_rng(0), t, e, k, "random")
-    ids, wts = jnp.asarray(ids), jnp.asarray(wts)
+    ids, wts = device_routings(ids, wts)
     x0 = make_hidden(t, h)
     layer = nvfp4_layer(act, "pallas")
 

@@ -16,7 +16,6 @@ import sys
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -25,6 +24,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from moe_bench import (
     SHAPES,
     SMOKE,
+    device_routings,
     input_scales,
     make_hidden,
     make_routing,
@@ -74,7 +74,7 @@ def main():
         _, _, q1, q2 = make_weights(jax.random.PRNGKey(1), s)
         params = (q1, q2, *input_scales(s))
         ids, wts = make_routing(np.random.default_rng(0), t, e, k, "random")
-        ids, wts = jnp.asarray(ids), jnp.asarray(wts)
+        ids, wts = device_routings(ids, wts)
         x = make_hidden(t, h)
         base = default_config(t * k, e, inter=i, hidden=h, gated=act == "swiglu")
         for cfg in variants(base, act == "swiglu"):

@@ -111,8 +111,45 @@ def _tiny_moe_loop():
     s = {"hidden": 256, "inter": 256, "experts": 8, "top_k": 2, "activation": "swiglu"}
     _, _, q1, q2 = mb.make_weights(jax.random.PRNGKey(1), s)
     params = (q1, q2, *mb.input_scales(s))
-    ids = jnp.asarray(np.array([[[0, 3]] * 3, [[5, 1]] * 3], np.int32))
-    return mb, (mb.make_hidden(3, 256), ids, jnp.full(ids.shape, 0.5, jnp.float32), 2, params)
+    ids = np.array([[[0, 3]] * 3, [[5, 1]] * 3], np.int32)
+    return mb, (mb.make_hidden(3, 256), *mb.device_routings(ids, np.full(ids.shape, 0.5, np.float32)),
+                2, params)
+
+
+def _routing_slices(jaxpr, shape) -> int:
+    """Slicing equations (slice, dynamic_slice, gather, squeeze) on an operand of ``shape``
+    anywhere in ``jaxpr``, its loop bodies and sub-programs included."""
+    n = 0
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in ("slice", "dynamic_slice", "gather", "squeeze"):
+            n += any(getattr(v.aval, "shape", None) == shape for v in eqn.invars)
+        for p in eqn.params.values():
+            for sub in p if isinstance(p, (tuple, list)) else (p,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    n += _routing_slices(inner, shape)
+    return n
+
+
+def test_moe_bench_layers_read_their_routing_without_a_slice():
+    """Each timed layer reads its routing from an array of its own (``device_routings``):
+    ``ids[j]`` of a stacked [NROT, T, k] array is a slice, which XLA:GPU ran as a ~1 us device
+    copy before each layer's routing kernel (two per layer: ids and weights; session 17's
+    profile), a cost of the harness that a model's router does not have."""
+    import sys
+
+    import jax
+    import numpy as np
+
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    mb, (x, ids, wts, n, params) = _tiny_moe_loop()
+    assert len(ids) == len(wts) == mb.NROT and all(i.shape == (3, 2) for i in ids)
+    run = mb.timed_loop(mb.nvfp4_layer("swiglu", "pallas"), mb.per_layer_scales)
+    stacked = (mb.NROT, 3, 2)
+    assert _routing_slices(jax.make_jaxpr(run)(x, ids, wts, n, params).jaxpr, stacked) == 0
+    ids_s, wts_s = np.stack([np.asarray(i) for i in ids]), np.stack([np.asarray(w) for w in wts])
+    # the stacked form (the harness before session 17) slices both arrays in every layer
+    assert _routing_slices(jax.make_jaxpr(run)(x, ids_s, wts_s, n, params).jaxpr, stacked) >= 2 * mb.NROT
 
 
 def test_moe_bench_loop_recomputes_scales_per_layer():

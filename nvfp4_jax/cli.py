@@ -3,6 +3,14 @@
 ``nvfp4 audit [--checkpoint DIR] [--json FILE] [--plot FILE] [--experts N] [--tokens LIST]
 [--top-k K] [--seed S] [--no-progress]``: the scale-folding audit (``nvfp4_jax.audit``). With no
 checkpoint it audits a synthetic MoE layer shaped like Nemotron Super's layer 1.
+
+``nvfp4 crosscheck [--cases N] [--seed S] [--m M] [--n N] [--k K] [--backends LIST]
+[--inputs FILE.npz] [--json FILE]``: every quantize and GEMM backend against the oracle on
+the same inputs (``nvfp4_jax.crosscheck``); exit code 1 when one fails.
+
+``nvfp4 explain FILE.npz [--out-key KEY] [--out-dtype DTYPE] [--splits S] [--json FILE]`` or
+``nvfp4 explain --demo FAULT [--save FILE.npz]``: where a GEMM output is wrong and which known
+fault reproduces it (``nvfp4_jax.explain``); exit code 1 when the output is wrong.
 """
 
 from __future__ import annotations
@@ -39,7 +47,103 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--top-k", type=int, default=None, help="experts per token (default: config.json or 8)")
     a.add_argument("--seed", type=int, default=0)
     a.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    from .crosscheck import BACKENDS
+    from .explain import DEMO_FAULTS, OUT_DTYPES
+
+    c = sub.add_parser(
+        "crosscheck", help="every NVFP4 quantize/GEMM backend against the oracle on the same inputs",
+        description="Run the activation quantization (TensorRT-LLM linear semantics) and the W4A4 / W4A16 GEMM "
+                    "through every backend available here (JAX XLA, Pallas, Mosaic; TensorRT-LLM re-enacted "
+                    "and live; FlashInfer's reference) and hold each to the exact oracle: quantization byte "
+                    "for byte, GEMMs within the derived fp32-accumulation bound (a failure is explained). "
+                    "Generated cases spread the weight blocks over five decades, through E4M3's subnormals.")
+    c.add_argument("--cases", type=int, default=4, help="generated cases, each at its own magnitudes (default 4)")
+    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--m", type=int, default=16, help="rows (tokens) of a generated case (default 16)")
+    c.add_argument("--n", type=int, default=256, help="output features of a generated case (default 256)")
+    c.add_argument("--k", type=int, default=512, help="input features, a multiple of 16 (default 512)")
+    c.add_argument("--backends", default=",".join(BACKENDS), metavar="LIST",
+                   help=f"comma-separated subset of {', '.join(BACKENDS)}")
+    c.add_argument("--inputs", metavar="FILE.npz",
+                   help="check this W4A4 linear-layer call instead (keys x, weight_fp4, weight_sf, weight_scale_2, "
+                        "input_scale; see nvfp4 explain)")
+    c.add_argument("--json", metavar="FILE", help="write the results as JSON")
+
+    e = sub.add_parser(
+        "explain", help="where a GEMM output is wrong, and which known fault reproduces it",
+        description="Compare an NVFP4 GEMM output with the exact oracle under the derived bound; localise the wrong "
+                    "outputs (rows, columns, tiles, NaN) and test known faults (alpha, scale layout, nibble order, "
+                    "folded weight_scale_2, split-K partials, UE8M0 scales, ...) and single corrupted scale bytes. "
+                    "FILE.npz holds either TensorRT-LLM nvfp4_gemm's operands (act_fp4, act_sf, weight_fp4, "
+                    "weight_sf, alpha) or a linear layer's (x, weight_fp4, weight_sf, weight_scale_2 [, input_scale]), "
+                    "scale bytes as uint8 (2-D: linear layout; 1-D: swizzled_128x4), and the output 'out' [M, N].")
+    e.add_argument("file", nargs="?", metavar="FILE.npz", help="the call's operands and its output")
+    e.add_argument("--out-key", default="out", help="name of the output array in FILE.npz (default out)")
+    e.add_argument("--out-dtype", default="bfloat16", choices=OUT_DTYPES,
+                   help="the dtype the backend returned (its rounding enters the bound; default bfloat16)")
+    e.add_argument("--splits", type=int, default=1, help="split-K partials the backend sums (widens the bound)")
+    e.add_argument("--demo", choices=DEMO_FAULTS, metavar="FAULT",
+                   help=f"explain the XLA backend's output with one fault injected: {', '.join(DEMO_FAULTS)}")
+    e.add_argument("--save", metavar="FILE.npz", help="with --demo: also write the demo call and output")
+    e.add_argument("--json", metavar="FILE", help="write the explanation as JSON")
     return p
+
+
+def _crosscheck(args) -> int:
+    from . import crosscheck
+
+    backends = tuple(b for b in args.backends.split(",") if b)
+    unknown = sorted(set(backends) - set(crosscheck.BACKENDS))
+    if unknown or not backends:
+        print(f"nvfp4 crosscheck: --backends: unknown {unknown or 'empty list'}; expected some of "
+              f"{', '.join(crosscheck.BACKENDS)}", file=sys.stderr)
+        return 2
+    if args.cases < 1 or args.m < 1 or args.n < 1 or args.k < 16 or args.k % 16:
+        print("nvfp4 crosscheck: --cases, --m, --n must be >= 1 and --k a positive multiple of 16", file=sys.stderr)
+        return 2
+    try:
+        results = crosscheck.run(cases=args.cases, seed=args.seed, m=args.m, n=args.n, k=args.k,
+                                 backends=backends, inputs=args.inputs)
+    except (FileNotFoundError, ValueError, TypeError) as exc:
+        print(f"nvfp4 crosscheck: {exc}", file=sys.stderr)
+        return 2
+    print(crosscheck.format_table(results))
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(crosscheck.to_json(results))
+    return 1 if any(r.status == "FAIL" for r in results) else 0
+
+
+def _explain(args) -> int:
+    from . import explain
+
+    if (args.file is None) == (args.demo is None):
+        print("nvfp4 explain: give FILE.npz or --demo FAULT (one of them)", file=sys.stderr)
+        return 2
+    if args.save and not args.demo:
+        print("nvfp4 explain: --save goes with --demo", file=sys.stderr)
+        return 2
+    try:
+        if args.demo:
+            case = explain.demo_case()
+            out = explain.demo_output(case, args.demo)
+            if args.save:
+                explain.save_npz(args.save, case, out)
+        else:
+            if args.splits < 1:
+                raise ValueError(f"--splits: expected >= 1, got {args.splits}")
+            case, out = explain.load_npz(args.file, out_key=args.out_key, out_dtype=args.out_dtype,
+                                         splits=args.splits)
+        result = explain.explain_gemm(case, out)
+    except (FileNotFoundError, ValueError, TypeError) as exc:
+        print(f"nvfp4 explain: {exc}", file=sys.stderr)
+        return 2
+    print(result.format())
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(result.to_json())
+    return 0 if result.verdict == "correct" else 1
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -63,6 +167,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"nvfp4 audit: {exc}", file=sys.stderr)
             return 2
         return 0
+    if args.command == "crosscheck":
+        return _crosscheck(args)
+    if args.command == "explain":
+        return _explain(args)
     return 2  # pragma: no cover
 
 

@@ -103,7 +103,6 @@ def _tiny_moe_loop():
     """moe_bench (NROT = 2) and the timed loop's arguments (x, ids, weights, n = 2, params) for a
     small swiglu layer: 8 experts, top-2, 3 tokens."""
     import jax
-    import jax.numpy as jnp
     import numpy as np
 
     mb = _load("moe_bench")

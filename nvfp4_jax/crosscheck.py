@@ -1,0 +1,271 @@
+"""Cross-check NVFP4 backends against the exact oracle on the same inputs.
+
+``nvfp4 crosscheck`` (or :func:`run`) makes linear-layer cases whose weight blocks span five
+decades of magnitude (so E4M3 block scales land in the subnormal range, where folding bugs
+live) at several global magnitudes, or reads one from an ``.npz`` (``nvfp4_jax.explain``'s
+linear form), and runs every backend on it:
+
+* **quantize** (the W4A4 activation, TensorRT-LLM linear semantics: ``trtllm`` recipe with
+  ``G = fp32(1 / input_scale)``): codes and scale bytes against ``oracle.quantize``, byte for
+  byte: ``jax`` (``nvfp4_jax.quantize``), ``trtllm_reenacted`` (the torch re-enactment of
+  ``fp4_quantize``, exact variant), ``trtllm_reenacted_fast`` (its fast-math default, against
+  the oracle's ``trtllm_fast`` recipe), ``flashinfer_reference`` (its trace quantizer, against
+  the oracle's ``flashinfer_reference`` recipe), ``trtllm_live`` (``torch.ops.trtllm``);
+* **gemm_w4a4** and **gemm_w4a16**: the output against the oracle under the derived
+  fp32-accumulation bound, explained by ``nvfp4_jax.explain`` when it fails: ``jax_xla``,
+  ``jax_pallas`` (Pallas-Triton; interpret mode off the GPU), ``jax_mosaic`` (the Hopper
+  kernel; sm_90 only), ``trtllm_reenacted`` (``nvfp4_gemm``, W4A4), ``trtllm_live``.
+
+A backend that cannot run here is reported as SKIP with the reason; nothing passes without
+having run. The exit code of the CLI is 1 when any backend FAILs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+import oracle
+from oracle.formats import bf16_round, f32
+from oracle.layouts import swizzle
+
+from .explain import GemmCase, explain_gemm, load_npz_case
+
+log = logging.getLogger(__name__)
+
+QUANTIZE_BACKENDS = ("jax", "trtllm_reenacted", "trtllm_reenacted_fast", "flashinfer_reference", "trtllm_live")
+GEMM_BACKENDS = ("jax_xla", "jax_pallas", "jax_mosaic", "trtllm_reenacted", "trtllm_live")
+BACKENDS = tuple(dict.fromkeys(QUANTIZE_BACKENDS + GEMM_BACKENDS))
+#: (weight block magnitude decades, activation scale) per generated case: weight blocks from
+#: 1e-7 (E4M3 underflow after ModelOpt's global scale) to 1e0, activations 1e-3 to 1e3
+MAGNITUDES = ((-4.5, -1.5, 1.0), (-7.0, -2.0, 1e-3), (-3.0, 0.0, 1e3), (-6.0, -5.0, 30.0))
+
+
+class Skip(Exception):
+    """The backend cannot run here; the message says why."""
+
+
+@dataclasses.dataclass
+class Result:
+    case: int
+    op: str
+    backend: str
+    status: str  # PASS, FAIL or SKIP
+    detail: str
+    seconds: float = 0.0
+
+
+def make_case(seed: int, m: int = 16, n: int = 256, k: int = 512, magnitude: int = 0) -> GemmCase:
+    """A W4A4 linear-layer case: ModelOpt-quantized weights whose 16-value blocks are spread
+    log-uniformly over the decades ``MAGNITUDES[magnitude]`` names, bf16 activations of that
+    scale, ``input_scale = amax / 2688``, weight scales ``swizzled_128x4``."""
+    if k % 16 or m < 1 or n < 1:
+        raise ValueError(f"shape: expected M, N >= 1 and K a multiple of 16, got M={m}, N={n}, K={k}")
+    lo, hi, xs = MAGNITUDES[magnitude % len(MAGNITUDES)]
+    rng = np.random.default_rng(seed)
+    mag = 10.0 ** rng.uniform(lo, hi, size=(n, k // 16, 1))
+    w = (rng.standard_normal((n, k // 16, 16)) * mag).reshape(n, k).astype(np.float32).astype(np.float64)
+    q = oracle.quantize(w, "modelopt")
+    x = bf16_round(rng.standard_normal((m, k)) * xs)
+    amax = float(np.abs(x).max())
+    return GemmCase.from_linear(x, q.codes, swizzle(q.scales, "swizzled_128x4").reshape(-1),
+                                float(q.decode_scale), input_scale=float(f32(amax / 2688.0)),
+                                weight_sf_layout="swizzled_128x4")
+
+
+# ---------------------------------------------------------------------------------------
+# Backends
+# ---------------------------------------------------------------------------------------
+
+def _torch():
+    try:
+        import torch
+    except ImportError as exc:
+        raise Skip(f"needs torch (pip install 'nvfp4-jax[torch]'): {exc}") from exc
+    return torch
+
+
+def _quantize(backend: str, x: np.ndarray, encode: float) -> tuple[np.ndarray, np.ndarray, str]:
+    """(codes, scale bytes) from ``backend``, and the oracle recipe it is held to."""
+    if backend == "jax":
+        import jax.numpy as jnp
+
+        from .formats import e4m3_bytes
+        from .quantize import quantize
+
+        q = quantize(jnp.asarray(x, jnp.bfloat16), "trtllm", encode_scale=encode)
+        return np.asarray(q.codes), np.asarray(e4m3_bytes(q.linear_scales())), "trtllm"
+    torch = _torch()
+    xt = torch.tensor(x, dtype=torch.float32).to(torch.bfloat16)
+    if backend in ("trtllm_reenacted", "trtllm_reenacted_fast"):
+        from .interop import trtllm
+
+        fast = backend.endswith("fast")
+        c, s = trtllm.fp4_quantize(xt, encode, fast_math=fast)
+        return c.numpy(), s.view(torch.uint8).numpy(), "trtllm_fast" if fast else "trtllm"
+    if backend == "flashinfer_reference":
+        from .interop import LiveUnavailable, flashinfer
+
+        try:
+            c, s = flashinfer.reference_quantize(xt, encode)
+        except LiveUnavailable as exc:
+            raise Skip(str(exc)) from exc
+        return c, s, "flashinfer_reference"
+    if backend == "trtllm_live":
+        from .interop import LiveUnavailable, trtllm
+
+        try:
+            c, s = trtllm.live_fp4_quantize(xt, encode)
+        except LiveUnavailable as exc:
+            raise Skip(str(exc)) from exc
+        return c.numpy(), s.numpy().reshape(x.shape[0], -1), "trtllm"
+    raise ValueError(f"backend: unknown quantize backend {backend!r}")
+
+
+def _gpu_capability() -> str | None:
+    import jax
+
+    dev = jax.devices()[0]
+    return getattr(dev, "compute_capability", None) if dev.platform == "gpu" else None
+
+
+def _gemm(backend: str, case: GemmCase) -> np.ndarray:
+    """``case``'s output from ``backend`` (float64 [M, N]); raises Skip where it cannot run."""
+    w = case.weight
+    if backend.startswith("jax_"):
+        import jax
+        import jax.numpy as jnp
+
+        from .gemm.api import matmul
+        from .quantize import NVFP4Array
+
+        kind = backend[4:]
+        if kind == "mosaic" and _gpu_capability() != "9.0":
+            raise Skip("the Mosaic GPU kernel is Hopper's (sm_90); this machine has "
+                       f"{jax.devices()[0].device_kind}")
+        if kind == "mosaic" and (case.shape[0] > 64 or case.shape[2] % 256):
+            raise Skip(f"the Mosaic GPU kernel takes M <= 64 and K % 256 == 0, got {case.shape}")
+        arr = NVFP4Array.from_parts(jnp.asarray(w.codes), jnp.asarray(w.scales).view(jnp.float8_e4m3fn),
+                                    jnp.asarray(case.weight_scale_2, jnp.float32))
+        if case.weight_sf_layout != "linear" and kind == "mosaic":
+            # the Mosaic kernel reads swizzled_128x4 scales as they are; the XLA and Pallas-Triton
+            # paths convert them to linear on every call (logged), so they get linear ones
+            arr = arr.with_layout(case.weight_sf_layout)
+        out = matmul(jnp.asarray(case.x, jnp.bfloat16), arr, input_scale=case.input_scale,
+                     out_dtype=jnp.float32, backend=kind)
+        return np.asarray(out, np.float64)
+    if case.mode != "w4a4":
+        raise Skip("TensorRT-LLM's nvfp4_gemm is W4A4 only (FP4 activations)")
+    torch = _torch()
+    from .interop import LiveUnavailable, trtllm
+
+    xt = torch.tensor(case.x, dtype=torch.float32).to(torch.bfloat16)
+    g = float(f32(1.0 / case.input_scale))
+    codes, wsf = torch.from_numpy(w.codes), torch.from_numpy(w.scales)
+    if backend == "trtllm_reenacted":
+        ac, asf = trtllm.fp4_quantize(xt, g, fast_math=False)
+        return trtllm.nvfp4_gemm(ac, codes, asf, wsf, case.alpha, out_dtype=torch.float32).double().numpy()
+    if backend == "trtllm_live":
+        try:
+            ac, asf = trtllm.live_fp4_quantize(xt, g, swizzled=True)
+            out = trtllm.live_nvfp4_gemm(ac, codes, asf, trtllm.swizzle_128x4(wsf.view(torch.float8_e4m3fn)).view(torch.uint8),
+                                         case.alpha, out_dtype=torch.float32)
+        except LiveUnavailable as exc:
+            raise Skip(str(exc)) from exc
+        return out.double().numpy()
+    raise ValueError(f"backend: unknown GEMM backend {backend!r}")
+
+
+# ---------------------------------------------------------------------------------------
+# The run
+# ---------------------------------------------------------------------------------------
+
+def _timed(fn: Callable[[], Result]) -> Result:
+    t0 = time.perf_counter()
+    r = fn()
+    r.seconds = time.perf_counter() - t0
+    return r
+
+
+def check_case(i: int, case: GemmCase, backends=BACKENDS) -> list[Result]:
+    """Every requested backend on ``case`` (W4A4 linear form): quantize, gemm_w4a4, gemm_w4a16."""
+    if case.mode != "w4a4":
+        raise ValueError("check_case: expected a W4A4 linear-layer case (x and input_scale given)")
+    unknown = sorted(set(backends) - set(BACKENDS))
+    if unknown:
+        raise ValueError(f"backends: unknown {unknown}; expected some of {BACKENDS}")
+    res: list[Result] = []
+    encode = float(f32(1.0 / case.input_scale))
+
+    for b in (b for b in QUANTIZE_BACKENDS if b in backends):
+        def q(b=b) -> Result:
+            try:
+                codes, sbytes, recipe = _quantize(b, case.x, encode)
+            except Skip as exc:
+                return Result(i, "quantize", b, "SKIP", str(exc))
+            ref = oracle.quantize(case.x, recipe, encode_scale=encode)
+            dc = int((np.asarray(codes) != ref.codes).sum())
+            ds = int((np.asarray(sbytes) != ref.scales).sum())
+            ok = dc == 0 and ds == 0 and codes.shape == ref.codes.shape
+            return Result(i, "quantize", b, "PASS" if ok else "FAIL",
+                          f"vs oracle '{recipe}': {dc} of {ref.codes.size} code bytes and {ds} of "
+                          f"{ref.scales.size} scale bytes differ")
+        res.append(_timed(q))
+
+    w16 = dataclasses.replace(case, input_scale=None, alpha=case.weight_scale_2)
+    for op, c in (("gemm_w4a4", case), ("gemm_w4a16", w16)):
+        for b in (b for b in GEMM_BACKENDS if b in backends):
+            def g(b=b, op=op, c=c) -> Result:
+                try:
+                    out = _gemm(b, c)
+                except Skip as exc:
+                    return Result(i, op, b, "SKIP", str(exc))
+                e = explain_gemm(c, out)
+                if e.verdict == "correct":
+                    interp = " (interpret mode: the kernel's logic, not its GPU build)" if (
+                        b == "jax_pallas" and _gpu_capability() is None) else ""
+                    return Result(i, op, b, "PASS", _margin(c, out) + interp)
+                return Result(i, op, b, "FAIL", f"{e.bad} of {e.total} outside the bound; {e.verdict}: {e.reason}")
+            res.append(_timed(g))
+    return res
+
+
+def _margin(case: GemmCase, out: np.ndarray) -> str:
+    from .explain import _OUT_U, _base
+
+    ops = _base(case)
+    ref = ops.alpha * (ops.a @ ops.w.T)
+    bound = oracle.gemm_error_bound(np.abs(ops.a), np.abs(ops.w), ops.alpha, ref, out_u=_OUT_U[case.out_dtype])
+    return f"max |out - oracle| / bound = {float(np.max(np.abs(out - ref) / bound)):.3g}"
+
+
+def run(*, cases: int = 4, seed: int = 0, m: int = 16, n: int = 256, k: int = 512,
+        backends=BACKENDS, inputs: str | None = None) -> list[Result]:
+    """The cross-check: ``cases`` generated cases (one per ``MAGNITUDES`` entry, cycling), or
+    the single W4A4 linear-layer case in ``inputs`` (``.npz``)."""
+    if inputs is not None:
+        todo = [load_npz_case(inputs)]
+    else:
+        todo = [make_case(seed + i, m, n, k, magnitude=i) for i in range(cases)]
+    out: list[Result] = []
+    for i, c in enumerate(todo):
+        out += check_case(i, c, backends)
+    return out
+
+
+def format_table(results: list[Result]) -> str:
+    lines = [f"{'case':>4}  {'op':<10}  {'backend':<22}  {'result':<6}  detail"]
+    for r in results:
+        lines.append(f"{r.case:>4}  {r.op:<10}  {r.backend:<22}  {r.status:<6}  {r.detail}")
+    n = {s: sum(r.status == s for r in results) for s in ("PASS", "FAIL", "SKIP")}
+    lines.append(f"{n['PASS']} passed, {n['FAIL']} failed, {n['SKIP']} skipped")
+    return "\n".join(lines)
+
+
+def to_json(results: list[Result]) -> str:
+    return json.dumps([dataclasses.asdict(r) for r in results], indent=2)

@@ -1,0 +1,105 @@
+"""``nvfp4_jax.crosscheck`` / ``nvfp4 crosscheck``: every backend against the oracle, and a
+broken backend is reported as FAIL with its fault explained."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from nvfp4_jax import crosscheck, explain
+from nvfp4_jax.cli import main
+
+CPU_BACKENDS = ("jax", "jax_xla", "jax_pallas", "trtllm_reenacted", "trtllm_reenacted_fast")
+
+
+def test_generated_cases_reach_e4m3_subnormal_scales():
+    subnormal = 0
+    for i in range(len(crosscheck.MAGNITUDES)):
+        c = crosscheck.make_case(i, magnitude=i)
+        s = c.weight.scales
+        subnormal += int(((s & 0x78) == 0).sum())  # exponent field 0: subnormal or zero
+        assert c.mode == "w4a4" and c.weight_sf_layout == "swizzled_128x4"
+    assert subnormal > 0
+
+
+def test_every_cpu_backend_passes():
+    pytest.importorskip("torch")
+    res = crosscheck.run(cases=2, backends=CPU_BACKENDS)
+    ran = {(r.op, r.backend) for r in res if r.status != "SKIP"}
+    assert ("quantize", "jax") in ran and ("gemm_w4a4", "jax_pallas") in ran
+    assert ("gemm_w4a4", "trtllm_reenacted") in ran and ("gemm_w4a16", "jax_xla") in ran
+    assert all(r.status == "PASS" for r in res if r.status != "SKIP"), crosscheck.format_table(res)
+    skipped = [r for r in res if r.status == "SKIP"]
+    assert all(r.detail for r in skipped)  # every skip says why
+    assert {r.backend for r in skipped} <= {"trtllm_reenacted"}  # W4A16 is not TensorRT-LLM's op
+
+
+def test_backends_that_cannot_run_here_skip_with_their_reason():
+    res = crosscheck.run(cases=1, backends=("jax_mosaic", "trtllm_live"))
+    assert {r.status for r in res} == {"SKIP"}
+    mosaic = [r for r in res if r.backend == "jax_mosaic"]
+    assert all("sm_90" in r.detail for r in mosaic)
+
+
+def test_a_broken_gemm_backend_fails_with_its_fault_explained(monkeypatch, capsys):
+    real = crosscheck._gemm
+
+    def broken(backend, case):  # the XLA backend loses weight_scale_2 from its alpha
+        out = real(backend, case)
+        return out / case.weight_scale_2 if backend == "jax_xla" else out
+
+    monkeypatch.setattr(crosscheck, "_gemm", broken)
+    res = crosscheck.run(cases=1, backends=("jax_xla", "jax_pallas"))
+    bad = [r for r in res if r.status == "FAIL"]
+    assert {(r.op, r.backend) for r in bad} == {("gemm_w4a4", "jax_xla"), ("gemm_w4a16", "jax_xla")}
+    assert all("weight_scale_2 missing from alpha" in r.detail for r in bad)
+    assert main(["crosscheck", "--cases", "1", "--backends", "jax_xla"]) == 1
+    assert "FAIL" in capsys.readouterr().out
+
+
+def test_a_broken_quantizer_fails_byte_for_byte(monkeypatch):
+    real = crosscheck._quantize
+
+    def broken(backend, x, encode):
+        codes, scales, recipe = real(backend, x, encode)
+        scales = scales.copy()
+        scales[0, 0] ^= 1  # one scale byte off by one ulp
+        return codes, scales, recipe
+
+    monkeypatch.setattr(crosscheck, "_quantize", broken)
+    [r] = crosscheck.run(cases=1, backends=("jax",))
+    assert r.status == "FAIL" and "1 of 512 scale bytes differ" in r.detail
+
+
+def test_cli_json_and_inputs(tmp_path, capsys):
+    path = str(tmp_path / "call.npz")
+    case = crosscheck.make_case(5, m=4, n=128, k=256)
+    explain.save_npz(path, case)
+    out = str(tmp_path / "cc.json")
+    assert main(["crosscheck", "--inputs", path, "--backends", "jax,jax_xla", "--json", out]) == 0
+    with open(out) as f:
+        rows = json.load(f)
+    assert [(r["op"], r["backend"], r["status"]) for r in rows] == [
+        ("quantize", "jax", "PASS"), ("gemm_w4a4", "jax_xla", "PASS"), ("gemm_w4a16", "jax_xla", "PASS")]
+    assert "3 passed, 0 failed, 0 skipped" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["crosscheck", "--backends", "cublas"], "unknown ['cublas']"),
+    (["crosscheck", "--k", "100"], "--k a positive multiple of 16"),
+    (["crosscheck", "--inputs", "nope.npz"], "nope.npz"),
+])
+def test_cli_errors_name_the_argument(argv, message, capsys):
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_w4a16_input_file_is_refused_with_the_reason(tmp_path, capsys):
+    case = crosscheck.make_case(1, m=2, n=128, k=256)
+    path = str(tmp_path / "w16.npz")
+    np.savez(path, x=case.x, weight_fp4=case.weight.codes, weight_sf=case.weight.scales,
+             weight_scale_2=np.float32(case.weight_scale_2))
+    assert main(["crosscheck", "--inputs", path]) == 2
+    assert "W4A4 linear-layer case" in capsys.readouterr().err

@@ -103,3 +103,23 @@ def test_w4a16_input_file_is_refused_with_the_reason(tmp_path, capsys):
              weight_scale_2=np.float32(case.weight_scale_2))
     assert main(["crosscheck", "--inputs", path]) == 2
     assert "W4A4 linear-layer case" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+def test_gpu_kernels_pass_the_crosscheck():
+    """On an NVIDIA GPU: the compiled Pallas-Triton kernel (and on sm_90 the Mosaic kernel) at
+    a realistic K, every generated magnitude, W4A4 and W4A16: run (not skipped) and PASS."""
+    from nvfp4_jax.gemm.api import _gpu_compute_capability
+
+    cc = _gpu_compute_capability()
+    if cc is None:
+        pytest.skip("needs an NVIDIA GPU")
+    res = crosscheck.run(cases=len(crosscheck.MAGNITUDES), m=16, n=1024, k=2048,
+                         backends=("jax", "jax_xla", "jax_pallas", "jax_mosaic"))
+    print(crosscheck.format_table(res))
+    ran = {(r.op, r.backend) for r in res if r.status == "PASS"}
+    assert {("gemm_w4a4", "jax_pallas"), ("gemm_w4a16", "jax_pallas")} <= ran
+    if cc == 90:
+        assert {("gemm_w4a4", "jax_mosaic"), ("gemm_w4a16", "jax_mosaic")} <= ran
+    assert not [r for r in res if r.status == "FAIL"], crosscheck.format_table(res)
+    assert all("interpret" not in r.detail for r in res)

@@ -123,3 +123,30 @@ def test_gpu_kernels_pass_the_crosscheck():
         assert {("gemm_w4a4", "jax_mosaic"), ("gemm_w4a16", "jax_mosaic")} <= ran
     assert not [r for r in res if r.status == "FAIL"], crosscheck.format_table(res)
     assert all("interpret" not in r.detail for r in res)
+
+
+@pytest.mark.gpu
+def test_gpu_w4a4_kernels_are_exact_without_the_xla_division_flag():
+    """In a process without ``-nvptx-prec-divf32=2`` (XLA's fp32 division is then div.full.f32):
+    the Pallas and Mosaic W4A4 GEMMs still pass (their operand kernel divides with div.rn.f32),
+    and the crosscheck names the flag for the XLA quantizer if that one differs."""
+    import os
+    import subprocess
+    import sys
+
+    from nvfp4_jax.gemm.api import _gpu_compute_capability
+
+    if _gpu_compute_capability() is None:
+        pytest.skip("needs an NVIDIA GPU")
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    cmd = [sys.executable, "-m", "nvfp4_jax.cli", "crosscheck", "--m", "16", "--n", "1024", "--k", "2048",
+           "--backends", "jax,jax_pallas,jax_mosaic"]
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    print(p.stdout)
+    rows = [line.split() for line in p.stdout.splitlines() if line[:4].strip().isdigit()]
+    gemm = [r for r in rows if r[1].startswith("gemm")]
+    assert gemm and all(r[3] in ("PASS", "SKIP") for r in gemm), p.stdout + p.stderr
+    assert any(r[2] == "jax_pallas" and r[3] == "PASS" for r in gemm)
+    for r in rows:
+        if r[1] == "quantize" and r[3] == "FAIL":
+            assert "nvptx-prec-divf32=2" in " ".join(r)

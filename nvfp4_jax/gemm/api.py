@@ -15,7 +15,11 @@ Backends (``backend=``):
 W4A4 numerics (TensorRT-LLM ``nvfp4_gemm``): x is quantized with the ``trtllm`` recipe and
 encode scale ``G = fp32(1/input_scale)``; ``alpha = fp32(input_scale * weight_scale_2)``. The
 dequantized activation ``e2m1 * e4m3`` is exact in bf16, so feeding it to the W4A16 kernel with
-fp32 accumulation gives the same numbers as an FP4 x FP4 MMA with fp32 accumulation.
+fp32 accumulation gives the same numbers as an FP4 x FP4 MMA with fp32 accumulation. On an
+NVIDIA GPU the ``"pallas"`` and ``"mosaic"`` backends quantize x in one Pallas-Triton launch
+with IEEE divisions (``operand.w4a4_operand``; for Mosaic already K-permuted and padded), so
+the activation codes are the oracle's whatever XLA's flags; the ``"xla"`` backend uses XLA's
+quantizer, exact on CPU and on a GPU only with ``-nvptx-prec-divf32=2``.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import jax.numpy as jnp
 
 from ..quantize import NVFP4Array, dequantize, quantize
 from . import configs, mosaic
+from .operand import w4a4_operand
 from .pallas_triton import Config, matmul_pallas
 from .xla import matmul_xla
 
@@ -211,14 +216,14 @@ def matmul(
             raise ValueError(f"x: expected bfloat16 or float16 (or an NVFP4Array), got {x.dtype}")
         if x.ndim < 1 or x.shape[-1] != k:
             raise ValueError(f"x: K mismatch, x has shape {x.shape}, w has K={k}")
+        s_in = None
         if input_scale is None:
             x_op, alpha = x, w_decode
         else:
             s_in = jnp.asarray(input_scale, jnp.float32)
             if s_in.ndim != 0:
                 raise ValueError(f"input_scale: expected an fp32 scalar, got shape {s_in.shape}")
-            xq = quantize(x, "trtllm", encode_scale=jnp.float32(1.0) / s_in)
-            x_op = dequantize(xq, jnp.bfloat16, include_decode_scale=False)  # exact
+            x_op = x  # quantized below, where the backend is known
             alpha = s_in * w_decode
 
     lead = x_op.shape[:-1]
@@ -226,11 +231,25 @@ def matmul(
     m = x2.shape[0]
     if m == 0:
         return jnp.zeros(lead + (n,), out_dtype)
-    impl = _pick_mosaic(backend, impl, m, n, k, x2.dtype)
+    w4a4 = not isinstance(x, NVFP4Array) and s_in is not None
+    # the W4A4 operand is bf16 whatever x's dtype (e2m1 * e4m3 values)
+    impl = _pick_mosaic(backend, impl, m, n, k, jnp.bfloat16 if w4a4 else x2.dtype)
+    on_gpu = jax.devices()[0].platform == "gpu"
     if impl == "mosaic":
         mcfg = mosaic.auto_config(m, n, k) or mosaic.default_config(m, n, k)
-        out = mosaic.matmul_mosaic(x2, w.codes, w_scales, alpha, out_dtype=out_dtype, config=mcfg)
+        if w4a4:  # quantized, K-permuted and padded to the token tile in one kernel (IEEE divisions)
+            xp = w4a4_operand(x2, s_in, rows=mosaic.token_tile(m), permute=True)
+            out = mosaic.matmul_mosaic(xp, w.codes, w_scales, alpha, out_dtype=out_dtype, config=mcfg,
+                                       rows=m)
+        else:
+            out = mosaic.matmul_mosaic(x2, w.codes, w_scales, alpha, out_dtype=out_dtype, config=mcfg)
         return out.reshape(lead + (n,))
+    if w4a4:
+        if on_gpu and impl == "pallas":
+            x2 = w4a4_operand(x2, s_in)  # one kernel, IEEE divisions whatever XLA's flags
+        else:  # XLA's quantizer: exact on CPU; on a GPU only with -nvptx-prec-divf32=2 (README)
+            xq = quantize(x2, "trtllm", encode_scale=jnp.float32(1.0) / s_in)
+            x2 = dequantize(xq, jnp.bfloat16, include_decode_scale=False)  # exact
     if impl == "xla":
         out = matmul_xla(x2, w.codes, w_scales, alpha, out_dtype=out_dtype)
     else:

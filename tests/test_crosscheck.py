@@ -141,7 +141,7 @@ def test_gpu_w4a4_kernels_are_exact_without_the_xla_division_flag():
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     cmd = [sys.executable, "-m", "nvfp4_jax.cli", "crosscheck", "--m", "16", "--n", "1024", "--k", "2048",
            "--backends", "jax,jax_pallas,jax_mosaic"]
-    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    p = subprocess.run(cmd, check=False, env=env, capture_output=True, text=True, timeout=600)
     print(p.stdout)
     rows = [line.split() for line in p.stdout.splitlines() if line[:4].strip().isdigit()]
     gemm = [r for r in rows if r[1].startswith("gemm")]

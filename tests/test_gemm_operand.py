@@ -12,9 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import oracle
-from oracle.formats import bf16_round, f32
 from nvfp4_jax.gemm import mosaic
 from nvfp4_jax.gemm.operand import w4a4_operand
+from oracle.formats import bf16_round, f32
 
 
 def _case(seed: int, m: int, k: int, decades: float, headroom: float):

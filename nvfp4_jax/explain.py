@@ -540,7 +540,13 @@ def explain_gemm(case: GemmCase, out) -> Explanation:
     hyps.sort(key=lambda h: -h.match)
     best = hyps[0] if hyps and hyps[0].match == 1.0 else None
     attribution = [] if best is not None else _attribute(out, ref, bound, base, case, bad)
-    verdict, reason = ("explained", f"{best.name}: {best.meaning}") if best else ("unexplained", "")
+    if best:
+        verdict, reason = "explained", f"{best.name}: {best.meaning}"
+    else:
+        verdict = "unexplained"
+        closest = hyps[0] if hyps else None
+        reason = "no known fault reproduces it" + (
+            f" (closest: {closest.name}, {100 * closest.match:.1f} % of outputs)" if closest else "")
     if best is None and attribution:
         # every wrong output lies in an attributed column (row) whose whole error is that block's
         cols = {a["index"] for a in attribution if a["axis"] == "column"}

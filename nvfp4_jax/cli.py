@@ -5,8 +5,8 @@
 checkpoint it audits a synthetic MoE layer shaped like Nemotron Super's layer 1.
 
 ``nvfp4 crosscheck [--cases N] [--seed S] [--m M] [--n N] [--k K] [--backends LIST]
-[--inputs FILE.npz] [--json FILE]``: every quantize and GEMM backend against the oracle on
-the same inputs (``nvfp4_jax.crosscheck``); exit code 1 when one fails.
+[--ops LIST] [--inputs FILE.npz] [--json FILE]``: every quantize, GEMM and MoE backend
+against the oracle on the same inputs (``nvfp4_jax.crosscheck``); exit code 1 when one fails.
 
 ``nvfp4 explain FILE.npz [--out-key KEY] [--out-dtype DTYPE] [--splits S] [--json FILE]`` or
 ``nvfp4 explain --demo FAULT [--save FILE.npz]``: where a GEMM output is wrong and which known
@@ -52,11 +52,12 @@ def build_parser() -> argparse.ArgumentParser:
     from .explain import DEMO_FAULTS, OUT_DTYPES
 
     c = sub.add_parser(
-        "crosscheck", help="every NVFP4 quantize/GEMM backend against the oracle on the same inputs",
+        "crosscheck", help="every NVFP4 quantize/GEMM/MoE backend against the oracle on the same inputs",
         description="Run the activation quantization (TensorRT-LLM linear semantics) and the W4A4 / W4A16 GEMM "
                     "through every backend available here (JAX XLA, Pallas, Mosaic; TensorRT-LLM re-enacted "
                     "and live; FlashInfer's reference) and hold each to the exact oracle: quantization byte "
-                    "for byte, GEMMs within the derived fp32-accumulation bound (a failure is explained). "
+                    "for byte, GEMMs within the derived fp32-accumulation bound (a failure is explained), "
+                    "and a small routed MoE layer inside the interval propagated through its rounding points. "
                     "Generated cases spread the weight blocks over five decades, through E4M3's subnormals.")
     c.add_argument("--cases", type=int, default=4, help="generated cases, each at its own magnitudes (default 4)")
     c.add_argument("--seed", type=int, default=0)
@@ -68,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--inputs", metavar="FILE.npz",
                    help="check this W4A4 linear-layer call instead (keys x, weight_fp4, weight_sf, weight_scale_2, "
                         "input_scale; see nvfp4 explain)")
+    c.add_argument("--ops", default="quantize,gemm,moe", metavar="LIST",
+                   help="comma-separated subset of quantize, gemm, moe (a small routed layer, relu2 and "
+                        "swiglu, trtllm_cutlass semantics, per generated case; default: all)")
     c.add_argument("--json", metavar="FILE", help="write the results as JSON")
 
     e = sub.add_parser(
@@ -99,12 +103,17 @@ def _crosscheck(args) -> int:
         print(f"nvfp4 crosscheck: --backends: unknown {unknown or 'empty list'}; expected some of "
               f"{', '.join(crosscheck.BACKENDS)}", file=sys.stderr)
         return 2
+    ops = tuple(o for o in args.ops.split(",") if o)
+    if not ops or set(ops) - set(crosscheck.OPS):
+        print(f"nvfp4 crosscheck: --ops: unknown {sorted(set(ops) - set(crosscheck.OPS)) or 'empty list'}; "
+              f"expected some of {', '.join(crosscheck.OPS)}", file=sys.stderr)
+        return 2
     if args.cases < 1 or args.m < 1 or args.n < 1 or args.k < 16 or args.k % 16:
         print("nvfp4 crosscheck: --cases, --m, --n must be >= 1 and --k a positive multiple of 16", file=sys.stderr)
         return 2
     try:
         results = crosscheck.run(cases=args.cases, seed=args.seed, m=args.m, n=args.n, k=args.k,
-                                 backends=backends, inputs=args.inputs)
+                                 backends=backends, inputs=args.inputs, ops=ops)
     except (FileNotFoundError, ValueError, TypeError) as exc:
         print(f"nvfp4 crosscheck: {exc}", file=sys.stderr)
         return 2

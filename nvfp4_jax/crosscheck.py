@@ -14,7 +14,13 @@ linear form), and runs every backend on it:
 * **gemm_w4a4** and **gemm_w4a16**: the output against the oracle under the derived
   fp32-accumulation bound, explained by ``nvfp4_jax.explain`` when it fails: ``jax_xla``,
   ``jax_pallas`` (Pallas-Triton; interpret mode off the GPU), ``jax_mosaic`` (the Hopper
-  kernel; sm_90 only), ``trtllm_reenacted`` (``nvfp4_gemm``, W4A4), ``trtllm_live``.
+  kernel; sm_90 only), ``trtllm_reenacted`` (``nvfp4_gemm``, W4A4), ``trtllm_live``;
+* **moe_relu2** and **moe_swiglu** (``--ops moe``; a small routed layer, 8 experts, top-2,
+  ``trtllm_cutlass`` semantics, T = 5): the output against ``oracle.moe`` inside the interval
+  ``testing.moe_bound`` propagates through every rounding point: ``jax_xla``, ``jax_pallas``
+  (the Pallas-Triton kernels), ``jax_mosaic`` (the Mosaic grouped GEMMs; sm_90),
+  ``trtllm_reenacted`` (the CUTLASS fused-MoE dataflow with its fast-math quantizer),
+  ``trtllm_live`` (the fused MoE op).
 
 A backend that cannot run here is reported as SKIP with the reason; nothing passes without
 having run. The exit code of the CLI is 1 when any backend FAILs.
@@ -62,6 +68,127 @@ class Result:
     status: str  # PASS, FAIL or SKIP
     detail: str
     seconds: float = 0.0
+
+
+OPS = ("quantize", "gemm", "moe")
+MOE_BACKENDS = ("jax_xla", "jax_pallas", "jax_mosaic", "trtllm_reenacted", "trtllm_live")
+#: the small routed layer of the ``moe`` ops: experts, hidden, intermediate, top-k, tokens
+MOE_SHAPE = {"experts": 8, "hidden": 256, "inter": 256, "top_k": 2, "tokens": 5}
+
+
+@dataclasses.dataclass(frozen=True)
+class MoECase:
+    """A routed layer in ``oracle.moe``'s terms (``trtllm_cutlass``)."""
+
+    hidden: np.ndarray  # [T, H] bf16 values
+    topk_ids: np.ndarray  # int32 [T, k]
+    topk_weights: np.ndarray  # fp32 [T, k]
+    fc1: oracle.NVFP4  # [E, R, H], decode_scale [E]
+    fc2: oracle.NVFP4  # [E, H, I]
+    fc1_input_scale: np.ndarray  # fp32 [E]
+    fc2_input_scale: np.ndarray
+    activation: str
+
+
+def make_moe_case(seed: int, activation: str, magnitude: int = 0) -> MoECase:
+    """A small routed layer: ModelOpt-quantized experts whose blocks span the decades
+    ``MAGNITUDES[magnitude]`` names, bf16 hidden states of that scale, calibrated per-expert
+    input scales (amax / 2688 times a jitter in [0.7, 1.3], FC2's from the float forward pass)."""
+    from .testing.strategies import modelopt_quantize
+
+    e, h, i, k, t = (MOE_SHAPE[n] for n in ("experts", "hidden", "inter", "top_k", "tokens"))
+    lo, hi, xs = MAGNITUDES[magnitude % len(MAGNITUDES)]
+    rng = np.random.default_rng(seed)
+    r = 2 * i if activation == "swiglu" else i
+
+    def weights(shape):
+        mag = 10.0 ** rng.uniform(lo, hi, size=(*shape[:-1], shape[-1] // 16, 1))
+        w = (rng.standard_normal((*shape[:-1], shape[-1] // 16, 16)) * mag).reshape(shape)
+        return modelopt_quantize(bf16_round(w))
+
+    fc1, fc2 = weights((e, r, h)), weights((e, h, i))
+    hidden = bf16_round(rng.standard_normal((t, h)) * xs)
+    ids = np.stack([rng.choice(e, k, replace=False) for _ in range(t)]).astype(np.int32)
+    w = rng.random((t, k)) + 0.1
+    wts = (w / w.sum(-1, keepdims=True)).astype(np.float32)
+    s1 = f32(np.abs(hidden).max() * rng.uniform(0.7, 1.3, e) / 2688.0)
+    u = np.einsum("th,erh->ter", hidden, oracle.dequantize(fc1))
+    from oracle.moe import activate
+
+    hf = activate(u, activation, "up_gate")
+    s2 = f32(max(float(np.abs(hf).max()), 1e-30) * rng.uniform(0.7, 1.3, e) / 2688.0)
+    return MoECase(hidden, ids, wts, fc1, fc2, s1, s2, activation)
+
+
+def _moe(backend: str, c: MoECase) -> np.ndarray:
+    """``c``'s layer output from ``backend`` (float64 [T, H]); raises Skip where it cannot run."""
+    if backend.startswith("jax_"):
+        import jax
+        import jax.numpy as jnp
+
+        from .moe import moe
+        from .quantize import from_oracle
+
+        kind = backend[4:]
+        if kind == "mosaic" and _gpu_capability() != "9.0":
+            raise Skip("the Mosaic grouped kernel is Hopper's (sm_90); this machine has "
+                       f"{jax.devices()[0].device_kind}")
+        kw = {"backend": "xla"} if kind == "xla" else {"backend": "pallas", "kernel": "triton" if kind == "pallas"
+                                                         else "mosaic"}
+        if kind == "pallas" and _gpu_capability() is None:
+            kw["interpret"] = True
+        out = moe(jnp.asarray(c.hidden, jnp.bfloat16), fc1=from_oracle(c.fc1), fc2=from_oracle(c.fc2),
+                  fc1_input_scale=jnp.asarray(c.fc1_input_scale, jnp.float32),
+                  fc2_input_scale=jnp.asarray(c.fc2_input_scale, jnp.float32),
+                  topk_ids=jnp.asarray(c.topk_ids), topk_weights=jnp.asarray(c.topk_weights),
+                  activation=c.activation, mode="trtllm_cutlass", **kw)
+        return np.asarray(out, np.float64)
+    _torch()
+    from .interop import LiveUnavailable, trtllm
+
+    args = (c.hidden, c.topk_ids, c.topk_weights, c.fc1, c.fc2, c.fc1_input_scale, c.fc2_input_scale)
+    if backend == "trtllm_reenacted":
+        return trtllm.run_pipeline("trtllm_cutlass", *args, activation=c.activation)
+    if backend == "trtllm_live":
+        import torch
+
+        try:
+            rt = trtllm.moe_weights("trtllm_cutlass", *args[3:], activation=c.activation, gate_up_order="up_gate")
+            out = trtllm.live_fused_moe(torch.from_numpy(np.asarray(c.hidden, np.float32)).to(torch.bfloat16),
+                                        torch.from_numpy(c.topk_ids.astype(np.int64)),
+                                        torch.from_numpy(c.topk_weights), rt)
+        except LiveUnavailable as exc:
+            raise Skip(str(exc)) from exc
+        return out.to(torch.float64).numpy()
+    raise ValueError(f"backend: unknown MoE backend {backend!r}")
+
+
+def check_moe_case(i: int, c: MoECase, backends=BACKENDS) -> list[Result]:
+    """Every requested MoE backend on ``c`` against ``testing.moe_bound``'s interval."""
+    from .testing.assertions import moe_bound, moe_violations
+
+    bound = moe_bound(c.hidden, c.topk_ids, c.topk_weights, c.fc1, c.fc2, c.fc1_input_scale,
+                      c.fc2_input_scale, activation=c.activation, mode="trtllm_cutlass")
+    res = []
+    for b in (b for b in MOE_BACKENDS if b in backends):
+        def run_one(b=b) -> Result:
+            op = f"moe_{c.activation}"
+            try:
+                out = _moe(b, c)
+            except Skip as exc:
+                return Result(i, op, b, "SKIP", str(exc))
+            v = moe_violations(out, bound)
+            bad = int((v > 0).sum())
+            if bad == 0:
+                interp = " (interpret mode)" if b == "jax_pallas" and _gpu_capability() is None else ""
+                width = float(np.max(bound.hi - bound.lo))
+                return Result(i, op, b, "PASS", f"all {out.size} outputs inside the oracle's interval "
+                              f"(widest {width:.3g}){interp}")
+            t, h = np.unravel_index(int(np.argmax(v)), v.shape)
+            return Result(i, op, b, "FAIL", f"{bad} of {out.size} outputs outside the oracle's interval; worst "
+                          f"[{t}, {h}]: {out[t, h]:.6g} not in [{bound.lo[t, h]:.6g}, {bound.hi[t, h]:.6g}]")
+        res.append(_timed(run_one))
+    return res
 
 
 def make_case(seed: int, m: int = 16, n: int = 256, k: int = 512, magnitude: int = 0) -> GemmCase:
@@ -258,16 +385,25 @@ def _margin(case: GemmCase, out: np.ndarray) -> str:
 
 
 def run(*, cases: int = 4, seed: int = 0, m: int = 16, n: int = 256, k: int = 512,
-        backends=BACKENDS, inputs: str | None = None) -> list[Result]:
+        backends=BACKENDS, inputs: str | None = None, ops=("quantize", "gemm")) -> list[Result]:
     """The cross-check: ``cases`` generated cases (one per ``MAGNITUDES`` entry, cycling), or
-    the single W4A4 linear-layer case in ``inputs`` (``.npz``)."""
+    the single W4A4 linear-layer case in ``inputs`` (``.npz``). ``ops``: some of ``OPS``
+    ("moe" adds the routed layer, relu2 and swiglu, per generated case)."""
+    bad_ops = sorted(set(ops) - set(OPS))
+    if bad_ops:
+        raise ValueError(f"ops: unknown {bad_ops}; expected some of {OPS}")
     if inputs is not None:
         todo = [load_npz_case(inputs)]
     else:
         todo = [make_case(seed + i, m, n, k, magnitude=i) for i in range(cases)]
     out: list[Result] = []
     for i, c in enumerate(todo):
-        out += check_case(i, c, backends)
+        if "quantize" in ops or "gemm" in ops:
+            out += [r for r in check_case(i, c, backends)
+                    if (r.op == "quantize" and "quantize" in ops) or (r.op != "quantize" and "gemm" in ops)]
+        if "moe" in ops and inputs is None:
+            for act in ("relu2", "swiglu"):
+                out += check_moe_case(i, make_moe_case(seed + i, act, magnitude=i), backends)
     return out
 
 

@@ -36,6 +36,27 @@ def test_every_cpu_backend_passes():
     assert {r.backend for r in skipped} <= {"trtllm_reenacted"}  # W4A16 is not TensorRT-LLM's op
 
 
+def test_moe_backends_pass_inside_the_oracles_interval():
+    pytest.importorskip("torch")
+    res = crosscheck.run(cases=1, ops=("moe",), backends=("jax_xla", "jax_pallas", "trtllm_reenacted"))
+    assert {(r.op, r.backend, r.status) for r in res} == {
+        (f"moe_{a}", b, "PASS") for a in ("relu2", "swiglu") for b in ("jax_xla", "jax_pallas", "trtllm_reenacted")}
+
+
+def test_a_broken_moe_backend_fails(monkeypatch):
+    real = crosscheck._moe
+
+    def broken(backend, case):  # one token's output one bf16 ulp off in one column
+        out = real(backend, case)
+        out[2, 7] = float(np.nextafter(np.float32(out[2, 7]), np.float32(np.inf))) + abs(out[2, 7]) * 2.0**-7
+        return out
+
+    monkeypatch.setattr(crosscheck, "_moe", broken)
+    res = crosscheck.run(cases=1, ops=("moe",), backends=("jax_xla",))
+    assert [r.status for r in res] == ["FAIL", "FAIL"]
+    assert all("1 of 1280 outputs outside" in r.detail and "worst [2, 7]" in r.detail for r in res)
+
+
 def test_backends_that_cannot_run_here_skip_with_their_reason():
     res = crosscheck.run(cases=1, backends=("jax_mosaic", "trtllm_live"))
     assert {r.status for r in res} == {"SKIP"}
@@ -90,6 +111,7 @@ def test_cli_json_and_inputs(tmp_path, capsys):
     (["crosscheck", "--backends", "cublas"], "unknown ['cublas']"),
     (["crosscheck", "--k", "100"], "--k a positive multiple of 16"),
     (["crosscheck", "--inputs", "nope.npz"], "nope.npz"),
+    (["crosscheck", "--ops", "gemm,conv"], "--ops: unknown ['conv']"),
 ])
 def test_cli_errors_name_the_argument(argv, message, capsys):
     assert main(argv) == 2
@@ -117,12 +139,14 @@ def test_gpu_kernels_pass_the_crosscheck():
     res = []
     for m, cases in ((1, 2), (5, 2), (16, len(crosscheck.MAGNITUDES)), (64, 2)):  # token tiles 8..64
         res += crosscheck.run(cases=cases, seed=m, m=m, n=1024, k=2048,
-                              backends=("jax", "jax_xla", "jax_pallas", "jax_mosaic"))
+                              backends=("jax", "jax_xla", "jax_pallas", "jax_mosaic"),
+                              ops=("quantize", "gemm", "moe") if m == 16 else ("quantize", "gemm"))
     print(crosscheck.format_table(res))
     ran = {(r.op, r.backend) for r in res if r.status == "PASS"}
     assert {("gemm_w4a4", "jax_pallas"), ("gemm_w4a16", "jax_pallas")} <= ran
+    assert {("moe_relu2", "jax_pallas"), ("moe_swiglu", "jax_pallas")} <= ran
     if cc == 90:
-        assert {("gemm_w4a4", "jax_mosaic"), ("gemm_w4a16", "jax_mosaic")} <= ran
+        assert {("gemm_w4a4", "jax_mosaic"), ("gemm_w4a16", "jax_mosaic"), ("moe_swiglu", "jax_mosaic")} <= ran
     assert not [r for r in res if r.status == "FAIL"], crosscheck.format_table(res)
     assert all("interpret" not in r.detail for r in res)
 
@@ -142,11 +166,12 @@ def test_gpu_w4a4_kernels_are_exact_without_the_xla_division_flag():
         pytest.skip("needs an NVIDIA GPU")
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     cmd = [sys.executable, "-m", "nvfp4_jax.cli", "crosscheck", "--m", "16", "--n", "1024", "--k", "2048",
-           "--backends", "jax,jax_pallas,jax_mosaic"]
+           "--backends", "jax,jax_pallas,jax_mosaic"]  # all ops: quantize, gemm and the MoE layer
     p = subprocess.run(cmd, check=False, env=env, capture_output=True, text=True, timeout=600)
     print(p.stdout)
     rows = [line.split() for line in p.stdout.splitlines() if line[:4].strip().isdigit()]
-    gemm = [r for r in rows if r[1].startswith("gemm")]
+    gemm = [r for r in rows if r[1].startswith(("gemm", "moe"))]
+    assert any(r[1].startswith("moe") and r[2] == "jax_mosaic" for r in gemm)
     assert gemm and all(r[3] in ("PASS", "SKIP") for r in gemm), p.stdout + p.stderr
     assert any(r[2] == "jax_pallas" and r[3] == "PASS" for r in gemm)
     for r in rows:

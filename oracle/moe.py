@@ -117,7 +117,8 @@ class MoETrace:
 def silu(x: np.ndarray) -> np.ndarray:
     """``x * sigmoid(x)`` in float64, stable for large |x|."""
     x = np.asarray(x, dtype=np.float64)
-    with np.errstate(over="ignore"):
+    # np.where evaluates both branches: the unused one overflows (inf / inf) for large |x|
+    with np.errstate(over="ignore", invalid="ignore"):
         return np.where(x >= 0, x / (1.0 + np.exp(-x)), x * np.exp(x) / (1.0 + np.exp(x)))
 
 

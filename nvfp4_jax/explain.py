@@ -275,19 +275,27 @@ def _base(case: GemmCase) -> _Operands:
     return _Operands(_values(case.act), w, case.alpha)
 
 
+def _byte_faults(role: str, label: str, t: oracle.NVFP4, layout: str, put) -> list[tuple[str, str, _Operands]]:
+    """An operand's scale bytes read in the other layout, and its codes with the nibbles
+    swapped; ``put(codes, scales)`` -> the operands with this one replaced."""
+    other = "swizzled_128x4" if layout == "linear" else "linear"
+    return [(f"{role}_sf_layout", f"the {label} scale bytes ({layout}) were read as {other}",
+             put(t.codes, _other_layout(t.scales, layout))),
+            (f"{role}_nibbles", f"the {label} codes were read with the nibbles swapped (element 2j in the high nibble)",
+             put(_swap_nibbles(t.codes), t.scales))]
+
+
 def _hypotheses(case: GemmCase, base: _Operands) -> list[tuple[str, str, _Operands]]:
     """(name, what it means, operands) of each fault that applies to ``case``."""
-    out: list[tuple[str, str, _Operands]] = []
     w = case.weight
 
     def weights(codes, scales):
         return dataclasses.replace(base, w=_values(oracle.NVFP4(codes, scales, 1.0)))
 
-    other = "swizzled_128x4" if case.weight_sf_layout == "linear" else "linear"
-    out.append(("weight_sf_layout", f"the weight scale bytes ({case.weight_sf_layout}) were read as {other}",
-                weights(w.codes, _other_layout(w.scales, case.weight_sf_layout))))
-    out.append(("weight_nibbles", "the weight codes were read with the nibbles swapped (element 2j in the high nibble)",
-                weights(_swap_nibbles(w.codes), w.scales)))
+    def acts(codes, scales):
+        return dataclasses.replace(base, a=_values(oracle.NVFP4(codes, scales, 1.0)))
+
+    out = _byte_faults("weight", "weight", w, case.weight_sf_layout, weights)
     out.append(("weight_e2m1_unsigned", "the weights' E2M1 sign bits were ignored",
                 weights((w.codes & 0x77).astype(np.uint8), w.scales)))
     ue8m0 = np.exp2(w.scales.astype(np.float64) - 127.0)
@@ -301,16 +309,7 @@ def _hypotheses(case: GemmCase, base: _Operands) -> list[tuple[str, str, _Operan
         out.append(("weight_scale_folded", meaning,
                     _Operands(base.a, _values(oracle.NVFP4(w.codes, folded, 1.0)), float(f32(base.alpha / ws2)))))
     if case.act is not None:
-        a = case.act
-
-        def acts(codes, scales):
-            return dataclasses.replace(base, a=_values(oracle.NVFP4(codes, scales, 1.0)))
-
-        a_other = "swizzled_128x4" if case.act_sf_layout == "linear" else "linear"
-        out.append(("act_sf_layout", f"the activation scale bytes ({case.act_sf_layout}) were read as {a_other}",
-                    acts(a.codes, _other_layout(a.scales, case.act_sf_layout))))
-        out.append(("act_nibbles", "the activation codes were read with the nibbles swapped",
-                    acts(_swap_nibbles(a.codes), a.scales)))
+        out += _byte_faults("act", "activation", case.act, case.act_sf_layout, acts)
     if case.mode == "w4a4":
         s = case.input_scale
         meaning = "the activations were not quantized (W4A16 arithmetic; alpha = input_scale * weight_scale_2 kept)"

@@ -97,3 +97,20 @@ def test_mosaic_refuses_a_prepared_operand_of_the_wrong_tile():
     with pytest.raises(ValueError, match=r"rows: a prepared x of 3 rows has token_tile\(3\) rows"):
         mosaic.matmul_mosaic(jnp.zeros((16, 512), jnp.bfloat16), jnp.zeros((256, 256), jnp.uint8),
                              jnp.zeros((256, 32), jnp.uint8), 1.0, rows=3)
+
+
+@pytest.mark.gpu
+def test_gpu_operand_is_byte_exact_at_prefill_and_ragged_shapes():
+    """The compiled kernel (div.rn.f32) on the GPU: prefill M, K a multiple of 16 only, the
+    Mosaic token tiles with the permutation, subnormal block scales and saturation."""
+    from nvfp4_jax.gemm.api import _gpu_compute_capability
+
+    if _gpu_compute_capability() is None:
+        pytest.skip("needs an NVIDIA GPU")
+    for seed, (m, k, rows, permute, headroom) in enumerate([
+            (300, 1040, None, False, 1.0), (2048, 4096, None, False, 0.5), (37, 14336, 64, True, 1.0),
+            (1, 8192, 8, True, 2.0**-6), (9, 48, 12, False, 1.0)]):
+        x, s = _case(seed, m, k, 6.0, headroom)
+        got = w4a4_operand(jnp.asarray(x, jnp.bfloat16), jnp.float32(s), rows=rows, permute=permute)
+        np.testing.assert_array_equal(np.asarray(got, np.float64), _expected(x, s, rows or m, permute),
+                                      err_msg=f"M={m} K={k} rows={rows} permute={permute}")

@@ -72,3 +72,16 @@ def test_progress_bar_falls_back_to_stderr(monkeypatch, capsys):
     bar.close()
     err = capsys.readouterr().err
     assert "[" + "#" * 30 + "] 4/4" in err and "step 3" in err
+
+
+def test_every_subcommand_help_renders(capsys):
+    """argparse formats help strings with %: a bare % in one crashes --help."""
+    import pytest
+
+    from nvfp4_jax.cli import main
+
+    for cmd in ("audit", "crosscheck", "explain"):
+        with pytest.raises(SystemExit) as exc:
+            main([cmd, "--help"])
+        assert exc.value.code == 0
+        assert f"usage: nvfp4 {cmd}" in capsys.readouterr().out

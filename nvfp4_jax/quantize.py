@@ -19,6 +19,8 @@ Recipes here: ``trtllm`` (TensorRT-LLM exact / fast-math-disabled variant), ``mo
 from __future__ import annotations
 
 import dataclasses
+import logging
+import os
 from typing import Any
 
 import jax
@@ -27,6 +29,29 @@ import numpy as np
 
 from . import formats as F
 from .layouts import LAYOUTS, padded_shape, swizzle, unswizzle
+
+log = logging.getLogger(__name__)
+
+#: the XLA flag that makes fp32 division IEEE on NVIDIA GPUs (div.rn.f32 instead of div.full.f32)
+IEEE_DIV_FLAG = "--xla_backend_extra_options=-nvptx-prec-divf32=2"
+_warned_gpu_division = False
+
+
+def _warn_if_gpu_division_is_approximate() -> None:
+    """Log once per process when XLA code that needs IEEE division is traced for a GPU whose
+    XLA divides approximately (no ``IEEE_DIV_FLAG``): its FP4 codes may then differ from the
+    oracle's at E2M1 midpoints. Not silent, not an error (the flag is a process-wide choice)."""
+    global _warned_gpu_division
+    if _warned_gpu_division or jax.default_backend() != "gpu":
+        return
+    if "-nvptx-prec-divf32=2" in os.environ.get("XLA_FLAGS", ""):
+        return
+    _warned_gpu_division = True
+    log.warning("nvfp4_jax: XLA lowers fp32 division to div.full.f32 (not IEEE) on this GPU, so NVFP4 "
+                "quantization in XLA (nvfp4_jax.quantize, the xla backends' activation quantization) may "
+                "differ from the oracle at E2M1 midpoints; set XLA_FLAGS=%s before JAX starts for IEEE "
+                "division. matmul's pallas/mosaic backends and the MoE kernels divide with div.rn.f32 and "
+                "do not need it.", IEEE_DIV_FLAG)
 
 BLOCK = 16
 JAX_RECIPES = ("trtllm", "modelopt", "jax", "b12x")
@@ -159,6 +184,7 @@ def _div(a, b):
     in FP4 codes at E2M1 midpoints). Materialising the divisor behind an optimization
     barrier keeps the true division.
     """
+    _warn_if_gpu_division_is_approximate()
     a = jnp.asarray(a, jnp.float32)
     b = jnp.asarray(b, jnp.float32)
     shape = jnp.broadcast_shapes(a.shape, b.shape)
@@ -235,7 +261,9 @@ def quantize(
     ``decode_scale`` (D = amax/2688, what ModelOpt checkpoints store) may be given; the other
     is derived with one fp32 reciprocal. With neither, it follows from ``max|x|``
     (``fp32(amax/2688)`` or ``fp32(2688/amax)`` in the recipe's native convention). Jittable;
-    bit-exact with ``oracle.quantize(x, recipe, ...)``.
+    bit-exact with ``oracle.quantize(x, recipe, ...)`` on CPU, and on an NVIDIA GPU when XLA
+    divides IEEE (``XLA_FLAGS`` with ``IEEE_DIV_FLAG``; without it XLA's div.full.f32 may flip
+    codes at E2M1 midpoints, and a warning says so once).
     """
     if recipe not in _FNS:
         raise ValueError(f"recipe: expected one of {JAX_RECIPES} (the oracle has more), got {recipe!r}")

@@ -31,7 +31,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
 import time
 from collections.abc import Callable
 
@@ -39,9 +38,10 @@ import numpy as np
 
 import oracle
 from oracle.formats import bf16_round, f32
-from oracle.layouts import swizzle
 
-from .explain import GemmCase, explain_gemm, load_npz_case
+from .explain import GemmCase, explain_gemm, load_npz_case, spread_case
+from .gemm.api import _gpu_compute_capability
+from .quantize import IEEE_DIV_FLAG, xla_divides_ieee
 
 log = logging.getLogger(__name__)
 
@@ -51,9 +51,6 @@ BACKENDS = tuple(dict.fromkeys(QUANTIZE_BACKENDS + GEMM_BACKENDS))
 #: (weight block magnitude decades, activation scale) per generated case: weight blocks from
 #: 1e-7 (E4M3 underflow after ModelOpt's global scale) to 1e0, activations 1e-3 to 1e3
 MAGNITUDES = ((-4.5, -1.5, 1.0), (-7.0, -2.0, 1e-3), (-3.0, 0.0, 1e3), (-6.0, -5.0, 30.0))
-
-
-_XLA_IEEE_DIV = "--xla_backend_extra_options=-nvptx-prec-divf32=2"
 
 
 class Skip(Exception):
@@ -130,12 +127,12 @@ def _moe(backend: str, c: MoECase) -> np.ndarray:
         from .quantize import from_oracle
 
         kind = backend[4:]
-        if kind == "mosaic" and _gpu_capability() != "9.0":
+        if kind == "mosaic" and _gpu_compute_capability() != 90:
             raise Skip("the Mosaic grouped kernel is Hopper's (sm_90); this machine has "
                        f"{jax.devices()[0].device_kind}")
         kw = {"backend": "xla"} if kind == "xla" else {"backend": "pallas", "kernel": "triton" if kind == "pallas"
                                                          else "mosaic"}
-        if kind == "pallas" and _gpu_capability() is None:
+        if kind == "pallas" and _gpu_compute_capability() is None:
             kw["interpret"] = True
         out = moe(jnp.asarray(c.hidden, jnp.bfloat16), fc1=from_oracle(c.fc1), fc2=from_oracle(c.fc2),
                   fc1_input_scale=jnp.asarray(c.fc1_input_scale, jnp.float32),
@@ -180,7 +177,7 @@ def check_moe_case(i: int, c: MoECase, backends=BACKENDS) -> list[Result]:
             v = moe_violations(out, bound)
             bad = int((v > 0).sum())
             if bad == 0:
-                interp = " (interpret mode)" if b == "jax_pallas" and _gpu_capability() is None else ""
+                interp = " (interpret mode)" if b == "jax_pallas" and _gpu_compute_capability() is None else ""
                 width = float(np.max(bound.hi - bound.lo))
                 return Result(i, op, b, "PASS", f"all {out.size} outputs inside the oracle's interval "
                               f"(widest {width:.3g}){interp}")
@@ -192,21 +189,10 @@ def check_moe_case(i: int, c: MoECase, backends=BACKENDS) -> list[Result]:
 
 
 def make_case(seed: int, m: int = 16, n: int = 256, k: int = 512, magnitude: int = 0) -> GemmCase:
-    """A W4A4 linear-layer case: ModelOpt-quantized weights whose 16-value blocks are spread
-    log-uniformly over the decades ``MAGNITUDES[magnitude]`` names, bf16 activations of that
-    scale, ``input_scale = amax / 2688``, weight scales ``swizzled_128x4``."""
-    if k % 16 or m < 1 or n < 1:
-        raise ValueError(f"shape: expected M, N >= 1 and K a multiple of 16, got M={m}, N={n}, K={k}")
+    """A W4A4 linear-layer case (``explain.spread_case``) at the weight block decades and
+    activation scale ``MAGNITUDES[magnitude]`` names."""
     lo, hi, xs = MAGNITUDES[magnitude % len(MAGNITUDES)]
-    rng = np.random.default_rng(seed)
-    mag = 10.0 ** rng.uniform(lo, hi, size=(n, k // 16, 1))
-    w = (rng.standard_normal((n, k // 16, 16)) * mag).reshape(n, k).astype(np.float32).astype(np.float64)
-    q = oracle.quantize(w, "modelopt")
-    x = bf16_round(rng.standard_normal((m, k)) * xs)
-    amax = float(np.abs(x).max())
-    return GemmCase.from_linear(x, q.codes, swizzle(q.scales, "swizzled_128x4").reshape(-1),
-                                float(q.decode_scale), input_scale=float(f32(amax / 2688.0)),
-                                weight_sf_layout="swizzled_128x4")
+    return spread_case(seed, m, n, k, decades=(lo, hi), x_scale=xs)
 
 
 # ---------------------------------------------------------------------------------------
@@ -258,13 +244,6 @@ def _quantize(backend: str, x: np.ndarray, encode: float) -> tuple[np.ndarray, n
     raise ValueError(f"backend: unknown quantize backend {backend!r}")
 
 
-def _gpu_capability() -> str | None:
-    import jax
-
-    dev = jax.devices()[0]
-    return getattr(dev, "compute_capability", None) if dev.platform == "gpu" else None
-
-
 def _gemm(backend: str, case: GemmCase) -> np.ndarray:
     """``case``'s output from ``backend`` (float64 [M, N]); raises Skip where it cannot run."""
     w = case.weight
@@ -276,7 +255,7 @@ def _gemm(backend: str, case: GemmCase) -> np.ndarray:
         from .quantize import NVFP4Array
 
         kind = backend[4:]
-        if kind == "mosaic" and _gpu_capability() != "9.0":
+        if kind == "mosaic" and _gpu_compute_capability() != 90:
             raise Skip("the Mosaic GPU kernel is Hopper's (sm_90); this machine has "
                        f"{jax.devices()[0].device_kind}")
         if kind == "mosaic" and (case.shape[0] > 64 or case.shape[2] % 256):
@@ -345,9 +324,8 @@ def check_case(i: int, case: GemmCase, backends=BACKENDS) -> list[Result]:
             ok = dc == 0 and ds == 0 and codes.shape == ref.codes.shape
             detail = (f"vs oracle '{recipe}': {dc} of {ref.codes.size} code bytes and {ds} of "
                       f"{ref.scales.size} scale bytes differ")
-            if not ok and b == "jax" and _gpu_capability() is not None and _XLA_IEEE_DIV not in os.environ.get(
-                    "XLA_FLAGS", ""):
-                detail += (f" (XLA divides with div.full.f32 on this GPU: set XLA_FLAGS={_XLA_IEEE_DIV} for "
+            if not ok and b == "jax" and not xla_divides_ieee():
+                detail += (f" (XLA divides with div.full.f32 on this GPU: set XLA_FLAGS={IEEE_DIV_FLAG} for "
                            "IEEE division; matmul's pallas and mosaic backends quantize in a kernel that "
                            "does not need it)")
             return Result(i, "quantize", b, "PASS" if ok else "FAIL", detail)
@@ -364,8 +342,8 @@ def check_case(i: int, case: GemmCase, backends=BACKENDS) -> list[Result]:
                 e = explain_gemm(c, out)
                 if e.verdict == "correct":
                     interp = " (interpret mode: the kernel's logic, not its GPU build)" if (
-                        b == "jax_pallas" and _gpu_capability() is None) else ""
-                    return Result(i, op, b, "PASS", _margin(c, out) + interp)
+                        b == "jax_pallas" and _gpu_compute_capability() is None) else ""
+                    return Result(i, op, b, "PASS", f"max |out - oracle| / bound = {e.margin:.3g}{interp}")
                 detail = f"{e.bad} of {e.total} outside the bound; {e.verdict}: {e.reason}"
                 if op == "gemm_w4a4" and b == "jax_xla" and any(
                         r.op == "quantize" and r.backend == "jax" and r.status == "FAIL" for r in res):
@@ -373,15 +351,6 @@ def check_case(i: int, case: GemmCase, backends=BACKENDS) -> list[Result]:
                 return Result(i, op, b, "FAIL", detail)
             res.append(_timed(g))
     return res
-
-
-def _margin(case: GemmCase, out: np.ndarray) -> str:
-    from .explain import _OUT_U, _base
-
-    ops = _base(case)
-    ref = ops.alpha * (ops.a @ ops.w.T)
-    bound = oracle.gemm_error_bound(np.abs(ops.a), np.abs(ops.w), ops.alpha, ref, out_u=_OUT_U[case.out_dtype])
-    return f"max |out - oracle| / bound = {float(np.max(np.abs(out - ref) / bound)):.3g}"
 
 
 def run(*, cases: int = 4, seed: int = 0, m: int = 16, n: int = 256, k: int = 512,

@@ -263,16 +263,17 @@ class _Operands:
     a: np.ndarray  # [M, K] values the dot sees (activation; no global scale)
     w: np.ndarray  # [N, K]
     alpha: float
+    act: oracle.NVFP4 | None = None  # the quantized activation behind ``a`` (None: W4A16)
 
 
 def _base(case: GemmCase) -> _Operands:
     w = _values(case.weight)
     if case.mode == "w4a16":
         return _Operands(case.x, w, case.alpha)
+    act = case.act
     if case.mode == "w4a4":
-        a = oracle.quantize(case.x, "trtllm", encode_scale=float(f32(1.0 / case.input_scale)))
-        return _Operands(_values(a), w, case.alpha)
-    return _Operands(_values(case.act), w, case.alpha)
+        act = oracle.quantize(case.x, "trtllm", encode_scale=float(f32(1.0 / case.input_scale)))
+    return _Operands(_values(act), w, case.alpha, act)
 
 
 def _byte_faults(role: str, label: str, t: oracle.NVFP4, layout: str, put) -> list[tuple[str, str, _Operands]]:
@@ -307,7 +308,8 @@ def _hypotheses(case: GemmCase, base: _Operands) -> list[tuple[str, str, _Operan
         meaning = (f"weight_scale_2 ({ws2:.4g}) was folded into the E4M3 block scales and dropped from alpha "
                    "(TensorRT-LLM's CUTEDSL-b12x MoE path, #21461)")
         out.append(("weight_scale_folded", meaning,
-                    _Operands(base.a, _values(oracle.NVFP4(w.codes, folded, 1.0)), float(f32(base.alpha / ws2)))))
+                    dataclasses.replace(base, w=_values(oracle.NVFP4(w.codes, folded, 1.0)),
+                                        alpha=float(f32(base.alpha / ws2)))))
     if case.act is not None:
         out += _byte_faults("act", "activation", case.act, case.act_sf_layout, acts)
     if case.mode == "w4a4":
@@ -353,7 +355,8 @@ class Explanation:
     reason: str
     bad: int
     total: int
-    worst: dict
+    worst: dict  # the element of largest |out - oracle| / bound
+    margin: float  # that largest ratio (<= 1: correct; inf: a NaN or Inf output)
     best: Hypothesis | None
     oracle_match: float
     hypotheses: list[Hypothesis]
@@ -440,9 +443,7 @@ def _attribute(out, ref, bound, ops: _Operands, case: GemmCase, bad: np.ndarray,
     a_b = ops.a.reshape(m, nb, BLOCK)
     w_b = ops.w.reshape(n, nb, BLOCK)
     d = np.where(np.isfinite(out), out - ref, np.nan)
-    act = case.act
-    if case.mode == "w4a4":
-        act = oracle.quantize(case.x, "trtllm", encode_scale=float(f32(1.0 / case.input_scale)))
+    act = ops.act
     for axis, count, size in (("column", bad.sum(0), m), ("row", bad.sum(1), n)):
         if size < 4 or (axis == "row" and act is None):
             # a block's factor is not identifiable from fewer than 4 outputs; W4A16 rows have
@@ -505,7 +506,7 @@ def explain_gemm(case: GemmCase, out) -> Explanation:
 
     ref, bound = candidate(base)
     bad = ~(np.abs(out - ref) <= bound)
-    ratio = np.where(bad, np.where(np.isfinite(out), np.abs(out - ref) / bound, np.inf), -1.0)
+    ratio = np.where(np.isfinite(out), np.abs(out - ref) / bound, np.inf)  # > 1 exactly where bad
     wm, wn = np.unravel_index(int(np.argmax(ratio)), ratio.shape)
     worst = {"m": int(wm), "n": int(wn), "out": float(out[wm, wn]), "oracle": float(ref[wm, wn]),
              "bound": float(bound[wm, wn])}
@@ -515,7 +516,7 @@ def explain_gemm(case: GemmCase, out) -> Explanation:
            "zero": int(((out == 0) & bad).sum()), "tiles": _tiles(bad), "transposed": transposed}
     if nbad == 0:
         return Explanation(case.mode, (m, n, k), "correct", "every output within the fp32-accumulation bound of "
-                           "the exact oracle", 0, out.size, worst, None, 1.0, [], loc, [])
+                           "the exact oracle", 0, out.size, worst, float(ratio.max()), None, 1.0, [], loc, [])
 
     hyps: list[Hypothesis] = []
     if transposed:
@@ -565,7 +566,7 @@ def explain_gemm(case: GemmCase, out) -> Explanation:
             ", holding NaN, Inf or zeros: tiles the kernel did not write, or wrote from the wrong place"
             if junk else ": a tile-level fault (wrong operand tile, wrong expert or block)"))
     oracle_match = float(1.0 - nbad / out.size)
-    return Explanation(case.mode, (m, n, k), verdict, reason, nbad, out.size, worst,
+    return Explanation(case.mode, (m, n, k), verdict, reason, nbad, out.size, worst, float(ratio.max()),
                        best if best else (hyps[0] if hyps else None), oracle_match, hyps, loc, attribution)
 
 
@@ -597,19 +598,28 @@ DEMO_FAULTS = ("none", "weight_sf_layout", "weight_nibbles", "weight_scale_folde
                "split_k", "scale_byte", "unwritten_tile")
 
 
-def demo_case(seed: int = 0, m: int = 16, n: int = 256, k: int = 512) -> GemmCase:
-    """A linear-layer W4A4 call with checkpoint-like weights (ModelOpt quantization,
-    ``weight_scale_2`` ~ 1e-4..1e-3) whose blocks span five decades of magnitude, so some
-    block scales are E4M3 subnormals; weight scales stored ``swizzled_128x4`` as TensorRT-LLM
-    passes them."""
+def spread_case(seed: int, m: int, n: int, k: int, *, decades: tuple[float, float],
+                x_scale: float) -> GemmCase:
+    """A linear-layer W4A4 call: ModelOpt-quantized weights whose 16-value blocks are spread
+    log-uniformly over ``decades`` (powers of ten; five decades put some block scales into
+    E4M3's subnormals), bf16 activations ~ N(0, x_scale^2), ``input_scale = amax / 2688``,
+    weight scales stored ``swizzled_128x4`` as TensorRT-LLM passes them."""
+    if k % BLOCK or m < 1 or n < 1:
+        raise ValueError(f"shape: expected M, N >= 1 and K a multiple of 16, got M={m}, N={n}, K={k}")
     rng = np.random.default_rng(seed)
-    w = rng.standard_normal((n, k)) * 10.0 ** rng.uniform(-4.5, -1.5, size=(n, k // BLOCK, 1)).repeat(BLOCK, -1).reshape(n, k)
-    w = w.astype(np.float32).astype(np.float64)
+    mag = 10.0 ** rng.uniform(*decades, size=(n, k // BLOCK, 1))
+    w = (rng.standard_normal((n, k // BLOCK, BLOCK)) * mag).reshape(n, k).astype(np.float32).astype(np.float64)
     q = oracle.quantize(w, "modelopt")
-    x = bf16_round(rng.standard_normal((m, k)) * 2.0)  # bf16 activations, as a layer gets them
+    x = bf16_round(rng.standard_normal((m, k)) * x_scale)  # bf16 activations, as a layer gets them
     amax = float(np.abs(x).max())
     return GemmCase.from_linear(x, q.codes, swizzle(q.scales, "swizzled_128x4").reshape(-1), float(q.decode_scale),
                                 input_scale=float(f32(amax / 2688.0)), weight_sf_layout="swizzled_128x4")
+
+
+def demo_case(seed: int = 0, m: int = 16, n: int = 256, k: int = 512) -> GemmCase:
+    """The ``--demo`` call: :func:`spread_case` with weight blocks over 1e-4.5..1e-1.5
+    (``weight_scale_2`` ~ 1e-4..1e-3) and activations of scale 2."""
+    return spread_case(seed, m, n, k, decades=(-4.5, -1.5), x_scale=2.0)
 
 
 def demo_output(case: GemmCase, fault: str) -> np.ndarray:

@@ -37,14 +37,18 @@ IEEE_DIV_FLAG = "--xla_backend_extra_options=-nvptx-prec-divf32=2"
 _warned_gpu_division = False
 
 
+def xla_divides_ieee() -> bool:
+    """Whether XLA's fp32 division is IEEE here: on CPU always; on a GPU only with
+    ``IEEE_DIV_FLAG`` in ``XLA_FLAGS`` (else div.full.f32, within 2 ulp)."""
+    return jax.default_backend() != "gpu" or "-nvptx-prec-divf32=2" in os.environ.get("XLA_FLAGS", "")
+
+
 def _warn_if_gpu_division_is_approximate() -> None:
     """Log once per process when XLA code that needs IEEE division is traced for a GPU whose
     XLA divides approximately (no ``IEEE_DIV_FLAG``): its FP4 codes may then differ from the
     oracle's at E2M1 midpoints. Not silent, not an error (the flag is a process-wide choice)."""
     global _warned_gpu_division
-    if _warned_gpu_division or jax.default_backend() != "gpu":
-        return
-    if "-nvptx-prec-divf32=2" in os.environ.get("XLA_FLAGS", ""):
+    if _warned_gpu_division or xla_divides_ieee():
         return
     _warned_gpu_division = True
     log.warning("nvfp4_jax: XLA lowers fp32 division to div.full.f32 (not IEEE) on this GPU, so NVFP4 "

@@ -201,6 +201,7 @@ def matmul(
     w_scales = w.linear_scales() if w.layout != "linear" else w.scales
     w_decode = jnp.asarray(w.decode_scale, jnp.float32)
 
+    s_in = None  # W4A4 on the fly: x is quantized below, where the backend is known
     if isinstance(x, NVFP4Array):  # W4A4 with a pre-quantized activation
         if input_scale is not None:
             raise ValueError("input_scale: must be None when x is already an NVFP4Array")
@@ -216,14 +217,13 @@ def matmul(
             raise ValueError(f"x: expected bfloat16 or float16 (or an NVFP4Array), got {x.dtype}")
         if x.ndim < 1 or x.shape[-1] != k:
             raise ValueError(f"x: K mismatch, x has shape {x.shape}, w has K={k}")
-        s_in = None
         if input_scale is None:
             x_op, alpha = x, w_decode
         else:
             s_in = jnp.asarray(input_scale, jnp.float32)
             if s_in.ndim != 0:
                 raise ValueError(f"input_scale: expected an fp32 scalar, got shape {s_in.shape}")
-            x_op = x  # quantized below, where the backend is known
+            x_op = x
             alpha = s_in * w_decode
 
     lead = x_op.shape[:-1]
@@ -231,10 +231,9 @@ def matmul(
     m = x2.shape[0]
     if m == 0:
         return jnp.zeros(lead + (n,), out_dtype)
-    w4a4 = not isinstance(x, NVFP4Array) and s_in is not None
+    w4a4 = s_in is not None
     # the W4A4 operand is bf16 whatever x's dtype (e2m1 * e4m3 values)
     impl = _pick_mosaic(backend, impl, m, n, k, jnp.bfloat16 if w4a4 else x2.dtype)
-    on_gpu = jax.devices()[0].platform == "gpu"
     if impl == "mosaic":
         mcfg = mosaic.auto_config(m, n, k) or mosaic.default_config(m, n, k)
         if w4a4:  # quantized, K-permuted and padded to the token tile in one kernel (IEEE divisions)
@@ -245,7 +244,7 @@ def matmul(
             out = mosaic.matmul_mosaic(x2, w.codes, w_scales, alpha, out_dtype=out_dtype, config=mcfg)
         return out.reshape(lead + (n,))
     if w4a4:
-        if on_gpu and impl == "pallas":
+        if impl == "pallas" and jax.devices()[0].platform == "gpu":
             x2 = w4a4_operand(x2, s_in)  # one kernel, IEEE divisions whatever XLA's flags
         else:  # XLA's quantizer: exact on CPU; on a GPU only with -nvptx-prec-divf32=2 (README)
             xq = quantize(x2, "trtllm", encode_scale=jnp.float32(1.0) / s_in)

@@ -28,14 +28,6 @@ from jax.experimental.pallas import triton as plgpu
 PROGRAM_ELEMS = 4096
 
 
-def _col_tile(k: int) -> int:
-    """Largest power of two <= 2048 dividing k (k % 16 == 0): Triton blocks are powers of two."""
-    t = 2048
-    while k % t:
-        t //= 2
-    return t
-
-
 def _kernel(s_ref, x_ref, o_ref, *, m: int, bm: int, bk: int, permute: bool, exact_asm: bool):
     from ..moe.pallas_triton import _div_rn, _requantize
     from .mosaic import permute_k_order
@@ -76,7 +68,9 @@ def w4a4_operand(x: jax.Array, input_scale: jax.Array, *, rows: int | None = Non
     s = jnp.asarray(input_scale, jnp.float32).reshape(-1)
     if s.shape != (1,):
         raise ValueError(f"input_scale: expected an fp32 scalar, got shape {jnp.shape(input_scale)}")
-    bk = _col_tile(k)
+    from ..moe.epilogue import _row_tile  # the glue kernels' column tile (power of two <= 2048)
+
+    bk = _row_tile(k)
     bm = max(1, min(8, PROGRAM_ELEMS // bk))
     kern = functools.partial(_kernel, m=m, bm=bm, bk=bk, permute=permute, exact_asm=not interpret)
     return pl.pallas_call(

@@ -69,7 +69,8 @@ def _pow2(v: int) -> int:
 
 
 def _row_tile(h: int) -> int:
-    """Largest power of two <= 2048 dividing h (h % 256 == 0): Triton blocks are powers of two."""
+    """Largest power of two <= 2048 dividing h: Triton blocks are powers of two (the MoE glue
+    has h % 256 == 0; ``gemm.operand`` calls it with K % 16 == 0)."""
     t = 2048
     while h % t:
         t //= 2

@@ -168,7 +168,9 @@ def test_default_config_fills_the_gpu():
 def test_auto_table_lookup():
     from nvfp4_jax.gemm.mosaic import AUTO_SM90, auto_config
 
-    assert auto_config(1, 28672, 8192) == AUTO_SM90[(16, 28672, 8192)]
+    assert auto_config(1, 28672, 8192) == AUTO_SM90[(8, 28672, 8192)]
+    assert auto_config(9, 28672, 8192) == AUTO_SM90[(16, 28672, 8192)]
+    assert auto_config(8, 14336, 4096) == AUTO_SM90[(16, 14336, 4096)]  # no M <= 8 entry there
     assert auto_config(40, 28672, 8192) == AUTO_SM90[(64, 28672, 8192)]
     assert auto_config(65, 28672, 8192) is None and auto_config(16, 28672, 4096) is None
     for (mb, n, k), cfg in AUTO_SM90.items():

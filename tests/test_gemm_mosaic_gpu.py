@@ -139,3 +139,18 @@ def test_mosaic_jit_and_scale_dtypes():
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert_gemm_close(np.asarray(a), np.asarray(x, np.float32), wo, alpha=0.5,
                       out_dtype="float32", splits=16)
+
+
+def test_every_auto_config_vs_oracle_poisoned():
+    """Every committed ``AUTO_SM90`` config on a ragged shape of its M bucket (N not a multiple
+    of block_n, M below the bucket's token tile), bf16 output, against the oracle's bound."""
+    from nvfp4_jax.gemm.mosaic import AUTO_SM90
+
+    rng = np.random.default_rng(17)
+    for (mb, _, _), cfg in sorted(AUTO_SM90.items(), key=lambda kv: (kv[0], repr(kv[1]))):
+        m, n, k = max(1, mb - 3), 1000, 4096
+        wo, x = _case(rng, m, n, k, 3.0)
+        out = _run(x, wo, jnp.bfloat16, cfg)
+        assert out.shape == (m, n)
+        assert_gemm_close(np.asarray(out, np.float32), np.asarray(x, np.float32), wo,
+                          out_dtype="bfloat16", splits=16)

@@ -177,8 +177,9 @@ class MosaicConfig:
         return max(self.num_stages * stage + extra, self.block_n * m_tile * 4) + red
 
 
-# Shapes where backend="auto" picks this kernel on sm_90: (M bucket as configs.m_bucket, N, K)
-# -> config. Only buckets MEASURED faster than the Pallas-Triton config are listed: H200, JAX
+# Shapes where backend="auto" picks this kernel on sm_90: (M bucket, N, K) -> config, the bucket
+# 16 (M <= 16) or 64 (M <= 64) as configs.m_bucket, or 8 (M <= 8, looked up first, where the
+# 8-token tile measured a different best config). Only buckets MEASURED faster than the Pallas-Triton config are listed: H200, JAX
 # 0.11.2, in-graph medians of bench/mosaic_sweep.py (round 4, 2026-11-29 23:30 UTC,
 # bench/results/mosaic-sweep-round4-h200.json; us: this config / Pallas-Triton / bf16 jnp.dot).
 # Two stages won almost everywhere: a smaller SMEM footprint (more CTAs per SM) beats depth.
@@ -205,6 +206,14 @@ AUTO_SM90: dict[tuple[int, int, int], MosaicConfig] = {
     # 5.6 / 15.3 / 12.5; the other seven configs 8.2-9.1 (the round-3 entry, 4 stages: 9.1).
     # At ~10 us a call is ~3 launches and moves by up to 2x between runs (NOTES-gemm.md).
     (16, 4096, 4096): MosaicConfig(block_n=128, split_k=8, num_stages=3),
+    # M <= 8 (8-token tile), looked up before the M <= 16 entry: the next 128-deep group's
+    # decode under the previous wgmma (overlap). Session 18, bench/results/
+    # mosaic-sweep-round12-h200.json, median of 3 interleaved rounds [range], us: 28672x8192
+    # 43.9 [43.4-44.1] vs 45.0 [44.7-45.2]; 4096x14336 15.4 [15.4-15.6] vs 15.9 [15.8-15.9].
+    # At M = 16 overlap lost or tied on these shapes (51.2 vs 50.3; 16.3 vs 16.5), and on
+    # 14336x4096 at both M (15.1 vs 14.8; 18.5 vs 17.1), so those entries keep it off.
+    (8, 28672, 8192): MosaicConfig(block_n=64, split_k=4, num_stages=2, overlap=True),
+    (8, 4096, 14336): MosaicConfig(block_n=128, split_k=8, num_stages=2, overlap=True),
 }
 
 
@@ -212,6 +221,8 @@ def auto_config(m: int, n: int, k: int) -> MosaicConfig | None:
     """The measured config if "auto" should use this kernel for (M, N, K), else None."""
     if m > MAX_M:
         return None
+    if m <= 8 and (8, n, k) in AUTO_SM90:
+        return AUTO_SM90[(8, n, k)]
     b = 16 if m <= 16 else 64
     return AUTO_SM90.get((b, n, k))
 

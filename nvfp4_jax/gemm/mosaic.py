@@ -179,9 +179,10 @@ class MosaicConfig:
 
 # Shapes where backend="auto" picks this kernel on sm_90: (M bucket, N, K) -> config, the bucket
 # 16 (M <= 16) or 64 (M <= 64) as configs.m_bucket, or 8 (M <= 8, looked up first, where the
-# 8-token tile measured a different best config). Only buckets MEASURED faster than the Pallas-Triton config are listed: H200, JAX
-# 0.11.2, in-graph medians of bench/mosaic_sweep.py (round 4, 2026-11-29 23:30 UTC,
-# bench/results/mosaic-sweep-round4-h200.json; us: this config / Pallas-Triton / bf16 jnp.dot).
+# 8-token tile measured a different best config). Only buckets MEASURED faster than the
+# Pallas-Triton config are listed: H200, JAX 0.11.2, in-graph medians of bench/mosaic_sweep.py
+# (round 4, 2026-11-29 23:30 UTC, bench/results/mosaic-sweep-round4-h200.json; us: this config
+# / Pallas-Triton / bf16 jnp.dot).
 # Two stages won almost everywhere: a smaller SMEM footprint (more CTAs per SM) beats depth.
 AUTO_SM90: dict[tuple[int, int, int], MosaicConfig] = {
     # 54.1 / 101.5 / 133.9 (2.44 TB/s); the previous entry (64, 2, 4 stages): 62.6

@@ -243,8 +243,9 @@ def matmul(
         else:
             out = mosaic.matmul_mosaic(x2, w.codes, w_scales, alpha, out_dtype=out_dtype, config=mcfg)
         return out.reshape(lead + (n,))
+    interpret = jax.devices()[0].platform != "gpu"  # the Pallas-Triton kernels' mode here
     if w4a4:
-        if impl == "pallas" and jax.devices()[0].platform == "gpu":
+        if impl == "pallas" and not interpret:
             x2 = w4a4_operand(x2, s_in)  # one kernel, IEEE divisions whatever XLA's flags
         else:  # XLA's quantizer: exact on CPU; on a GPU only with -nvptx-prec-divf32=2 (README)
             xq = quantize(x2, "trtllm", encode_scale=jnp.float32(1.0) / s_in)
@@ -253,7 +254,6 @@ def matmul(
         out = matmul_xla(x2, w.codes, w_scales, alpha, out_dtype=out_dtype)
     else:
         cfg = config or configs.get_config(m, n, k)
-        interpret = jax.devices()[0].platform != "gpu"
         if interpret:
             cfg = Config(**{**cfg.__dict__, "decode": "bits"})
         out = matmul_pallas(

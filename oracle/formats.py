@@ -11,7 +11,8 @@ Bit layouts (stated once, here):
 
 Rounding is round-to-nearest, ties-to-even, computed once from the float64 value
 (``np.rint`` on a value scaled by an exact power of two), never through float32:
-ml_dtypes and torch round float64 twice (through float32) and are not exact near ties.
+torch (2.13) and ml_dtypes before 0.7 round float64 twice (through float32) and are not
+exact near ties; ml_dtypes 0.7 rounds once.
 Only numpy and Python integers are used.
 """
 

@@ -141,3 +141,28 @@ def _e4m3_value(code: np.ndarray) -> np.ndarray:
 def f32_bits(a) -> np.ndarray:
     """float32 bit patterns (uint32) of an array: compares -0.0 vs 0.0 and NaNs exactly."""
     return np.asarray(a, np.float32).reshape(-1).view(np.uint32)
+
+
+# ---------------------------------------------------------------------------------------
+# The versions this run tests (printed in pytest's header; constraints.txt pins them for CI)
+# ---------------------------------------------------------------------------------------
+
+REPORTED_DISTRIBUTIONS = (
+    "jax", "jaxlib", "ml_dtypes", "numpy", "hypothesis", "safetensors", "torch",
+    "nvidia-modelopt", "torchao", "compressed-tensors", "b12x", "flashinfer-python", "triton",
+)
+
+
+def pytest_report_header(config):
+    import importlib.metadata
+    import platform
+
+    def version(dist):
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            return "not installed"
+
+    found = ", ".join(f"{d} {version(d)}" for d in REPORTED_DISTRIBUTIONS)
+    return [f"nvfp4-jax test environment: Python {platform.python_version()}; {found}; "
+            f"HYPOTHESIS_PROFILE={PROFILE}"]

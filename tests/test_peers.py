@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from conftest import nvfp4_blocks
+from peer_facts import peer_fact
 
 import oracle
 
@@ -150,31 +151,66 @@ def test_oracle_recipe_matches_peer_plain_randn(peer):
 # Casts: ml_dtypes and torch
 # ---------------------------------------------------------------------------------------
 
-def test_torch_saturates_e4m3_where_ml_dtypes_gives_nan():
+OVERFLOW = np.array([449.0, 464.0, 465.0, 480.0, 1e6, np.inf, -500.0, -np.inf], np.float32)
+#: float32 -> E4M3 bytes of OVERFLOW under each recorded overflow behaviour
+OVERFLOW_BYTES = {"nan": [0x7E, 0x7E, 0x7F, 0x7F, 0x7F, 0x7F, 0xFF, 0xFF],
+                  "saturate": [0x7E, 0x7E, 0x7E, 0x7E, 0x7E, 0x7E, 0xFE, 0xFE]}
+
+
+def test_oracle_overflow_policies_reproduce_nan_and_saturate():
+    for policy, want in OVERFLOW_BYTES.items():
+        assert oracle.e4m3_encode(OVERFLOW.astype(np.float64), policy).tolist() == want
+
+
+def test_ml_dtypes_e4m3_overflow_is_the_recorded_one():
     import ml_dtypes
 
+    want = OVERFLOW_BYTES[peer_fact("ml_dtypes", "e4m3_overflow")]
+    assert OVERFLOW.astype(ml_dtypes.float8_e4m3fn).view(np.uint8).tolist() == want
+
+
+def test_torch_e4m3_overflow_is_the_recorded_one():
     torch = pytest.importorskip("torch")
-    x = np.array([449.0, 464.0, 465.0, 480.0, 1e6, np.inf, -500.0, -np.inf], np.float32)
-    ml = x.astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
-    th = torch.from_numpy(x).to(torch.float8_e4m3fn).view(torch.uint8).numpy()
-    assert ml.tolist() == [0x7E, 0x7E, 0x7F, 0x7F, 0x7F, 0x7F, 0xFF, 0xFF]
-    assert th.tolist() == [0x7E, 0x7E, 0x7E, 0x7E, 0x7E, 0x7E, 0xFE, 0xFE]
-    # and the oracle's two overflow policies reproduce each
-    np.testing.assert_array_equal(oracle.e4m3_encode(x.astype(np.float64), "nan"), ml)
-    np.testing.assert_array_equal(oracle.e4m3_encode(x.astype(np.float64), "saturate"), th)
+    want = OVERFLOW_BYTES[peer_fact("torch", "e4m3_overflow")]
+    assert torch.from_numpy(OVERFLOW).to(torch.float8_e4m3fn).view(torch.uint8).tolist() == want
 
 
-def test_ml_dtypes_and_torch_double_round_float64():
+#: float64 values within 2^-40 of a float32-representable tie: rounding through float32 lands
+#: on the tie (and rounds to even), rounding once does not
+NEAR_TIES_E4M3 = np.array([2.0**-10 * (1 + 2.0**-40)])                   # once: 0x01, via f32: 0x00
+NEAR_TIES_E2M1 = np.array([0.25 * (1 + 2.0**-40), 0.75 * (1 - 2.0**-40), 5 * (1 + 2.0**-40)])
+
+
+def _float64_cast_reenacted(kind, v, encode):
+    """A float64 cast as the peer does it: once (the oracle) or through float32 first."""
+    if kind == "through_float32":
+        v = v.astype(np.float32).astype(np.float64)
+    return encode(v).tolist()
+
+
+def test_float64_cast_reenactments_differ_near_ties():
+    assert _float64_cast_reenacted("once", NEAR_TIES_E4M3, oracle.e4m3_encode) == [0x01]
+    assert _float64_cast_reenacted("through_float32", NEAR_TIES_E4M3, oracle.e4m3_encode) == [0]
+    assert _float64_cast_reenacted("once", NEAR_TIES_E2M1, oracle.e2m1_encode) == [1, 1, 7]
+    assert _float64_cast_reenacted("through_float32", NEAR_TIES_E2M1,
+                                   oracle.e2m1_encode) == [0, 2, 6]
+
+
+def test_ml_dtypes_float64_cast_is_the_recorded_one():
     import ml_dtypes
 
+    kind = peer_fact("ml_dtypes", "float64_cast")
+    assert (NEAR_TIES_E4M3.astype(ml_dtypes.float8_e4m3fn).view(np.uint8).tolist()
+            == _float64_cast_reenacted(kind, NEAR_TIES_E4M3, oracle.e4m3_encode))
+    assert (NEAR_TIES_E2M1.astype(ml_dtypes.float4_e2m1fn).view(np.uint8).tolist()
+            == _float64_cast_reenacted(kind, NEAR_TIES_E2M1, oracle.e2m1_encode))
+
+
+def test_torch_float64_cast_is_the_recorded_one():
     torch = pytest.importorskip("torch")
-    v = np.array([2.0**-10 * (1 + 2.0**-40)])
-    assert v.astype(ml_dtypes.float8_e4m3fn).view(np.uint8)[0] == 0x00
-    assert torch.from_numpy(v).to(torch.float8_e4m3fn).view(torch.uint8).item() == 0x00
-    assert oracle.e4m3_encode(v)[0] == 0x01  # exact RNE (2^-10 < v < 1.5*2^-10)
-    w = np.array([0.25 * (1 + 2.0**-40), 0.75 * (1 - 2.0**-40), 5 * (1 + 2.0**-40)])
-    assert w.astype(ml_dtypes.float4_e2m1fn).view(np.uint8).tolist() == [0, 2, 6]
-    assert oracle.e2m1_encode(w).tolist() == [1, 1, 7]
+    kind = peer_fact("torch", "float64_cast")
+    got = torch.from_numpy(NEAR_TIES_E4M3).to(torch.float8_e4m3fn).view(torch.uint8).tolist()
+    assert got == _float64_cast_reenacted(kind, NEAR_TIES_E4M3, oracle.e4m3_encode)
 
 
 def test_torch_and_ml_dtypes_agree_with_oracle_below_overflow():

@@ -196,9 +196,8 @@ def timed_loop(layer, refresh=None, inner_rounds: int | None = None):
     of static trip count ``inner_rounds`` (default ``INNER_ROUNDS``) over
     ``unrolled_layers(layer, refresh)``. ``run.layers_per_iter``: layers per outer iteration.
 
-    An inner ``fori_loop`` over the NROT layers that indexed stacked routings (the round-1
-    harness) cost ~8-16 us per layer at T = 1 on the H200 (NOTES-moe.md); the layers are
-    unrolled, and the inner loop only repeats them.
+    A ``fori_loop`` over the NROT layers, indexing stacked routings, cost ~8-16 us per layer
+    at T = 1 on the H200; the layers are unrolled, and the inner loop only repeats them.
     """
     layers = unrolled_layers(layer, refresh)
     rounds = INNER_ROUNDS if inner_rounds is None else inner_rounds

@@ -7,7 +7,16 @@ from __future__ import annotations
 import importlib.util
 import os
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+def _repo_root() -> str:
+    """The checkout's root: the nearest directory above this file that holds bench/."""
+    d = os.path.dirname(os.path.abspath(__file__))
+    while not os.path.isdir(os.path.join(d, "bench")) and os.path.dirname(d) != d:
+        d = os.path.dirname(d)
+    return d
+
+
+ROOT = _repo_root()
 
 
 def _load(name):

@@ -13,18 +13,15 @@ every call streams its weights from HBM). The per-call time is
 dispatch and compile are excluded and back-to-back launch gaps are included, as in a real model.
 Why the inner loop: ``R`` is a run-time value, and XLA:GPU runs a while loop of unknown trip
 count by copying the predicate to the host and waiting for it every iteration (``WhileThunk``;
-a loop of known trip count runs its body without that round trip). Until session 14 the body
-was one round (``U = 1``), so every call carried 1/C of a host round trip: the same bias for
-every impl in absolute time, ~O/2 per call at 28672x8192 (C = 2). ``U = ceil(64 / C)``
-(``--inner-calls``; 1 reproduces the old harness) leaves 1/64 of it.
+a loop of known trip count runs its body without that round trip). With one round per
+iteration (``U = 1``) every call would carry 1/C of a host round trip (C = 2 at 28672x8192);
+``U = ceil(64 / C)`` (``--inner-calls``) leaves 1/64 of it.
 Each iteration's activation depends on the previous iteration's output (``x + 0*out[0]``), so
 XLA can neither hoist nor merge the calls. Our NVFP4 calls each get their own activation
 (``per_call_x``: ``x + 0*out[0]*(c+1)`` for copy c) where they prepare x in XLA (W4A16 on the
 Mosaic path: pad and K permutation; W4A4: quantization), so that work runs once per call, as
-with a model's distinct layers;
-until session 10 only W4A4 did, and the W4A16 rows shared x's pad / permutation between the
-C calls of an iteration: with C = 2 at 28672x8192 that left out half of a ~0.7-0.9 us prep
-per call (round-6 profile, which chains x through every call).
+with a model's distinct layers (shared, XLA would prepare x once for the C calls of an
+iteration and leave a ~0.7-0.9 us prep out of every other call).
 """
 
 from __future__ import annotations
@@ -89,7 +86,7 @@ def make_timer(fn, x, ws, *, target_s: float = 0.03, per_call_x: bool = False,
     """Compile once; return a callable that times one more round (see ``time_per_call``).
 
     Calling it several times, interleaved with other impls' timers, separates a real
-    difference from the GPU's drift between rounds (``mosaic_sweep --rounds``).
+    difference from the GPU's drift between rounds.
     ``inner_calls``: calls per host round trip of the outer loop (module docstring).
     """
     f = timed_program(fn, x, ws, per_call_x=per_call_x, inner_calls=inner_calls)
@@ -317,7 +314,7 @@ def split_for(n, k, bn, bk, target_ctas=264):
 
 
 def candidates(m, n, k):
-    """Sweep space per M bucket (second round, after bench/NOTES-gemm.md round 1)."""
+    """Sweep space per M bucket of ``--tune`` (Pallas-Triton configs)."""
     C = Config
     if m <= 16:
         c = [C(16, 64, 256, 1, 4, 4, decode="asm16", load2d=True)]
@@ -551,7 +548,7 @@ def main():
         help=f"extra comma-separated impls timed side by side: {','.join(EXTRA_IMPLS)}",
     )
     p.add_argument("--inner-calls", type=int, default=INNER_CALLS,
-                   help="calls per outer loop iteration (host round trip); 1: the pre-session-14 harness")
+                   help="calls per outer loop iteration (host round trip); 1: one round per iteration")
     a = p.parse_args()
     globals()["INNER_CALLS"] = a.inner_calls
     os.makedirs(a.out, exist_ok=True)

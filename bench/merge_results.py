@@ -26,11 +26,11 @@ def merge(kind: str, old: dict, new: dict) -> dict:
         return tuple(r.get(k) for k in keys)
 
     # each record keeps the commit, date and timing harness of its own run (a MoE run without
-    # a "harness" entry predates per-layer global scales: moe_bench.py's docstring)
+    # a "harness" entry gave all layers the same global scales: moe_bench.py's docstring)
     stamp = {"commit": new.get("commit"), "date": new.get("date")}
     if kind == "moe":
-        stamp["harness"] = new.get("harness", "shared global scales (before session 10)")
-    else:  # gemm: a run without "round trip" in its timing note predates session 14's loop
+        stamp["harness"] = new.get("harness", "shared global scales")
+    else:  # gemm: the timing note names the loop structure (gemm_bench.py's docstring)
         stamp["timing"] = new.get("timing", "")
     fresh = [{**r, **{k: v for k, v in stamp.items() if k not in r}} for r in new["records"]]
     seen = {key(r) for r in fresh}

@@ -9,17 +9,14 @@ cannot keep them), each layer's input depending on the previous output. A loop i
 XLA:GPU with a run-time trip count costs a host round trip for its predicate (a static trip
 count does not), so 32 layers share one, and the per-layer time is the difference of two loop
 lengths: ``(t(1 + n) - t(1)) / (32 n)`` (medians of ``reps`` runs each), which also removes
-the call's fixed cost (``measure`` has the rule for slow layers). Round 1 and the first final
-run timed one layer per iteration and ``t(n) / n``, which charged every layer a loop round
-trip; sessions 2-13 shared one round trip among 8 layers.
+the call's fixed cost (``measure`` has the rule for slow layers).
 
 Each layer's global scales (the input scales and the weights' ``decode_scale``) depend on the
 running activation (``+ 0 * x[0]``, exact at run time; ``per_layer_scales``), as if every
-layer had its own. Before session 10 all 8 layers of an iteration got the same scale arrays:
-XLA then computed the scale expressions once and outside the loop (common subexpressions of
-the 8 layers, loop-invariant; seen in the CPU HLO), so the per-layer times left out their
-small fusions, and the 8 dequantizations of ``dequant_ragged_dot`` could be shared the same
-way. Work that reads only codes and block scales is still common to the 8 layers.
+layer had its own. With the same scale arrays for all 8 layers XLA would compute the scale
+expressions once and outside the loop (common subexpressions of the 8 layers,
+loop-invariant; seen in the CPU HLO), and the per-layer times would leave out their small
+fusions. Work that reads only codes and block scales is still common to the 8 layers.
 
 Bytes: touched experts' weights (NVFP4: 0.5625 B/weight; bf16:
 2 B/weight), averaged over the 8 routings. FLOPs: 2 * T * k * (R*H + H*I).
@@ -58,8 +55,7 @@ TOKENS = (1, 8, 64, 512, 4096)
 ROUTINGS = ("random", "skewed")
 NROT = 8
 #: recorded with every run: what the timed loop gives each layer (module docstring)
-HARNESS = ("per-layer global scales (session 10); 32 layers per loop round trip (session 14); "
-           "routings as separate arrays, no per-layer slice copies (session 17)")
+HARNESS = "per-layer global scales; 32 layers per loop round trip; routings as separate arrays"
 
 
 def make_weights(key, s):
@@ -100,9 +96,9 @@ def device_routings(ids, wts):
     """The NROT routings as NROT separate device arrays each (tuples), the form every timed
     layer reads: ``ids[j]`` of a stacked [NROT, T, k] array inside the jitted program is a
     slice that XLA:GPU runs as a device-to-device copy (a Mosaic or Triton custom call cannot
-    fuse it), two per layer (ids and weights, ~1 us each on the H200 in session 17's
-    profile); a model's router writes its routing into a buffer of its own, so the copies
-    were the harness's, not the layer's."""
+    fuse it), two per layer (ids and weights, ~1 us each on the H200); a model's router
+    writes its routing into a buffer of its own, so such copies would be the harness's, not
+    the layer's."""
     return (tuple(jnp.asarray(ids[j]) for j in range(NROT)),
             tuple(jnp.asarray(wts[j]) for j in range(NROT)))
 
@@ -191,7 +187,7 @@ def unrolled_layers(layer, refresh=None):
 #: rounds of the NROT unrolled layers per outer loop iteration (a static inner loop): the
 #: outer loop's run-time trip count costs a host round trip per iteration (XLA:GPU copies the
 #: predicate to the host; a loop of static trip count does not), so it is shared by
-#: NROT * INNER_ROUNDS layers. Until session 14: 1 (8 layers per round trip).
+#: NROT * INNER_ROUNDS layers.
 INNER_ROUNDS = 4
 
 
@@ -200,9 +196,8 @@ def timed_loop(layer, refresh=None, inner_rounds: int | None = None):
     of static trip count ``inner_rounds`` (default ``INNER_ROUNDS``) over
     ``unrolled_layers(layer, refresh)``. ``run.layers_per_iter``: layers per outer iteration.
 
-    An inner ``fori_loop`` over the NROT layers that indexed stacked routings (the round-1
-    harness) cost ~8-16 us per layer at T = 1 on the H200 (NOTES-moe.md); the layers are
-    unrolled, and the inner loop only repeats them.
+    A ``fori_loop`` over the NROT layers, indexing stacked routings, cost ~8-16 us per layer
+    at T = 1 on the H200; the layers are unrolled, and the inner loop only repeats them.
     """
     layers = unrolled_layers(layer, refresh)
     rounds = INNER_ROUNDS if inner_rounds is None else inner_rounds
@@ -323,7 +318,7 @@ def main():
                     if impl != "nvfp4_moe" and dense_gb > 100:
                         records.append({"impl": impl, "shape": sname, "routing": kind, "T": t, "error": (
                             f"skipped: XLA's ragged_dot lowering asks for ~{dense_gb:.0f} GB "
-                            "(E x rows x N bf16; measured failure in round 1)")})
+                            "(E x rows x N bf16)")})
                         continue
                     try:
                         us, n = measure(runs[impl], hidden, ids_d, wts_d, layers[impl][1],

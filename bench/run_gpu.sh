@@ -1,14 +1,18 @@
 #!/usr/bin/env bash
-# GPU tests (incl. the SM12x compile check) and both benchmarks on the GPU machine.
-# Usage (device tool): NVFP4_COMMIT=<hash> STEPS="tests gemm moe ncu" bash bench/run_gpu.sh
-# Steps: tests gemm moe profile gprofile probe sortprobe lprobe sweep ncu mncu. Each has its own timeout (T_TESTS, T_GEMM, T_MOE,
-# T_PROFILE, T_PROBE, T_NCU seconds; all GPU test modules take ~290 s; TEST_FILES picks modules
-# (split at spaces), TEST_K a pytest -k expression, spaces allowed); GEMM_SHAPES, GEMM_MS
-# and MOE_TOKENS narrow the benches (MOE_PAD_FC2=1: ours on FC2 weights padded by moe.pad_fc2;
-# MOE_SCALE_LAYOUT=linear: ours on linear weight scales, kept
-# apart from the committed swizzled rows; bench/merge_results.py merges a partial run into the
-# committed JSON); everything lands
-# under $OUT (run.log plus each tool's JSON/PNG). Pass the commit: the device copy's .git is the session's base.
+# GPU tests and both benchmarks on a GPU machine, each step under its own timeout; everything
+# lands under $OUT (run.log plus each tool's JSON/PNG/text).
+# Usage: NVFP4_COMMIT=<hash> STEPS="tests gemm moe" bash bench/run_gpu.sh
+# Steps: tests gemm moe profile ncu mncu (default "tests gemm moe").
+#   tests:   the GPU test modules (TEST_FILES: module names or paths, split at spaces; TEST_K: a
+#            pytest -k expression), with IEEE fp32 division in XLA; T_TESTS seconds.
+#   gemm:    bench/gemm_bench.py (GEMM_SHAPES, GEMM_MS narrow it); T_GEMM.
+#   moe:     bench/moe_bench.py (MOE_TOKENS, MOE_IMPLS; MOE_PAD_FC2=1: ours on FC2 weights padded
+#            by moe.pad_fc2; MOE_SCALE_LAYOUT=linear: ours on linear weight scales); T_MOE.
+#   profile: bench/moe_profile.py, per-kernel device time of one MoE layer (PROFILE_CASES).
+#   ncu:     Nsight Compute on the Mosaic GEMM (bench/mosaic_ncu.py, NCU_SHAPES).
+#   mncu:    Nsight Compute on one MoE layer's kernels (bench/moe_ncu.py, MNCU_CASES).
+# bench/merge_results.py merges a partial run into the committed JSON. Pass NVFP4_COMMIT when
+# the tree's .git does not describe the tree (a copied working tree).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/nvfp4-out}
@@ -23,10 +27,13 @@ for s in $STEPS; do
   case $s in
     tests)
       step "gpu tests (IEEE fp32 division for bit-exact quantization)"
+      files=""
+      for f in ${TEST_FILES:-test_moe_gpu.py test_moe_mosaic_gpu.py test_gemm_mosaic_gpu.py \
+          test_gemm_gpu.py test_quantize_gpu.py}; do  # a module name is found wherever it lives
+        if [ -e "$f" ]; then files="$files $f"; else files="$files $(find tests -name "$f" | head -1)"; fi
+      done
       XLA_FLAGS="--xla_backend_extra_options=-nvptx-prec-divf32=2" timeout "$T_TESTS" \
-        python3 -m pytest -m gpu -q -p no:cacheprovider -rs ${TEST_K:+-k "$TEST_K"} ${TEST_FILES:-tests/test_moe_gpu.py \
-        tests/test_moe_mosaic_gpu.py tests/test_gemm_mosaic_gpu.py tests/test_gemm_gpu.py \
-        tests/test_quantize_gpu.py} 2>&1 \
+        python3 -m pytest -m gpu -q -p no:cacheprovider -rs ${TEST_K:+-k "$TEST_K"} $files 2>&1 \
         | tail -40 | tee -a "$OUT/run.log" ;;
     gemm)
       step "gemm bench"
@@ -45,38 +52,10 @@ for s in $STEPS; do
         --scale-layout "${MOE_SCALE_LAYOUT:-linear}" ${MOE_PAD_FC2:+--pad-fc2} \
         --cases "${PROFILE_CASES:-nemotron:4096,qwen3_30b:4096,qwen3_30b:1}" 2>&1 \
         | grep -v Warning | tail -45 | tee -a "$OUT/run.log" ;;
-    gprofile)
-      step "gemm profile (per-kernel time of one matmul call)"
-      timeout "${T_GPROFILE:-120}" python3 bench/gemm_profile.py --out "$OUT" \
-        --cases "${GPROFILE_CASES:-28672x8192x1,28672x8192x16,28672x8192x64,4096x14336x16}" 2>&1 \
-        | grep -v Warning | tail -60 | tee -a "$OUT/run.log" ;;
-    probe)
-      step "moe mosaic probe (Mosaic vs Pallas-Triton layer; config variants with PROBE_SWEEP=1)"
-      timeout "${T_PROBE:-200}" python3 bench/moe_mosaic_probe.py --out "$OUT" \
-        --shapes "${PROBE_SHAPES:-nemotron,qwen3_30b}" --tokens "${PROBE_TOKENS:-1,8,64}" \
-        --budget-s $((${T_PROBE:-200} - 40)) ${PROBE_SWEEP:+--sweep} ${PROBE_CONFIGS:+--configs $PROBE_CONFIGS} \
-        ${PROBE_NO_TRITON:+--no-triton} ${PROBE_SWIZZLED:+--swizzled} \
-        ${PROBE_ROUTES_METHOD:+--routes-method} ${PROBE_TOKENS_METHOD:+--tokens-method} \
-        ${PROBE_PREFER_ROUTES:+--prefer-routes} ${PROBE_ROUTING_WARPS:+--routing-warps $PROBE_ROUTING_WARPS} \
-        --rounds "${PROBE_ROUNDS:-1}" 2>&1 \
-        | grep -v Warning | tail -40 | tee -a "$OUT/run.log" ;;
-    sortprobe)
-      step "the routing's sort: narrow vs int32 keys (${SORT_TOKENS:-512,4096})"
-      timeout "${T_SORT:-150}" python3 bench/sort_probe.py --out "$OUT" --tokens "${SORT_TOKENS:-512,4096}" \
-        --rounds "${SORT_ROUNDS:-3}" 2>&1 | grep -v Warning | tail -20 | tee -a "$OUT/run.log" ;;
-    lprobe)
-      step "launch probe: device events next to trivial Mosaic / Pallas-Triton launches"
-      timeout "${T_LPROBE:-120}" python3 bench/launch_probe.py --out "$OUT" 2>&1 \
-        | grep -v Warning | tail -40 | tee -a "$OUT/run.log" ;;
-    sweep)
-      step "mosaic GEMM config sweep (${SWEEP_PLAN:-default plan})"
-      timeout "${T_SWEEP:-240}" python3 bench/mosaic_sweep.py --out "$OUT" --budget-s $((${T_SWEEP:-240} - 30)) \
-        ${SWEEP_PLAN:+--plan "$SWEEP_PLAN"} ${SWEEP_VARIANTS:+--variants "$SWEEP_VARIANTS"} --rounds "${SWEEP_ROUNDS:-1}" 2>&1 \
-        | grep -v Warning | grep -v '^{' | tail -60 | tee -a "$OUT/run.log" ;;
     ncu)
       step "Nsight Compute: the Mosaic GEMM (${NCU_SHAPES:-28672x8192x16 28672x8192x64}, 2 launches each)"
       # no preallocation: kernel replay saves and restores all allocated device memory per pass
-      # (JAX preallocates 75 % of the GPU by default, which made the first attempt time out)
+      # (JAX preallocates 75 % of the GPU by default, and replaying all of it takes minutes)
       XLA_PYTHON_CLIENT_PREALLOCATE=false timeout "${T_NCU:-150}" ncu -k regex:nvfp4 --launch-count 4 --clock-control none \
         --section SpeedOfLight \
         --section Occupancy --section LaunchStats --section WarpStateStats \

@@ -1,12 +1,22 @@
-"""The benchmark bookkeeping (bench/merge_results.py, bench/tables.py): merged records keep
-the HBM copy rate of their own run, and the README's MoE percentages use it."""
+"""The benchmark harness and bookkeeping (bench/gemm_bench.py, bench/moe_bench.py,
+bench/merge_results.py, bench/tables.py): the timed loops measure what a model runs, merged
+records keep the HBM copy rate of their own run, and the MoE table's percentages use it."""
 
 from __future__ import annotations
 
 import importlib.util
 import os
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+def _repo_root() -> str:
+    """The checkout's root: the nearest directory above this file that holds bench/."""
+    d = os.path.dirname(os.path.abspath(__file__))
+    while not os.path.isdir(os.path.join(d, "bench")) and os.path.dirname(d) != d:
+        d = os.path.dirname(d)
+    return d
+
+
+ROOT = _repo_root()
 
 
 def _load(name):
@@ -38,48 +48,6 @@ def test_merge_keeps_each_runs_copy_rate_and_tables_use_it():
     rows = {line.split(" | ")[1]: line for line in tables(doc).splitlines()[2:]}
     assert "1.00 (50 %)" in rows["1"]  # 1.0 TB/s against its own run's 2.0
     assert "2.00 (50 %)" in rows["64"] and "500*" in rows["64"]  # 2.0 against 4.0, older run
-
-
-def test_probe_config_names():
-    """bench/moe_mosaic_probe.py's --configs names: knobs on both GEMMs or one (f1/f2), and the
-    layer-wide ones; an unknown knob is refused."""
-    import sys
-
-    import pytest
-
-    sys.path.insert(0, os.path.join(ROOT, "bench"))
-    probe = _load("moe_mosaic_probe")
-    from nvfp4_jax.moe.mosaic import auto_config
-
-    base = auto_config(8 * 8, 128, hidden=2048, rows1=1536, inter=768)
-    cfg = probe.named_config("c2_bf_sk_f2k3_sp", base, 2048, 768)
-    assert (cfg.fc1.consumers, cfg.fc2.consumers) == (2, 2)
-    assert (cfg.fc1.split_k, cfg.fc2.split_k) == (base.fc1.split_k, 3)
-    assert cfg.bf16_partials and cfg.scales == "kernel" and cfg.skip_padding
-    assert probe.named_config("rk", base, 2048, 768).routing == "kernel"
-    assert probe.named_config("fr_sk_sp", base, 2048, 768).routing == "fused"
-    # sx on a fused-routing base: the scales leave the launch, so the routing kernel alone
-    assert base.routing == "fused"
-    sx = probe.named_config("sx", base, 2048, 768)
-    assert (sx.scales, sx.routing) == ("xla", "kernel")
-    tq = probe.named_config("tq", base, 2048, 768)  # ... and so does token_quant
-    assert tq.token_quant and tq.routing == "kernel"
-    # ew: a module constant set while tracing (not a config field), restored after
-    patches, rest = probe.trace_knobs("pf_ew_tq")
-    assert rest == "pf_tq" and [(m.__name__, a) for m, a, _ in patches] == [
-        ("nvfp4_jax.moe.epilogue", "EPILOGUE_LOADED_ELEMS")]
-    from nvfp4_jax.moe import epilogue as ep
-    before = ep.EPILOGUE_LOADED_ELEMS
-    with probe.patched(patches):
-        assert ep.epilogue_row_chunk(64, 2) == 64  # whole 64-row blocks
-    assert ep.EPILOGUE_LOADED_ELEMS == before and ep.epilogue_row_chunk(64, 2) == 32
-    ln = probe.named_config("f2ln", base, 2048, 768)  # lane semantics, FC2 only
-    assert (ln.fc1.semantics, ln.fc2.semantics) == ("default", "lane")
-    with pytest.raises(ValueError, match="unknown knob"):
-        probe.named_config("fast", base, 2048, 768)
-    # pf: a weight knob (FC2 padded by moe.pad_fc2), not a config field
-    assert probe.weight_knobs("pf") == (True, "") and probe.weight_knobs("f2k2_pf") == (True, "f2k2")
-    assert probe.weight_knobs("fr_sk") == (False, "fr_sk")
 
 
 def _scale_divisions(text: str) -> tuple[int, int]:
@@ -133,8 +101,8 @@ def _routing_slices(jaxpr, shape) -> int:
 def test_moe_bench_layers_read_their_routing_without_a_slice():
     """Each timed layer reads its routing from an array of its own (``device_routings``):
     ``ids[j]`` of a stacked [NROT, T, k] array is a slice, which XLA:GPU ran as a ~1 us device
-    copy before each layer's routing kernel (two per layer: ids and weights; session 17's
-    profile), a cost of the harness that a model's router does not have."""
+    copy before each layer's routing kernel (two per layer: ids and weights), a cost of the
+    harness that a model's router does not have."""
     import sys
 
     import jax
@@ -147,7 +115,7 @@ def test_moe_bench_layers_read_their_routing_without_a_slice():
     stacked = (mb.NROT, 3, 2)
     assert _routing_slices(jax.make_jaxpr(run)(x, ids, wts, n, params).jaxpr, stacked) == 0
     ids_s, wts_s = np.stack([np.asarray(i) for i in ids]), np.stack([np.asarray(w) for w in wts])
-    # the stacked form (the harness before session 17) slices both arrays in every layer
+    # the stacked form slices both arrays in every layer (so the check can fail)
     assert _routing_slices(jax.make_jaxpr(run)(x, ids_s, wts_s, n, params).jaxpr, stacked) >= 2 * mb.NROT
 
 
@@ -155,8 +123,8 @@ def test_moe_bench_loop_recomputes_scales_per_layer():
     """The MoE bench's timed loop gives every layer its own run-time global scales, so XLA
     computes the scale expressions (G = 1 / input_scale, the alphas: f32 divisions over
     [E]-sized or scalar operands) once per layer inside the loop, as a model would. With the
-    same scale arrays for every layer (the harness before session 10) XLA shared them between
-    the layers and hoisted them out of the loop."""
+    same scale arrays for every layer XLA shares them between the layers and hoists them out
+    of the loop."""
     import sys
 
 
@@ -165,7 +133,7 @@ def test_moe_bench_loop_recomputes_scales_per_layer():
     layer = mb.nvfp4_layer("swiglu", "pallas")
 
     shared = _scale_divisions(mb.timed_loop(layer).lower(*args).compile().as_text())
-    assert shared[0] > 0  # the old harness: the scales computed once, outside the loop
+    assert shared[0] > 0  # shared scale arrays: the scales computed once, outside the loop
     entry, body = _scale_divisions(mb.timed_loop(layer, mb.per_layer_scales).lower(*args).compile().as_text())
     assert entry == 0
     assert body >= mb.NROT * shared[0]  # per layer, at least what the shared copy had
@@ -201,7 +169,7 @@ def test_bench_loops_share_one_host_round_trip_among_many_calls():
     """Both benches' timed programs: the outer loop (run-time trip count: XLA:GPU copies its
     predicate to the host every iteration) wraps an inner loop of static trip count, so one
     host round trip is shared by >= gemm_bench.INNER_CALLS GEMM calls and by NROT *
-    INNER_ROUNDS MoE layers (session 14; before, by C weight copies and by 8 layers)."""
+    INNER_ROUNDS MoE layers."""
     import sys
 
     import jax.numpy as jnp
@@ -222,49 +190,3 @@ def test_bench_loops_share_one_host_round_trip_among_many_calls():
     assert run.layers_per_iter == mb.NROT * mb.INNER_ROUNDS
     counts = _while_trip_counts(run.lower(*args).compile().as_text())
     assert None in counts and mb.INNER_ROUNDS in counts
-
-
-def test_sort_probe_times_int32_keys_only_inside_its_context():
-    """bench/sort_probe.py's A/B: inside ``int32_keys(True)`` the routing sorts int32 keys (the
-    sort before session 15), outside it the narrow keys again."""
-    import functools
-
-    import jax
-    import jax.numpy as jnp
-
-    from nvfp4_jax.moe import routing
-
-    probe = _load("sort_probe")
-    ids = jnp.zeros((8, 4), jnp.int32)
-
-    def sort_line():
-        hlo = jax.jit(functools.partial(routing.block_routing, method="sort"),
-                      static_argnums=(1, 2)).lower(ids, 128, 16).compiler_ir("hlo").as_hlo_text()
-        return next(ln for ln in hlo.splitlines() if " sort(" in ln)
-
-    with probe.int32_keys(True):
-        assert "(s32[32]{0}, s32[32]{0}) sort(" in sort_line()
-    assert "(u8[32]{0}, s32[32]{0}) sort(" in sort_line()
-
-
-def test_launch_probe_kernels_lower_for_cuda():
-    """bench/launch_probe.py's cases lower for CUDA on any machine (their GPU run is the
-    probe): the TMA copies, the scalar kernel, and the grouped MoE kernel chained after a
-    Triton kernel, one Mosaic custom call per launch."""
-    import re
-    import sys
-
-    import jax
-    import jax.numpy as jnp
-
-    sys.path.insert(0, os.path.join(ROOT, "bench"))
-    lp = _load("launch_probe")
-    xs = tuple(jnp.ones(lp.SHAPE, jnp.bfloat16) for _ in range(4))
-    txt = jax.jit(lambda *a: lp.tma_copy(4)(*a)).trace(*xs).lower(lowering_platforms=("cuda",)).as_text()
-    assert re.findall(r"custom_call @(\w+)", txt) == ["mosaic_gpu_v2"]
-    txt = jax.jit(lp.scalar_copy()).trace(jnp.zeros((1,), jnp.int32)).lower(
-        lowering_platforms=("cuda",)).as_text()
-    assert re.findall(r"custom_call @(\w+)", txt) == ["mosaic_gpu_v2"]
-    txt = lp.grouped_step(True).trace(lp.grouped_inputs()).lower(lowering_platforms=("cuda",)).as_text()
-    calls = re.findall(r"custom_call @(\w+)", txt)
-    assert calls.count("mosaic_gpu_v2") == lp.CALLS and len(calls) == 2 * lp.CALLS

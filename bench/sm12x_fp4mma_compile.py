@@ -209,7 +209,9 @@ def run(out_dir: str | None = None, shapes=((16, 256, 512),)) -> dict:
             text, bc, warps, stages = capture_ttir(m, n, k)
             entry = {
                 "shape": [m, n, k],
-                "ttir_dot_scaled": [ln.strip() for ln in text.splitlines() if "tt.dot_scaled" in ln],
+                "ttir_dot_scaled": [
+                    ln.strip() for ln in text.splitlines() if "tt.dot_scaled" in ln
+                ],
             }
             for cc in ARCHS:
                 if jt is not None:

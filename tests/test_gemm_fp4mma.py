@@ -8,12 +8,10 @@ import os
 import re
 import sys
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import given, settings
-from hypothesis import strategies as st
 
 import nvfp4_jax
 import oracle

@@ -149,9 +149,11 @@ _register_triton_lowering()
 
 @dataclasses.dataclass(frozen=True)
 class Fp4MmaConfig:
-    """Tile configuration (sizes and num_warps powers of two). block_m: tokens per tile (MMA N slot, >= 8).
-    block_n: output features per tile (MMA M slot, >= 16). block_k: K per step (>= 64, the
-    m16n8k64 instruction's K)."""
+    """Tile configuration (sizes and num_warps powers of two).
+
+    block_m: tokens per tile (MMA N slot, >= 8). block_n: output features per tile (MMA M
+    slot, >= 16). block_k: K per step (>= 64, the m16n8k64 instruction's K).
+    """
 
     block_m: int = 16
     block_n: int = 64
@@ -229,16 +231,19 @@ def gemm_fp4mma(
     """
     x_codes, w_codes = jnp.asarray(x_codes), jnp.asarray(w_codes)
     if x_codes.ndim != 2 or x_codes.dtype != jnp.uint8:
-        raise ValueError(f"x_codes: expected uint8 [M, K/2], got {x_codes.dtype}{list(x_codes.shape)}")
+        raise ValueError(f"x_codes: expected uint8 [M, K/2], got {x_codes.dtype}"
+                         f"{list(x_codes.shape)}")
     if w_codes.ndim != 2 or w_codes.dtype != jnp.uint8:
-        raise ValueError(f"w_codes: expected uint8 [N, K/2], got {w_codes.dtype}{list(w_codes.shape)}")
+        raise ValueError(f"w_codes: expected uint8 [N, K/2], got {w_codes.dtype}"
+                         f"{list(w_codes.shape)}")
     (M, K2), (N, wk2) = x_codes.shape, w_codes.shape
     K = 2 * K2
     if wk2 != K2:
         raise ValueError(f"w_codes: K mismatch, x has K={K}, w has K={2 * wk2}")
     if K % BLOCK or K == 0:
         raise ValueError(f"x_codes: K must be a positive multiple of {BLOCK}, got {K}")
-    xs, ws = _as_bytes(jnp.asarray(x_scales), "x_scales"), _as_bytes(jnp.asarray(w_scales), "w_scales")
+    xs = _as_bytes(jnp.asarray(x_scales), "x_scales")
+    ws = _as_bytes(jnp.asarray(w_scales), "w_scales")
     if xs.shape != (M, K // BLOCK):
         raise ValueError(f"x_scales: expected shape {(M, K // BLOCK)}, got {xs.shape}")
     if ws.shape != (N, K // BLOCK):
@@ -273,7 +278,8 @@ def matmul_fp4mma(
     are converted to linear. Returns out_dtype [M, N]."""
     for name, t in (("x", x), ("w", w)):
         if not isinstance(t, NVFP4Array):
-            raise ValueError(f"{name}: expected an NVFP4Array, got {type(t).__name__}")  # noqa: TRY004
+            raise ValueError(  # noqa: TRY004 - the house style: bad input is a ValueError
+                f"{name}: expected an NVFP4Array, got {type(t).__name__}")
         if len(t.shape) != 2:
             raise ValueError(f"{name}: expected a 2-D NVFP4Array, got shape {t.shape}")
         if jnp.ndim(t.decode_scale) != 0:

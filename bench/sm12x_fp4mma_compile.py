@@ -194,6 +194,44 @@ def compile_pip(ttir_text, warps, stages, cc, workdir) -> dict:
     return out
 
 
+def pip_triton_version() -> tuple[int, int] | None:
+    try:
+        import triton
+    except ImportError:
+        return None
+    return tuple(int(p) for p in triton.__version__.split(".")[:2])
+
+
+def check(summary: dict) -> tuple[int, list[str]]:
+    """Verdict on a :func:`run` summary: (builds checked, problems).
+
+    sm_120a and sm_121a builds must hold the NVFP4 block-scaled MMA (``OMMA ... E2M1.E2M1.UE4M3
+    .4X``, and no other MMA); sm_90a builds the same TTIR decomposed (bf16 ``HGMMA``). pip Triton
+    < 3.8 has no sm_121 native path (PR #10010) and no NVFP4 decomposition (PR #9772): with it
+    only sm_120a is checked. A build whose SASS cannot be read (old cuobjdump) is a problem too.
+    """
+    pip = summary.get("pip_triton") and pip_triton_version()
+    problems, checked = [], 0
+    for entry in summary["kernels"]:
+        for prefix in ("xla", "pip"):
+            if f"{prefix}_sm120" not in entry:
+                continue
+            full = prefix == "xla" or (pip is not None and pip >= (3, 8))
+            for cc in (120, 121, 90) if full else (120,):
+                r, tag = entry[f"{prefix}_sm{cc}"], f"{entry['shape']} {prefix} sm_{cc}a"
+                checked += 1
+                if "error" in r:
+                    problems.append(f"{tag}: {r['error']}")
+                elif r["ptx_target"] != f"sm_{cc}a":
+                    problems.append(f"{tag}: PTX target {r['ptx_target']}")
+                elif cc != 90 and not (r["FP4_MMA"] > 0 and r["FP4_MMA"] == r["OMMA"]
+                                       and r["HMMA"] == r["HGMMA"] == r["QMMA"] == 0):
+                    problems.append(f"{tag}: MMAs {r['mma_forms']}, want only the FP4 OMMA")
+                elif cc == 90 and not (r["FP4_MMA"] == 0 and r["HGMMA"] > 0):
+                    problems.append(f"{tag}: MMAs {r['mma_forms']}, want the bf16 HGMMA")
+    return checked, problems
+
+
 def run(out_dir: str | None = None, shapes=((16, 256, 512),)) -> dict:
     summary = {"jax": jax.__version__, "kernels": []}
     try:
@@ -202,6 +240,8 @@ def run(out_dir: str | None = None, shapes=((16, 256, 512),)) -> dict:
         summary["pip_triton"] = triton.__version__
     except ImportError:
         summary["pip_triton"] = None
+    if summary["pip_triton"] is None:
+        summary["pip_triton_missing"] = "pip triton not importable"
     jt, why = xla_compiler()
     summary["xla_triton"] = "available" if jt is not None else why
     with tempfile.TemporaryDirectory() as wd:
@@ -220,6 +260,9 @@ def run(out_dir: str | None = None, shapes=((16, 256, 512),)) -> dict:
                     entry[f"pip_sm{cc}"] = compile_pip(text, warps, stages, cc, wd)
             summary["kernels"].append(entry)
             print(json.dumps(entry), flush=True)
+    checked, problems = check(summary)
+    summary["checked_builds"], summary["problems"] = checked, problems
+    summary["fp4_mma_ok"] = checked > 0 and not problems
     if out_dir:
         os.makedirs(out_dir, exist_ok=True)
         with open(os.path.join(out_dir, "gemm-fp4mma-sm12x-compile.json"), "w") as f:
@@ -236,3 +279,6 @@ if __name__ == "__main__":
         for key in sorted(k for k in e if k.startswith(("xla_", "pip_"))):
             v = e[key]
             print(key, v.get("error") or {x: v.get(x) for x in ("FP4_MMA", "HMMA", "HGMMA")})
+    print(f"fp4_mma_ok {s['fp4_mma_ok']} ({s['checked_builds']} builds checked)")
+    for line in s["problems"]:
+        print("problem:", line)

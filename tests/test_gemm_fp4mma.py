@@ -147,46 +147,18 @@ def test_argument_errors_name_the_argument():
         matmul_fp4mma(np.zeros((4, 64)), nvfp4_jax.quantize(jnp.ones((8, 64), jnp.float32)))
 
 
-def _compile_summary():
+def test_sm12x_sass_has_block_scaled_fp4_mma():
+    """sm_120a and sm_121a builds contain OMMA...E2M1.E2M1.UE4M3.4X and no other MMA; sm_90a
+    builds the same TTIR decomposed (bf16 wgmma). Needs a Triton compiler: XLA's through a jax
+    CUDA plugin (jax <= 0.10.x) or pip triton (>= 3.8 for sm_121a and sm_90a)."""
     sys.path.insert(0, BENCH)
     try:
         import sm12x_fp4mma_compile as sc
     finally:
         sys.path.remove(BENCH)
     jt, why = sc.xla_compiler()
-    try:
-        import triton
-
-        pip_version = tuple(int(p) for p in triton.__version__.split(".")[:2])
-    except ImportError:
-        pip_version = None
-    if jt is None and pip_version is None:
+    if jt is None and sc.pip_triton_version() is None:
         pytest.skip(f"no Triton compiler here (pip triton absent; XLA's: {why})")
-    return sc.run(None, shapes=((16, 256, 512), (1, 128, 4096))), jt is not None, pip_version
-
-
-def test_sm12x_sass_has_block_scaled_fp4_mma():
-    """sm_120a and sm_121a builds contain OMMA...E2M1.E2M1.UE4M3.4X and no bf16 MMA; sm_90a
-    runs the same TTIR decomposed (bf16 wgmma). pip Triton < 3.8 has no sm_121 / sm_90 NVFP4
-    path (triton-lang/triton PRs #10010, #9772): those are checked only with a newer one."""
-    summary, have_xla, pip_version = _compile_summary()
-    checked = 0
-    for entry in summary["kernels"]:
-        for prefix, ok in (("xla", have_xla), ("pip", pip_version is not None)):
-            if not ok:
-                continue
-            full = prefix == "xla" or pip_version >= (3, 8)
-            for cc in (120, 121) if full else (120,):
-                r = entry[f"{prefix}_sm{cc}"]
-                if "cuobjdump" in r.get("error", ""):
-                    pytest.skip(f"{prefix} sm_{cc}: {r['error']}")
-                assert "error" not in r, (prefix, cc, r)
-                assert r["FP4_MMA"] > 0 and r["FP4_MMA"] == r["OMMA"], (prefix, cc, r)
-                assert r["HMMA"] == 0 and r["HGMMA"] == 0, (prefix, cc, r)
-                assert r["ptx_target"] == f"sm_{cc}a"
-                checked += 1
-            if full:
-                r = entry[f"{prefix}_sm90"]
-                assert "error" not in r, (prefix, 90, r)
-                assert r["FP4_MMA"] == 0 and r["HGMMA"] > 0, (prefix, 90, r)
-    assert checked > 0
+    summary = sc.run(None, shapes=((16, 256, 512), (1, 128, 4096)))
+    assert summary["checked_builds"] > 0
+    assert not summary["problems"], "\n".join(summary["problems"])

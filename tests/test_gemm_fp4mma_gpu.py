@@ -8,6 +8,9 @@ a CUDA GPU.
 
 from __future__ import annotations
 
+import os
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -86,3 +89,17 @@ def test_fp4mma_every_code_and_scale_byte():
                       config=Fp4MmaConfig(block_m=64, block_n=64, block_k=128))
     np.testing.assert_array_equal(np.asarray(out, np.float64).T,
                                   oracle.dequantize(w, include_decode_scale=False))
+
+
+def test_sm12x_builds_of_this_source_hold_the_fp4_mma():
+    """The compile check of tests/test_gemm_fp4mma.py on the GPU host (its Triton: pip triton
+    3.6 checks sm_120a only, >= 3.8 also sm_121a and sm_90a)."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
+    import sm12x_fp4mma_compile as sc
+
+    jt, why = sc.xla_compiler()
+    if jt is None and sc.pip_triton_version() is None:
+        pytest.skip(f"no Triton compiler importable (pip triton absent; XLA's: {why})")
+    summary = sc.run(None)
+    assert summary["checked_builds"] > 0
+    assert not summary["problems"], "\n".join(summary["problems"])

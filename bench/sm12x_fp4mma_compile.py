@@ -19,6 +19,7 @@ DIR`` -> ``DIR/gemm-fp4mma-sm12x-compile.json``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import io
 import json
 import os
@@ -34,6 +35,8 @@ import jax
 import jax.numpy as jnp
 
 ARCHS = (120, 121, 90)
+#: shared memory one block may use on SM 12.x (99 KiB; sm_90 allows 227 KiB)
+SM12X_SMEM = 99 * 1024
 FP4_MMA = re.compile(r"\bOMMA\.SF\.\S*E2M1\.E2M1\.UE4M3\.4X\b")
 PTX_FP4_MMA = "kind::mxf4nvf4.block_scale.scale_vec::4X.f32.e2m1.e2m1.f32.ue4m3"
 
@@ -42,9 +45,9 @@ def capture_ttir(m=16, n=256, k=512, config=None):
     """Lower one ``gemm_fp4mma`` call for CUDA; return (ttir_text, bytecode, warps, stages)."""
     from jax._src.pallas.triton import lowering
 
-    from nvfp4_jax.gemm.fp4mma import Fp4MmaConfig, gemm_fp4mma
+    from nvfp4_jax.gemm.fp4mma import default_config, gemm_fp4mma
 
-    cfg = config or Fp4MmaConfig()
+    cfg = config or default_config(m)
     got = []
     orig = lowering.lower_jaxpr_to_triton_module
 
@@ -189,7 +192,8 @@ def compile_pip(ttir_text, warps, stages, cc, workdir) -> dict:
     except Exception as e:  # noqa: BLE001 - reported, not raised
         return {"triton": triton.__version__,
                 "error": f"triton {triton.__version__} compile sm_{cc} failed: {repr(e)[:400]}"}
-    out = {"triton": triton.__version__, **_ptx_stats(ck.asm.get("ptx", ""))}
+    out = {"triton": triton.__version__, **_ptx_stats(ck.asm.get("ptx", "")),
+           "smem_bytes": getattr(ck.metadata, "shared", None)}
     out.update(sass_counts(ck.asm["cubin"], workdir, f"pip_sm{cc}"))
     return out
 
@@ -227,12 +231,18 @@ def check(summary: dict) -> tuple[int, list[str]]:
                 elif cc != 90 and not (r["FP4_MMA"] > 0 and r["FP4_MMA"] == r["OMMA"]
                                        and r["HMMA"] == r["HGMMA"] == r["QMMA"] == 0):
                     problems.append(f"{tag}: MMAs {r['mma_forms']}, want only the FP4 OMMA")
+                elif cc != 90 and (r.get("smem_bytes") or 0) > SM12X_SMEM:
+                    problems.append(f"{tag}: {r['smem_bytes']} B shared memory > {SM12X_SMEM}")
                 elif cc == 90 and not (r["FP4_MMA"] == 0 and r["HGMMA"] > 0):
                     problems.append(f"{tag}: MMAs {r['mma_forms']}, want the bf16 HGMMA")
     return checked, problems
 
 
 def run(out_dir: str | None = None, shapes=((16, 256, 512),)) -> dict:
+    """Compile ``gemm_fp4mma`` at each (M, N, K) with its default tile for every arch and
+    compiler found; the summary carries :func:`check`'s verdict (``fp4_mma_ok``)."""
+    from nvfp4_jax.gemm.fp4mma import default_config
+
     summary = {"jax": jax.__version__, "kernels": []}
     try:
         import triton
@@ -249,6 +259,7 @@ def run(out_dir: str | None = None, shapes=((16, 256, 512),)) -> dict:
             text, bc, warps, stages = capture_ttir(m, n, k)
             entry = {
                 "shape": [m, n, k],
+                "config": dataclasses.asdict(default_config(m)),
                 "ttir_dot_scaled": [
                     ln.strip() for ln in text.splitlines() if "tt.dot_scaled" in ln
                 ],
@@ -274,7 +285,7 @@ if __name__ == "__main__":
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="bench/results")
     a = p.parse_args()
-    s = run(a.out)
+    s = run(a.out, shapes=((16, 256, 512), (1, 4096, 4096), (64, 4096, 4096), (512, 4096, 4096)))
     for e in s["kernels"]:
         for key in sorted(k for k in e if k.startswith(("xla_", "pip_"))):
             v = e[key]

@@ -139,6 +139,8 @@ def test_argument_errors_name_the_argument():
         gemm_fp4mma(x, xs, w, ws, jnp.ones(2), interpret=True)
     with pytest.raises(ValueError, match="out_dtype"):
         gemm_fp4mma(x, xs, w, ws, 1.0, out_dtype=jnp.int8, interpret=True)
+    with pytest.raises(ValueError, match="config: expected an Fp4MmaConfig"):
+        gemm_fp4mma(x, xs, w, ws, 1.0, config=(16, 64, 128), interpret=True)
     with pytest.raises(ValueError, match="block_k >= 64"):
         Fp4MmaConfig(block_k=32)
     with pytest.raises(ValueError, match="block_n: expected a power of two"):
@@ -150,7 +152,8 @@ def test_argument_errors_name_the_argument():
 def test_sm12x_sass_has_block_scaled_fp4_mma():
     """sm_120a and sm_121a builds contain OMMA...E2M1.E2M1.UE4M3.4X and no other MMA; sm_90a
     builds the same TTIR decomposed (bf16 wgmma). Needs a Triton compiler: XLA's through a jax
-    CUDA plugin (jax <= 0.10.x) or pip triton (>= 3.8 for sm_121a and sm_90a)."""
+    CUDA plugin (jax <= 0.10.x) or pip triton (>= 3.8 for sm_121a and sm_90a). Each default
+    tile (decode, mid, prefill M) fits SM12x's 99 KiB of shared memory."""
     sys.path.insert(0, BENCH)
     try:
         import sm12x_fp4mma_compile as sc
@@ -159,6 +162,7 @@ def test_sm12x_sass_has_block_scaled_fp4_mma():
     jt, why = sc.xla_compiler()
     if jt is None and sc.pip_triton_version() is None:
         pytest.skip(f"no Triton compiler here (pip triton absent; XLA's: {why})")
-    summary = sc.run(None, shapes=((16, 256, 512), (1, 128, 4096)))
+    summary = sc.run(None, shapes=((16, 256, 512), (1, 128, 4096), (64, 256, 1024),
+                                   (300, 256, 1024)))
     assert summary["checked_builds"] > 0
     assert not summary["problems"], "\n".join(summary["problems"])

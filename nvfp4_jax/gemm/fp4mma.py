@@ -174,6 +174,17 @@ class Fp4MmaConfig:
             )
 
 
+def default_config(m: int) -> Fp4MmaConfig:
+    """Tile for M tokens (untuned: no SM12x GPU has run it). Shared memory of each on sm_120a
+    with XLA's Triton at N = K = 4096: 22.3 KiB (M <= 16), 26.5 KiB (M <= 64), 36 KiB (larger),
+    all within SM12x's 99 KiB per block."""
+    if m <= 16:
+        return Fp4MmaConfig(block_m=16, block_n=64, block_k=256, num_warps=4, num_stages=3)
+    if m <= 64:
+        return Fp4MmaConfig(block_m=64, block_n=128, block_k=128, num_warps=8, num_stages=3)
+    return Fp4MmaConfig(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=3)
+
+
 def _kernel(xc_ref, xs_ref, wc_ref, ws_ref, alpha_ref, o_ref, *, cfg: Fp4MmaConfig,
             M: int, N: int, K: int):
     BM, BN, BK = cfg.block_m, cfg.block_n, cfg.block_k
@@ -219,7 +230,7 @@ def gemm_fp4mma(
     alpha: jax.Array | float,
     *,
     out_dtype=jnp.bfloat16,
-    config: Fp4MmaConfig = Fp4MmaConfig(),
+    config: Fp4MmaConfig | None = None,
     interpret: bool = False,
 ) -> jax.Array:
     """``alpha * A @ W^T`` on FP4 tensor cores, A and W NVFP4 with linear-layout scales.
@@ -227,7 +238,8 @@ def gemm_fp4mma(
     x_codes: uint8 [M, K/2]; x_scales: E4M3 [M, K/16] (float8_e4m3fn or its uint8 bytes);
     w_codes: uint8 [N, K/2]; w_scales: E4M3 [N, K/16]; alpha: fp32 scalar (x.decode_scale *
     w.decode_scale). K: a multiple of 16. Returns out_dtype (bf16, fp16 or fp32) [M, N].
-    interpret: Pallas interpret mode (CPU tests; the MMA is then the exact reference dot).
+    config: tile (default :func:`default_config` of M). interpret: Pallas interpret mode (CPU
+    tests; the MMA is then the exact reference dot).
     """
     x_codes, w_codes = jnp.asarray(x_codes), jnp.asarray(w_codes)
     if x_codes.ndim != 2 or x_codes.dtype != jnp.uint8:
@@ -253,7 +265,10 @@ def gemm_fp4mma(
     alpha_arr = jnp.asarray(alpha, jnp.float32).reshape(-1)
     if alpha_arr.shape != (1,):
         raise ValueError(f"alpha: expected an fp32 scalar, got shape {jnp.shape(alpha)}")
-    cfg = config
+    cfg = default_config(M) if config is None else config
+    if not isinstance(cfg, Fp4MmaConfig):
+        raise ValueError(  # noqa: TRY004 - the house style: bad input is a ValueError
+            f"config: expected an Fp4MmaConfig or None, got {type(cfg).__name__}")
     kernel = functools.partial(_kernel, cfg=cfg, M=M, N=N, K=K)
     return pl.pallas_call(
         kernel,
@@ -270,7 +285,7 @@ def matmul_fp4mma(
     w: NVFP4Array,
     *,
     out_dtype=jnp.bfloat16,
-    config: Fp4MmaConfig = Fp4MmaConfig(),
+    config: Fp4MmaConfig | None = None,
     interpret: bool = False,
 ) -> jax.Array:
     """W4A4 ``x @ w^T`` (oracle ``gemm_w4a4``): x NVFP4Array [M, K], w NVFP4Array [N, K], both

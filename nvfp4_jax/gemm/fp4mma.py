@@ -19,8 +19,10 @@ target (docs/sm12x-fp4-mma.md has the evidence):
 Numerics (the oracle's ``gemm_w4a4``): ``out = alpha * sum_k (e2m1_x * e4m3_x) (e2m1_w *
 e4m3_w)`` with fp32 accumulation. The block scales stay in the MMA (never folded into alpha),
 ``alpha = x.decode_scale * w.decode_scale`` (fp32) multiplies the fp32 accumulator once, then
-one cast to ``out_dtype``. Each product is exact in fp32 (<= 12 significant bits), so the
-result is within ``oracle.gemm_error_bound`` whatever order the hardware adds in.
+one cast to ``out_dtype``. Each product is exact in fp32 (<= 12 significant bits), so with
+fp32 (or truncating fp32) additions in any order the result is within
+``oracle.gemm_error_bound``; the decomposed path (bf16 ``e2m1 * e4m3``, exact, into a bf16 MMA)
+is, and the native SM12x MMA's adder is assumed to be (not yet measured on SM12x hardware).
 
 Kernel: grid over (token tile, feature tile); the weight tile ``[BN, BK/2]`` is the MMA's
 M operand and the token tile ``[BM, BK/2]`` (transposed) its N operand (swap-AB: a decode

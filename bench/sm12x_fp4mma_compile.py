@@ -1,0 +1,295 @@
+"""Compile the FP4-MMA W4A4 kernel (nvfp4_jax/gemm/fp4mma.py) for sm_120a, sm_121a and sm_90a
+without a GPU of that kind, and count the block-scaled FP4 MMAs in the SASS.
+
+The kernel is lowered by JAX to Triton IR for CUDA (no GPU needed: the TTIR is
+architecture-neutral), then compiled, not run, by each Triton compiler found here:
+
+* ``xla``: the Triton that XLA bundles, through ``jax._src.lib.triton.compile`` (present with a
+  jax CUDA plugin on jax <= 0.10.x, also on a machine without a GPU); PTX, then ``ptxas
+  -arch=sm_XXa``;
+* ``pip``: the pip ``triton`` package (``triton.compile`` on the TTIR text).
+
+SASS comes from ``cuobjdump -sass`` (the one shipped with pip triton when there is one: it
+decodes sm_121a from Triton 3.7 on). Counted: ``OMMA`` with ``E2M1.E2M1.UE4M3.4X`` (NVFP4
+block-scaled MMA, ``mma.sync ... kind::mxf4nvf4.block_scale.scale_vec::4X``), ``HMMA``
+(bf16/fp16 mma.sync), ``HGMMA`` (wgmma). Usage: ``python bench/sm12x_fp4mma_compile.py --out
+DIR`` -> ``DIR/gemm-fp4mma-sm12x-compile.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import io
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import jax
+import jax.numpy as jnp
+
+ARCHS = (120, 121, 90)
+#: shared memory one block may use on SM 12.x (99 KiB; sm_90 allows 227 KiB)
+SM12X_SMEM = 99 * 1024
+FP4_MMA = re.compile(r"\bOMMA\.SF\.\S*E2M1\.E2M1\.UE4M3\.4X\b")
+PTX_FP4_MMA = "kind::mxf4nvf4.block_scale.scale_vec::4X.f32.e2m1.e2m1.f32.ue4m3"
+
+
+def capture_ttir(m=16, n=256, k=512, config=None):
+    """Lower one ``gemm_fp4mma`` call for CUDA; return (ttir_text, bytecode, warps, stages)."""
+    from jax._src.pallas.triton import lowering
+
+    from nvfp4_jax.gemm.fp4mma import default_config, gemm_fp4mma
+
+    cfg = config or default_config(m)
+    got = []
+    orig = lowering.lower_jaxpr_to_triton_module
+
+    def spy(*a, **kw):
+        res = orig(*a, **kw)
+        buf = io.BytesIO()
+        res.module.operation.write_bytecode(buf)
+        got.append((res.module.operation.get_asm(), buf.getvalue()))
+        return res
+
+    lowering.lower_jaxpr_to_triton_module = spy
+    try:
+        args = (
+            jnp.zeros((m, k // 2), jnp.uint8),
+            jnp.zeros((m, k // 16), jnp.float8_e4m3fn),
+            jnp.zeros((n, k // 2), jnp.uint8),
+            jnp.zeros((n, k // 16), jnp.float8_e4m3fn),
+            jnp.float32(1.0),
+        )
+        fn = jax.jit(lambda *a: gemm_fp4mma(*a, config=cfg))
+        fn.trace(*args).lower(lowering_platforms=("cuda",))
+    finally:
+        lowering.lower_jaxpr_to_triton_module = orig
+    if len(got) != 1:
+        raise RuntimeError(f"expected one Triton module, captured {len(got)}")
+    text, bc = got[0]
+    return text, bc, cfg.num_warps, cfg.num_stages
+
+
+def _pip_triton_bin():
+    try:
+        import triton
+    except ImportError:
+        return None
+    p = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    return p if os.path.isdir(p) else None
+
+
+def _tool(name):
+    """Prefer pip triton's copy (ptxas and cuobjdump of one CUDA release), then PATH."""
+    b = _pip_triton_bin()
+    cands = [os.path.join(b, name)] if b else []
+    cands += [shutil.which(name), f"/usr/local/cuda/bin/{name}"]
+    for c in cands:
+        if c and os.path.exists(c):
+            return c
+    return None
+
+
+def sass_counts(cubin: bytes, workdir: str, tag: str) -> dict:
+    path = os.path.join(workdir, f"{tag}.cubin")
+    with open(path, "wb") as f:
+        f.write(cubin)
+    cuobjdump = _tool("cuobjdump")
+    if cuobjdump is None:
+        return {"error": "cuobjdump not found"}
+    r = subprocess.run([cuobjdump, "-sass", path], check=False, capture_output=True, text=True)
+    sass = r.stdout
+    if r.returncode != 0 or "Function" not in sass:
+        return {"error": f"cuobjdump failed: {(r.stderr or sass)[-300:]}"}
+    ops = re.findall(
+        r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*(?:\.[\w.]+)?)", sass, re.MULTILINE
+    )
+    head = lambda o: o.split(".", 1)[0]
+    return {
+        "n_instructions": len(ops),
+        "FP4_MMA": sum(1 for o in ops if FP4_MMA.fullmatch(o)),
+        "OMMA": sum(1 for o in ops if head(o) == "OMMA"),
+        "QMMA": sum(1 for o in ops if head(o) == "QMMA"),
+        "HMMA": sum(1 for o in ops if head(o) == "HMMA"),
+        "HGMMA": sum(1 for o in ops if head(o) == "HGMMA"),
+        "mma_forms": sorted({o for o in ops if "MMA" in head(o)}),
+    }
+
+
+def _ptx_stats(ptx: str) -> dict:
+    target = re.search(r"\.target\s+(\S+)", ptx)
+    return {
+        "ptx_target": target.group(1) if target else None,
+        "ptx_fp4_mma": ptx.count(PTX_FP4_MMA),
+        "ptx_mma_sync": ptx.count("mma.sync"),
+        "ptx_wgmma": ptx.count("wgmma.mma_async"),
+    }
+
+
+def xla_compiler():
+    """XLA's bundled Triton (``jax._src.lib.triton.compile``), or None with the reason."""
+    try:
+        from jax._src.lib import triton as jt
+    except ImportError as e:
+        return None, f"jax._src.lib.triton unavailable: {e}"
+    if not hasattr(jt, "compile"):
+        return None, f"jax {jax.__version__}: jax._src.lib.triton has no compile()"
+    if not jt.has_compilation_handler("cuda"):
+        try:
+            from jax._src import xla_bridge
+
+            xla_bridge.discover_pjrt_plugins()
+        except Exception as e:  # noqa: BLE001 - plugin discovery is best effort here
+            return None, f"no CUDA plugin: {e!r}"[:300]
+    if not jt.has_compilation_handler("cuda"):
+        return None, "no Triton compilation handler for CUDA (jax CUDA plugin not installed)"
+    return jt, None
+
+
+def compile_xla(jt, bytecode, warps, stages, cc, workdir) -> dict:
+    arch = f"{cc // 10}.{cc % 10}"
+    try:
+        res = jt.compile("cuda", bytecode, arch, num_warps=warps, num_ctas=1, num_stages=stages)
+    except Exception as e:  # noqa: BLE001 - reported, not raised: the JSON records each failure
+        return {"error": f"XLA Triton compile({arch}) failed: {repr(e)[:600]}"}
+    ptx = res.asm if isinstance(res.asm, str) else res.asm.decode()
+    out = {**_ptx_stats(ptx), "smem_bytes": getattr(res, "smem_bytes", None)}
+    ptxas = _tool("ptxas")
+    if ptxas is None:
+        return {**out, "error": "ptxas not found"}
+    ptx_path = os.path.join(workdir, f"xla_sm{cc}.ptx")
+    with open(ptx_path, "w") as f:
+        f.write(ptx)
+    cubin_path = ptx_path[:-4] + ".cubin"
+    r = subprocess.run([ptxas, f"-arch=sm_{cc}a", "-o", cubin_path, ptx_path],
+                       check=False, capture_output=True, text=True)
+    if r.returncode != 0:
+        return {**out, "error": f"ptxas sm_{cc}a failed: {r.stderr[-400:]}"}
+    with open(cubin_path, "rb") as f:
+        out.update(sass_counts(f.read(), workdir, f"xla_sm{cc}"))
+    return out
+
+
+def compile_pip(ttir_text, warps, stages, cc, workdir) -> dict:
+    try:
+        import triton
+        from triton.backends.compiler import GPUTarget
+    except ImportError as e:
+        return {"error": f"pip triton unavailable: {e}"}
+    path = os.path.join(workdir, f"kernel_sm{cc}.ttir")
+    with open(path, "w") as f:
+        f.write(ttir_text)
+    try:
+        ck = triton.compile(path, target=GPUTarget("cuda", cc, 32),
+                            options={"num_warps": warps, "num_stages": stages})
+    except Exception as e:  # noqa: BLE001 - reported, not raised
+        return {"triton": triton.__version__,
+                "error": f"triton {triton.__version__} compile sm_{cc} failed: {repr(e)[:400]}"}
+    out = {"triton": triton.__version__, **_ptx_stats(ck.asm.get("ptx", "")),
+           "smem_bytes": getattr(ck.metadata, "shared", None)}
+    out.update(sass_counts(ck.asm["cubin"], workdir, f"pip_sm{cc}"))
+    return out
+
+
+def pip_triton_version() -> tuple[int, int] | None:
+    try:
+        import triton
+    except ImportError:
+        return None
+    return tuple(int(p) for p in triton.__version__.split(".")[:2])
+
+
+def check(summary: dict) -> tuple[int, list[str]]:
+    """Verdict on a :func:`run` summary: (builds checked, problems).
+
+    sm_120a and sm_121a builds must hold the NVFP4 block-scaled MMA (``OMMA ... E2M1.E2M1.UE4M3
+    .4X``, and no other MMA); sm_90a builds the same TTIR decomposed (bf16 ``HGMMA``). pip Triton
+    < 3.8 has no sm_121 native path (PR #10010) and no NVFP4 decomposition (PR #9772): with it
+    only sm_120a is checked. A build whose SASS cannot be read (old cuobjdump) is a problem too.
+    """
+    pip = summary.get("pip_triton") and pip_triton_version()
+    problems, checked = [], 0
+    for entry in summary["kernels"]:
+        for prefix in ("xla", "pip"):
+            if f"{prefix}_sm120" not in entry:
+                continue
+            full = prefix == "xla" or (pip is not None and pip >= (3, 8))
+            for cc in (120, 121, 90) if full else (120,):
+                r, tag = entry[f"{prefix}_sm{cc}"], f"{entry['shape']} {prefix} sm_{cc}a"
+                checked += 1
+                if "error" in r:
+                    problems.append(f"{tag}: {r['error']}")
+                elif r["ptx_target"] != f"sm_{cc}a":
+                    problems.append(f"{tag}: PTX target {r['ptx_target']}")
+                elif cc != 90 and not (r["FP4_MMA"] > 0 and r["FP4_MMA"] == r["OMMA"]
+                                       and r["HMMA"] == r["HGMMA"] == r["QMMA"] == 0):
+                    problems.append(f"{tag}: MMAs {r['mma_forms']}, want only the FP4 OMMA")
+                elif cc != 90 and (r.get("smem_bytes") or 0) > SM12X_SMEM:
+                    problems.append(f"{tag}: {r['smem_bytes']} B shared memory > {SM12X_SMEM}")
+                elif cc == 90 and not (r["FP4_MMA"] == 0 and r["HGMMA"] > 0):
+                    problems.append(f"{tag}: MMAs {r['mma_forms']}, want the bf16 HGMMA")
+    return checked, problems
+
+
+def run(out_dir: str | None = None, shapes=((16, 256, 512),)) -> dict:
+    """Compile ``gemm_fp4mma`` at each (M, N, K) with its default tile for every arch and
+    compiler found; the summary carries :func:`check`'s verdict (``fp4_mma_ok``)."""
+    from nvfp4_jax.gemm.fp4mma import default_config
+
+    summary = {"jax": jax.__version__, "kernels": []}
+    try:
+        import triton
+
+        summary["pip_triton"] = triton.__version__
+    except ImportError:
+        summary["pip_triton"] = None
+    if summary["pip_triton"] is None:
+        summary["pip_triton_missing"] = "pip triton not importable"
+    jt, why = xla_compiler()
+    summary["xla_triton"] = "available" if jt is not None else why
+    with tempfile.TemporaryDirectory() as wd:
+        for m, n, k in shapes:
+            text, bc, warps, stages = capture_ttir(m, n, k)
+            entry = {
+                "shape": [m, n, k],
+                "config": dataclasses.asdict(default_config(m)),
+                "ttir_dot_scaled": [
+                    ln.strip() for ln in text.splitlines() if "tt.dot_scaled" in ln
+                ],
+            }
+            for cc in ARCHS:
+                if jt is not None:
+                    entry[f"xla_sm{cc}"] = compile_xla(jt, bc, warps, stages, cc, wd)
+                if summary["pip_triton"] is not None:
+                    entry[f"pip_sm{cc}"] = compile_pip(text, warps, stages, cc, wd)
+            summary["kernels"].append(entry)
+            print(json.dumps(entry), flush=True)
+    checked, problems = check(summary)
+    summary["checked_builds"], summary["problems"] = checked, problems
+    summary["fp4_mma_ok"] = checked > 0 and not problems
+    if out_dir:
+        os.makedirs(out_dir, exist_ok=True)
+        with open(os.path.join(out_dir, "gemm-fp4mma-sm12x-compile.json"), "w") as f:
+            json.dump(summary, f, indent=1)
+    return summary
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default="bench/results")
+    a = p.parse_args()
+    s = run(a.out, shapes=((16, 256, 512), (1, 4096, 4096), (64, 4096, 4096), (512, 4096, 4096)))
+    for e in s["kernels"]:
+        for key in sorted(k for k in e if k.startswith(("xla_", "pip_"))):
+            v = e[key]
+            print(key, v.get("error") or {x: v.get(x) for x in ("FP4_MMA", "HMMA", "HGMMA")})
+    print(f"fp4_mma_ok {s['fp4_mma_ok']} ({s['checked_builds']} builds checked)")
+    for line in s["problems"]:
+        print("problem:", line)

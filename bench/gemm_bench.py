@@ -437,8 +437,9 @@ def plan(shapes, ms, impls) -> list[dict]:
     return rows
 
 
-def bench(out_dir, shapes, ms, budget_s, extra_impls=(), impls=None):
-    """Time ``impls`` (default ``DEFAULT_IMPLS``, then ``extra_impls``) per shape and M."""
+def bench(out_dir, shapes, ms, budget_s, extra_impls=(), impls=None, on_record=None):
+    """Time ``impls`` (default ``DEFAULT_IMPLS``, then ``extra_impls``) per shape and M;
+    ``on_record(records)`` after each one (to save partial runs)."""
     impls_wanted = list(impls if impls is not None else DEFAULT_IMPLS) + [
         v for v in extra_impls if impls is None or v not in impls]
     t_start = time.time()
@@ -510,6 +511,8 @@ def bench(out_dir, shapes, ms, budget_s, extra_impls=(), impls=None):
                     rec = {"impl": name, "N": n, "K": k, "M": m, "error": repr(e)[:300]}
                 records.append(rec)
                 log(json.dumps(rec))
+                if on_record is not None:
+                    on_record(records)
             del x
         del ws, wb, wsm
     return records
@@ -656,18 +659,24 @@ def main():
         a.budget_s = a.bench_budget_s
     if a.check:
         return
-    records = bench(a.out, shapes, ms, a.budget_s, extra, impls)
-    doc = {
-        **run_metadata(),
-        "timing": "in-graph fori_loop over distinct weight copies, (T(R2)-T(R1))/calls, "
-                  f"{INNER_CALLS}+ calls per host round trip of the loop predicate",
-        "records": records,
-    }
-    stem = "gemm-proxy-" + gpu_tag(doc["gpu"]) if a.proxy else "gemm-h200"
+    meta = run_metadata()
+    stem = "gemm-proxy-" + gpu_tag(meta["gpu"]) if a.proxy else "gemm-h200"
     if a.tiny:
-        stem = "gemm-tiny-" + gpu_tag(doc["gpu"])
-    with open(os.path.join(a.out, stem + ".json"), "w") as f:
-        json.dump(doc, f, indent=1)
+        stem = "gemm-tiny-" + gpu_tag(meta["gpu"])
+
+    def save(records):
+        doc = {
+            **meta,
+            "timing": "in-graph fori_loop over distinct weight copies, (T(R2)-T(R1))/calls, "
+                      f"{INNER_CALLS}+ calls per host round trip of the loop predicate",
+            "records": records,
+        }
+        with open(os.path.join(a.out, stem + ".json"), "w") as f:
+            json.dump(doc, f, indent=1)
+        return doc
+
+    records = bench(a.out, shapes, ms, a.budget_s, extra, impls, on_record=save)
+    doc = save(records)
     log("wrote", os.path.join(a.out, stem + ".json"))
     if a.proxy or a.tiny:
         from tables import proxy_gemm

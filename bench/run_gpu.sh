@@ -11,8 +11,9 @@
 #   proxy:   the SM12x path measured on this GPU as its proxy, as a user runs it (no XLA flags):
 #            gemm_bench --proxy (Pallas-Triton W4A16/W4A4 vs bf16 jnp.dot and the Hopper path,
 #            M = 1..4096; PROXY_SHAPES, PROXY_MS narrow it) then moe_bench --proxy (the Triton MoE
-#            vs the Hopper path and bf16 ragged_dot, T = PROXY_TOKENS), then the README table
-#            (bench/tables.py proxy); T_PROXY_GEMM + T_PROXY_MOE seconds (~5 min in all).
+#            vs the Hopper path and bf16 ragged_dot, T = PROXY_TOKENS; PROXY_MOE_SHAPES), then
+#            the README table (bench/tables.py proxy); T_PROXY_GEMM + T_PROXY_MOE seconds
+#            (180 + 140 by default).
 #   profile: bench/moe_profile.py, per-kernel device time of one MoE layer (PROFILE_CASES).
 #   ncu:     Nsight Compute on the Mosaic GEMM (bench/mosaic_ncu.py, NCU_SHAPES).
 #   mncu:    Nsight Compute on one MoE layer's kernels (bench/moe_ncu.py, MNCU_CASES).
@@ -53,13 +54,14 @@ for s in $STEPS; do
         | grep -v Warning | tail -40 | tee -a "$OUT/run.log" ;;
     proxy)
       step "SM12x proxy: GEMM (pallas vs bf16 and the Hopper path; XLA_FLAGS='${XLA_FLAGS:-}')"
-      timeout "${T_PROXY_GEMM:-170}" python3 bench/gemm_bench.py --proxy --out "$OUT" \
-        --budget-s $((${T_PROXY_GEMM:-170} - 35)) --shapes "${PROXY_SHAPES:-}" \
+      timeout "${T_PROXY_GEMM:-180}" python3 bench/gemm_bench.py --proxy --out "$OUT" \
+        --budget-s $((${T_PROXY_GEMM:-180} - 35)) --shapes "${PROXY_SHAPES:-}" \
         --ms "${PROXY_MS:-}" 2>&1 \
         | grep -v Warning | tail -70 | tee -a "$OUT/run.log"
       step "SM12x proxy: MoE (the Triton MoE vs the Hopper path and bf16 ragged_dot)"
       timeout "${T_PROXY_MOE:-140}" python3 bench/moe_bench.py --proxy --quick --out "$OUT" \
-        --budget-s $((${T_PROXY_MOE:-140} - 60)) --tokens "${PROXY_TOKENS:-1,8,64,512,4096}" 2>&1 \
+        --budget-s $((${T_PROXY_MOE:-140} - 60)) --tokens "${PROXY_TOKENS:-1,8,64,512,4096}" \
+        --shapes "${PROXY_MOE_SHAPES:-nemotron,qwen3_30b}" 2>&1 \
         | grep -v Warning | tail -40 | tee -a "$OUT/run.log"
       python3 bench/tables.py proxy --results "$OUT" 2>&1 | tee -a "$OUT/run.log" ;;
     profile)

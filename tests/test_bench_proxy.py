@@ -211,3 +211,22 @@ def test_result_header_carries_date_commit_gpu_and_versions(monkeypatch):
     assert meta["commit"] == "abc123" and meta["xla_flags"] == "--xla_foo"
     assert _load("run_meta").gpu_tag("NVIDIA GeForce RTX 5090") == "rtx-5090"
     assert _load("run_meta").gpu_tag("NVIDIA H200") == "h200"
+
+
+def test_model_calibration_scales_by_the_h200_shortfall(tmp_path):
+    """A proxy run that measured the Pallas-Triton kernel at twice its H200 roofline (4096 x
+    4096, M = 1: 9,453,568 B at 0.9 x 4.8 TB/s = 2.1883 us; no SASS counts here, so no issue
+    ceiling) gives every GPU's row calibrated_us = 2 x its prediction (RTX 5060 Ti: 46.89 us)."""
+    import json
+
+    sm = _load("sm12x_model")
+    h200_us = 9_453_568 / (4.8e12 * 0.9) * 1e6
+    rec = {"impl": "nvfp4_w4a16_pallas", "N": 4096, "K": 4096, "M": 1, "median_us": 2 * h200_us}
+    (tmp_path / "gemm-proxy-h200.json").write_text(json.dumps({"records": [rec]}))
+    doc = sm.build(str(tmp_path))
+    assert doc["calibration_source"] == "gemm-proxy-h200.json"
+    rows = {(r["gpu"], r["N"], r["K"], r["M"]): r for r in doc["gemm"]}
+    r = rows[("rtx_5060_ti", 4096, 4096, 1)]
+    assert r["h200_measured_over_model"] == pytest.approx(2.0)
+    assert r["calibrated_us"] == pytest.approx(2 * 9_453_568 / 403.2e3)
+    assert rows[("rtx_5060_ti", 4096, 4096, 16)]["calibrated_us"] is None  # not measured

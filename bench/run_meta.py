@@ -57,7 +57,8 @@ def _version(module: str) -> str | None:
 
 def run_metadata() -> dict:
     """date, commit, GPU (name, compute capability, driver) and the versions a result depends
-    on (jax, jaxlib, the CUDA plugin, ml_dtypes, numpy, pip triton where installed)."""
+    on (jax, jaxlib, the CUDA plugin, ml_dtypes, numpy, pip triton where installed) and
+    XLA_FLAGS."""
     import platform
 
     import jaxlib
@@ -74,7 +75,7 @@ def run_metadata() -> dict:
         "jax_cuda_plugin": _version("jax-cuda13-plugin") or _version("jax-cuda12-plugin"),
         "ml_dtypes": _version("ml_dtypes"),
         "numpy": _version("numpy"),
-        "triton": _version("triton"),
+        "pip_triton": _version("triton"),  # Pallas runs the Triton that jaxlib bundles
         "python": platform.python_version(),
         "xla_flags": os.environ.get("XLA_FLAGS") or None,
     }

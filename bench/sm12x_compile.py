@@ -151,13 +151,14 @@ def main_loop_stats(sass: str) -> dict | None:
     }
 
 
-def per_weight(loop: dict | None, config) -> dict | None:
+def per_weight(loop: dict | None, config, weight_tiles: int = 1) -> dict | None:
     """Warp-instructions issued per weight by the main loop of a swap-AB GEMM kernel: one
-    iteration runs the loop body once in each of ``num_warps`` warps over a weight tile of
-    ``block_n x block_k`` (for up to ``block_m`` tokens; more tokens re-run it per token tile)."""
+    iteration runs the loop body once in each of ``num_warps`` warps over ``weight_tiles``
+    weight tiles of ``block_n x block_k`` (for up to ``block_m`` tokens; more tokens re-run it
+    per token tile). ``weight_tiles``: 2 for the MoE's gated FC1 (up and gate rows)."""
     if not loop:
         return None
-    weights = config.block_n * config.block_k
+    weights = weight_tiles * config.block_n * config.block_k
     return {
         "weights_per_iteration": weights,
         "num_warps": config.num_warps,
@@ -273,6 +274,94 @@ def compile_pip(ttir_text, num_warps, num_stages, cc, workdir) -> dict:
     return out
 
 
+#: MoE layers (moe_bench's shapes) and token counts whose grouped-GEMM kernels are compiled
+#: with the library's default tiles: decode (<= 16 rows per expert) and prefill
+MOE_LAYERS = {
+    "qwen3_30b": {"hidden": 2048, "inter": 768, "experts": 128, "top_k": 8, "gated": True},
+    "nemotron": {"hidden": 1024, "inter": 2688, "experts": 512, "top_k": 22, "gated": False},
+}
+MOE_TOKENS = (8, 4096)
+
+
+def capture_moe_ttir(layer: dict, t: int) -> dict:
+    """{kernel name: TTIR text} of one ``nvfp4_jax.moe`` layer on the Pallas-Triton kernels
+    (``kernel="triton"``), lowered for CUDA (from the CPU where there is no GPU)."""
+    from jax._src.pallas.triton import lowering
+
+    import nvfp4_jax
+
+    e, h, i, k = layer["experts"], layer["hidden"], layer["inter"], layer["top_k"]
+    r = 2 * i if layer["gated"] else i
+    fc1 = nvfp4_jax.NVFP4Array(jnp.zeros((e, r, h // 2), jnp.uint8),
+                               jnp.zeros((e, r, h // 16), jnp.float8_e4m3fn),
+                               jnp.ones((e,), jnp.float32), (e, r, h), "linear")
+    fc2 = nvfp4_jax.NVFP4Array(jnp.zeros((e, h, i // 2), jnp.uint8),
+                               jnp.zeros((e, h, i // 16), jnp.float8_e4m3fn),
+                               jnp.ones((e,), jnp.float32), (e, h, i), "linear")
+    s = jnp.ones((e,), jnp.float32)
+    got = {}
+    orig = lowering.lower_jaxpr_to_triton_module
+
+    def spy(*a, **kw):
+        res = orig(*a, **kw)
+        text = res.module.operation.get_asm()
+        name = re.search(r"tt\.func (?:public )?@(\w+)", text)
+        got[name.group(1) if name else f"kernel{len(got)}"] = text
+        return res
+
+    def layer_fn(x, ids, w, fc1, fc2):
+        return nvfp4_jax.moe(x, fc1=fc1, fc2=fc2, fc1_input_scale=s, fc2_input_scale=s,
+                             topk_ids=ids, topk_weights=w,
+                             activation="swiglu" if layer["gated"] else "relu2",
+                             backend="pallas", kernel="triton", interpret=False)
+
+    args = (jnp.zeros((t, h), jnp.bfloat16), jnp.zeros((t, k), jnp.int32),
+            jnp.full((t, k), 1.0 / k, jnp.float32), fc1, fc2)
+    lowering.lower_jaxpr_to_triton_module = spy
+    try:
+        f = jax.jit(layer_fn)
+        if jax.default_backend() == "gpu":
+            f.lower(*args)
+        else:
+            f.trace(*args).lower(lowering_platforms=("cuda",))
+    finally:
+        lowering.lower_jaxpr_to_triton_module = orig
+    return got
+
+
+def moe_entries(workdir: str) -> list[dict]:
+    """SASS counts of the MoE's grouped FC1 and FC2 kernels (pip Triton; sm_90a, sm_120a,
+    sm_121a) at ``MOE_LAYERS`` x ``MOE_TOKENS``, with the library's default tiles."""
+    from nvfp4_jax.moe.configs import default_config
+
+    out = []
+    for lname, layer in MOE_LAYERS.items():
+        for t in MOE_TOKENS:
+            cfg = default_config(t * layer["top_k"], layer["experts"], inter=layer["inter"],
+                                 hidden=layer["hidden"], gated=layer["gated"])
+            ttirs = capture_moe_ttir(layer, t)
+            for gemm, c, tiles in (("fc1", cfg.fc1, 2 if layer["gated"] else 1),
+                                   ("fc2", cfg.fc2, 1)):
+                ttir = ttirs.get(f"nvfp4_moe_{gemm}")
+                entry = {"kernel": f"moe_{gemm}_{lname}_T{t}", "decode": c.decode,
+                         "config": c.__dict__, "moe": {"layer": lname, "T": t, "gemm": gemm,
+                                                       "weight_tiles": tiles}}
+                if ttir is None:
+                    entry["error"] = f"no nvfp4_moe_{gemm} kernel lowered (got {sorted(ttirs)})"
+                    out.append(entry)
+                    continue
+                for cc in ARCHS:
+                    res = compile_pip(ttir, c.num_warps, c.num_stages, cc, workdir)
+                    pw = per_weight(res.get("main_loop"), c, tiles)
+                    if pw:
+                        res["per_weight"] = pw
+                    entry[f"pip_sm{cc}"] = res
+                out.append(entry)
+                print(json.dumps({k: v for k, v in entry.items() if k != "config"})[:400],
+                      flush=True)
+    return out
+
+
 #: (N, K) and M of the GEMM rows whose library configs are compiled (gemm_bench's proxy shapes)
 LIBRARY_SHAPES = ((28672, 8192), (4096, 14336), (14336, 4096), (4096, 4096))
 LIBRARY_MS = (1, 16, 64, 256)
@@ -343,6 +432,7 @@ def run(out_dir: str) -> dict:
                         entry[f"{side}_sm{cc}"]["per_weight"] = pw
             summary["kernels"].append(entry)
             print(json.dumps(entry), flush=True)
+        summary["kernels"] += moe_entries(wd)
     ok = [
         k
         for k in summary["kernels"]

@@ -119,9 +119,11 @@ ASSUMPTIONS = [
     {"name": "sm_121 SASS", "value": "the sm_120a counts",
      "source": "bench/results/gemm-sm12x-compile.json: identical instruction counts for "
                "sm_120a and sm_121a builds of every kernel"},
-    {"name": "MoE main loop", "value": "the GEMM kernel's per-weight count at the same tiles",
-     "source": "assumption: the MoE's grouped-GEMM loops are not counted yet; they decode the "
-               "same way and add a gathered activation load"},
+    {"name": "MoE main loop", "value": "the MoE FC1/FC2 kernels' own SASS counts",
+     "source": "bench/sm12x_compile.py compiles nvfp4_moe_fc1/fc2 at decode and prefill tiles; "
+               "a tile set not compiled takes the nearest counted kernel (ipw_from says which)"},
+    {"name": "MoE row tiles", "value": "touched experts + floor(T k / block_m)",
+     "source": "assumption: one partly filled row block per touched expert plus the full ones"},
     {"name": "MoE routing", "value": "uniform random top-k",
      "source": "touched experts = E (1 - (1 - k/E)^T), as moe_bench's random routing"},
 ]
@@ -214,7 +216,8 @@ def load_sass(path: str) -> list[dict]:
             if pw:
                 out.append({"kernel": e["kernel"], "config": e["config"], "side": side,
                             "ipw": pw["warp_instructions_per_weight"],
-                            "main_loop": e[side]["main_loop"]["n_instructions"]})
+                            "main_loop": e[side]["main_loop"]["n_instructions"],
+                            "moe": e.get("moe")})
                 break
     return out
 
@@ -222,16 +225,24 @@ def load_sass(path: str) -> list[dict]:
 _TILE_KEYS = ("block_m", "block_n", "block_k", "num_warps", "decode", "load2d")
 
 
-def ipw_for(sass: list[dict], config: dict) -> tuple[float | None, str]:
+def ipw_for(sass: list[dict], config: dict, moe: dict | None = None) -> tuple[float | None, str]:
     """(warp-instructions per weight, where from) for a kernel config: the counted kernel of
-    the same config, else the same tiles, else the largest count (an upper bound)."""
+    the same config, else the same tiles, else the largest count (an upper bound). ``moe``
+    ({"layer", "gemm"}): an MoE grouped GEMM, matched among the MoE kernels of that layer and
+    GEMM first, then among the MoE kernels, then among all."""
     if not sass:
         return None, "no SASS counts (run bench/sm12x_compile.py)"
-    for keys, how in ((tuple(config), "this config"), (_TILE_KEYS, "same tiles"),
-                      (("block_n", "block_k", "num_warps"), "same BN/BK/warps")):
-        same = [s for s in sass if all(s["config"].get(kk) == config.get(kk) for kk in keys)]
-        if same:
-            return same[0]["ipw"], f"{how}: {same[0]['kernel']} ({same[0]['side']})"
+    pools = [sass]
+    if moe is not None:
+        moes = [s for s in sass if s.get("moe")]
+        pools = [[s for s in moes if s["moe"]["layer"] == moe["layer"]
+                  and s["moe"]["gemm"] == moe["gemm"]], moes, sass]
+    for pool in pools:
+        for keys, how in ((tuple(config), "this config"), (_TILE_KEYS, "same tiles"),
+                          (("block_n", "block_k", "num_warps"), "same BN/BK/warps")):
+            same = [s for s in pool if all(s["config"].get(kk) == config.get(kk) for kk in keys)]
+            if same:
+                return same[0]["ipw"], f"{how}: {same[0]['kernel']} ({same[0]['side']})"
     worst = max(sass, key=lambda s: s["ipw"])
     return worst["ipw"], f"upper bound: {worst['kernel']} (largest count)"
 
@@ -310,14 +321,13 @@ def moe_rows(gpus: dict, sass: list[dict]) -> list[dict]:
                 if gname == "h200":
                     continue
                 total = {"t_mem": 0.0, "t_mma": 0.0, "t_issue": 0.0, "bytes": 0.0}
-                ipws = []
+                ipws, froms = [], []
                 # FC1: [R, H] per expert over the routed rows; FC2: [H, I]
-                for c, (n_out, k_in) in ((cfg.fc1, (r, h)), (cfg.fc2, (h, i))):
+                for gemm, c, (n_out, k_in) in (("fc1", cfg.fc1, (r, h)), ("fc2", cfg.fc2, (h, i))):
                     tiles = touched + (t * k) // c.block_m  # row tiles over the touched experts
-                    ipw, _ = ipw_for(sass, {"block_m": c.block_m, "block_n": c.block_n,
-                                            "block_k": c.block_k, "num_warps": c.num_warps,
-                                            "decode": c.decode, "load2d": c.load2d})
+                    ipw, how = ipw_for(sass, dict(c.__dict__), {"layer": sname, "gemm": gemm})
                     ipws.append(ipw)
+                    froms.append(how)
                     w = touched * n_out * k_in
                     nbytes = w * BYTES_PER_WEIGHT + 2 * t * k * (n_out + k_in)
                     total["bytes"] += nbytes
@@ -337,7 +347,7 @@ def moe_rows(gpus: dict, sass: list[dict]) -> list[dict]:
                     "predicted_dram_fraction": total["bytes"] / tm / (gpu["dram_gbs"] * 1e9),
                     "predicted_bf16_grouped_us": t_b * 1e6,
                     "predicted_speedup_vs_bf16": t_b / tm,
-                    "warp_instructions_per_weight": ipws,
+                    "warp_instructions_per_weight": ipws, "ipw_from": froms,
                     "issue_budget_per_weight": issue_budget_per_weight(gpu),
                     **{f"predicted_{kk}_us": total[kk] * 1e6
                        for kk in ("t_mem", "t_mma", "t_issue")},

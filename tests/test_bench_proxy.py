@@ -230,3 +230,21 @@ def test_model_calibration_scales_by_the_h200_shortfall(tmp_path):
     assert r["h200_measured_over_model"] == pytest.approx(2.0)
     assert r["calibrated_us"] == pytest.approx(2 * 9_453_568 / 403.2e3)
     assert rows[("rtx_5060_ti", 4096, 4096, 16)]["calibrated_us"] is None  # not measured
+
+
+def test_model_takes_the_moe_kernels_own_counts():
+    """An MoE grouped GEMM takes the count of its own layer's kernel over a GEMM kernel of the
+    same tiles; a GEMM takes the GEMM kernel; tiles nobody compiled take the largest count."""
+    sm = _load("sm12x_model")
+    cfg = {"block_m": 16, "block_n": 64, "block_k": 256, "num_warps": 4, "decode": "asm",
+           "load2d": True}
+    sass = [
+        {"kernel": "gemm", "config": cfg, "side": "pip_sm120", "ipw": 0.1, "moe": None},
+        {"kernel": "moe_fc1_x", "config": cfg, "side": "pip_sm120", "ipw": 0.3,
+         "moe": {"layer": "x", "gemm": "fc1"}},
+    ]
+    assert sm.ipw_for(sass, cfg, {"layer": "x", "gemm": "fc1"})[0] == 0.3
+    assert sm.ipw_for(sass, cfg)[0] == 0.1
+    other = {**cfg, "block_n": 32, "block_k": 64}
+    ipw, how = sm.ipw_for(sass, other)
+    assert ipw == 0.3 and how.startswith("upper bound")

@@ -17,7 +17,10 @@ issue rate. Usage: ``python bench/sm12x_compile.py --out DIR`` -> ``DIR/gemm-sm1
 
 No GPU is needed: without one the kernel is lowered for CUDA from the CPU
 (``lowering_platforms=("cuda",)``) and compiled by the pip ``triton`` package, whose wheel
-ships ptxas and cuobjdump.
+ships ptxas and cuobjdump (that cuobjdump cannot decode sm_121a; the PyPI packages
+``nvidia-cuda-cuobjdump`` and ``nvidia-cuda-nvdisasm`` bring one that can, found first on PATH):
+    pip install --target /tmp/sass triton==3.6.0 nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm
+    PYTHONPATH=$PWD:/tmp/sass PATH=/tmp/sass/nvidia/cu13/bin:$PATH python bench/sm12x_compile.py
 """
 
 from __future__ import annotations

@@ -39,7 +39,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import jax
 import jax.numpy as jnp
-from run_meta import run_metadata
+from run_meta import gpu_tag, run_metadata
 
 import nvfp4_jax
 from nvfp4_jax.gemm import api, configs
@@ -196,6 +196,8 @@ def backend_config(backend, m, n, k):
 
     if backend == "mosaic":
         return (mosaic.auto_config(m, n, k) or mosaic.default_config(m, n, k)).__dict__
+    if backend == "xla":
+        return None
     return configs.get_config(m, n, k).__dict__
 
 
@@ -397,10 +399,49 @@ def tune(out_dir, shapes, ms, budget_s, prev_rows=()):
 # --------------------------------------------------------------------------- benchmark
 
 
-EXTRA_IMPLS = ("nvfp4_w4a16_mosaic", "nvfp4_w4a16_pallas")
+#: impls timed by default (``nvfp4_w4a16`` / ``nvfp4_w4a4``: ``backend="auto"``, the Hopper
+#: path on an H200: the Mosaic kernel where ``mosaic.AUTO_SM90`` lists the bucket, else
+#: Pallas-Triton; the record says which ran)
+DEFAULT_IMPLS = ("nvfp4_w4a16", "nvfp4_w4a4", "bf16_dot", "xla_dequant_dot", "scaled_matmul")
+#: explicit backends, ``nvfp4_<w4a16|w4a4>_<backend>`` (``backend=`` of ``nvfp4_jax.matmul``)
+EXTRA_IMPLS = ("nvfp4_w4a16_mosaic", "nvfp4_w4a16_pallas", "nvfp4_w4a4_mosaic", "nvfp4_w4a4_pallas")
+ALL_IMPLS = DEFAULT_IMPLS + EXTRA_IMPLS
+
+#: ``--proxy``: the SM12x path (Pallas-Triton, ``backend="pallas"``: what RTX 50xx and DGX Spark
+#: run) measured on this GPU side by side with bf16 cuBLAS and the Hopper path (``auto``)
+PROXY_IMPLS = ("nvfp4_w4a16_pallas", "nvfp4_w4a4_pallas", "nvfp4_w4a16", "bf16_dot")
+PROXY_SHAPES = [(28672, 8192), (4096, 14336), (14336, 4096)]
+PROXY_MS = [1, 16, 64, 256, 4096]
+#: ``--tiny``: a CPU smoke run of the harness (Pallas in interpret mode; nothing is timed
+#: that means anything)
+TINY_SHAPES = [(256, 256)]
+TINY_MS = [1, 16]
 
 
-def bench(out_dir, shapes, ms, budget_s, extra_impls=()):
+def impl_backend(name: str) -> str:
+    """The ``backend=`` an ``nvfp4_*`` impl name asks ``nvfp4_jax.matmul`` for."""
+    parts = name.split("_")
+    return parts[2] if len(parts) == 3 else "auto"
+
+
+def plan(shapes, ms, impls) -> list[dict]:
+    """The rows ``bench`` measures, in order (``--dry-run`` prints them)."""
+    rows = []
+    for n, k in shapes:
+        for m in ms:
+            for name in impls:
+                row = {"impl": name, "N": n, "K": k, "M": m}
+                if name.startswith("nvfp4"):
+                    row["backend_requested"] = impl_backend(name)
+                rows.append(row)
+    return rows
+
+
+def bench(out_dir, shapes, ms, budget_s, extra_impls=(), impls=None, on_record=None):
+    """Time ``impls`` (default ``DEFAULT_IMPLS``, then ``extra_impls``) per shape and M;
+    ``on_record(records)`` after each one (to save partial runs)."""
+    impls_wanted = list(impls if impls is not None else DEFAULT_IMPLS) + [
+        v for v in extra_impls if impls is None or v not in impls]
     t_start = time.time()
     records = []
     for n, k in shapes:
@@ -413,7 +454,7 @@ def bench(out_dir, shapes, ms, budget_s, extra_impls=()):
         wb = [nvfp4_jax.dequantize(w, jnp.bfloat16) for w in ws[:cb]]
         wb += [wb[i % len(wb)] * jnp.bfloat16(1 + i) for i in range(len(wb), cb)]
         # scaled_matmul operands: NVFP4 as (float4_e2m1fn values, e4m3 scales [*, K/16])
-        has_f4 = hasattr(jnp, "float4_e2m1fn")
+        has_f4 = hasattr(jnp, "float4_e2m1fn") and "scaled_matmul" in impls_wanted
         wsm = []
         for w in ws[: max(2, c4 // 2)] if has_f4 else []:
             wv = nvfp4_jax.dequantize(w, jnp.float32, include_decode_scale=False)
@@ -426,21 +467,16 @@ def bench(out_dir, shapes, ms, budget_s, extra_impls=()):
                 break
             x = make_x(m, k)
             auto = auto_backend(m, n, k)
-            impls = [
-                ("nvfp4_w4a16", impl_ours_w4a16(backend="auto"), x, ws, nvfp4_bytes(n, k)),
-                ("nvfp4_w4a4", impl_ours_w4a4(backend="auto"), x, ws, nvfp4_bytes(n, k)),
-                ("bf16_dot", impl_bf16_dot, x, wb, 2 * n * k),
-                (
-                    "xla_dequant_dot",
-                    impl_xla_dequant_dot,
-                    x,
-                    ws[: max(2, c4 // 2)],
-                    nvfp4_bytes(n, k),
-                ),
-            ]
-            for name in extra_impls:  # explicit backends side by side (--impls)
-                be = name.rsplit("_", 1)[1]
-                impls.append((name, impl_ours_w4a16(backend=be), x, ws, nvfp4_bytes(n, k)))
+            impls = []
+            for name in impls_wanted:
+                if name.startswith("nvfp4"):  # nvfp4_w4a16 / nvfp4_w4a4 [_backend]
+                    make = impl_ours_w4a4 if "_w4a4" in name else impl_ours_w4a16
+                    impls.append((name, make(backend=impl_backend(name)), x, ws, nvfp4_bytes(n, k)))
+                elif name == "bf16_dot":
+                    impls.append((name, impl_bf16_dot, x, wb, 2 * n * k))
+                elif name == "xla_dequant_dot":
+                    impls.append((name, impl_xla_dequant_dot, x, ws[: max(2, c4 // 2)],
+                                  nvfp4_bytes(n, k)))
             if has_f4:
                 xq = nvfp4_jax.quantize(x, "trtllm")
                 xv = nvfp4_jax.dequantize(xq, jnp.float32, include_decode_scale=False)
@@ -462,11 +498,11 @@ def bench(out_dir, shapes, ms, budget_s, extra_impls=()):
                     # Mosaic path's pad and permutation; the perturbation fuses into it); a
                     # cuBLAS or Pallas-Triton call reads x as it is: nothing to share, and a
                     # perturbation there would be a pass over x of its own
-                    t = time_per_call(fn, xx, wlist, per_call_x=name == "nvfp4_w4a4" or (
+                    t = time_per_call(fn, xx, wlist, per_call_x="_w4a4" in name or (
                         name.startswith("nvfp4") and (name.endswith("mosaic") or auto == "mosaic")))
                     extra = None
                     if name.startswith("nvfp4"):
-                        be = auto if name in ("nvfp4_w4a16", "nvfp4_w4a4") else name.rsplit("_", 1)[1]
+                        be = auto if impl_backend(name) == "auto" else impl_backend(name)
                         if be == "mosaic":  # the api falls back to pallas where it must (logged)
                             be = api._pick_mosaic("mosaic", "mosaic", m, n, k, jnp.bfloat16)
                         extra = {"backend": be, "config": backend_config(be, m, n, k)}
@@ -475,6 +511,8 @@ def bench(out_dir, shapes, ms, budget_s, extra_impls=()):
                     rec = {"impl": name, "N": n, "K": k, "M": m, "error": repr(e)[:300]}
                 records.append(rec)
                 log(json.dumps(rec))
+                if on_record is not None:
+                    on_record(records)
             del x
         del ws, wb, wsm
     return records
@@ -545,15 +583,48 @@ def main():
     p.add_argument(
         "--impls",
         default="",
-        help=f"extra comma-separated impls timed side by side: {','.join(EXTRA_IMPLS)}",
+        help=f"extra comma-separated impls timed side by side: {','.join(EXTRA_IMPLS)} "
+        "(with --proxy or --only: the impls, from all of " + ",".join(ALL_IMPLS) + ")",
     )
+    p.add_argument("--only", action="store_true",
+                   help="time only the --impls (not the default set)")
+    p.add_argument(
+        "--proxy",
+        action="store_true",
+        help="the SM12x-proxy rows: Pallas-Triton W4A16/W4A4 (backend='pallas'), the Hopper "
+        f"path (auto) and bf16 jnp.dot ({','.join(PROXY_IMPLS)}) on "
+        + ",".join(f"{n}x{k}" for n, k in PROXY_SHAPES)
+        + f", M = {','.join(map(str, PROXY_MS))} -> OUT/gemm-proxy-<gpu>.json",
+    )
+    p.add_argument("--tiny", action="store_true",
+                   help="CPU smoke run: a 256x256 weight, M = 1, 16 (times mean nothing)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the rows that would be measured (JSON lines) and exit")
     p.add_argument("--inner-calls", type=int, default=INNER_CALLS,
                    help="calls per outer loop iteration (host round trip); 1: one round per iteration")
     a = p.parse_args()
     globals()["INNER_CALLS"] = a.inner_calls
+    extra = [v for v in a.impls.split(",") if v]
+    for v in extra:
+        allowed = ALL_IMPLS if (a.proxy or a.only) else EXTRA_IMPLS
+        if v not in allowed:
+            p.error(f"--impls: expected names from {allowed}, got {v!r}")
+    if a.only and not extra:
+        p.error("--only: name the impls with --impls")
+    default_shapes, default_ms = (PROXY_SHAPES, PROXY_MS) if a.proxy else (SHAPES, MS)
+    if a.tiny:
+        default_shapes, default_ms = TINY_SHAPES, TINY_MS
+    shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",") if s]
+    shapes = shapes or default_shapes
+    ms = [int(v) for v in a.ms.split(",") if v] or default_ms
+    impls = None  # DEFAULT_IMPLS + extra
+    if a.proxy or a.only:
+        impls, extra = (extra or list(PROXY_IMPLS)), []
+    if a.dry_run:
+        for row in plan(shapes, ms, list(impls if impls is not None else DEFAULT_IMPLS) + extra):
+            log(json.dumps(row))
+        return
     os.makedirs(a.out, exist_ok=True)
-    shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",") if s] or SHAPES
-    ms = [int(v) for v in a.ms.split(",") if v] or MS
     dev = jax.devices()[0]
     log("device:", dev.device_kind, "jax", jax.__version__)
     if a.check:
@@ -588,19 +659,30 @@ def main():
         a.budget_s = a.bench_budget_s
     if a.check:
         return
-    extra = [v for v in a.impls.split(",") if v]
-    for v in extra:
-        if v not in EXTRA_IMPLS:
-            p.error(f"--impls: expected names from {EXTRA_IMPLS}, got {v!r}")
-    records = bench(a.out, shapes, ms, a.budget_s, extra)
-    doc = {
-        **run_metadata(),
-        "timing": "in-graph fori_loop over distinct weight copies, (T(R2)-T(R1))/calls, "
-                  f"{INNER_CALLS}+ calls per host round trip of the loop predicate",
-        "records": records,
-    }
-    with open(os.path.join(a.out, "gemm-h200.json"), "w") as f:
-        json.dump(doc, f, indent=1)
+    meta = run_metadata()
+    stem = "gemm-proxy-" + gpu_tag(meta["gpu"]) if a.proxy else "gemm-h200"
+    if a.tiny:
+        stem = "gemm-tiny-" + gpu_tag(meta["gpu"])
+
+    def save(records):
+        doc = {
+            **meta,
+            "timing": "in-graph fori_loop over distinct weight copies, (T(R2)-T(R1))/calls, "
+                      f"{INNER_CALLS}+ calls per host round trip of the loop predicate",
+            "records": records,
+        }
+        with open(os.path.join(a.out, stem + ".json"), "w") as f:
+            json.dump(doc, f, indent=1)
+        return doc
+
+    records = bench(a.out, shapes, ms, a.budget_s, extra, impls, on_record=save)
+    doc = save(records)
+    log("wrote", os.path.join(a.out, stem + ".json"))
+    if a.proxy or a.tiny:
+        from tables import proxy_gemm
+
+        log(proxy_gemm(doc))
+        return
     plot(records, os.path.join(a.out, "gemm-h200.png"))
     # short table last: ratio vs bf16 per shape / M
     by = {(r["impl"], r["N"], r["K"], r["M"]): r.get("median_us") for r in records}

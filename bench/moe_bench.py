@@ -39,7 +39,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from run_meta import run_metadata
+from run_meta import gpu_tag, run_metadata
 
 import nvfp4_jax
 from nvfp4_jax.moe import pad_fc2
@@ -126,14 +126,46 @@ def make_hidden(t, h):
     return jax.random.normal(jax.random.PRNGKey(t), (t, h), jnp.float32).astype(jnp.bfloat16)
 
 
-def nvfp4_layer(activation, backend, config=None):
+#: How each NVFP4 impl selects its implementation through ``nvfp4_jax.moe``'s arguments (the
+#: one place that names them), and the weight-scale layout it reads without a per-call
+#: conversion (None: ``--scale-layout``). ``nvfp4_moe``: the default choice on this GPU (on an
+#: H200 the Hopper path: the Mosaic kernels up to ``moe.mosaic.MAX_ROUTES`` routes);
+#: ``nvfp4_moe_triton``: the Pallas-Triton kernels, the path SM12x GPUs run;
+#: ``nvfp4_moe_mosaic``: the Mosaic GPU kernels (Hopper only).
+MOE_IMPLS = {
+    "nvfp4_moe": ({"backend": "pallas"}, None),
+    "nvfp4_moe_triton": ({"backend": "pallas", "kernel": "triton"}, "linear"),
+    "nvfp4_moe_mosaic": ({"backend": "pallas", "kernel": "mosaic"}, "swizzled_128x4"),
+}
+#: ``--proxy``: the SM12x path (Pallas-Triton MoE) side by side with the Hopper path and bf16
+PROXY_IMPLS = ("nvfp4_moe_triton", "nvfp4_moe", "bf16_ragged_dot")
+
+
+def nvfp4_layer(activation, backend="pallas", config=None, **select):
     """``layer(x, topk_ids, topk_weights, (fc1, fc2, s1, s2))`` through ``nvfp4_jax.moe``
-    (weights travel as jit arguments: closing over them would embed GBs of constants)."""
+    (weights travel as jit arguments: closing over them would embed GBs of constants).
+    ``select``: further arguments of ``moe`` that pick the kernels (``MOE_IMPLS``)."""
     def layer(x, tids, w, p):
         return moe(x, fc1=p[0], fc2=p[1], fc1_input_scale=p[2], fc2_input_scale=p[3],
                    topk_ids=tids, topk_weights=w, activation=activation, backend=backend,
-                   config=config)
+                   config=config, **select)
     return layer
+
+
+def moe_kernel_used(impl: str, routes: int, hidden: int) -> str | None:
+    """The kernels an ``nvfp4_moe*`` impl runs on this device ("triton" or "mosaic"), for the
+    record; None where ``nvfp4_jax.moe`` would not run Pallas kernels."""
+    from nvfp4_jax.moe import pallas_triton
+
+    select = MOE_IMPLS[impl][0]
+    if select.get("backend", "auto") not in ("pallas", "auto") or jax.default_backend() != "gpu":
+        return None
+    kernel = select.get("kernel", "auto")
+    try:
+        return pallas_triton.choose_kernel(kernel, None, routes=routes, hidden=hidden,
+                                           interpret=False)
+    except ValueError:
+        return None
 
 
 def chain(x, out):
@@ -275,9 +307,35 @@ def main():
                          "outside the timing; a no-op where I %% 256 == 0); bytes and TB/s still "
                          "count the unpadded weights")
     ap.add_argument("--budget-s", type=float, default=0.0,
-                    help="after this many seconds only nvfp4_moe is measured (0: no limit)")
+                    help="after this many seconds only the nvfp4_moe* impls are measured "
+                         "(0: no limit)")
+    ap.add_argument("--routings", default=",".join(ROUTINGS))
+    ap.add_argument("--proxy", action="store_true",
+                    help="the SM12x-proxy rows: " + ",".join(PROXY_IMPLS) + " (unless --impls is "
+                         "given), random routing, each NVFP4 impl on the scale layout it reads "
+                         "natively -> OUT/moe-proxy-<gpu>.json")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="print the rows that would be measured (JSON lines) and exit")
     args = ap.parse_args()
+    impl_given = any(a == "--impls" or a.startswith("--impls=") for a in sys.argv[1:])
+    if args.proxy:
+        if not impl_given:
+            args.impls = ",".join(PROXY_IMPLS)
+        args.routings = "random"
+    known = (*MOE_IMPLS, "bf16_ragged_dot", "dequant_ragged_dot")
+    for name in args.impls.split(","):
+        if name not in known:
+            ap.error(f"--impls: expected names from {known}, got {name!r}")
+    for kind in args.routings.split(","):
+        if kind not in ROUTINGS:
+            ap.error(f"--routings: expected names from {ROUTINGS}, got {kind!r}")
+    if args.dry_run:
+        for row in plan(args.shapes.split(","), [int(t) for t in args.tokens.split(",")],
+                        args.routings.split(","), args.impls.split(",")):
+            print(json.dumps(row), flush=True)
+        return
     os.makedirs(args.out, exist_ok=True)
+    stem = f"moe-proxy-{gpu_tag(jax.devices()[0].device_kind)}" if args.proxy else "moe-h200"
     t_start = time.time()
     records = [{"impl": "hbm_copy", "tbps": hbm_copy_tbps()}]
     print(f"hbm_copy {records[0]['tbps']:.2f} TB/s", flush=True)
@@ -291,31 +349,40 @@ def main():
         w1t, w2t = jnp.swapaxes(w1, 1, 2), jnp.swapaxes(w2, 1, 2)
         del w1, w2
         s1, s2 = input_scales(s)
-        p1, p2 = ours_weights(q1, q2, args.scale_layout, args.pad_fc2)
-        padded = p2.shape != q2.shape
+        layouts = {}  # scale layout -> (fc1, fc2) prepared once
         layers = {
-            "nvfp4_moe": (nvfp4_layer(act, "pallas"), (p1, p2, s1, s2)),
             "dequant_ragged_dot": (nvfp4_layer(act, "xla"), (q1, q2, s1, s2)),
             "bf16_ragged_dot": (lambda x, tids, w, p, act=act: bf16_layer(x, tids, w, p[0], p[1], act),
                                 (w1t, w2t)),
         }
+        padded = False
+        for name in impls:
+            if name in MOE_IMPLS:
+                select, native = MOE_IMPLS[name]
+                lay = native or args.scale_layout
+                if lay not in layouts:
+                    layouts[lay] = ours_weights(q1, q2, lay, args.pad_fc2)
+                p1, p2 = layouts[lay]
+                padded = p2.shape != q2.shape
+                layers[name] = (nvfp4_layer(act, **select), (p1, p2, s1, s2))
         runs = {name: timed_loop(fn, per_layer_scales if name != "bf16_ragged_dot" else None)
-                for name, (fn, _) in layers.items()}
+                for name, (fn, _) in layers.items() if name in impls}
         for t in map(int, args.tokens.split(",")):
-            for kind in ROUTINGS:
+            for kind in args.routings.split(","):
                 ids, wts = make_routing(rng, t, e, k, kind)
                 touched = np.mean([len(np.unique(ids[j])) for j in range(NROT)])
                 hidden = make_hidden(t, h)
                 ids_d, wts_d = device_routings(ids, wts)
                 flops = 2.0 * t * k * (r * h + h * i)
                 for impl in impls:
-                    if args.budget_s and impl != "nvfp4_moe" and time.time() - t_start > args.budget_s:
+                    if (args.budget_s and impl not in MOE_IMPLS
+                            and time.time() - t_start > args.budget_s):
                         print(f"{sname} T={t} {kind} {impl}: skipped (bench budget)", flush=True)
                         continue
                     if impl == "dequant_ragged_dot" and kind == "skewed":
                         continue  # dominated by the full dequantization; routing barely matters
                     dense_gb = e * t * k * r * 2 / 1e9  # XLA's GPU ragged_dot materializes [E, M, N]
-                    if impl != "nvfp4_moe" and dense_gb > 100:
+                    if impl not in MOE_IMPLS and dense_gb > 100:
                         records.append({"impl": impl, "shape": sname, "routing": kind, "T": t, "error": (
                             f"skipped: XLA's ragged_dot lowering asks for ~{dense_gb:.0f} GB "
                             "(E x rows x N bf16)")})
@@ -328,7 +395,7 @@ def main():
                               flush=True)
                         records.append({"impl": impl, "shape": sname, "routing": kind, "T": t,
                                             "error": f"{type(exc).__name__}: {str(exc)[:200]}"})
-                        save(records, args.out)
+                        save(records, args.out, stem)
                         continue
                     bpw = 0.5625 if impl != "bf16_ragged_dot" else 2.0
                     tb = touched * (r * h + h * i) * bpw
@@ -336,23 +403,48 @@ def main():
                                "touched_experts": float(touched), "touched_bytes": float(tb),
                                "tbps": tb / us / 1e6, "tflops": flops / us / 1e6, "layers_timed": n}
                     if impl != "bf16_ragged_dot":
-                        rec["scale_layout"] = args.scale_layout if impl == "nvfp4_moe" else "linear"
-                    if impl == "nvfp4_moe" and padded:
-                        rec["fc2_padded"] = True  # K zero-padded to a multiple of 256
+                        rec["scale_layout"] = ((MOE_IMPLS[impl][1] or args.scale_layout)
+                                               if impl in MOE_IMPLS else "linear")
+                    if impl in MOE_IMPLS:
+                        rec["kernel"] = moe_kernel_used(impl, t * k, h)
+                        if padded:
+                            rec["fc2_padded"] = True  # K zero-padded to a multiple of 256
                     records.append(rec)
-                    save(records, args.out)
+                    save(records, args.out, stem)
                     print(f"{sname:9s} T={t:5d} {kind:6s} {impl:18s} {us:10.1f} us  "
                           f"{rec['tbps']:6.3f} TB/s  {rec['tflops']:7.2f} TFLOP/s  (n={n}, "
                           f"{time.time() - t_start:.0f}s)", flush=True)
-        del w1t, w2t, q1, q2, p1, p2, layers, runs
-    save(records, args.out)
+        del w1t, w2t, q1, q2, layouts, layers, runs
+    save(records, args.out, stem)
+    if args.proxy:
+        from tables import proxy_moe
+
+        print(proxy_moe({"records": records}), flush=True)
+        return
     plot(records, os.path.join(args.out, "moe-h200.png"))
     summary(records)
 
 
-def save(records, out):
+def plan(shapes, tokens, routings, impls) -> list[dict]:
+    """The rows ``main`` measures, in order (``--dry-run``); the skip rules are main's."""
+    rows = []
+    for sname in shapes:
+        for t in tokens:
+            for kind in routings:
+                for impl in impls:
+                    if impl == "dequant_ragged_dot" and kind == "skewed":
+                        continue
+                    row = {"impl": impl, "shape": sname, "routing": kind, "T": t}
+                    if impl in MOE_IMPLS:
+                        row["select"] = MOE_IMPLS[impl][0]
+                        row["scale_layout"] = MOE_IMPLS[impl][1] or "--scale-layout"
+                    rows.append(row)
+    return rows
+
+
+def save(records, out, stem="moe-h200"):
     doc = {**run_metadata(), "harness": HARNESS, "records": records}
-    with open(os.path.join(out, "moe-h200.json"), "w") as f:
+    with open(os.path.join(out, stem + ".json"), "w") as f:
         json.dump(doc, f, indent=1)
 
 

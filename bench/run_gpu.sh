@@ -2,12 +2,18 @@
 # GPU tests and both benchmarks on a GPU machine, each step under its own timeout; everything
 # lands under $OUT (run.log plus each tool's JSON/PNG/text).
 # Usage: NVFP4_COMMIT=<hash> STEPS="tests gemm moe" bash bench/run_gpu.sh
-# Steps: tests gemm moe profile ncu mncu (default "tests gemm moe").
+# Steps: tests gemm moe proxy profile ncu mncu (default "tests gemm moe").
 #   tests:   the GPU test modules (TEST_FILES: module names or paths, split at spaces; TEST_K: a
 #            pytest -k expression), with IEEE fp32 division in XLA; T_TESTS seconds.
 #   gemm:    bench/gemm_bench.py (GEMM_SHAPES, GEMM_MS narrow it); T_GEMM.
 #   moe:     bench/moe_bench.py (MOE_TOKENS, MOE_IMPLS; MOE_PAD_FC2=1: ours on FC2 weights padded
 #            by moe.pad_fc2; MOE_SCALE_LAYOUT=linear: ours on linear weight scales); T_MOE.
+#   proxy:   the SM12x path measured on this GPU as its proxy, as a user runs it (no XLA flags):
+#            gemm_bench --proxy (Pallas-Triton W4A16/W4A4 vs bf16 jnp.dot and the Hopper path,
+#            M = 1..4096; PROXY_SHAPES, PROXY_MS narrow it) then moe_bench --proxy (the Triton MoE
+#            vs the Hopper path and bf16 ragged_dot, T = PROXY_TOKENS; PROXY_MOE_SHAPES), then
+#            the README table (bench/tables.py proxy); T_PROXY_GEMM + T_PROXY_MOE seconds
+#            (180 + 140 by default).
 #   profile: bench/moe_profile.py, per-kernel device time of one MoE layer (PROFILE_CASES).
 #   ncu:     Nsight Compute on the Mosaic GEMM (bench/mosaic_ncu.py, NCU_SHAPES).
 #   mncu:    Nsight Compute on one MoE layer's kernels (bench/moe_ncu.py, MNCU_CASES).
@@ -46,6 +52,18 @@ for s in $STEPS; do
         --tokens "${MOE_TOKENS:-1,8,64,512,4096}" --impls "${MOE_IMPLS:-nvfp4_moe,bf16_ragged_dot,dequant_ragged_dot}" \
         --scale-layout "${MOE_SCALE_LAYOUT:-swizzled_128x4}" ${MOE_PAD_FC2:+--pad-fc2} 2>&1 \
         | grep -v Warning | tail -40 | tee -a "$OUT/run.log" ;;
+    proxy)
+      step "SM12x proxy: GEMM (pallas vs bf16 and the Hopper path; XLA_FLAGS='${XLA_FLAGS:-}')"
+      timeout "${T_PROXY_GEMM:-180}" python3 bench/gemm_bench.py --proxy --out "$OUT" \
+        --budget-s $((${T_PROXY_GEMM:-180} - 35)) --shapes "${PROXY_SHAPES:-}" \
+        --ms "${PROXY_MS:-}" 2>&1 \
+        | grep -v Warning | tail -70 | tee -a "$OUT/run.log"
+      step "SM12x proxy: MoE (the Triton MoE vs the Hopper path and bf16 ragged_dot)"
+      timeout "${T_PROXY_MOE:-140}" python3 bench/moe_bench.py --proxy --quick --out "$OUT" \
+        --budget-s $((${T_PROXY_MOE:-140} - 60)) --tokens "${PROXY_TOKENS:-1,8,64,512,4096}" \
+        --shapes "${PROXY_MOE_SHAPES:-nemotron,qwen3_30b}" 2>&1 \
+        | grep -v Warning | tail -40 | tee -a "$OUT/run.log"
+      python3 bench/tables.py proxy --results "$OUT" 2>&1 | tee -a "$OUT/run.log" ;;
     profile)
       step "moe profile"
       timeout "$T_PROFILE" python3 bench/moe_profile.py --out "$OUT" --reps 2 ${PROFILE_HLO:+--hlo} \

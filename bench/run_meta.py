@@ -1,4 +1,4 @@
-"""The header every result JSON of bench/ starts with (date, commit, GPU, jax, jaxlib)."""
+"""The header every result JSON of bench/ starts with (date, commit, GPU, driver, versions)."""
 
 from __future__ import annotations
 
@@ -30,13 +30,52 @@ def tree_commit() -> str:
     return commit or "unknown (tree without git history)"
 
 
+def gpu_tag(device_kind: str) -> str:
+    """A file-name tag for a device kind: "NVIDIA H200" -> "h200", "NVIDIA GeForce RTX 5090"
+    -> "rtx-5090", "cpu" -> "cpu"."""
+    words = device_kind.lower().replace("nvidia", "").replace("geforce", "").split()
+    return "-".join(words) or "unknown"
+
+
+def _driver() -> str | None:
+    try:
+        r = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                           check=False, capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return r.stdout.strip().splitlines()[0] if r.returncode == 0 and r.stdout.strip() else None
+
+
+def _version(module: str) -> str | None:
+    try:
+        from importlib.metadata import version
+
+        return version(module)
+    except Exception:  # noqa: BLE001 - not installed: recorded as None
+        return None
+
+
 def run_metadata() -> dict:
+    """date, commit, GPU (name, compute capability, driver) and the versions a result depends
+    on (jax, jaxlib, the CUDA plugin, ml_dtypes, numpy, pip triton where installed) and
+    XLA_FLAGS."""
+    import platform
+
     import jaxlib
 
+    dev = jax.devices()[0]
     return {
         "date": datetime.datetime.now(datetime.UTC).isoformat(),
         "commit": tree_commit(),
-        "gpu": jax.devices()[0].device_kind,
+        "gpu": dev.device_kind,
+        "compute_capability": getattr(dev, "compute_capability", None),
+        "driver": _driver() if dev.platform == "gpu" else None,
         "jax": jax.__version__,
         "jaxlib": jaxlib.__version__,
+        "jax_cuda_plugin": _version("jax-cuda13-plugin") or _version("jax-cuda12-plugin"),
+        "ml_dtypes": _version("ml_dtypes"),
+        "numpy": _version("numpy"),
+        "pip_triton": _version("triton"),  # Pallas runs the Triton that jaxlib bundles
+        "python": platform.python_version(),
+        "xla_flags": os.environ.get("XLA_FLAGS") or None,
     }

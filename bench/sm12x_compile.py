@@ -10,8 +10,17 @@ reference) two ways:
 * ``pip``: the pip ``triton`` package (``triton.compile`` on the TTIR text, ``GPUTarget``).
 
 SASS comes from ``cuobjdump -sass``; we count HMMA (mma.sync), HGMMA (wgmma, sm_90a only) and
-the FP8/FP4 MMAs (QMMA/OMMA). Usage: ``python bench/sm12x_compile.py --out DIR`` ->
-``DIR/gemm-sm12x-compile.json``.
+the FP8/FP4 MMAs (QMMA/OMMA), in the whole kernel and in its main loop (``main_loop_stats``: the
+body of the backward branch that holds the MMAs), and from the main loop the warp-instructions
+issued per weight (``per_weight``), which ``bench/sm12x_model.py`` sets against each GPU's
+issue rate. Usage: ``python bench/sm12x_compile.py --out DIR`` -> ``DIR/gemm-sm12x-compile.json``.
+
+No GPU is needed: without one the kernel is lowered for CUDA from the CPU
+(``lowering_platforms=("cuda",)``) and compiled by the pip ``triton`` package, whose wheel
+ships ptxas and cuobjdump (that cuobjdump cannot decode sm_121a; the PyPI packages
+``nvidia-cuda-cuobjdump`` and ``nvidia-cuda-nvdisasm`` bring one that can, found first on PATH):
+    pip install --target /tmp/sass triton==3.6.0 nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm
+    PYTHONPATH=$PWD:/tmp/sass PATH=/tmp/sass/nvidia/cu13/bin:$PATH python bench/sm12x_compile.py
 """
 
 from __future__ import annotations
@@ -59,7 +68,11 @@ def capture_ttir(m=16, n=4096, k=4096, config=None):
         x = jnp.zeros((m, k), jnp.bfloat16)
         codes = jnp.zeros((n, k // 2), jnp.uint8)
         scales = jnp.zeros((n, k // 16), jnp.float8_e4m3fn)
-        jax.jit(lambda x, c, s: matmul_pallas(x, c, s, 1.0, config=cfg)).lower(x, codes, scales)
+        f = jax.jit(lambda x, c, s: matmul_pallas(x, c, s, 1.0, config=cfg))
+        if jax.default_backend() == "gpu":
+            f.lower(x, codes, scales)
+        else:  # no GPU here: lower for CUDA all the same (the TTIR does not depend on the GPU)
+            f.trace(x, codes, scales).lower(lowering_platforms=("cuda",))
     finally:
         lowering.lower_jaxpr_to_triton_module = orig
     return [(t, b, cfg.num_warps, cfg.num_stages) for t, b in got]
@@ -78,6 +91,84 @@ def _tool(name):
     except ImportError:
         pass
     return None
+
+
+_INSN = re.compile(
+    r"^\s+/\*([0-9a-f]+)\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)((?:\.[\w.]+)?)([^;]*);"
+)
+_LABEL = re.compile(r"^\s*(\.L_x_\d+|\.L_\w+):")
+_TARGET = re.compile(r"`\((\.L_\w+)\)|\b0x([0-9a-f]+)\s*$")
+MMA_OPS = ("HMMA", "HGMMA", "QMMA", "OMMA", "IMMA")
+
+
+def parse_sass(sass: str) -> tuple[list[tuple[int, str, str]], dict[str, int]]:
+    """([(address, opcode, operands)], {label: address}) of one ``cuobjdump -sass`` kernel."""
+    insns, labels, pending = [], {}, []
+    for line in sass.splitlines():
+        lab = _LABEL.match(line)
+        if lab:
+            pending.append(lab.group(1))
+            continue
+        m = _INSN.match(line)
+        if m:
+            addr = int(m.group(1), 16)
+            for name in pending:
+                labels[name] = addr
+            pending = []
+            insns.append((addr, m.group(2), m.group(4)))
+    return insns, labels
+
+
+def main_loop_stats(sass: str) -> dict | None:
+    """The main loop of a kernel's SASS: of the loops (a branch back to an earlier label or
+    address; the body is every instruction from there to the branch), the one with the most
+    MMA instructions (ties: the longest). Returns its instruction count, its MMAs, global and
+    shared loads, and opcode counts; None if the kernel has no loop."""
+    insns, labels = parse_sass(sass)
+    best = None
+    for addr, op, args in insns:
+        if op not in ("BRA", "JMP"):
+            continue
+        t = _TARGET.search(args.split("&")[0].split("?")[0].strip())  # drop scoreboard notes
+        if not t:
+            continue
+        start = labels.get(t.group(1), -1) if t.group(1) else int(t.group(2), 16)
+        if not 0 <= start < addr:
+            continue  # a forward branch, or a branch to itself (the kernel's trailing trap)
+        body = [o for a, o, _ in insns if start <= a <= addr]
+        key = (sum(o in MMA_OPS for o in body), len(body))
+        if best is None or key > best[0]:
+            best = (key, body)
+    if best is None:
+        return None
+    body = best[1]
+    ops: dict[str, int] = {}
+    for o in body:
+        ops[o] = ops.get(o, 0) + 1
+    return {
+        "n_instructions": len(body),
+        "mma": sum(ops.get(o, 0) for o in MMA_OPS),
+        "global_loads": ops.get("LDG", 0) + ops.get("LDGSTS", 0),
+        "shared_loads": ops.get("LDS", 0) + ops.get("LDSM", 0),
+        "opcodes": dict(sorted(ops.items(), key=lambda kv: -kv[1])),
+    }
+
+
+def per_weight(loop: dict | None, config, weight_tiles: int = 1) -> dict | None:
+    """Warp-instructions issued per weight by the main loop of a swap-AB GEMM kernel: one
+    iteration runs the loop body once in each of ``num_warps`` warps over ``weight_tiles``
+    weight tiles of ``block_n x block_k`` (for up to ``block_m`` tokens; more tokens re-run it
+    per token tile). ``weight_tiles``: 2 for the MoE's gated FC1 (up and gate rows)."""
+    if not loop:
+        return None
+    weights = weight_tiles * config.block_n * config.block_k
+    return {
+        "weights_per_iteration": weights,
+        "num_warps": config.num_warps,
+        "tokens_per_iteration": config.block_m,
+        "warp_instructions_per_weight": loop["n_instructions"] * config.num_warps / weights,
+        "mma_per_weight": loop["mma"] * config.num_warps / weights,
+    }
 
 
 def sass_stats(cubin: bytes, workdir: str, tag: str) -> dict:
@@ -105,7 +196,7 @@ def sass_stats(cubin: bytes, workdir: str, tag: str) -> dict:
         "OMMA": count("OMMA"),
         "PRMT": count("PRMT"),
         "LOP3": count("LOP3"),
-        "sass_head": sass[:0],
+        "main_loop": main_loop_stats(sass),
     }
 
 
@@ -186,9 +277,124 @@ def compile_pip(ttir_text, num_warps, num_stages, cc, workdir) -> dict:
     return out
 
 
+#: MoE layers (moe_bench's shapes) and token counts whose grouped-GEMM kernels are compiled
+#: with the library's default tiles: decode (<= 16 rows per expert) and prefill
+MOE_LAYERS = {
+    "qwen3_30b": {"hidden": 2048, "inter": 768, "experts": 128, "top_k": 8, "gated": True},
+    "nemotron": {"hidden": 1024, "inter": 2688, "experts": 512, "top_k": 22, "gated": False},
+}
+MOE_TOKENS = (8, 4096)
+
+
+def capture_moe_ttir(layer: dict, t: int) -> dict:
+    """{kernel name: TTIR text} of one ``nvfp4_jax.moe`` layer on the Pallas-Triton kernels
+    (``kernel="triton"``), lowered for CUDA (from the CPU where there is no GPU)."""
+    from jax._src.pallas.triton import lowering
+
+    import nvfp4_jax
+
+    e, h, i, k = layer["experts"], layer["hidden"], layer["inter"], layer["top_k"]
+    r = 2 * i if layer["gated"] else i
+    fc1 = nvfp4_jax.NVFP4Array(jnp.zeros((e, r, h // 2), jnp.uint8),
+                               jnp.zeros((e, r, h // 16), jnp.float8_e4m3fn),
+                               jnp.ones((e,), jnp.float32), (e, r, h), "linear")
+    fc2 = nvfp4_jax.NVFP4Array(jnp.zeros((e, h, i // 2), jnp.uint8),
+                               jnp.zeros((e, h, i // 16), jnp.float8_e4m3fn),
+                               jnp.ones((e,), jnp.float32), (e, h, i), "linear")
+    s = jnp.ones((e,), jnp.float32)
+    got = {}
+    orig = lowering.lower_jaxpr_to_triton_module
+
+    def spy(*a, **kw):
+        res = orig(*a, **kw)
+        text = res.module.operation.get_asm()
+        name = re.search(r"tt\.func (?:public )?@(\w+)", text)
+        got[name.group(1) if name else f"kernel{len(got)}"] = text
+        return res
+
+    def layer_fn(x, ids, w, fc1, fc2):
+        return nvfp4_jax.moe(x, fc1=fc1, fc2=fc2, fc1_input_scale=s, fc2_input_scale=s,
+                             topk_ids=ids, topk_weights=w,
+                             activation="swiglu" if layer["gated"] else "relu2",
+                             backend="pallas", kernel="triton", interpret=False)
+
+    args = (jnp.zeros((t, h), jnp.bfloat16), jnp.zeros((t, k), jnp.int32),
+            jnp.full((t, k), 1.0 / k, jnp.float32), fc1, fc2)
+    lowering.lower_jaxpr_to_triton_module = spy
+    try:
+        f = jax.jit(layer_fn)
+        if jax.default_backend() == "gpu":
+            f.lower(*args)
+        else:
+            f.trace(*args).lower(lowering_platforms=("cuda",))
+    finally:
+        lowering.lower_jaxpr_to_triton_module = orig
+    return got
+
+
+def moe_entries(workdir: str) -> list[dict]:
+    """SASS counts of the MoE's grouped FC1 and FC2 kernels (pip Triton; sm_90a, sm_120a,
+    sm_121a) at ``MOE_LAYERS`` x ``MOE_TOKENS``, with the library's default tiles."""
+    from nvfp4_jax.moe.configs import default_config
+
+    out = []
+    for lname, layer in MOE_LAYERS.items():
+        for t in MOE_TOKENS:
+            cfg = default_config(t * layer["top_k"], layer["experts"], inter=layer["inter"],
+                                 hidden=layer["hidden"], gated=layer["gated"])
+            ttirs = capture_moe_ttir(layer, t)
+            for gemm, c, tiles in (("fc1", cfg.fc1, 2 if layer["gated"] else 1),
+                                   ("fc2", cfg.fc2, 1)):
+                ttir = ttirs.get(f"nvfp4_moe_{gemm}")
+                entry = {"kernel": f"moe_{gemm}_{lname}_T{t}", "decode": c.decode,
+                         "config": c.__dict__, "moe": {"layer": lname, "T": t, "gemm": gemm,
+                                                       "weight_tiles": tiles}}
+                if ttir is None:
+                    entry["error"] = f"no nvfp4_moe_{gemm} kernel lowered (got {sorted(ttirs)})"
+                    out.append(entry)
+                    continue
+                for cc in ARCHS:
+                    res = compile_pip(ttir, c.num_warps, c.num_stages, cc, workdir)
+                    pw = per_weight(res.get("main_loop"), c, tiles)
+                    if pw:
+                        res["per_weight"] = pw
+                    entry[f"pip_sm{cc}"] = res
+                out.append(entry)
+                print(json.dumps({k: v for k, v in entry.items() if k != "config"})[:400],
+                      flush=True)
+    return out
+
+
+#: (N, K) and M of the GEMM rows whose library configs are compiled (gemm_bench's proxy shapes)
+LIBRARY_SHAPES = ((28672, 8192), (4096, 14336), (14336, 4096), (4096, 4096))
+LIBRARY_MS = (1, 16, 64, 256)
+
+
+def library_configs() -> list:
+    """[(name, Config, (M, N, K))]: each distinct config ``configs.get_config`` picks for the
+    Pallas-Triton GEMM at ``LIBRARY_SHAPES`` x ``LIBRARY_MS`` (what an SM12x user runs)."""
+    from nvfp4_jax.gemm import configs
+
+    seen, out = set(), []
+    for n, k in LIBRARY_SHAPES:
+        for m in LIBRARY_MS:
+            c = configs.get_config(m, n, k)
+            key = tuple(sorted(c.__dict__.items()))
+            if key in seen:
+                continue
+            seen.add(key)
+            out.append((f"library_m{m}_{n}x{k}", c, (m, n, k)))
+    return out
+
+
 def run(out_dir: str) -> dict:
     os.makedirs(out_dir, exist_ok=True)
-    summary = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "kernels": []}
+    from run_meta import run_metadata
+
+    summary = {**run_metadata(), "device": jax.devices()[0].device_kind,
+               "lowered_for": "cuda" + ("" if jax.default_backend() == "gpu" else
+                                        " (from the CPU: lowering_platforms)"),
+               "kernels": []}
     try:
         import triton
 
@@ -201,25 +407,35 @@ def run(out_dir: str) -> dict:
         "w4a16_small_m": Config(16, 64, 256, 1, 4, 3),
         "w4a16_large_m": Config(128, 128, 64, 1, 8, 3),
     }
+    runs = [(name, Config(**{**cfg.__dict__, "decode": d}), None)
+            for name, cfg in kernels.items() for d in ("asm", "bits")]
+    runs += library_configs()
     with tempfile.TemporaryDirectory() as wd:
-        for name, cfg in kernels.items():
-            for decode in ("asm", "bits"):
-                c = Config(**{**cfg.__dict__, "decode": decode})
-                [(ttir, bc, nw, ns)] = capture_ttir(config=c)
-                entry = {
-                    "kernel": name,
-                    "decode": decode,
-                    "config": c.__dict__,
-                    "ttir_ops": sorted(set(re.findall(r"\btt\.\w+", ttir))),
-                }
-                if name == "w4a16_small_m" and decode == "asm":
-                    with open(os.path.join(out_dir, "gemm-w4a16-small-m.ttir"), "w") as f:
-                        f.write(ttir)
-                for cc in ARCHS:
-                    entry[f"jaxlib_sm{cc}"] = compile_jaxlib(bc, nw, ns, cc, wd)
-                    entry[f"pip_sm{cc}"] = compile_pip(ttir, nw, ns, cc, wd)
-                summary["kernels"].append(entry)
-                print(json.dumps(entry), flush=True)
+        for name, c, shape in runs:
+            if c.algo != "fused":
+                continue  # dequantize + cuBLAS: no GEMM kernel of ours
+            m, n, k = shape or (16, 4096, 4096)
+            [(ttir, bc, nw, ns)] = capture_ttir(m, n, k, config=c)
+            entry = {
+                "kernel": name,
+                "decode": c.decode,
+                "config": c.__dict__,
+                "shape_mnk": [m, n, k],
+                "ttir_ops": sorted(set(re.findall(r"\btt\.\w+", ttir))),
+            }
+            if name == "w4a16_small_m" and c.decode == "asm":
+                with open(os.path.join(out_dir, "gemm-w4a16-small-m.ttir"), "w") as f:
+                    f.write(ttir)
+            for cc in ARCHS:
+                entry[f"jaxlib_sm{cc}"] = compile_jaxlib(bc, nw, ns, cc, wd)
+                entry[f"pip_sm{cc}"] = compile_pip(ttir, nw, ns, cc, wd)
+                for side in ("jaxlib", "pip"):
+                    pw = per_weight(entry[f"{side}_sm{cc}"].get("main_loop"), c)
+                    if pw:
+                        entry[f"{side}_sm{cc}"]["per_weight"] = pw
+            summary["kernels"].append(entry)
+            print(json.dumps(entry), flush=True)
+        summary["kernels"] += moe_entries(wd)
     ok = [
         k
         for k in summary["kernels"]

@@ -1,12 +1,14 @@
 """Markdown tables for the README from bench/results/{gemm,moe}-h200.json.
 
-Usage: python bench/tables.py [gemm|moe] [--results DIR]
+Usage: python bench/tables.py [gemm|moe|proxy] [--results DIR] [--gpu h200]
 GEMM: per (N x K, M) our W4A16 (with the kernel auto chose), W4A4, bf16 jnp.dot, and the ratios
 (the slower of our two against scaled_matmul and XLA dequantize-then-dot). MoE: ours vs the
 bf16 ragged_dot and dequantize+ragged_dot baselines, TB/s over touched-expert NVFP4 bytes as a
 fraction of the HBM copy measured in the same run (the hbm_copy record with the row's commit;
 the newest one if none). A record older than the file's commit is
 marked with *; ours on FC2 weights zero-padded along K (``moe_bench --pad-fc2``) with "p".
+Proxy: the SM12x path (Pallas-Triton GEMM and MoE) next to bf16 and the Hopper path, from
+{gemm,moe}-proxy-<gpu>.json (``gemm_bench --proxy``, ``moe_bench --proxy``).
 """
 
 from __future__ import annotations
@@ -97,11 +99,87 @@ def moe(doc: dict) -> str:
     return "\n".join(lines)
 
 
+def _us(r: dict | None) -> str:
+    if not r:
+        return "-"
+    if "median_us" not in r:
+        return "skipped" if "skipped" in r.get("error", "") else "failed"
+    return f"{r['median_us']:.1f}" if r["median_us"] < 100 else f"{r['median_us']:.0f}"
+
+
+def _x(num: dict | None, den: dict | None) -> str:
+    """``num``'s time over ``den``'s: how many times faster ``den`` runs."""
+    if not (num and den and "median_us" in num and "median_us" in den):
+        return "-"
+    return _ratio(num["median_us"] / den["median_us"])
+
+
+def proxy_gemm(doc: dict) -> str:
+    """The SM12x path (``backend="pallas"``) next to bf16 ``jnp.dot`` and the Hopper path
+    (``auto``), from ``gemm_bench --proxy``; ratios are speed-ups over bf16."""
+    recs = doc["records"]
+    by = {(r["impl"], r["N"], r["K"], r["M"]): r for r in recs}
+    lines = [
+        "| N x K | M | SM12x path W4A16 us | W4A4 us | vs bf16 | Hopper path us (kernel) "
+        "| vs bf16 | bf16 dot us |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for n, k in sorted({(r["N"], r["K"]) for r in recs}, key=lambda s: -s[0] * s[1]):
+        for m in sorted({r["M"] for r in recs if (r["N"], r["K"]) == (n, k)}):
+            p16, p4, hop, b = (by.get((i, n, k, m)) for i in (
+                "nvfp4_w4a16_pallas", "nvfp4_w4a4_pallas", "nvfp4_w4a16", "bf16_dot"))
+            kern = f" ({_kernel(hop)})" if hop and "median_us" in hop else ""
+            lines.append(f"| {n}x{k} | {m} | {_us(p16)} | {_us(p4)} | {_x(b, p16)} | "
+                         f"{_us(hop)}{kern} | {_x(b, hop)} | {_us(b)} |")
+    return "\n".join(lines)
+
+
+def proxy_moe(doc: dict) -> str:
+    """The Pallas-Triton MoE (the SM12x path) next to the Hopper path (``nvfp4_moe``: the
+    kernels ``auto`` picks here) and bf16 ``lax.ragged_dot``, from ``moe_bench --proxy``."""
+    recs = [r for r in doc["records"] if r["impl"] != "hbm_copy"]
+    by = {(r["impl"], r["shape"], r["routing"], r["T"]): r for r in recs}
+    lines = [
+        "| shape | T | SM12x path (Triton MoE) us | Hopper path us (kernel) | Triton / Hopper "
+        "| bf16 ragged_dot us | vs bf16 |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    keys = sorted({(r["shape"], r["routing"], r["T"]) for r in recs},
+                  key=lambda t: (t[0], t[1] != "random", t[2]))
+    for shape, routing, t in keys:
+        tri, hop, b = (by.get((i, shape, routing, t)) for i in (
+            "nvfp4_moe_triton", "nvfp4_moe", "bf16_ragged_dot"))
+        kern = f" ({hop.get('kernel') or '?'})" if hop and "median_us" in hop else ""
+        ratio = (f"{tri['median_us'] / hop['median_us']:.2f}"
+                 if tri and hop and "median_us" in tri and "median_us" in hop else "-")
+        name = shape if routing == "random" else f"{shape} ({routing})"
+        lines.append(f"| {name} | {t} | {_us(tri)} | {_us(hop)}{kern} | {ratio} | {_us(b)} | "
+                     f"{_x(b, tri)} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("which", choices=("gemm", "moe"))
+    p.add_argument("which", choices=("gemm", "moe", "proxy"))
     p.add_argument("--results", default=os.path.join(os.path.dirname(__file__), "results"))
+    p.add_argument("--gpu", default="*",
+                   help="proxy: the tag of gemm/moe-proxy-<gpu>.json (default: every one found)")
     a = p.parse_args()
+    if a.which == "proxy":
+        import glob
+
+        for kind, render in (("gemm", proxy_gemm), ("moe", proxy_moe)):
+            paths = sorted(glob.glob(os.path.join(a.results, f"{kind}-proxy-{a.gpu}.json")))
+            if not paths:
+                print(f"({kind}-proxy-{a.gpu}.json: not measured yet)\n")
+            for path in paths:
+                with open(path) as f:
+                    doc = json.load(f)
+                print(f"{kind.upper()} on {doc.get('gpu')} ({doc.get('date', '?')[:10]}, commit "
+                      f"{str(doc.get('commit'))[:10]}, jax {doc.get('jax')}, XLA_FLAGS "
+                      f"{doc.get('xla_flags') or 'none'})\n")
+                print(render(doc) + "\n")
+        return
     with open(os.path.join(a.results, f"{a.which}-h200.json")) as f:
         doc = json.load(f)
     print(gemm(doc) if a.which == "gemm" else moe(doc))

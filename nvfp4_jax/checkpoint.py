@@ -291,6 +291,12 @@ class Checkpoint:
             raise KeyError(f"checkpoint: no tensor {name!r}")
         return self._where[name].path
 
+    def dtype(self, name: str) -> str:
+        """The safetensors dtype string of tensor ``name`` (e.g. "F8_E4M3", "BF16")."""
+        if name not in self._where:
+            raise KeyError(f"checkpoint: no tensor {name!r}")
+        return self._where[name].dtype(name)
+
     def get(self, name: str) -> np.ndarray:
         if name not in self._where:
             raise KeyError(f"checkpoint: no tensor {name!r}")

@@ -16,7 +16,7 @@ fault reproduces it (``nvfp4_jax.explain``); exit code 1 when the output is wron
 from __future__ import annotations
 
 import argparse
-import importlib.util
+import importlib
 import os
 import sys
 
@@ -212,6 +212,14 @@ def _explain(args) -> int:
     return 0 if result.verdict == "correct" else 1
 
 
+def _importable(name: str) -> bool:
+    try:
+        importlib.import_module(name)
+    except ImportError:
+        return False
+    return True
+
+
 def _audit(audit, args) -> int:
     """``nvfp4 audit``: every option checked before the run; one line and exit 2 on bad input."""
     problems = [m for m in (_writable(args.json, "--json"), _writable(args.plot, "--plot")) if m]
@@ -225,7 +233,7 @@ def _audit(audit, args) -> int:
         elif k > n:
             problems.append(f"--top-k {k}: expected 1..{n}, at most the experts evaluated "
                             f"(--experts {n}); give --experts >= {k} or a smaller --top-k")
-    if args.plot and importlib.util.find_spec("matplotlib") is None:
+    if args.plot and not _importable("matplotlib"):
         problems.append(f"--plot {args.plot}: needs matplotlib, which is not installed: "
                         "pip install 'nvfp4-jax[plot]'")
     if problems:

@@ -40,6 +40,8 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import math
+import struct
 import zipfile
 import zlib
 
@@ -183,9 +185,26 @@ def read_npz(path: str) -> dict[str, np.ndarray]:
         raise ValueError(f"{path}: not an .npz file (a zip archive of .npy arrays, as np.savez "
                          f"writes); {what}")
     try:
+        with zipfile.ZipFile(path) as zf:  # each array's declared size against what the zip holds
+            for info in zf.infolist():
+                with zf.open(info) as fp:
+                    ver = np.lib.format.read_magic(fp)
+                    read = (np.lib.format.read_array_header_1_0 if ver == (1, 0)
+                            else np.lib.format.read_array_header_2_0)
+                    shape, _, dtype = read(fp)
+                if dtype.hasobject:
+                    raise ValueError(f"{path}: array {info.filename.removesuffix('.npy')!r} holds "
+                                     "Python objects (pickled data, not read: allow_pickle=False); "
+                                     "save numeric arrays")
+                if math.prod(shape) * dtype.itemsize > info.file_size:
+                    raise ValueError(f"{path}: array {info.filename!r} declares shape {shape} "
+                                     f"{dtype}, more than the {info.file_size} bytes it holds")
         with np.load(path, allow_pickle=False) as z:
             return {k: z[k] for k in z.files}
-    except (zipfile.BadZipFile, zlib.error, EOFError, OSError, ValueError) as exc:
+    except (zipfile.BadZipFile, zlib.error, EOFError, OSError, ValueError, NotImplementedError,
+            RuntimeError, KeyError, TypeError, struct.error) as exc:
+        if str(exc).startswith(f"{path}: "):
+            raise
         msg = f"{path}: damaged or truncated .npz ({type(exc).__name__}: {exc})"
         raise ValueError(msg) from None
 

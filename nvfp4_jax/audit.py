@@ -499,9 +499,9 @@ def verdict(reports: list[LayerReport]) -> Verdict:
     fc1 = [r.scales["fc1"] for r in moe if "fc1" in r.scales]
     damaged = worst > DAMAGE_THRESHOLD
     n = f"{len(moe)} MoE layer{'s' if len(moe) > 1 else ''}"
-    how = (f"relative MoE output error (median over T < {B12X_CUTLASS_FROM}) "
-           f"{worst:.1%} in the worst layer ({worst_layer})"
-           + (f", {typical:.1%} in the typical one of {n}" if len(moe) > 1 else ""))
+    how = f"relative MoE output error (median over T < {B12X_CUTLASS_FROM}) {worst:.1%} "
+    how += (f"in the worst layer ({worst_layer}), {typical:.1%} in the typical one of {n}"
+            if len(moe) > 1 else f"({worst_layer})")
     if damaged:
         lines = [f"DAMAGED: {path}, TensorRT-LLM's MoE backend for SM120/SM121 (RTX 50xx, DGX "
                  f"Spark), on decode batches (< {B12X_CUTLASS_FROM} tokens; prefill runs CUTLASS): "
@@ -518,7 +518,8 @@ def verdict(reports: list[LayerReport]) -> Verdict:
         if base is not None:
             ref.append(f"TRT-LLM CUTLASS: {base:.2%}")
         if ref:
-            lines.append("Same tokens, worst layer, " + ", ".join(ref) + ".")
+            tail = " (worst layer)." if len(moe) > 1 else "."
+            lines.append("On the same tokens: " + ", ".join(ref) + tail)
         lines.append("What to do: " + FIX_ADVICE)
     else:
         lines = [f"Not damaged beyond {DAMAGE_THRESHOLD:.0%}: {path} on this checkpoint gives a "
@@ -606,7 +607,7 @@ def plot(reports: list[LayerReport], path: str) -> None:
     import matplotlib.pyplot as plt
 
     moe = [r for r in reports if r.kind == "moe" and r.moe_errors]
-    fig, axes = plt.subplots(1, 2 if moe else 1, figsize=(14 if moe else 7.5, 5.6), squeeze=False)
+    fig, axes = plt.subplots(1, 2 if moe else 1, figsize=(14 if moe else 7.5, 6.4), squeeze=False)
     ax = axes[0, 0]
     series = [(r, wn, st) for r in reports for wn, st in r.scales.items() if st.sample_ideal.size]
     if len(series) <= PLOT_MAX_SERIES:
@@ -617,7 +618,8 @@ def plot(reports: list[LayerReport], path: str) -> None:
         groups = []
         for wn in roles:
             sts = [st for _, w, st in series if w == wn]
-            groups.append((f"{wn} ({len(sts)} layers)", sts))
+            name = "dense weight" if wn == "weight" else f"MoE {wn}"
+            groups.append((f"{name} ({len(sts)} layers)", sts))
     for label, sts in groups:
         x = np.concatenate([st.sample_ideal for st in sts])
         y = np.concatenate([st.sample_rel_error for st in sts])
@@ -632,16 +634,14 @@ def plot(reports: list[LayerReport], path: str) -> None:
     ax.set_xlabel("block scale x weight_scale_2 (exact)")
     ax.set_ylabel("relative error of the folded E4M3 scale (errors < 1e-6 at 1e-6)")
     ax.set_title("Folding weight_scale_2 into E4M3 block scales")
-    ax.legend(fontsize=7, markerscale=4, loc="lower left", framealpha=0.9)
+    # legends below the panels: they never hide data, whatever the layers
+    ax.legend(fontsize=7, markerscale=4, loc="upper center", bbox_to_anchor=(0.5, -0.13),
+              ncol=2 if len(groups) > 2 else 1, frameon=False)
     if moe:
         ax = axes[0, 1]
         floor = 1e-7
         styles = {"ours": ("o", "-", 7), "trtllm_cutlass": ("s", "--", 6),
                   FOLDED: ("^", "-", 6), "flashinfer_fixed": ("x", ":", 8)}
-
-        def label(sem, vals):
-            zero = " (= 0, drawn at 1e-7)" if all(v == 0 for v in vals) else ""
-            return SEMANTICS_LABEL.get(sem, sem) + zero
 
         if len(moe) == 1:
             r = moe[0]
@@ -649,7 +649,7 @@ def plot(reports: list[LayerReport], path: str) -> None:
                 ts = sorted(e)
                 mk, ls, ms = styles.get(sem, ("o", "-", 6))
                 ax.plot(ts, [max(e[t], floor) for t in ts], marker=mk, ls=ls, ms=ms,
-                        label=label(sem, e.values()))
+                        label=SEMANTICS_LABEL.get(sem, sem))
             ax.set_xscale("log", base=2)
             ax.set_xlabel("tokens T")
             ax.set_title(f"MoE output error: {short_names([r.name])[0]}")
@@ -660,7 +660,7 @@ def plot(reports: list[LayerReport], path: str) -> None:
                 v = [_decode_median(r.moe_errors[sem]) for r in moe]
                 mk, ls, ms = styles.get(sem, ("o", "-", 6))
                 ax.plot(xs, [max(x, floor) for x in v], marker=mk, ls=ls, ms=ms,
-                        label=label(sem, v))
+                        label=SEMANTICS_LABEL.get(sem, sem))
             step = max(1, len(moe) // 16)
             ax.set_xticks(xs[::step])
             ax.set_xticklabels(names[::step], rotation=45, ha="right", fontsize=7)
@@ -669,10 +669,15 @@ def plot(reports: list[LayerReport], path: str) -> None:
         ax.axhline(2.0**-9, color="gray", ls=":", lw=1)
         ax.text(0.01, 2.0**-9, "bf16 half-ulp 2^-9", fontsize=8, va="bottom", color="gray",
                 transform=ax.get_yaxis_transform())
+        ax.axhline(floor, color="gray", ls="-", lw=0.5)
+        ax.text(0.99, floor * 0.5, "exactly 0 (drawn at 1e-7)", fontsize=8, va="top", ha="right",
+                color="gray", transform=ax.get_yaxis_transform())
         ax.set_yscale("log")
-        ax.set_ylim(floor / 2, 3)
+        ax.set_ylim(floor / 10, 3)
         ax.set_ylabel("relative output error vs oracle")
-        ax.legend(fontsize=8, loc="center right", framealpha=0.9)
+        ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.13 if len(moe) == 1
+                                                                  else -0.22), ncol=2,
+                  frameon=False)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -11,6 +11,10 @@ against the oracle on the same inputs (``nvfp4_jax.crosscheck``); exit code 1 wh
 ``nvfp4 explain FILE.npz [--out-key KEY] [--out-dtype DTYPE] [--splits S] [--json FILE]`` or
 ``nvfp4 explain --demo FAULT [--save FILE.npz]``: where a GEMM output is wrong and which known
 fault reproduces it (``nvfp4_jax.explain``); exit code 1 when the output is wrong.
+
+``nvfp4 --version``. Bad input (an option out of its range, a damaged checkpoint or ``.npz``, a
+checkpoint with nothing to audit) is refused before any work with one line on stderr and exit
+code 2: no option is silently replaced, no traceback is shown.
 """
 
 from __future__ import annotations

@@ -325,3 +325,22 @@ def test_duplicate_tensor_without_index_is_refused(pristine, tmp_path):
     with pytest.raises(C.CheckpointError, match="also in") as exc:
         C.load(d)
     assert_clean(exc.value, d)
+
+
+def test_dtypes_numpy_lacks(tmp_path):
+    """E4M3 comes back as its bytes (the library's numpy path cannot return it), BF16 as
+    ml_dtypes.bfloat16 values, U8 as is."""
+    import ml_dtypes
+
+    p = str(tmp_path / "d.safetensors")
+    C.write_safetensors(p, {"e": (np.array([0x38, 0x01, 0x7E], np.uint8), "F8_E4M3"),
+                            "b": (np.array([0x3FC0, 0xC000], np.uint16), "BF16"),  # 1.5, -2
+                            "u": (np.arange(4, dtype=np.uint8).reshape(2, 2), "U8")})
+    f = C.SafetensorsFile(p)
+    e, b, u = f.get("e"), f.get("b"), f.get("u")
+    assert e.dtype == np.uint8 and e.tolist() == [0x38, 0x01, 0x7E] and f.dtype("e") == "F8_E4M3"
+    assert b.dtype == ml_dtypes.bfloat16 and b.astype(np.float32).tolist() == [1.5, -2.0]
+    assert u.dtype == np.uint8 and u.tolist() == [[0, 1], [2, 3]] and f.shape("u") == (2, 2)
+    with pytest.raises(C.CheckpointError, match="no such tensor") as exc:
+        f.get("missing")
+    assert exc.value.file == p and exc.value.tensor == "missing"

@@ -164,7 +164,8 @@ class SafetensorsFile:
                 fh.seek(a)
                 raw = fh.read(b - a)
             if len(raw) != b - a:
-                raise CheckpointError(self.path, name, "data truncated (the file changed while read)")
+                raise CheckpointError(self.path, name,
+                                      "data truncated (the file changed while read)")
             return np.frombuffer(raw, np.uint8).reshape(shape)
         if dt not in _NUMPY_DTYPES:
             raise CheckpointError(self.path, name, f"dtype {dt} is not supported (expected one of "
@@ -243,8 +244,9 @@ class Checkpoint:
                 f = SafetensorsFile(fn)
                 for n in f.names():
                     if n in self._where:
-                        raise CheckpointError(fn, n, f"also in {self._where[n].path} (a tensor name "
-                                              f"must be in one file only; no {INDEX_FILE} says which)")
+                        msg = (f"also in {self._where[n].path} (a tensor name must be in one "
+                               f"file only; no {INDEX_FILE} says which)")
+                        raise CheckpointError(fn, n, msg)
                     self._where[n] = f
 
     def _read_index(self, index: str) -> None:
@@ -261,7 +263,8 @@ class Checkpoint:
             shards[fn] = SafetensorsFile(full)
         for n, fn in wm.items():
             if n not in shards[fn].names():
-                raise CheckpointError(shards[fn].path, n, f"listed in {INDEX_FILE} but not in this shard")
+                raise CheckpointError(shards[fn].path, n,
+                                      f"listed in {INDEX_FILE} but not in this shard")
         for fn, f in shards.items():
             for n in f.names():
                 if wm.get(n) != fn:
@@ -317,7 +320,8 @@ class Checkpoint:
                  and self._where[n].dtype(n) == "F8_E4M3"}
         out = {}
         for p in sorted(cand):
-            miss = [x for x in (MO.WEIGHT, MO.WEIGHT_SCALE, MO.WEIGHT_SCALE_2) if f"{p}.{x}" not in s]
+            miss = [x for x in (MO.WEIGHT, MO.WEIGHT_SCALE, MO.WEIGHT_SCALE_2)
+                    if f"{p}.{x}" not in s]
             if miss:
                 out[p] = miss
         return out
@@ -325,17 +329,20 @@ class Checkpoint:
     def _tensor(self, name: str, dtypes: tuple[str, ...]) -> np.ndarray:
         f = self._where[name]
         if f.dtype(name) not in dtypes:
-            raise CheckpointError(f.path, name, f"expected dtype {' or '.join(dtypes)}, got {f.dtype(name)}")
+            msg = f"expected dtype {' or '.join(dtypes)}, got {f.dtype(name)}"
+            raise CheckpointError(f.path, name, msg)
         return f.get(name)
 
     def _scalar(self, name: str) -> float:
         """A positive finite per-tensor scale (fp32 ``weight_scale_2`` / ``input_scale``)."""
         f = self._where[name]
         if math.prod(f.shape(name)) != 1:
-            raise CheckpointError(f.path, name, f"expected one value, got shape {list(f.shape(name))}")
+            msg = f"expected one value, got shape {list(f.shape(name))}"
+            raise CheckpointError(f.path, name, msg)
         v = float(np.asarray(self._tensor(name, _FLOAT_SCALARS), np.float32).reshape(-1)[0])
         if not (math.isfinite(v) and v > 0):
-            raise CheckpointError(f.path, name, f"expected a finite positive decode scale, got {v!r}")
+            msg = f"expected a finite positive decode scale, got {v!r}"
+            raise CheckpointError(f.path, name, msg)
         return v
 
     def linear(self, prefix: str) -> MO.NVFP4Linear:
@@ -346,22 +353,26 @@ class Checkpoint:
         wn, sn = f"{prefix}.{MO.WEIGHT}", f"{prefix}.{MO.WEIGHT_SCALE}"
         w = self._tensor(wn, ("U8",))
         if w.ndim != 2 or w.shape[0] < 1 or w.shape[1] < 8 or w.shape[1] % 8:
-            raise CheckpointError(self.file_of(wn), wn, f"expected packed E2M1 codes [N, K/2] with K a "
-                                  f"positive multiple of 16, got shape {list(w.shape)}")
+            msg = (f"expected packed E2M1 codes [N, K/2] with K a positive multiple of 16, got "
+                   f"shape {list(w.shape)}")
+            raise CheckpointError(self.file_of(wn), wn, msg)
         want = (w.shape[0], w.shape[1] // 8)
         if self._where[sn].shape(sn) != want:
-            raise CheckpointError(self.file_of(sn), sn, f"expected shape {list(want)} (one scale per 16 "
-                                  f"values of {wn} {list(w.shape)}), got {list(self._where[sn].shape(sn))}")
+            msg = (f"expected shape {list(want)} (one scale per 16 values of {wn} "
+                   f"{list(w.shape)}), got {list(self._where[sn].shape(sn))}")
+            raise CheckpointError(self.file_of(sn), sn, msg)
         ws = self._tensor(sn, ("F8_E4M3", "U8"))
         bad = (ws == 0x7F) | (ws == 0xFF)
         if bad.any():
-            raise CheckpointError(self.file_of(sn), sn, f"{int(bad.sum())} E4M3 NaN bytes (0x7F/0xFF), "
-                                  f"first at {list(map(int, np.argwhere(bad)[0]))}")
+            msg = (f"{int(bad.sum())} E4M3 NaN bytes (0x7F/0xFF), first at "
+                   f"{list(map(int, np.argwhere(bad)[0]))}")
+            raise CheckpointError(self.file_of(sn), sn, msg)
         neg = ws >= 0x80
         if neg.any():
-            raise CheckpointError(self.file_of(sn), sn, f"{int(neg.sum())} scale bytes with the sign "
-                                  f"bit set, first at {list(map(int, np.argwhere(neg)[0]))}; NVFP4 block "
-                                  "scales are positive (UE4M3)")
+            msg = (f"{int(neg.sum())} scale bytes with the sign bit set, first at "
+                   f"{list(map(int, np.argwhere(neg)[0]))}; NVFP4 block scales are positive "
+                   "(UE4M3)")
+            raise CheckpointError(self.file_of(sn), sn, msg)
         ins = f"{prefix}.{MO.INPUT_SCALE}"
         return MO.NVFP4Linear(w, ws, self._scalar(f"{prefix}.{MO.WEIGHT_SCALE_2}"),
                               self._scalar(ins) if ins in self._where else None)
@@ -371,8 +382,8 @@ class Checkpoint:
         if gated:
             return "swiglu"
         if act and act not in ("relu2", "relu_squared", "squared_relu"):
-            raise CheckpointError(os.path.join(self.path, "config.json"), None,
-                                  f"non-gated experts with activation {act!r}; only relu2 is supported")
+            msg = f"non-gated experts with activation {act!r}; only relu2 is supported"
+            raise CheckpointError(os.path.join(self.path, "config.json"), None, msg)
         return "relu2"
 
     def layers(self, max_experts: int | None = None) -> Iterator[DenseLayer | MoELayer]:
@@ -381,9 +392,11 @@ class Checkpoint:
         Raises :class:`CheckpointError` first if any NVFP4 linear lacks one of its tensors.
         """
         for p, miss in self.incomplete_prefixes().items():
-            have = next(f"{p}.{x}" for x in (MO.WEIGHT_SCALE_2, MO.WEIGHT_SCALE) if f"{p}.{x}" in self._where)
-            raise CheckpointError(self.file_of(have), f"{p}.{miss[0]}", f"missing: {have} is here, "
-                                  f"so the NVFP4 linear {p} needs {', '.join(f'.{m}' for m in miss)}")
+            have = next(f"{p}.{x}" for x in (MO.WEIGHT_SCALE_2, MO.WEIGHT_SCALE)
+                        if f"{p}.{x}" in self._where)
+            msg = (f"missing: {have} is here, so the NVFP4 linear {p} needs "
+                   f"{', '.join(f'.{m}' for m in miss)}")
+            raise CheckpointError(self.file_of(have), f"{p}.{miss[0]}", msg)
         experts: dict[str, dict[int, dict[str, str]]] = defaultdict(lambda: defaultdict(dict))
         dense = []
         for p in self.nvfp4_prefixes():
@@ -404,8 +417,9 @@ class Checkpoint:
         if ids != list(range(n_all)):
             gap = sorted(set(range(ids[-1] + 1)) - set(ids))
             some = next(iter(by_e[ids[0]].values()))
+            msg = f"experts {gap[:8]} of {layer} missing (found ids {ids[0]}..{ids[-1]})"
             raise CheckpointError(self.file_of(f"{some}.{MO.WEIGHT}"), f"{layer}.experts.{gap[0]}",
-                                  f"experts {gap[:8]} of {layer} missing (found ids {ids[0]}..{ids[-1]})")
+                                  msg)
         if max_experts is not None:
             ids = ids[:max_experts]
         roles = set(by_e[ids[0]])
@@ -429,8 +443,9 @@ class Checkpoint:
             for e, lin in zip(ids, lins):
                 if lin.weight.shape != lins[0].weight.shape:
                     name = f"{by_e[e][role]}.{MO.WEIGHT}"
-                    raise CheckpointError(self.file_of(name), name, f"shape {list(lin.weight.shape)} "
-                                          f"differs from expert {ids[0]}'s {list(lins[0].weight.shape)}")
+                    msg = (f"shape {list(lin.weight.shape)} differs from expert {ids[0]}'s "
+                           f"{list(lins[0].weight.shape)}")
+                    raise CheckpointError(self.file_of(name), name, msg)
         (r1, h2), (h, i2) = fc1[0].weight.shape, fc2[0].weight.shape
         if h != 2 * h2 or 2 * i2 * (2 if gated else 1) != r1:
             name = f"{by_e[ids[0]]['down']}.{MO.WEIGHT}"

@@ -179,7 +179,8 @@ def test_damaged_bytes(pristine, tmp_path, shards, which, frac, kind):
         pos = min(int(frac * len(data)), len(data) - 1)
         raw[8 + n + pos] ^= 1 << (which % 8)
         # what the files now say: the tensor holding that byte, with the bit flipped
-        name = next(k for k, v in header.items() if v["data_offsets"][0] <= pos < v["data_offsets"][1])
+        name = next(k for k, v in header.items()
+                    if v["data_offsets"][0] <= pos < v["data_offsets"][1])
         arr, dt = ts[name]
         b = bytearray(np.ascontiguousarray(arr).tobytes())
         b[pos - header[name]["data_offsets"][0]] ^= 1 << (which % 8)

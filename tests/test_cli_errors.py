@@ -78,7 +78,8 @@ def test_audit_help_states_the_audit_defaults():
     """The audit's defaults live in nvfp4_jax.audit (they depend on the mode); --help says them."""
     sub = _subparsers()["audit"]
     _, experts = _help(sub, "experts")
-    assert f"default {A.DEFAULT_SUBSET} of the synthetic layer's {A.DEFAULT_SHAPE['experts']}" in experts
+    n_all = A.DEFAULT_SHAPE["experts"]
+    assert f"default {A.DEFAULT_SUBSET} of the synthetic layer's {n_all}" in experts
     assert f"at most {A.DEFAULT_SHAPE['experts']}" in experts
     assert f"{A.CHECKPOINT_EXPERTS} for a checkpoint" in experts
     _, tokens = _help(sub, "tokens")
@@ -153,7 +154,8 @@ def test_checkpoint_without_nvfp4_weights_is_refused(tmp_path, capsys):
     d = str(tmp_path / "bf16")
     os.makedirs(d)
     C.write_safetensors(os.path.join(d, "model.safetensors"),
-                        {"model.layers.0.mlp.up_proj.weight": (np.zeros((4, 8), np.uint16), "BF16")})
+                        {"model.layers.0.mlp.up_proj.weight":
+                         (np.zeros((4, 8), np.uint16), "BF16")})
     with open(os.path.join(d, "hf_quant_config.json"), "w") as f:
         json.dump({"quantization": {"quant_algo": "NVFP4"}}, f)
     assert main(["audit", "--checkpoint", d, "--no-progress"]) == 2
@@ -266,8 +268,10 @@ def test_verdict_not_damaged_and_dense_only():
 def test_short_names_unique_and_readable():
     names = [f"model.layers.{i}.mixer" for i in range(12)] + ["model.layers.3.mixer.shared.up"]
     s = A.short_names(names)
-    assert len(set(s)) == len(s) and s[0] == "layers.0.mixer" and s[-1] == "layers.3.mixer.shared.up"
-    assert A.short_names(["nemotron_super_layer1 (synthetic)"]) == ["nemotron_super_layer1 (synthetic)"]
+    assert len(set(s)) == len(s) and s[0] == "layers.0.mixer"
+    assert s[-1] == "layers.3.mixer.shared.up"
+    one = ["nemotron_super_layer1 (synthetic)"]
+    assert A.short_names(one) == one
 
 
 @pytest.mark.parametrize("n_layers", [1, 2, 12])

@@ -8,6 +8,8 @@ Public API:
 * :func:`moe` (routed NVFP4 mixture of experts).
 """
 
+__version__ = "0.1.0"  # the same as pyproject.toml (tests/test_cli_errors.py checks)
+
 from .quantize import JAX_RECIPES, NVFP4Array, dequantize, from_oracle, quantize, to_oracle
 
 __all__ = ["JAX_RECIPES", "NVFP4Array", "dequantize", "from_oracle", "quantize", "to_oracle"]

@@ -16,6 +16,10 @@ scales does (``NVFP4CuteDslB12xFusedMoEMethod.transform_weights``,
 
 Only folding TensorRT-LLM's way reproduces the issue: for MoE layers the folded factor is
 ``w_scale_2 = fc_alpha * fc_input_scale`` (fp32), for dense layers ``weight_scale_2`` itself.
+
+The report ends with a :func:`verdict`: whether the folded path is damaged (median output error
+over decode batches above 1 %), how much in the worst and the typical MoE layer, and which paths
+keep ``weight_scale_2`` in an fp32 alpha instead.
 """
 
 from __future__ import annotations
@@ -23,7 +27,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import sys
+import textwrap
 import time
 from collections.abc import Callable, Iterable
 
@@ -54,6 +60,9 @@ _E2M1 = oracle.E2M1_VALUES
 DEFAULT_SHAPE = {"hidden": 1024, "intermediate": 2688, "experts": 512, "top_k": 22,
                  "activation": "relu2"}
 DEFAULT_SUBSET = 24
+#: a checkpoint's defaults: experts evaluated per MoE layer; top-k without num_experts_per_tok
+CHECKPOINT_EXPERTS = 64
+CHECKPOINT_TOP_K = 8
 #: N(0, sigma^2) with sigma giving weight_scale_2 ~ 2e-5 for a 2688x1024 matrix
 DEFAULT_SIGMA = 0.0106
 #: share of quiet output channels (sigma / 4): real checkpoints have some; they give the zeros
@@ -352,13 +361,22 @@ def audit_dense_layer(layer: ckpt.DenseLayer, seed: int = 0) -> LayerReport:
 
 
 def audit_default(*, num_experts: int = DEFAULT_SUBSET, tokens=TOKENS, seed: int = 0,
-                  progress: bool = True, semantics: Iterable[str] = SEMANTICS) -> list[LayerReport]:
-    """Audit the synthetic Nemotron-Super-layer-1 MoE (see :func:`default_layer`)."""
+                  progress: bool = True, semantics: Iterable[str] = SEMANTICS,
+                  top_k: int = DEFAULT_SHAPE["top_k"]) -> list[LayerReport]:
+    """Audit the synthetic Nemotron-Super-layer-1 MoE (see :func:`default_layer`).
+
+    ``num_experts``: 1..512; ``top_k``: 1..num_experts (ValueError otherwise, never clipped).
+    """
     semantics = tuple(semantics)
+    if not 1 <= num_experts <= DEFAULT_SHAPE["experts"]:
+        raise ValueError(f"experts: expected 1..{DEFAULT_SHAPE['experts']} (the synthetic "
+                         f"layer's), got {num_experts}")
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"top_k: expected 1..{num_experts} (the experts evaluated), got {top_k}")
     bar = Progress(num_experts + 1 + len(semantics), "nvfp4 audit", progress)
     try:
         layer = default_layer(num_experts=num_experts, seed=seed, progress=bar.update)
-        rep = audit_moe_layer(layer, top_k=DEFAULT_SHAPE["top_k"], tokens=tokens, seed=seed,
+        rep = audit_moe_layer(layer, top_k=top_k, tokens=tokens, seed=seed,
                               progress=bar.update, semantics=semantics)
     finally:
         bar.close()
@@ -368,19 +386,41 @@ def audit_default(*, num_experts: int = DEFAULT_SUBSET, tokens=TOKENS, seed: int
     return [rep]
 
 
-def audit_checkpoint(path: str, *, max_experts: int = 64, top_k: int | None = None, tokens=TOKENS,
-                     seed: int = 0, progress: bool = True,
+def audit_checkpoint(path: str, *, max_experts: int = CHECKPOINT_EXPERTS, top_k: int | None = None,
+                     tokens=TOKENS, seed: int = 0, progress: bool = True,
                      semantics: Iterable[str] = SEMANTICS) -> list[LayerReport]:
     """Audit every NVFP4 layer of a ModelOpt checkpoint directory.
 
     Each MoE layer is loaded with its first ``max_experts`` experts (scale statistics and output
     errors both use those); top-k comes from ``config.json`` (``num_experts_per_tok``, else 8)
-    unless given. Dense NVFP4 linears get the scale statistics only.
+    unless given, and must not exceed the experts evaluated (ValueError, never clipped). Dense
+    NVFP4 linears get the scale statistics only. A checkpoint with no NVFP4 linear raises
+    ``checkpoint.CheckpointError``: there is nothing to audit.
     """
     semantics = tuple(semantics)
     ck = ckpt.load(path)
-    k = top_k or int(ck.config.get("num_experts_per_tok") or 8)
+    if top_k is not None:
+        k, origin = top_k, "top_k"
+    else:
+        k = ck.config.get("num_experts_per_tok") or CHECKPOINT_TOP_K
+        origin = "config.json num_experts_per_tok"
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ckpt.CheckpointError(os.path.join(path, "config.json"), None,
+                                       f"num_experts_per_tok: expected an integer >= 1, got {k!r}")
     layers = list(ck.layers(max_experts=max_experts))
+    if not layers:
+        dts = sorted({ck.dtype(n) for n in ck.names()})
+        raise ckpt.CheckpointError(path, None, f"{MO.QUANT_CONFIG_FILE} says NVFP4, but no "
+                                   "tensor set {prefix}.weight (U8) + .weight_scale (F8_E4M3) + "
+                                   f".weight_scale_2 (F32) is present ({len(ck.names())} "
+                                   "tensors, dtypes "
+                                   f"{', '.join(dts) or 'none'}): nothing to audit")
+    for l in layers:
+        if isinstance(l, ckpt.MoELayer) and k > len(l.experts):
+            more = " or more --experts" if len(l.experts) < l.num_experts else ""
+            raise ValueError(f"{origin} {k}: expected 1..{len(l.experts)}, at most the experts "
+                             f"evaluated in {l.name} ({len(l.experts)} of {l.num_experts}); give a "
+                             f"smaller --top-k{more}")
     n_moe = sum(isinstance(l, ckpt.MoELayer) for l in layers)
     bar = Progress(len(layers) + n_moe * (1 + len(semantics)), "nvfp4 audit", progress)
     reports = []
@@ -395,6 +435,101 @@ def audit_checkpoint(path: str, *, max_experts: int = 64, top_k: int | None = No
     finally:
         bar.close()
     return reports
+
+
+#: relative output error above which the folded path counts as damaged (bf16 output rounding
+#: alone is ~0.2 %, see the TRT-LLM CUTLASS row)
+DAMAGE_THRESHOLD = 0.01
+#: TensorRT-LLM's CUTEDSL-b12x MoE runs CUTLASS for batches of this many tokens and more:
+#: only decode batches take the folded path (nvfp4-semantics.md section 3.4)
+B12X_CUTLASS_FROM = 64
+FOLDED = "trtllm_cutedsl_b12x"
+FIX_ADVICE = ("use a path that keeps weight_scale_2 as an fp32 alpha instead of folding it into "
+              "the E4M3 block scales: FlashInfer >= 0.6.17's b12x MoE with input_global_scale "
+              "(FlashInfer PR #3932; vLLM passes it since PR #48536), TensorRT-LLM's CUTLASS MoE "
+              "backend, or nvfp4_jax.moe. The checkpoint itself is fine: do not requantize it.")
+
+
+@dataclasses.dataclass
+class Verdict:
+    """What the audit concludes: which path is damaged, by how much, and what to do.
+
+    ``worst`` / ``typical``: relative MoE output error of the folded path (the table's metric),
+    each layer summarised by its median over decode token counts T < 64; ``worst`` is the
+    worst layer's (``worst_layer``), ``typical`` the median over layers; ``fixed``: the same
+    for the fp32-alpha fix. None where no MoE layer was evaluated.
+    """
+
+    damaged: bool
+    path: str
+    worst_layer: str | None
+    worst: float | None
+    typical: float | None
+    fixed: float | None
+    lines: list[str]
+
+    def to_json(self) -> dict:
+        return {"damaged": self.damaged, "path": self.path, "worst_layer": self.worst_layer,
+                "worst_rel_output_error": self.worst, "typical_rel_output_error": self.typical,
+                "fixed_rel_output_error": self.fixed, "text": " ".join(self.lines)}
+
+
+def _decode_median(errors: dict[int, float]) -> float:
+    ts = [t for t in errors if t < B12X_CUTLASS_FROM] or list(errors)
+    return float(np.median([errors[t] for t in ts]))
+
+
+def verdict(reports: list[LayerReport]) -> Verdict:
+    """The verdict on ``reports`` (see :class:`Verdict`)."""
+    path = SEMANTICS_LABEL[FOLDED]
+    moe = [r for r in reports if r.kind == "moe" and r.moe_errors and FOLDED in r.moe_errors]
+    if not moe:
+        dense = [(s.weight_rel_error or 0.0, r.name) for r in reports for s in r.scales.values()]
+        worst_w, name = max(dense) if dense else (0.0, None)
+        lines = [f"No MoE layer evaluated: {path} folds weight_scale_2 only in MoE experts, so it "
+                 "does not touch this checkpoint's NVFP4 linears (TensorRT-LLM keeps their "
+                 "weight_scale_2 in the GEMM alpha)."]
+        if name is not None:
+            lines.append(f"Were they folded, the dequantized weights would change by up to "
+                         f"{worst_w:.2%} (W err, {name}).")
+        return Verdict(False, path, name, None, None, None, lines)
+    per = sorted(((_decode_median(r.moe_errors[FOLDED]), r.name) for r in moe), reverse=True)
+    worst, worst_layer = per[0]
+    typical = float(np.median([e for e, _ in per]))
+    fixed = (max(_decode_median(r.moe_errors["flashinfer_fixed"]) for r in moe)
+             if all("flashinfer_fixed" in r.moe_errors for r in moe) else None)
+    base = (max(_decode_median(r.moe_errors["trtllm_cutlass"]) for r in moe)
+            if all("trtllm_cutlass" in r.moe_errors for r in moe) else None)
+    fc1 = [r.scales["fc1"] for r in moe if "fc1" in r.scales]
+    damaged = worst > DAMAGE_THRESHOLD
+    n = f"{len(moe)} MoE layer{'s' if len(moe) > 1 else ''}"
+    how = f"relative MoE output error (median over T < {B12X_CUTLASS_FROM}) {worst:.1%} "
+    how += (f"in the worst layer ({worst_layer}), {typical:.1%} in the typical one of {n}"
+            if len(moe) > 1 else f"({worst_layer})")
+    if damaged:
+        lines = [f"DAMAGED: {path}, TensorRT-LLM's MoE backend for SM120/SM121 (RTX 50xx, DGX "
+                 f"Spark), on decode batches (< {B12X_CUTLASS_FROM} tokens; prefill runs CUTLASS): "
+                 f"{how}."]
+        why = ("Why: folding weight_scale_2 into the E4M3 block scales pushes them into E4M3's "
+               "subnormals")
+        if fc1:
+            why += (f" (up to {max(st.subnormal for st in fc1):.1%} of FC1 scales subnormal, "
+                    f"{max(st.zero for st in fc1):.2%} rounded to 0)")
+        lines.append(why + ".")
+        ref = []
+        if fixed is not None:
+            ref.append(f"the fp32-alpha fix: {fixed:.2%}")
+        if base is not None:
+            ref.append(f"TRT-LLM CUTLASS: {base:.2%}")
+        if ref:
+            tail = " (worst layer)." if len(moe) > 1 else "."
+            lines.append("On the same tokens: " + ", ".join(ref) + tail)
+        lines.append("What to do: " + FIX_ADVICE)
+    else:
+        lines = [f"Not damaged beyond {DAMAGE_THRESHOLD:.0%}: {path} on this checkpoint gives a "
+                 f"{how}.", "Folding is still lossy where weight_scale_2 is small; if that "
+                 f"changes, {FIX_ADVICE}"]
+    return Verdict(damaged, path, worst_layer, worst, typical, fixed, lines)
 
 
 def format_report(reports: list[LayerReport], source: str, seconds: float | None = None) -> str:
@@ -428,6 +563,9 @@ def format_report(reports: list[LayerReport], source: str, seconds: float | None
                    f"mean scale error {ISSUE_21461['mean_scale_error']:.1%}."),
               ("The folded path's output error follows the dequantized-weight change (W err): "
                "relu2 squares the FC1 output, doubling FC1's relative error, and FC2 adds its own.")]
+    lines += ["", "Verdict:"]
+    for t in verdict(reports).lines:
+        lines += textwrap.wrap(t, 100, initial_indent="  ", subsequent_indent="    ")
     if seconds is not None:
         lines.append(f"({seconds:.1f} s)")
     return "\n".join(lines)
@@ -438,49 +576,112 @@ def to_json(reports: list[LayerReport], source: str) -> dict:
             "reference": "oracle.moe(mode='trtllm_cutlass') on the checkpoint scales",
             "error_metric": "||out - ref||_F / ||ref||_F", "scale_error_metric":
             "|E4M3(s * w_scale_2) - s * w_scale_2| / (s * w_scale_2), blocks with s > 0",
-            "issue_21461_reported": ISSUE_21461, "layers": [r.to_json() for r in reports]}
+            "issue_21461_reported": ISSUE_21461, "verdict": verdict(reports).to_json(),
+            "layers": [r.to_json() for r in reports]}
+
+
+def short_names(names: list[str]) -> list[str]:
+    """Layer names without the prefix they all share (``model.layers.``), still unique."""
+    if len(names) < 2:
+        return list(names)
+    parts = [n.split(".") for n in names]
+    i = 0
+    while all(len(p) > i + 1 for p in parts) and len({p[i] for p in parts}) == 1:
+        i += 1
+    return [".".join(p[max(i - 1, 0):]) for p in parts]  # keep one shared word: "layers.3.mixer"
+
+
+#: scale-panel series drawn one per layer up to this many; beyond, one per weight role
+PLOT_MAX_SERIES = 6
 
 
 def plot(reports: list[LayerReport], path: str) -> None:
-    """PNG: folded-scale relative error against scale magnitude, and MoE error against T."""
-    import matplotlib
+    """PNG: folded-scale relative error against scale magnitude; MoE output error against T
+    (one MoE layer) or per layer (several, each at its median over T < 64).
+
+    Needs matplotlib (``pip install 'nvfp4-jax[plot]'``); ImportError saying so otherwise.
+    """
+    try:
+        import matplotlib
+    except ImportError as exc:
+        raise ImportError("plotting needs matplotlib, which is not installed: "
+                          "pip install 'nvfp4-jax[plot]'") from exc
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     moe = [r for r in reports if r.kind == "moe" and r.moe_errors]
-    fig, axes = plt.subplots(1, 2 if moe else 1, figsize=(13 if moe else 7, 4.8), squeeze=False)
+    fig, axes = plt.subplots(1, 2 if moe else 1, figsize=(14 if moe else 7.5, 6.4), squeeze=False)
     ax = axes[0, 0]
-    for r in reports[:6]:
-        for wn, s in r.scales.items():
-            if s.sample_ideal.size:
-                ax.scatter(s.sample_ideal, np.maximum(s.sample_rel_error, 1e-6), s=2, alpha=0.3,
-                           label=f"{r.name[-24:]} {wn}")
+    series = [(r, wn, st) for r in reports for wn, st in r.scales.items() if st.sample_ideal.size]
+    if len(series) <= PLOT_MAX_SERIES:
+        short = dict(zip([r.name for r in reports], short_names([r.name for r in reports])))
+        groups = [(f"{short[r.name]} {wn}", [st]) for r, wn, st in series]
+    else:  # many layers: one colour per weight role, all layers' samples together
+        roles = sorted({wn for _, wn, _ in series})
+        groups = []
+        for wn in roles:
+            sts = [st for _, w, st in series if w == wn]
+            name = "dense weight" if wn == "weight" else f"MoE {wn}"
+            groups.append((f"{name} ({len(sts)} layers)", sts))
+    for label, sts in groups:
+        x = np.concatenate([st.sample_ideal for st in sts])
+        y = np.concatenate([st.sample_rel_error for st in sts])
+        ax.scatter(x, np.maximum(y, 1e-6), s=2, alpha=0.3, label=label, rasterized=True)
     ax.axvline(2.0**-6, color="k", ls="--", lw=1)
-    ax.text(2.0**-6, 1.05, " E4M3 min normal 2^-6", fontsize=8, va="bottom")
+    ax.text(2.0**-6, 1.4, "E4M3 min normal 2^-6 ", fontsize=8, va="bottom", ha="right")
     ax.axvline(2.0**-10, color="r", ls=":", lw=1)
-    ax.text(2.0**-10, 1.05, " rounds to 0 below 2^-10", fontsize=8, va="bottom", color="r")
+    ax.text(2.0**-10, 1.4, " rounds to 0 below 2^-10", fontsize=8, va="bottom", color="r")
     ax.set_xscale("log")
     ax.set_yscale("log")
-    ax.set_ylim(1e-6, 3)
+    ax.set_ylim(1e-6, 8)
     ax.set_xlabel("block scale x weight_scale_2 (exact)")
-    ax.set_ylabel("relative error of the folded E4M3 scale")
+    ax.set_ylabel("relative error of the folded E4M3 scale (errors < 1e-6 at 1e-6)")
     ax.set_title("Folding weight_scale_2 into E4M3 block scales")
-    ax.legend(fontsize=7, markerscale=4, loc="lower left")
+    # legends below the panels: they never hide data, whatever the layers
+    ax.legend(fontsize=7, markerscale=4, loc="upper center", bbox_to_anchor=(0.5, -0.13),
+              ncol=2 if len(groups) > 2 else 1, frameon=False)
     if moe:
         ax = axes[0, 1]
-        r = moe[0]
-        for sem, e in r.moe_errors.items():
-            ts = sorted(e)
-            ax.plot(ts, [max(e[t], 1e-7) for t in ts], marker="o", label=SEMANTICS_LABEL.get(sem, sem))
+        floor = 1e-7
+        styles = {"ours": ("o", "-", 7), "trtllm_cutlass": ("s", "--", 6),
+                  FOLDED: ("^", "-", 6), "flashinfer_fixed": ("x", ":", 8)}
+
+        if len(moe) == 1:
+            r = moe[0]
+            for sem, e in r.moe_errors.items():
+                ts = sorted(e)
+                mk, ls, ms = styles.get(sem, ("o", "-", 6))
+                ax.plot(ts, [max(e[t], floor) for t in ts], marker=mk, ls=ls, ms=ms,
+                        label=SEMANTICS_LABEL.get(sem, sem))
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("tokens T")
+            ax.set_title(f"MoE output error: {short_names([r.name])[0]}")
+        else:
+            names = short_names([r.name for r in moe])
+            xs = np.arange(len(moe))
+            for sem in moe[0].moe_errors:
+                v = [_decode_median(r.moe_errors[sem]) for r in moe]
+                mk, ls, ms = styles.get(sem, ("o", "-", 6))
+                ax.plot(xs, [max(x, floor) for x in v], marker=mk, ls=ls, ms=ms,
+                        label=SEMANTICS_LABEL.get(sem, sem))
+            step = max(1, len(moe) // 16)
+            ax.set_xticks(xs[::step])
+            ax.set_xticklabels(names[::step], rotation=45, ha="right", fontsize=7)
+            ax.set_xlabel("MoE layer")
+            ax.set_title(f"MoE output error per layer (median over T < {B12X_CUTLASS_FROM})")
         ax.axhline(2.0**-9, color="gray", ls=":", lw=1)
-        ax.text(1, 2.0**-9, "bf16 half-ulp 2^-9", fontsize=8, va="bottom", color="gray")
-        ax.set_xscale("log", base=2)
+        ax.text(0.01, 2.0**-9, "bf16 half-ulp 2^-9", fontsize=8, va="bottom", color="gray",
+                transform=ax.get_yaxis_transform())
+        ax.axhline(floor, color="gray", ls="-", lw=0.5)
+        ax.text(0.99, floor * 0.5, "exactly 0 (drawn at 1e-7)", fontsize=8, va="top", ha="right",
+                color="gray", transform=ax.get_yaxis_transform())
         ax.set_yscale("log")
-        ax.set_xlabel("tokens T")
+        ax.set_ylim(floor / 10, 3)
         ax.set_ylabel("relative output error vs oracle")
-        ax.set_title(f"MoE output error: {r.name[-40:]}")
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.13 if len(moe) == 1
+                                                                  else -0.22), ncol=2,
+                  frameon=False)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -494,13 +695,15 @@ def run(checkpoint: str | None = None, *, json_path: str | None = None, plot_pat
     t0 = time.time()
     if checkpoint is None:
         n = experts or DEFAULT_SUBSET
-        reports = audit_default(num_experts=n, tokens=tokens, seed=seed, progress=progress)
+        reports = audit_default(num_experts=n, tokens=tokens, seed=seed, progress=progress,
+                                top_k=top_k or DEFAULT_SHAPE["top_k"])
         source = (f"default layer: Nemotron Super layer 1 shape (MoE hidden {DEFAULT_SHAPE['hidden']}, "
                   f"intermediate {DEFAULT_SHAPE['intermediate']}, {DEFAULT_SHAPE['experts']} experts, "
                   f"top-{DEFAULT_SHAPE['top_k']}, relu2), synthetic ModelOpt-quantized weights; "
                   f"subset of {n} experts evaluated for speed")
     else:
-        reports = audit_checkpoint(checkpoint, max_experts=experts or 64, top_k=top_k, tokens=tokens,
+        reports = audit_checkpoint(checkpoint, max_experts=experts or CHECKPOINT_EXPERTS,
+                                   top_k=top_k, tokens=tokens,
                                    seed=seed, progress=progress)
         source = f"checkpoint {checkpoint}"
     dt = time.time() - t0

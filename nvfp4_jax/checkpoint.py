@@ -1,9 +1,20 @@
 """Load ModelOpt NVFP4 checkpoints (safetensors + ``hf_quant_config.json``); write tiny ones for tests.
 
-The safetensors container is read directly (8-byte little-endian header length, JSON header,
-raw little-endian data) through ``np.memmap``, so loading needs neither torch nor the
-``safetensors`` package and touches only the tensors asked for. E4M3 tensors come back as
-their uint8 bytes (never a numeric cast: nvfp4-semantics.md section 8).
+Each safetensors file is opened with the ``safetensors`` library (``safe_open(...,
+framework="numpy")``), which checks the container before any tensor is read: the header length
+against the file size (a hostile 2^40 length allocates nothing), the header JSON, every tensor's
+dtype, and that the data offsets cover the data exactly with ``prod(shape) * itemsize`` bytes per
+tensor. Tensors are read one at a time, so memory follows what is asked for. numpy has no
+float8 dtypes and the library's numpy path cannot return them, so E4M3 (and E5M2) tensors are
+read here as their raw uint8 bytes, at the offsets the library validated (never a numeric cast:
+nvfp4-semantics.md section 8); BF16 comes back as ``ml_dtypes.bfloat16``.
+
+A sharded checkpoint with ``model.safetensors.index.json`` is read through its ``weight_map``
+(the index and the shards must agree); without an index every ``*.safetensors`` file in the
+directory is read and a tensor name may appear in only one of them.
+
+Every problem with the files raises :class:`CheckpointError` (a ``ValueError``) naming the file
+and, where there is one, the tensor.
 
 Layers found (naming conventions in ``nvfp4_jax.interop.modelopt``):
 
@@ -17,13 +28,16 @@ from __future__ import annotations
 import dataclasses
 import glob
 import json
+import math
 import os
 import re
 import struct
 from collections import defaultdict
 from collections.abc import Iterator
 
+import ml_dtypes  # noqa: F401  (registers "bfloat16" with numpy for the library's numpy path)
 import numpy as np
+from safetensors import SafetensorError, safe_open
 
 import oracle
 
@@ -32,6 +46,26 @@ from .interop import modelopt as MO
 _DTYPES = {"U8": np.uint8, "I8": np.int8, "F8_E4M3": np.uint8, "F32": np.float32,
            "F16": np.float16, "I32": np.int32, "I64": np.int64, "F64": np.float64,
            "BF16": np.uint16}
+#: dtypes numpy lacks: read as their raw bytes (uint8, same shape)
+_BYTE_DTYPES = ("F8_E4M3", "F8_E5M2")
+#: dtypes the library's numpy path returns
+_NUMPY_DTYPES = ("BOOL", "U8", "I8", "U16", "I16", "U32", "I32", "U64", "I64", "F16", "BF16",
+                 "F32", "F64")
+INDEX_FILE = "model.safetensors.index.json"
+_FLOAT_SCALARS = ("F32", "F16", "BF16", "F64")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file that cannot be read as a ModelOpt NVFP4 checkpoint.
+
+    ``file``: the path at fault; ``tensor``: the tensor name, or None for a whole-file problem;
+    ``reason``: what is wrong. ``str(err)`` is ``"{file}: tensor {tensor!r}: {reason}"``.
+    """
+
+    def __init__(self, file: str, tensor: str | None, reason: str):
+        self.file, self.tensor, self.reason = file, tensor, reason
+        where = file if tensor is None else f"{file}: tensor {tensor!r}"
+        super().__init__(f"{where}: {reason}")
 
 
 def write_safetensors(path: str, tensors: dict[str, tuple[np.ndarray, str]],
@@ -60,30 +94,86 @@ def write_safetensors(path: str, tensors: dict[str, tuple[np.ndarray, str]],
 
 
 class SafetensorsFile:
-    """Lazy reader of one safetensors file: ``names()``, ``dtype(name)``, ``get(name)``."""
+    """One safetensors file, validated on open by the ``safetensors`` library; tensors read lazily.
+
+    ``names()``, ``dtype(name)`` (the safetensors dtype string, e.g. "F8_E4M3"), ``shape(name)``,
+    ``get(name)`` (numpy; E4M3/E5M2 as uint8 bytes, BF16 as ``ml_dtypes.bfloat16``),
+    ``metadata`` (the header's ``__metadata__``). Raises :class:`CheckpointError`.
+    """
 
     def __init__(self, path: str):
         self.path = path
-        with open(path, "rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-            self.header = json.loads(f.read(n))
-        self.metadata = self.header.pop("__metadata__", {})
-        self._base = 8 + n
-        self._mm = None
+        try:
+            self._f = safe_open(path, framework="numpy")
+            self.metadata = dict(self._f.metadata() or {})
+            names = list(self._f.keys())
+            info = {n: (self._f.get_slice(n).get_dtype(), tuple(self._f.get_slice(n).get_shape()))
+                    for n in names}
+        except SafetensorError as exc:
+            raise CheckpointError(path, None, f"not a valid safetensors file ({exc})") from None
+        except OSError as exc:
+            raise CheckpointError(path, None, f"cannot read: {exc.strerror or exc}") from None
+        self._info = info
+        self._offsets: dict[str, tuple[int, int]] | None = None
+        self._base = 0
 
     def names(self) -> list[str]:
-        return list(self.header)
+        return list(self._info)
+
+    def _entry(self, name: str) -> tuple[str, tuple[int, ...]]:
+        if name not in self._info:
+            raise CheckpointError(self.path, name, "no such tensor in this file")
+        return self._info[name]
 
     def dtype(self, name: str) -> str:
-        return self.header[name]["dtype"]
+        return self._entry(name)[0]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._entry(name)[1]
+
+    def _byte_range(self, name: str) -> tuple[int, int]:
+        """Absolute [start, end) of a tensor's data; the library has already checked the header."""
+        if self._offsets is None:
+            with open(self.path, "rb") as fh:
+                (n,) = struct.unpack("<Q", fh.read(8))
+                size = os.fstat(fh.fileno()).st_size
+                if n > size - 8:  # the file changed since it was validated
+                    raise CheckpointError(self.path, None, f"header length {n} exceeds the file")
+                try:
+                    header = json.loads(fh.read(n))
+                except ValueError as exc:
+                    raise CheckpointError(self.path, None, f"header is not JSON ({exc})") from None
+            self._base = 8 + n
+            self._offsets = {k: tuple(v["data_offsets"]) for k, v in header.items()
+                             if k != "__metadata__"}
+        try:
+            a, b = (int(v) for v in self._offsets[name])
+        except (KeyError, TypeError, ValueError):
+            raise CheckpointError(self.path, name, "no data_offsets in the header") from None
+        return self._base + a, self._base + b
 
     def get(self, name: str) -> np.ndarray:
-        info = self.header[name]
-        dt = np.dtype(_DTYPES[info["dtype"]]).newbyteorder("<")
-        if self._mm is None:
-            self._mm = np.memmap(self.path, dtype=np.uint8, mode="r")
-        a, b = info["data_offsets"]
-        return np.frombuffer(self._mm[self._base + a:self._base + b], dtype=dt).reshape(info["shape"])
+        dt, shape = self._entry(name)
+        if dt in _BYTE_DTYPES:
+            a, b = self._byte_range(name)
+            n = math.prod(shape)
+            if b - a != n:
+                raise CheckpointError(self.path, name, f"{dt} shape {list(shape)} needs {n} bytes, "
+                                      f"the header gives {b - a}")
+            with open(self.path, "rb") as fh:
+                fh.seek(a)
+                raw = fh.read(b - a)
+            if len(raw) != b - a:
+                raise CheckpointError(self.path, name,
+                                      "data truncated (the file changed while read)")
+            return np.frombuffer(raw, np.uint8).reshape(shape)
+        if dt not in _NUMPY_DTYPES:
+            raise CheckpointError(self.path, name, f"dtype {dt} is not supported (expected one of "
+                                  f"{', '.join(_NUMPY_DTYPES + _BYTE_DTYPES)})")
+        try:
+            return self._f.get_tensor(name)
+        except (SafetensorError, OSError, TypeError, ValueError) as exc:
+            raise CheckpointError(self.path, name, f"cannot read: {exc}") from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,14 +210,19 @@ class MoELayer:
 
 
 class Checkpoint:
-    """A ModelOpt NVFP4 checkpoint directory (``*.safetensors`` + ``hf_quant_config.json``)."""
+    """A ModelOpt NVFP4 checkpoint directory (``*.safetensors`` + ``hf_quant_config.json``).
+
+    Raises ``FileNotFoundError`` for a missing directory or no safetensors file, and
+    :class:`CheckpointError` for anything wrong inside the files.
+    """
 
     def __init__(self, path: str):
         if not os.path.isdir(path):
             raise FileNotFoundError(f"checkpoint: {path!r} is not a directory")
         self.path = path
+        index = os.path.join(path, INDEX_FILE)
         files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
-        if not files:
+        if not files and not os.path.exists(index):
             raise FileNotFoundError(f"checkpoint: no *.safetensors file in {path!r}")
         self.quant_config = self._read_json(MO.QUANT_CONFIG_FILE)
         self.config = self._read_json("config.json") or {}
@@ -135,26 +230,75 @@ class Checkpoint:
             qc = self.config.get("quantization_config")
             if qc is not None:
                 self.quant_config = {"quantization": qc}
-        algo = ((self.quant_config or {}).get("quantization") or {}).get("quant_algo")
+        quant = (self.quant_config or {}).get("quantization") or {}
+        algo = quant.get("quant_algo") if isinstance(quant, dict) else None
         if algo is None:
             raise ValueError(f"checkpoint: no {MO.QUANT_CONFIG_FILE} (or config.json quantization_config) in {path!r}")
         if str(algo).upper() != "NVFP4":
             raise ValueError(f"checkpoint: quant_algo is {algo!r}, expected 'NVFP4'")
         self._where: dict[str, SafetensorsFile] = {}
-        for fn in files:
-            f = SafetensorsFile(fn)
+        if os.path.exists(index):
+            self._read_index(index)
+        else:
+            for fn in files:
+                f = SafetensorsFile(fn)
+                for n in f.names():
+                    if n in self._where:
+                        msg = (f"also in {self._where[n].path} (a tensor name must be in one "
+                               f"file only; no {INDEX_FILE} says which)")
+                        raise CheckpointError(fn, n, msg)
+                    self._where[n] = f
+
+    def _read_index(self, index: str) -> None:
+        """Shards named by the index's ``weight_map``; the index and the shards must agree."""
+        wm = (self._read_json(INDEX_FILE) or {}).get("weight_map")
+        if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):
+            raise CheckpointError(index, None, 'expected {"weight_map": {tensor: file, ...}}')
+        shards: dict[str, SafetensorsFile] = {}
+        for fn in sorted(set(wm.values())):
+            full = os.path.join(self.path, fn)
+            if os.path.basename(fn) != fn or not os.path.isfile(full):
+                name = next(n for n, v in wm.items() if v == fn)
+                raise CheckpointError(index, name, f"shard {fn!r} is not a file in {self.path!r}")
+            shards[fn] = SafetensorsFile(full)
+        for n, fn in wm.items():
+            if n not in shards[fn].names():
+                raise CheckpointError(shards[fn].path, n,
+                                      f"listed in {INDEX_FILE} but not in this shard")
+        for fn, f in shards.items():
             for n in f.names():
-                self._where[n] = f
+                if wm.get(n) != fn:
+                    raise CheckpointError(index, n, f"held by shard {fn!r} but the weight_map says "
+                                          f"{wm.get(n)!r}")
+        self._where = {n: shards[fn] for n, fn in wm.items()}
 
     def _read_json(self, name: str):
         p = os.path.join(self.path, name)
         if not os.path.exists(p):
             return None
-        with open(p) as f:
-            return json.load(f)
+        try:
+            with open(p, "rb") as f:
+                d = json.loads(f.read())
+        except (OSError, ValueError) as exc:
+            raise CheckpointError(p, None, f"not valid JSON ({exc})") from None
+        if not isinstance(d, dict):
+            raise CheckpointError(p, None, f"expected a JSON object, got {type(d).__name__}")
+        return d
 
     def names(self) -> list[str]:
         return sorted(self._where)
+
+    def file_of(self, name: str) -> str:
+        """Path of the file that holds tensor ``name``."""
+        if name not in self._where:
+            raise KeyError(f"checkpoint: no tensor {name!r}")
+        return self._where[name].path
+
+    def dtype(self, name: str) -> str:
+        """The safetensors dtype string of tensor ``name`` (e.g. "F8_E4M3", "BF16")."""
+        if name not in self._where:
+            raise KeyError(f"checkpoint: no tensor {name!r}")
+        return self._where[name].dtype(name)
 
     def get(self, name: str) -> np.ndarray:
         if name not in self._where:
@@ -167,26 +311,92 @@ class Checkpoint:
         return sorted(n[: -len(".weight_scale_2")] for n in s if n.endswith(".weight_scale_2")
                       and n[: -len("_2")] in s and n[: -len("_scale_2")] in s)
 
+    def incomplete_prefixes(self) -> dict[str, list[str]]:
+        """``{prefix: missing suffixes}`` for NVFP4 linears lacking part of their tensors: a prefix
+        with ``.weight_scale_2``, or with an F8_E4M3 ``.weight_scale``, but not all three."""
+        s = set(self._where)
+        cand = {n[: -len(".weight_scale_2")] for n in s if n.endswith(".weight_scale_2")}
+        cand |= {n[: -len(".weight_scale")] for n in s if n.endswith(".weight_scale")
+                 and self._where[n].dtype(n) == "F8_E4M3"}
+        out = {}
+        for p in sorted(cand):
+            miss = [x for x in (MO.WEIGHT, MO.WEIGHT_SCALE, MO.WEIGHT_SCALE_2)
+                    if f"{p}.{x}" not in s]
+            if miss:
+                out[p] = miss
+        return out
+
+    def _tensor(self, name: str, dtypes: tuple[str, ...]) -> np.ndarray:
+        f = self._where[name]
+        if f.dtype(name) not in dtypes:
+            msg = f"expected dtype {' or '.join(dtypes)}, got {f.dtype(name)}"
+            raise CheckpointError(f.path, name, msg)
+        return f.get(name)
+
+    def _scalar(self, name: str) -> float:
+        """A positive finite per-tensor scale (fp32 ``weight_scale_2`` / ``input_scale``)."""
+        f = self._where[name]
+        if math.prod(f.shape(name)) != 1:
+            msg = f"expected one value, got shape {list(f.shape(name))}"
+            raise CheckpointError(f.path, name, msg)
+        v = float(np.asarray(self._tensor(name, _FLOAT_SCALARS), np.float32).reshape(-1)[0])
+        if not (math.isfinite(v) and v > 0):
+            msg = f"expected a finite positive decode scale, got {v!r}"
+            raise CheckpointError(f.path, name, msg)
+        return v
+
     def linear(self, prefix: str) -> MO.NVFP4Linear:
-        ws = self.get(f"{prefix}.weight_scale")
-        if self._where[f"{prefix}.weight_scale"].dtype(f"{prefix}.weight_scale") not in ("F8_E4M3", "U8"):
-            raise ValueError(f"{prefix}.weight_scale: expected F8_E4M3 bytes, got "
-                             f"{self._where[f'{prefix}.weight_scale'].dtype(f'{prefix}.weight_scale')}")
-        ins = f"{prefix}.input_scale"
-        return MO.NVFP4Linear(self.get(f"{prefix}.weight"), ws,
-                              float(np.asarray(self.get(f"{prefix}.weight_scale_2"), np.float32).reshape(-1)[0]),
-                              float(np.asarray(self.get(ins), np.float32).reshape(-1)[0]) if ins in self._where else None)
+        """The NVFP4 linear ``{prefix}``, every tensor's dtype, shape and scale values checked:
+        ``.weight`` U8 [N, K/2], ``.weight_scale`` F8_E4M3 (or U8) [N, K/16] with no NaN byte
+        (0x7F/0xFF) and no sign bit, ``.weight_scale_2`` / ``.input_scale`` one finite positive
+        float."""
+        wn, sn = f"{prefix}.{MO.WEIGHT}", f"{prefix}.{MO.WEIGHT_SCALE}"
+        w = self._tensor(wn, ("U8",))
+        if w.ndim != 2 or w.shape[0] < 1 or w.shape[1] < 8 or w.shape[1] % 8:
+            msg = (f"expected packed E2M1 codes [N, K/2] with K a positive multiple of 16, got "
+                   f"shape {list(w.shape)}")
+            raise CheckpointError(self.file_of(wn), wn, msg)
+        want = (w.shape[0], w.shape[1] // 8)
+        if self._where[sn].shape(sn) != want:
+            msg = (f"expected shape {list(want)} (one scale per 16 values of {wn} "
+                   f"{list(w.shape)}), got {list(self._where[sn].shape(sn))}")
+            raise CheckpointError(self.file_of(sn), sn, msg)
+        ws = self._tensor(sn, ("F8_E4M3", "U8"))
+        bad = (ws == 0x7F) | (ws == 0xFF)
+        if bad.any():
+            msg = (f"{int(bad.sum())} E4M3 NaN bytes (0x7F/0xFF), first at "
+                   f"{list(map(int, np.argwhere(bad)[0]))}")
+            raise CheckpointError(self.file_of(sn), sn, msg)
+        neg = ws >= 0x80
+        if neg.any():
+            msg = (f"{int(neg.sum())} scale bytes with the sign bit set, first at "
+                   f"{list(map(int, np.argwhere(neg)[0]))}; NVFP4 block scales are positive "
+                   "(UE4M3)")
+            raise CheckpointError(self.file_of(sn), sn, msg)
+        ins = f"{prefix}.{MO.INPUT_SCALE}"
+        return MO.NVFP4Linear(w, ws, self._scalar(f"{prefix}.{MO.WEIGHT_SCALE_2}"),
+                              self._scalar(ins) if ins in self._where else None)
 
     def activation(self, gated: bool) -> str:
         act = str(self.config.get("mlp_hidden_act") or self.config.get("hidden_act") or "").lower()
         if gated:
             return "swiglu"
         if act and act not in ("relu2", "relu_squared", "squared_relu"):
-            raise ValueError(f"config.json: non-gated experts with activation {act!r}; only relu2 is supported")
+            msg = f"non-gated experts with activation {act!r}; only relu2 is supported"
+            raise CheckpointError(os.path.join(self.path, "config.json"), None, msg)
         return "relu2"
 
     def layers(self, max_experts: int | None = None) -> Iterator[DenseLayer | MoELayer]:
-        """Yield every NVFP4 layer: dense linears, then MoE layers (experts ``< max_experts``)."""
+        """Yield every NVFP4 layer: dense linears, then MoE layers (experts ``< max_experts``).
+
+        Raises :class:`CheckpointError` first if any NVFP4 linear lacks one of its tensors.
+        """
+        for p, miss in self.incomplete_prefixes().items():
+            have = next(f"{p}.{x}" for x in (MO.WEIGHT_SCALE_2, MO.WEIGHT_SCALE)
+                        if f"{p}.{x}" in self._where)
+            msg = (f"missing: {have} is here, so the NVFP4 linear {p} needs "
+                   f"{', '.join(f'.{m}' for m in miss)}")
+            raise CheckpointError(self.file_of(have), f"{p}.{miss[0]}", msg)
         experts: dict[str, dict[int, dict[str, str]]] = defaultdict(lambda: defaultdict(dict))
         dense = []
         for p in self.nvfp4_prefixes():
@@ -204,6 +414,12 @@ class Checkpoint:
     def _moe_layer(self, layer: str, by_e: dict[int, dict[str, str]], max_experts: int | None) -> MoELayer:
         ids = sorted(by_e)
         n_all = len(ids)
+        if ids != list(range(n_all)):
+            gap = sorted(set(range(ids[-1] + 1)) - set(ids))
+            some = next(iter(by_e[ids[0]].values()))
+            msg = f"experts {gap[:8]} of {layer} missing (found ids {ids[0]}..{ids[-1]})"
+            raise CheckpointError(self.file_of(f"{some}.{MO.WEIGHT}"), f"{layer}.experts.{gap[0]}",
+                                  msg)
         if max_experts is not None:
             ids = ids[:max_experts]
         roles = set(by_e[ids[0]])
@@ -214,12 +430,28 @@ class Checkpoint:
         for e in ids:
             r = by_e[e]
             if not need <= set(r) or (not gated and fc1_role not in r):
-                raise ValueError(f"{layer}.experts.{e}: missing projections, found {sorted(r)}")
+                some = next(iter(r.values()))
+                raise CheckpointError(self.file_of(f"{some}.{MO.WEIGHT}"), f"{layer}.experts.{e}",
+                                      f"missing projections: found {sorted(r)}, expected "
+                                      f"{sorted(need | ({fc1_role} if fc1_role else set()))}")
             if gated:
                 fc1.append(MO.fuse_gate_up(self.linear(r["gate"]), self.linear(r["up"])))
             else:
                 fc1.append(self.linear(r[fc1_role]))
             fc2.append(self.linear(r["down"]))
+        for lins, role in ((fc1, "up" if gated else fc1_role), (fc2, "down")):
+            for e, lin in zip(ids, lins):
+                if lin.weight.shape != lins[0].weight.shape:
+                    name = f"{by_e[e][role]}.{MO.WEIGHT}"
+                    msg = (f"shape {list(lin.weight.shape)} differs from expert {ids[0]}'s "
+                           f"{list(lins[0].weight.shape)}")
+                    raise CheckpointError(self.file_of(name), name, msg)
+        (r1, h2), (h, i2) = fc1[0].weight.shape, fc2[0].weight.shape
+        if h != 2 * h2 or 2 * i2 * (2 if gated else 1) != r1:
+            name = f"{by_e[ids[0]]['down']}.{MO.WEIGHT}"
+            raise CheckpointError(self.file_of(name), name, f"shape {[h, i2]} does not fit FC1 "
+                                  f"{[r1, h2]} ({'gate+up' if gated else fc1_role}; expected "
+                                  f"{[2 * h2, r1 // (4 if gated else 2)]})")
         s1 = np.array([l.input_scale if l.input_scale is not None else np.nan for l in fc1])
         s2 = np.array([l.input_scale if l.input_scale is not None else np.nan for l in fc2])
         return MoELayer(layer, MO.stack(fc1), MO.stack(fc2), s1, s2, self.activation(gated),

@@ -11,11 +11,17 @@ against the oracle on the same inputs (``nvfp4_jax.crosscheck``); exit code 1 wh
 ``nvfp4 explain FILE.npz [--out-key KEY] [--out-dtype DTYPE] [--splits S] [--json FILE]`` or
 ``nvfp4 explain --demo FAULT [--save FILE.npz]``: where a GEMM output is wrong and which known
 fault reproduces it (``nvfp4_jax.explain``); exit code 1 when the output is wrong.
+
+``nvfp4 --version``. Bad input (an option out of its range, a damaged checkpoint or ``.npz``, a
+checkpoint with nothing to audit) is refused before any work with one line on stderr and exit
+code 2: no option is silently replaced, no traceback is shown.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
+import os
 import sys
 
 
@@ -29,8 +35,50 @@ def _tokens(s: str) -> tuple[int, ...]:
     return t
 
 
+def _int_at_least(lo: int, what: str):
+    """argparse type: an int >= lo (refused, never replaced, outside the range)."""
+
+    def parse(s: str) -> int:
+        try:
+            v = int(s)
+        except ValueError:
+            msg = f"expected an integer >= {lo} ({what}), got {s!r}"
+            raise argparse.ArgumentTypeError(msg) from None
+        if v < lo:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {lo} ({what}), got {v}")
+        return v
+
+    return parse
+
+
+def version() -> str:
+    """The installed distribution's version (importlib.metadata), else ``nvfp4_jax.__version__``."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+
+    try:
+        return dist_version("nvfp4-jax")
+    except PackageNotFoundError:
+        from . import __version__
+
+        return __version__
+
+
+def _writable(path: str | None, option: str) -> str | None:
+    """Why ``path`` cannot be written (checked before a long run), or None."""
+    if path is None:
+        return None
+    d = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(d):
+        return f"{option} {path}: directory {d} does not exist"
+    if os.path.isdir(path) or not os.access(d, os.W_OK):
+        return f"{option} {path}: cannot write there"
+    return None
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="nvfp4", description="NVFP4 tools from nvfp4-jax")
+    p.add_argument("--version", action="version", version=f"nvfp4 (nvfp4-jax) {version()}")
     sub = p.add_subparsers(dest="command", required=True)
     a = sub.add_parser(
         "audit", help="scale-folding audit of a ModelOpt NVFP4 checkpoint (TRT-LLM #21461)",
@@ -40,12 +88,17 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--checkpoint", metavar="DIR", help="ModelOpt NVFP4 checkpoint (safetensors + hf_quant_config.json)")
     a.add_argument("--json", metavar="FILE", help="write the report as JSON")
     a.add_argument("--plot", metavar="FILE", help="write a PNG: scale error against scale magnitude, MoE error against T")
-    a.add_argument("--experts", type=int, metavar="N",
-                   help="experts per MoE layer to evaluate (default 32 for the synthetic layer, 64 for a checkpoint)")
+    a.add_argument("--experts", type=_int_at_least(1, "experts per MoE layer"), metavar="N",
+                   help="experts per MoE layer to evaluate, the first N (default 24 of the "
+                        "synthetic layer's 512, at most 512; 64 for a checkpoint)")
     a.add_argument("--tokens", type=_tokens, default=None, metavar="LIST",
                    help="token counts T (default 1,2,4,8,17,64)")
-    a.add_argument("--top-k", type=int, default=None, help="experts per token (default: config.json or 8)")
-    a.add_argument("--seed", type=int, default=0)
+    a.add_argument("--top-k", type=_int_at_least(1, "experts per token"), default=None, metavar="K",
+                   help="experts per token, 1 to the experts evaluated (default 22 for the "
+                        "synthetic layer; for a checkpoint config.json's num_experts_per_tok, "
+                        "else 8)")
+    a.add_argument("--seed", type=_int_at_least(0, "random seed"), default=0,
+                   help="seed of the synthetic weights, tokens and routing (default %(default)s)")
     a.add_argument("--no-progress", action="store_true", help="no progress bar")
 
     from .crosscheck import BACKENDS
@@ -59,13 +112,18 @@ def build_parser() -> argparse.ArgumentParser:
                     "for byte, GEMMs within the derived fp32-accumulation bound (a failure is explained), "
                     "and a small routed MoE layer inside the interval propagated through its rounding points. "
                     "Generated cases spread the weight blocks over five decades, through E4M3's subnormals.")
-    c.add_argument("--cases", type=int, default=4, help="generated cases, each at its own magnitudes (default 4)")
-    c.add_argument("--seed", type=int, default=0)
-    c.add_argument("--m", type=int, default=16, help="rows (tokens) of a generated case (default 16)")
-    c.add_argument("--n", type=int, default=256, help="output features of a generated case (default 256)")
-    c.add_argument("--k", type=int, default=512, help="input features, a multiple of 16 (default 512)")
+    c.add_argument("--cases", type=int, default=4,
+                   help="generated cases, each at its own magnitudes (default %(default)s)")
+    c.add_argument("--seed", type=int, default=0,
+                   help="seed of the generated cases (default %(default)s)")
+    c.add_argument("--m", type=int, default=16,
+                   help="rows (tokens) of a generated case (default %(default)s)")
+    c.add_argument("--n", type=int, default=256,
+                   help="output features of a generated case (default %(default)s)")
+    c.add_argument("--k", type=int, default=512,
+                   help="input features, a multiple of 16 (default %(default)s)")
     c.add_argument("--backends", default=",".join(BACKENDS), metavar="LIST",
-                   help=f"comma-separated subset of {', '.join(BACKENDS)}")
+                   help=f"comma-separated subset of {', '.join(BACKENDS)} (default: all)")
     c.add_argument("--inputs", metavar="FILE.npz",
                    help="check this W4A4 linear-layer call instead (keys x, weight_fp4, weight_sf, weight_scale_2, "
                         "input_scale; see nvfp4 explain)")
@@ -83,10 +141,13 @@ def build_parser() -> argparse.ArgumentParser:
                     "weight_sf, alpha) or a linear layer's (x, weight_fp4, weight_sf, weight_scale_2 [, input_scale]), "
                     "scale bytes as uint8 (2-D: linear layout; 1-D: swizzled_128x4), and the output 'out' [M, N].")
     e.add_argument("file", nargs="?", metavar="FILE.npz", help="the call's operands and its output")
-    e.add_argument("--out-key", default="out", help="name of the output array in FILE.npz (default out)")
+    e.add_argument("--out-key", default="out",
+                   help="name of the output array in FILE.npz (default %(default)s)")
     e.add_argument("--out-dtype", default="bfloat16", choices=OUT_DTYPES,
-                   help="the dtype the backend returned (its rounding enters the bound; default bfloat16)")
-    e.add_argument("--splits", type=int, default=1, help="split-K partials the backend sums (widens the bound)")
+                   help="the dtype the backend returned (its rounding enters the bound; "
+                        "default %(default)s)")
+    e.add_argument("--splits", type=int, default=1,
+                   help="split-K partials the backend sums (widens the bound; default %(default)s)")
     e.add_argument("--demo", choices=DEMO_FAULTS, metavar="FAULT",
                    help=f"explain the XLA backend's output with one fault injected: {', '.join(DEMO_FAULTS)}")
     e.add_argument("--save", metavar="FILE.npz", help="with --demo: also write the demo call and output")
@@ -155,6 +216,44 @@ def _explain(args) -> int:
     return 0 if result.verdict == "correct" else 1
 
 
+def _importable(name: str) -> bool:
+    try:
+        importlib.import_module(name)
+    except ImportError:
+        return False
+    return True
+
+
+def _audit(audit, args) -> int:
+    """``nvfp4 audit``: every option checked before the run; one line and exit 2 on bad input."""
+    problems = [m for m in (_writable(args.json, "--json"), _writable(args.plot, "--plot")) if m]
+    if args.checkpoint is None:
+        n_all = audit.DEFAULT_SHAPE["experts"]
+        n = args.experts or audit.DEFAULT_SUBSET
+        k = args.top_k or audit.DEFAULT_SHAPE["top_k"]
+        if n > n_all:
+            problems.append(f"--experts {n}: the synthetic layer has {n_all} experts "
+                            f"(expected 1..{n_all})")
+        elif k > n:
+            problems.append(f"--top-k {k}: expected 1..{n}, at most the experts evaluated "
+                            f"(--experts {n}); give --experts >= {k} or a smaller --top-k")
+    if args.plot and not _importable("matplotlib"):
+        problems.append(f"--plot {args.plot}: needs matplotlib, which is not installed: "
+                        "pip install 'nvfp4-jax[plot]'")
+    if problems:
+        for m in problems:
+            print(f"nvfp4 audit: {m}", file=sys.stderr)
+        return 2
+    try:
+        reports = audit.run(args.checkpoint, json_path=args.json, plot_path=args.plot,
+                            experts=args.experts, tokens=args.tokens or audit.TOKENS,
+                            top_k=args.top_k, seed=args.seed, progress=not args.no_progress)
+    except (OSError, ValueError, ImportError) as exc:
+        print(f"nvfp4 audit: {exc}", file=sys.stderr)
+        return 2
+    return 0 if reports else 2
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "audit":
@@ -165,17 +264,7 @@ def main(argv: list[str] | None = None) -> int:
                   "pip install 'nvfp4-jax[torch]'", file=sys.stderr)
             return 2
 
-        if args.experts is not None and args.experts < 1:
-            print("nvfp4 audit: --experts must be >= 1", file=sys.stderr)
-            return 2
-        try:
-            audit.run(args.checkpoint, json_path=args.json, plot_path=args.plot, experts=args.experts,
-                      tokens=args.tokens or audit.TOKENS, top_k=args.top_k, seed=args.seed,
-                      progress=not args.no_progress)
-        except (FileNotFoundError, ValueError) as exc:
-            print(f"nvfp4 audit: {exc}", file=sys.stderr)
-            return 2
-        return 0
+        return _audit(audit, args)
     if args.command == "crosscheck":
         return _crosscheck(args)
     if args.command == "explain":

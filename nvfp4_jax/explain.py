@@ -40,6 +40,10 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import math
+import struct
+import zipfile
+import zlib
 
 import numpy as np
 
@@ -167,20 +171,57 @@ def _linear_scales(sf, rows: int, cols: int, layout: str | None, name: str) -> t
     return layout, unswizzle(sf.reshape(-1), rows, cols, "swizzled_128x4")
 
 
+def read_npz(path: str) -> dict[str, np.ndarray]:
+    """Every array of an ``.npz`` file, read without pickle (``allow_pickle=False``).
+
+    Raises FileNotFoundError for a missing file and ValueError naming ``path`` for anything that
+    is not a readable ``.npz`` (a zip of ``.npy`` arrays): another format, a truncated or damaged
+    archive, an object (pickled) array.
+    """
+    with open(path, "rb") as f:
+        head = f.read(6)
+    if head[:4] not in (b"PK\x03\x04", b"PK\x05\x06"):
+        what = "a single .npy array" if head == b"\x93NUMPY" else f"it starts with {head!r}"
+        raise ValueError(f"{path}: not an .npz file (a zip archive of .npy arrays, as np.savez "
+                         f"writes); {what}")
+    try:
+        with zipfile.ZipFile(path) as zf:  # each array's declared size against what the zip holds
+            for info in zf.infolist():
+                with zf.open(info) as fp:
+                    ver = np.lib.format.read_magic(fp)
+                    read = (np.lib.format.read_array_header_1_0 if ver == (1, 0)
+                            else np.lib.format.read_array_header_2_0)
+                    shape, _, dtype = read(fp)
+                if dtype.hasobject:
+                    raise ValueError(f"{path}: array {info.filename.removesuffix('.npy')!r} holds "
+                                     "Python objects (pickled data, not read: allow_pickle=False); "
+                                     "save numeric arrays")
+                if math.prod(shape) * dtype.itemsize > info.file_size:
+                    raise ValueError(f"{path}: array {info.filename!r} declares shape {shape} "
+                                     f"{dtype}, more than the {info.file_size} bytes it holds")
+        with np.load(path, allow_pickle=False) as z:
+            return {k: z[k] for k in z.files}
+    except (zipfile.BadZipFile, zlib.error, EOFError, OSError, ValueError, NotImplementedError,
+            RuntimeError, KeyError, TypeError, struct.error) as exc:
+        if str(exc).startswith(f"{path}: "):
+            raise
+        msg = f"{path}: damaged or truncated .npz ({type(exc).__name__}: {exc})"
+        raise ValueError(msg) from None
+
+
 def load_npz(path: str, *, out_key: str = "out", out_dtype: str = "bfloat16",
              splits: int = 1) -> tuple[GemmCase, np.ndarray]:
     """(case, output) from an ``.npz`` in either form (module docstring)."""
-    with np.load(path) as z:
-        if out_key not in z.files:
-            raise ValueError(f"{path}: no output array {out_key!r} (keys: {sorted(z.files)})")
-        out = np.asarray(z[out_key], dtype=np.float64)
+    z = read_npz(path)
+    if out_key not in z:
+        raise ValueError(f"{path}: no output array {out_key!r} (keys: {sorted(z)})")
+    out = np.asarray(z[out_key], dtype=np.float64)
     return load_npz_case(path, out_dtype=out_dtype, splits=splits), out
 
 
 def load_npz_case(path: str, *, out_dtype: str = "bfloat16", splits: int = 1) -> GemmCase:
     """The call (operands only) from an ``.npz`` in either form (module docstring)."""
-    with np.load(path) as z:
-        d = {k: z[k] for k in z.files}
+    d = read_npz(path)
     lay = {k: str(d[k]) for k in ("weight_sf_layout", "act_sf_layout") if k in d}
     if "act_fp4" in d:
         missing = [k for k in ("act_sf", "weight_fp4", "weight_sf", "alpha") if k not in d]

@@ -23,7 +23,9 @@ linear form), and runs every backend on it:
   ``trtllm_live`` (the fused MoE op).
 
 A backend that cannot run here is reported as SKIP with the reason; nothing passes without
-having run. The exit code of the CLI is 1 when any backend FAILs.
+having run. Each result names the version its backend ran at (:func:`backend_version`: the
+installed distribution, or "re-enacted (TensorRT-LLM <commits read>)"), in the table's
+``versions`` block and in the JSON's ``version`` field. The exit code of the CLI is 1 when any backend FAILs.
 """
 
 from __future__ import annotations
@@ -65,6 +67,33 @@ class Result:
     status: str  # PASS, FAIL or SKIP
     detail: str
     seconds: float = 0.0
+    version: str = ""  # what the backend ran at (backend_version)
+
+
+def _dist_version(dist: str) -> str:
+    import importlib.metadata
+
+    try:
+        return f"{dist} {importlib.metadata.version(dist)}"
+    except importlib.metadata.PackageNotFoundError:
+        return f"{dist} not installed"
+
+
+def backend_version(backend: str) -> str:
+    """The peer version a backend's behaviour belongs to: the installed distribution
+    (``importlib.metadata``) for code that runs, "re-enacted (TensorRT-LLM <source read>)" for
+    the numpy re-enactment."""
+    if backend.startswith("jax"):
+        return f"{_dist_version('jax')}, {_dist_version('jaxlib')}"
+    if backend.startswith("trtllm_reenacted"):
+        from .interop import trtllm
+
+        return f"re-enacted ({trtllm.SOURCE})"
+    if backend == "flashinfer_reference":
+        return _dist_version("flashinfer-python")
+    if backend == "trtllm_live":
+        return _dist_version("tensorrt_llm")
+    raise ValueError(f"backend: unknown {backend!r}")
 
 
 OPS = ("quantize", "gemm", "moe")
@@ -304,6 +333,7 @@ def _timed(fn: Callable[[], Result]) -> Result:
     t0 = time.perf_counter()
     r = fn()
     r.seconds = time.perf_counter() - t0
+    r.version = backend_version(r.backend)
     return r
 
 
@@ -382,7 +412,11 @@ def run(*, cases: int = 4, seed: int = 0, m: int = 16, n: int = 256, k: int = 51
 
 
 def format_table(results: list[Result]) -> str:
-    lines = [f"{'case':>4}  {'op':<10}  {'backend':<22}  {'result':<6}  detail"]
+    """The results table, after the version each backend ran at."""
+    lines = ["versions:"]
+    for b in dict.fromkeys(r.backend for r in results):
+        lines.append(f"  {b:<22}  {next(r.version for r in results if r.backend == b) or backend_version(b)}")
+    lines.append(f"{'case':>4}  {'op':<10}  {'backend':<22}  {'result':<6}  detail")
     for r in results:
         lines.append(f"{r.case:>4}  {r.op:<10}  {r.backend:<22}  {r.status:<6}  {r.detail}")
     n = {s: sum(r.status == s for r in results) for s in ("PASS", "FAIL", "SKIP")}

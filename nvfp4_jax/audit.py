@@ -294,7 +294,8 @@ def default_layer(*, num_experts: int = DEFAULT_SUBSET, seed: int = 0,
         lins = []
         for shape in ((i, h), (h, i)):
             rows = np.where(g.random((shape[0], 1), dtype=np.float32) < frac, fac, 1.0)
-            w = g.standard_normal(shape, dtype=np.float32) * np.float32(DEFAULT_SIGMA) * rows.astype(np.float32)
+            sigma = np.float32(DEFAULT_SIGMA) * rows.astype(np.float32)
+            w = g.standard_normal(shape, dtype=np.float32) * sigma
             lins.append(bf16_round(w).astype(np.float32))  # checkpoints come from bf16 weights
         l1 = MO.quantize_linear(lins[0], amax_x)
         hcal = np.square(np.maximum(calib32 @ lins[0].T, np.float32(0.0)))
@@ -427,9 +428,10 @@ def format_report(reports: list[LayerReport], source: str, seconds: float | None
         for sem, e in r.moe_errors.items():
             lines.append(f"  {SEMANTICS_LABEL.get(sem, sem):<32}" + "".join(f"{e[t]:>10.3%}" for t in toks))
         if "trtllm_cutedsl_b12x" in r.moe_errors:
-            lines.append(f"  note: TRT-LLM CUTEDSL-b12x runs CUTLASS for m >= {T.PREFILL_VIA_CUTLASS_THRESHOLD} rows "
-                         "(prefill, checkpoint scales) and the folded b12x kernel below (decode): "
-                         f"T >= {T.PREFILL_VIA_CUTLASS_THRESHOLD} columns show its unfolded prefill path")
+            m = T.PREFILL_VIA_CUTLASS_THRESHOLD
+            lines.append(f"  note: TRT-LLM CUTEDSL-b12x runs CUTLASS for m >= {m} rows (prefill, "
+                         "checkpoint scales) and the folded b12x kernel below (decode): "
+                         f"T >= {m} columns show its unfolded prefill path")
         for n in r.notes:
             lines.append(f"  note: {n}")
     lines += ["", ("TRT-LLM #21461 (DGX Spark, Nemotron Super) reported: "
@@ -450,8 +452,8 @@ def to_json(reports: list[LayerReport], source: str) -> dict:
             "|E4M3(s * w_scale_2) - s * w_scale_2| / (s * w_scale_2), blocks with s > 0",
             "issue_21461_reported": ISSUE_21461,
             "reenacted": f"re-enacted ({T.SOURCE})",
-            "cutedsl_b12x_dispatch": (f"CUTLASS (unfolded) for T >= {T.PREFILL_VIA_CUTLASS_THRESHOLD} rows, "
-                                      "folded b12x below"),
+            "cutedsl_b12x_dispatch": (f"CUTLASS (unfolded) for T >= "
+                                      f"{T.PREFILL_VIA_CUTLASS_THRESHOLD} rows, folded b12x below"),
             "layers": [r.to_json() for r in reports]}
 
 

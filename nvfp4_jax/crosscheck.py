@@ -25,7 +25,8 @@ linear form), and runs every backend on it:
 A backend that cannot run here is reported as SKIP with the reason; nothing passes without
 having run. Each result names the version its backend ran at (:func:`backend_version`: the
 installed distribution, or "re-enacted (TensorRT-LLM <commits read>)"), in the table's
-``versions`` block and in the JSON's ``version`` field. The exit code of the CLI is 1 when any backend FAILs.
+``versions`` block and in the JSON's ``version`` field. The exit code of the CLI is 1 when
+any backend FAILs.
 """
 
 from __future__ import annotations
@@ -180,8 +181,10 @@ def _moe(backend: str, c: MoECase) -> np.ndarray:
         from .interop import trtllm_torch as TT
 
         try:
-            rt = TT.moe_weights("trtllm_cutlass", *args[3:], activation=c.activation, gate_up_order="up_gate")
-            out = TT.live_fused_moe(torch.from_numpy(np.asarray(c.hidden, np.float32)).to(torch.bfloat16),
+            rt = TT.moe_weights("trtllm_cutlass", *args[3:], activation=c.activation,
+                                gate_up_order="up_gate")
+            hidden = torch.from_numpy(np.asarray(c.hidden, np.float32)).to(torch.bfloat16)
+            out = TT.live_fused_moe(hidden,
                                         torch.from_numpy(c.topk_ids.astype(np.int64)),
                                         torch.from_numpy(c.topk_weights), rt)
         except LiveUnavailable as exc:
@@ -307,7 +310,8 @@ def _gemm(backend: str, case: GemmCase) -> np.ndarray:
         from .interop import trtllm
 
         ac, asf = trtllm.fp4_quantize(bf16_round(case.x), g, fast_math=False)
-        return trtllm.nvfp4_gemm(ac, w.codes, asf, w.scales, case.alpha, "float32").astype(np.float64)
+        out = trtllm.nvfp4_gemm(ac, w.codes, asf, w.scales, case.alpha, "float32")
+        return out.astype(np.float64)
     torch = _torch()
     from .interop import LiveUnavailable
     from .interop import trtllm_torch as TT
@@ -317,7 +321,8 @@ def _gemm(backend: str, case: GemmCase) -> np.ndarray:
     if backend == "trtllm_live":
         try:
             ac, asf = TT.live_fp4_quantize(xt, g, swizzled=True)
-            out = TT.live_nvfp4_gemm(ac, codes, asf, TT.swizzle_128x4(wsf.view(torch.float8_e4m3fn)).view(torch.uint8),
+            wsf_128x4 = TT.swizzle_128x4(wsf.view(torch.float8_e4m3fn)).view(torch.uint8)
+            out = TT.live_nvfp4_gemm(ac, codes, asf, wsf_128x4,
                                      case.alpha, out_dtype=torch.float32)
         except LiveUnavailable as exc:
             raise Skip(str(exc)) from exc
@@ -415,7 +420,8 @@ def format_table(results: list[Result]) -> str:
     """The results table, after the version each backend ran at."""
     lines = ["versions:"]
     for b in dict.fromkeys(r.backend for r in results):
-        lines.append(f"  {b:<22}  {next(r.version for r in results if r.backend == b) or backend_version(b)}")
+        v = next(r.version for r in results if r.backend == b) or backend_version(b)
+        lines.append(f"  {b:<22}  {v}")
     lines.append(f"{'case':>4}  {'op':<10}  {'backend':<22}  {'result':<6}  detail")
     for r in results:
         lines.append(f"{r.case:>4}  {r.op:<10}  {r.backend:<22}  {r.status:<6}  {r.detail}")

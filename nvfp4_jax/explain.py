@@ -327,11 +327,13 @@ def _hypotheses(case: GemmCase, base: _Operands) -> list[tuple[str, str, _Operan
         meaning = "the activations came from TensorRT-LLM's fast-math quantizer (rcp.approx; a legitimate variant)"
         out.append(("trtllm_fast_quantizer", meaning, dataclasses.replace(base, a=_values(fast))))
         old = scale_decode.quantize(case.x, float(f32(1.0 / s)), decoder="pre_fix")
-        if np.any((old.scales > 0) & (old.scales < 8)):  # only E4M3-subnormal scale bytes decode wrong
-            meaning = ("the activations were quantized dividing by a wrongly decoded E4M3-subnormal block scale "
-                       "(2^-7 (1 + m/8) instead of m 2^-9, up to 4.5x; b12x <= 1.3.0 before PR #388, "
-                       "FlashInfer < 0.6.17 before PR #3932), the stored scale byte right")
-            out.append(("act_sf_subnormal_decode", meaning, dataclasses.replace(base, a=_values(old))))
+        if np.any((old.scales > 0) & (old.scales < 8)):  # only subnormal scale bytes decode wrong
+            meaning = ("the activations were quantized dividing by a wrongly decoded "
+                       "E4M3-subnormal block scale (2^-7 (1 + m/8) instead of m 2^-9, up to 4.5x; "
+                       "b12x <= 1.3.0 before PR #388, FlashInfer < 0.6.17 before PR #3932), "
+                       "the stored scale byte right")
+            out.append(("act_sf_subnormal_decode", meaning,
+                        dataclasses.replace(base, a=_values(old))))
     return out
 
 

@@ -120,8 +120,8 @@ def test_nvfp4_gemm_form_activation_scales_in_the_wrong_layout():
     w_codes, w_sf = c.weight.codes, c.weight.scales
     alpha = c.alpha
     out = trtllm.nvfp4_gemm(act, w_codes, wrong, w_sf, alpha, "float32").astype(np.float64)
-    gc = explain.GemmCase.from_nvfp4_gemm(act, act_sf.reshape(-1), c.weight.codes, c.weight.scales, alpha,
-                                          out_dtype="float32")
+    gc = explain.GemmCase.from_nvfp4_gemm(act, act_sf.reshape(-1), c.weight.codes, c.weight.scales,
+                                          alpha, out_dtype="float32")
     assert gc.act_sf_layout == "swizzled_128x4" and gc.mode == "w4a4_prequantized"
     e = explain.explain_gemm(gc, out)
     assert e.verdict == "explained" and e.best.name == "act_sf_layout", e.format()

@@ -24,20 +24,21 @@ def test_backend_versions_come_from_the_installed_distributions():
         fi = importlib.metadata.version("flashinfer-python")
         assert crosscheck.backend_version("flashinfer_reference") == f"flashinfer-python {fi}"
     except importlib.metadata.PackageNotFoundError:
-        assert crosscheck.backend_version("flashinfer_reference") == "flashinfer-python not installed"
+        want = "flashinfer-python not installed"
+        assert crosscheck.backend_version("flashinfer_reference") == want
     with pytest.raises(ValueError, match="backend"):
         crosscheck.backend_version("cublas")
 
 
 def test_crosscheck_table_and_json_name_versions(tmp_path, capsys):
     out = str(tmp_path / "cc.json")
-    assert main(["crosscheck", "--cases", "1", "--m", "4", "--n", "64", "--k", "64", "--ops", "quantize",
-                 "--backends", "jax,trtllm_reenacted", "--json", out]) == 0
+    assert main(["crosscheck", "--cases", "1", "--m", "4", "--n", "64", "--k", "64", "--ops",
+                 "quantize", "--backends", "jax,trtllm_reenacted", "--json", out]) == 0
     text = capsys.readouterr().out
     assert "versions:" in text and f"re-enacted ({trtllm.SOURCE})" in text
     rows = json.load(open(out))
     assert {r["backend"]: r["version"] for r in rows} == {
-        "jax": crosscheck.backend_version("jax"), "trtllm_reenacted": crosscheck.backend_version("trtllm_reenacted")}
+        b: crosscheck.backend_version(b) for b in ("jax", "trtllm_reenacted")}
 
 
 def test_audit_cutedsl_b12x_folds_decode_calls_only(tmp_path):
@@ -55,4 +56,5 @@ def test_audit_cutedsl_b12x_folds_decode_calls_only(tmp_path):
     txt = A.format_report(reps, d)
     assert "runs CUTLASS for m >= 64 rows" in txt
     j = A.to_json(reps, d)
-    assert j["reenacted"] == f"re-enacted ({trtllm.SOURCE})" and "T >= 64" in j["cutedsl_b12x_dispatch"]
+    assert j["reenacted"] == f"re-enacted ({trtllm.SOURCE})"
+    assert "T >= 64" in j["cutedsl_b12x_dispatch"]

@@ -1,4 +1,5 @@
-"""The E4M3-subnormal scale decode fault of b12x / FlashInfer's SM12x quantizers, before and after the fix.
+"""The E4M3-subnormal scale decode fault of b12x's / FlashInfer's SM12x quantizers, before and
+after the fix.
 
 Facts (``nvfp4_jax.interop.scale_decode``): before b12x PR #388 / FlashInfer PR #3932 the
 quantizer's helper decoded an exponent-0 byte with the normal formula ``2^-7 (1 + m/8)``; b12x
@@ -39,8 +40,8 @@ def test_pre_fix_decode_is_the_normal_formula_on_subnormal_bytes():
 
 
 def test_versions_select_the_decode():
-    assert SD.decoder_for("b12x", "1.3.0") == "pre_fix" and SD.decoder_for("b12x", "1.2.6") == "pre_fix"
-    assert SD.decoder_for("b12x", "1.5.0") == "native" and SD.decoder_for("b12x", "1.5.1") == "native"
+    assert [SD.decoder_for("b12x", v) for v in ("1.2.6", "1.3.0", "1.5.0", "1.5.1")] == [
+        "pre_fix", "pre_fix", "native", "native"]
     assert SD.decoder_for("flashinfer-python", "0.6.16") == "pre_fix"
     assert SD.decoder_for("flashinfer-python", "0.6.17") == "native"
     assert SD.decoder_for("flashinfer-python", "0.7.2.post1") == "native"
@@ -48,8 +49,10 @@ def test_versions_select_the_decode():
         SD.decoder_for("vllm", "1.0")
 
 
-@pytest.mark.parametrize("dist, helper", [("b12x", "b12x/_lib/intrinsics.py"),
-                                          ("flashinfer-python", "flashinfer/cute_dsl/fp4_common.py")])
+@pytest.mark.parametrize("dist, helper", [
+    ("b12x", "b12x/_lib/intrinsics.py"),
+    ("flashinfer-python", "flashinfer/cute_dsl/fp4_common.py"),
+])
 def test_installed_peer_decodes_as_its_version_says(dist, helper):
     """The installed peer's source: the decode helper the recorded fix version predicts."""
     try:
@@ -83,7 +86,8 @@ def test_native_quantizer_is_the_oracle_b12x_recipe():
     assert not changed[~sub].any() and changed[sub].any()  # only subnormal-scale blocks move
 
 
-@pytest.mark.parametrize("recipe", ["trtllm", "trtllm_fast", "b12x", "b12x_grouped", "flashinfer_reference"])
+@pytest.mark.parametrize("recipe", ["trtllm", "trtllm_fast", "b12x", "b12x_grouped",
+                                    "flashinfer_reference"])
 def test_property_holds_for_every_correct_quantizer(recipe):
     rng = np.random.default_rng(1)
     mag = 10.0 ** rng.uniform(-8, 1, (6, 16, 1))
@@ -98,7 +102,8 @@ def _fuzz(decoder: str):
     @given(nst.nvfp4_inputs())
     def prop(inp):
         q = SD.quantize(inp.x, inp.encode_scale, decoder=decoder)
-        assert_quantize_consistent(inp.x, q, inp.encode_scale, label=f"b12x quantizer ({decoder} decode)")
+        assert_quantize_consistent(inp.x, q, inp.encode_scale,
+                                   label=f"b12x quantizer ({decoder} decode)")
 
     return prop
 
@@ -128,7 +133,8 @@ def test_explain_attributes_the_wrong_output_to_the_subnormal_decode():
     act = SD.quantize(x, g, decoder="pre_fix")
     assert ((act.scales > 0) & (act.scales < 8)).any()
     alpha = float(np.float32(np.float32(input_scale) * np.float32(w.decode_scale)))
-    out = trtllm.nvfp4_gemm(act.codes, w.codes, act.scales, w.scales, alpha, "float32").astype(np.float64)
+    out = trtllm.nvfp4_gemm(act.codes, w.codes, act.scales, w.scales, alpha, "float32")
+    out = out.astype(np.float64)
     case = explain.GemmCase.from_linear(x, w.codes, w.scales, float(w.decode_scale), input_scale,
                                         out_dtype="float32")
     e = explain.explain_gemm(case, out)
@@ -137,7 +143,8 @@ def test_explain_attributes_the_wrong_output_to_the_subnormal_decode():
     # the fixed quantizer's output is not attributed to the fault (b12x's division and
     # TensorRT-LLM's reciprocal can still round a tie differently: explain holds W4A4 to the latter)
     good = SD.quantize(x, g)
-    fixed = trtllm.nvfp4_gemm(good.codes, w.codes, good.scales, w.scales, alpha, "float32").astype(np.float64)
+    fixed = trtllm.nvfp4_gemm(good.codes, w.codes, good.scales, w.scales, alpha, "float32")
+    fixed = fixed.astype(np.float64)
     e_fixed = explain.explain_gemm(case, fixed)
     assert e_fixed.best is None or e_fixed.best.name != "act_sf_subnormal_decode", e_fixed.format()
     tq, ts = trtllm.fp4_quantize(x, g, fast_math=False)

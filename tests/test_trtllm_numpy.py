@@ -1,4 +1,5 @@
-"""The numpy re-enactment of TensorRT-LLM (``interop.trtllm``) against its torch form, under live torch.
+"""The numpy re-enactment of TensorRT-LLM (``interop.trtllm``) against its torch form, under
+live torch.
 
 ``nvfp4 audit`` runs ``interop.trtllm`` (numpy + ml_dtypes) so that it needs no torch. These
 tests run both forms on the same inputs and require identical bytes and values, including the
@@ -43,12 +44,14 @@ def test_fold_equals_torch_on_every_byte_including_overflow():
     want = _torch_fold(scales, ws)
     got = N.fold_block_scales(scales, ws)
     np.testing.assert_array_equal(got, want)
-    over = (oracle.e4m3_decode(scales) * ws[:, None, None] > 464) & ~np.isnan(oracle.e4m3_decode(scales))
+    exact = oracle.e4m3_decode(scales) * ws[:, None, None]
+    over = (exact > 464) & ~np.isnan(exact)
     assert over.sum() > 100 and np.all(got[over] == 0x7E)  # saturated, as torch 2.13 does
     # the torch < 2.12 behaviour (NaN from 464 up) is the other option, not the default
     assert np.all(N.fold_block_scales(scales, ws, saturate=False)[over] & 0x7F == 0x7F)
     # and the torch form the audit used before agrees
-    t_old = T.fold_block_scales(torch.from_numpy(scales).view(torch.float8_e4m3fn), torch.from_numpy(ws))
+    t_old = T.fold_block_scales(torch.from_numpy(scales).view(torch.float8_e4m3fn),
+                                torch.from_numpy(ws))
     np.testing.assert_array_equal(t_old.view(torch.uint8).numpy(), got)
 
 
@@ -81,7 +84,8 @@ def test_gemm_equals_torch():
     wq, wsf = N.fp4_quantize(w, 0.5, fast_math=False)
     t = lambda a: torch.from_numpy(np.ascontiguousarray(a))
     for dt, tdt in (("bfloat16", torch.bfloat16), ("float32", torch.float32)):
-        want = T.nvfp4_gemm(t(aq), t(wq), t(asf), t(wsf), 1.7e-3, out_dtype=tdt).to(torch.float64).numpy()
+        want = T.nvfp4_gemm(t(aq), t(wq), t(asf), t(wsf), 1.7e-3, out_dtype=tdt)
+        want = want.to(torch.float64).numpy()
         got = N.nvfp4_gemm(aq, wq, asf, wsf, 1.7e-3, dt).astype(np.float64)
         np.testing.assert_array_equal(got, want)
 
@@ -92,8 +96,8 @@ def moe_case():
     22 routes is where a reduction order would show)."""
     from test_moe_cases import make_case
 
-    return lambda seed, activation, tokens: make_case(np.random.default_rng(seed), t=tokens, h=64, inter=32,
-                                                      e=24, k=22, activation=activation)
+    return lambda seed, activation, tokens: make_case(
+        np.random.default_rng(seed), t=tokens, h=64, inter=32, e=24, k=22, activation=activation)
 
 
 @pytest.mark.parametrize("pipeline", N.PIPELINES)
@@ -131,12 +135,13 @@ def test_audit_path_imports_no_torch():
             sys.modules[name] = None
         from nvfp4_jax.cli import main
         rc = main(["audit", "--experts", "1", "--tokens", "1", "--no-progress"])
-        loaded = [m for m in ("torch", "hypothesis", "matplotlib") if sys.modules.get(m) is not None]
+        loaded = [m for m in ("torch", "hypothesis", "matplotlib")
+                  if sys.modules.get(m) is not None]
         print("RC", rc, "LOADED", loaded)
     """)
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT,
-                       timeout=600)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                       cwd=ROOT, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "RC 0 LOADED []" in r.stdout, r.stdout[-2000:] + r.stderr[-2000:]
     assert "TRT-LLM CUTEDSL-b12x" in r.stdout and "m >= 64" in r.stdout

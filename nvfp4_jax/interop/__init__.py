@@ -2,8 +2,9 @@
 
 * :mod:`~nvfp4_jax.interop.trtllm`: TensorRT-LLM's quantizer, GEMM and fused-MoE weight
   pipelines (CUTLASS, CUTEDSL-b12x with scale folding below m = 64, and the FlashInfer
-  ``input_global_scale`` fix) re-enacted in numpy (no torch); :mod:`~nvfp4_jax.interop.trtllm_torch`:
-  the same in torch, and live ``torch.ops.trtllm`` calls on SM 10.x / 12.x GPUs.
+  ``input_global_scale`` fix) re-enacted in numpy (no torch);
+  :mod:`~nvfp4_jax.interop.trtllm_torch`: the same in torch, and live ``torch.ops.trtllm``
+  calls on SM 10.x / 12.x GPUs.
 * :mod:`~nvfp4_jax.interop.scale_decode`: the E4M3 block-scale decode of b12x's and
   FlashInfer's SM12x quantizers before and after their subnormal fix, selected by peer version
   (numpy).

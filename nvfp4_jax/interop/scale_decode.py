@@ -95,7 +95,8 @@ def quantize(x, encode_scale: float, *, decoder: Decoder = "native") -> oracle.N
         raise ValueError(f"x: last dimension must be a multiple of {BLOCK}, got shape {x.shape}")
     g = float(np.float32(encode_scale))
     if not np.isfinite(g) or g <= 0:
-        raise ValueError(f"encode_scale: expected a positive finite fp32 value, got {encode_scale!r}")
+        raise ValueError("encode_scale: expected a positive finite fp32 value, "
+                         f"got {encode_scale!r}")
     xb = x.reshape(*x.shape[:-1], -1, BLOCK)
     vmax = np.abs(xb).max(axis=-1)
     sf = np.minimum(f32_div(f32_mul(vmax, g), 6.0), E4M3_MAX)

@@ -116,7 +116,8 @@ def unpack_nibbles(packed) -> np.ndarray:
 
 
 def swizzle_128x4(scales) -> np.ndarray:
-    """Linear scale bytes [..., M, K/16] -> the flat 128x4 layout ``block_scale_interleave`` writes."""
+    """Linear scale bytes [..., M, K/16] -> the flat 128x4 layout ``block_scale_interleave``
+    writes."""
     scales = np.asarray(scales)
     if scales.dtype != np.uint8:
         scales = scales.view(np.uint8)
@@ -147,7 +148,9 @@ def unswizzle_128x4(flat, m: int, kv: int) -> np.ndarray:
 # quantizer: cvt_warp_fp16_to_fp4 (quantization.cuh)
 # ---------------------------------------------------------------------------------------
 
-def cvt_warp_fp16_to_fp4(blocks, global_scale, *, fast_math: bool = True) -> tuple[np.ndarray, np.ndarray]:
+def cvt_warp_fp16_to_fp4(
+    blocks, global_scale, *, fast_math: bool = True
+) -> tuple[np.ndarray, np.ndarray]:
     """One NVFP4 block per row: ``blocks [..., 16]`` (bf16/fp16/fp32 values), encode scale G
     (fp32, broadcastable to ``blocks.shape[:-1]``) -> (E4M3 scale bytes [...], codes [..., 16]).
     """
@@ -187,7 +190,8 @@ def fp4_quantize(
     """
     x = np.asarray(x)
     if x.shape[-1] % BLOCK:
-        raise ValueError(f"x: last dimension must be a multiple of {BLOCK}, got shape {tuple(x.shape)}")
+        raise ValueError(f"x: last dimension must be a multiple of {BLOCK}, "
+                         f"got shape {tuple(x.shape)}")
     x = x.astype(np.float32)
     G = np.asarray(global_scale, np.float64).astype(np.float32)
     if G.size == 1:
@@ -195,7 +199,8 @@ def fp4_quantize(
     elif x.ndim == 2 and G.shape == (x.shape[0],):
         G = G[:, None]
     else:
-        raise ValueError(f"global_scale: expected shape [] / [1] or [{x.shape[0]}], got {tuple(G.shape)}")
+        raise ValueError(f"global_scale: expected shape [] / [1] or [{x.shape[0]}], "
+                         f"got {tuple(G.shape)}")
     blocks = x.reshape(*x.shape[:-1], x.shape[-1] // BLOCK, BLOCK)
     s8, codes = cvt_warp_fp16_to_fp4(blocks, G, fast_math=fast_math)
     packed = pack_nibbles(codes.reshape(x.shape))
@@ -214,7 +219,9 @@ def fp4_values(packed, scales) -> np.ndarray:
     return out.reshape(vals.shape)
 
 
-def nvfp4_gemm(act_fp4, weight_fp4, act_sf, weight_sf, alpha, out_dtype: str = "bfloat16") -> np.ndarray:
+def nvfp4_gemm(
+    act_fp4, weight_fp4, act_sf, weight_sf, alpha, out_dtype: str = "bfloat16"
+) -> np.ndarray:
     """``torch.ops.trtllm.nvfp4_gemm`` re-enacted: ``out[m, n] = alpha * sum_k a * w``.
 
     act_fp4 uint8 [M, K/2], weight_fp4 uint8 [N, K/2], act_sf / weight_sf E4M3 bytes [M, K/16] /
@@ -273,7 +280,8 @@ def _act_encode_scale(input_scale) -> np.float32:
 
 
 def _cutlass_alpha(act_encode, ws2) -> np.ndarray:
-    """``fc31_alpha = 1 / (fc31_input_scale * (1 / w_scale_2))`` in fp32 (``load_expert_fc31_alpha_nvfp4``)."""
+    """``fc31_alpha = 1 / (fc31_input_scale * (1 / w_scale_2))`` in fp32
+    (``load_expert_fc31_alpha_nvfp4``)."""
     return (_ONE / (np.float32(act_encode) * (_ONE / ws2))).astype(np.float32)
 
 

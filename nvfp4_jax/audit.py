@@ -47,7 +47,7 @@ SEMANTICS = ("ours", "trtllm_cutlass", "trtllm_cutedsl_b12x", "flashinfer_fixed"
 SEMANTICS_LABEL = {
     "ours": "ours (nvfp4_jax.moe)",
     "trtllm_cutlass": "TRT-LLM CUTLASS",
-    "trtllm_cutedsl_b12x": "TRT-LLM CUTEDSL-b12x (folded)",
+    "trtllm_cutedsl_b12x": "TRT-LLM CUTEDSL-b12x (folded)",  # folded below m = 64 only
     "flashinfer_fixed": "fixed (input_global_scale)",
 }
 #: what TRT-LLM issue #21461 reported on DGX Spark (Nemotron Super, CUTEDSL-b12x backend)
@@ -139,15 +139,11 @@ def folded_scale_stats(scales: np.ndarray, w_scale_2: np.ndarray, *, codes: np.n
     change of the dequantized weight. Blocks whose checkpoint scale is zero are left out of the
     shares and scale errors.
     """
-    import torch
-
     s = np.asarray(scales, np.uint8)
     ws = np.asarray(w_scale_2, np.float64)
     if ws.ndim == 0:
         s, ws = s[None], ws.reshape(1)
-    folded = T.fold_block_scales(torch.from_numpy(np.array(s, copy=True)).view(torch.float8_e4m3fn),
-                                 torch.from_numpy(ws).float())
-    folded = folded.to(torch.float64).numpy()
+    folded = e4m3_decode(T.fold_block_scales(s, ws))
     ideal = e4m3_decode(s) * f32(ws).reshape((-1,) + (1,) * (s.ndim - 1))
     m = ideal > 0
     fi, ii = folded[m], ideal[m]
@@ -172,8 +168,8 @@ def moe_fold_factors(layer: ckpt.MoELayer) -> tuple[np.ndarray, np.ndarray]:
     """The ``w_scale_2 = fc_alpha * fc_input_scale`` TensorRT-LLM's b12x path folds (fp32 [E] each)."""
     rt = T.cutlass_moe_weights(layer.fc1, layer.fc2, _input_scales(layer.fc1_input_scale),
                                _input_scales(layer.fc2_input_scale), activation=layer.activation)
-    return ((rt.fc1_alpha * rt.fc1_act_scale).double().numpy(),
-            (rt.fc2_alpha * rt.fc2_act_scale).double().numpy())
+    return ((rt.fc1_alpha * rt.fc1_act_scale).astype(np.float64),
+            (rt.fc2_alpha * rt.fc2_act_scale).astype(np.float64))
 
 
 def _input_scales(s) -> np.ndarray:
@@ -228,7 +224,9 @@ def moe_errors(
     logits (renormalized). ``batched`` runs all token sets through one call per semantics and
     splits the rows: every semantics here is row-independent (static activation scales,
     per-row quantization, per-row dots), which ``tests/test_audit.py`` checks against separate
-    calls.
+    calls. ``trtllm_cutedsl_b12x`` follows ``CuteDslB12xFusedMoE``'s dispatch: a layer call
+    with T >= 64 rows (prefill) runs CUTLASS on the checkpoint scales, T < 64 (decode) the
+    folded b12x path (``interop.trtllm.cutedsl_b12x_path``).
     """
     tokens = tuple(tokens)
     semantics = tuple(semantics)
@@ -245,17 +243,28 @@ def moe_errors(
     kw = {"activation": layer.activation, "gate_up_order": layer.gate_up_order}
 
     def run_all(fn):
+        # fn(hidden, ids, weights, m): m = the rows of the layer call being modelled (T), which
+        # decides CUTEDSL-b12x's CUTLASS/b12x dispatch; batching only joins calls on one path
         if not batched:
-            return [fn(*st) for st in sets]
-        y = fn(*(np.concatenate([st[i] for st in sets]) for i in range(3)))
-        return np.split(y, np.cumsum(tokens)[:-1])
+            return [fn(*st, t) for st, t in zip(sets, tokens)]
+        out: list = [None] * len(sets)
+        for path in ("cutlass", "b12x"):
+            idx = [j for j, t in enumerate(tokens) if T.cutedsl_b12x_path(t) == path]
+            if not idx:
+                continue
+            y = fn(*(np.concatenate([sets[j][i] for j in idx]) for i in range(3)), tokens[idx[0]])
+            for j, part in zip(idx, np.split(y, np.cumsum([tokens[j] for j in idx])[:-1])):
+                out[j] = part
+        return out
 
     def call(sem):
         if sem == "reference":
-            return lambda h, i, w: oracle.moe(h, i, w, layer.fc1, layer.fc2, s1, s2, mode="trtllm_cutlass", **kw)
+            return lambda h, i, w, m: oracle.moe(h, i, w, layer.fc1, layer.fc2, s1, s2,
+                                                 mode="trtllm_cutlass", **kw)
         if sem == "ours":
-            return lambda h, i, w: _ours(layer, h, i, w, s1, s2)
-        return lambda h, i, w: T.run_pipeline(sem, h, i, w, layer.fc1, layer.fc2, s1, s2, **kw)
+            return lambda h, i, w, m: _ours(layer, h, i, w, s1, s2)
+        return lambda h, i, w, m: T.run_pipeline(sem, h, i, w, layer.fc1, layer.fc2, s1, s2,
+                                                 dispatch_m=m, **kw)
 
     refs = run_all(call("reference"))
     if progress:
@@ -278,30 +287,28 @@ def default_layer(*, num_experts: int = DEFAULT_SUBSET, seed: int = 0,
                   progress: Callable[[str], None] | None = None) -> ckpt.MoELayer:
     """A ModelOpt-quantized MoE layer shaped like Nemotron Super's layer 1, experts 0..n-1 of 512.
 
-    Weights (deterministic, torch generator ``seed``): N(0, 0.0106^2) per element -- so
+    Weights (deterministic, numpy ``Generator`` ``seed``): N(0, 0.0106^2) per element -- so
     ``weight_scale_2`` ~ 2e-5 -- with 1.5 % of output channels at a quarter of that sigma.
     fc1 ``up_proj`` [I=2688, H=1024], fc2 ``down_proj`` [H, I], relu2. Input scales calibrated
-    ModelOpt-style on 256 N(0, 1) tokens (fc2 per expert on the unquantized forward).
+    ModelOpt-style on 256 N(0, 1) tokens (fc2 per expert on the unquantized forward, fp32).
     """
-    import torch
-
     h, i = DEFAULT_SHAPE["hidden"], DEFAULT_SHAPE["intermediate"]
-    g = torch.Generator().manual_seed(seed)
+    g = np.random.default_rng(seed)
     frac, fac = DEFAULT_QUIET
     calib = bf16_round(np.random.default_rng(seed + 1).standard_normal((256, h)))
     amax_x = float(np.abs(calib).max())
-    calib_t = torch.from_numpy(calib).float()  # ModelOpt calibrates on the unquantized model
+    calib32 = calib.astype(np.float32)  # ModelOpt calibrates on the unquantized model
     fc1, fc2, s2 = [], [], []
     for _ in range(num_experts):
         lins = []
         for shape in ((i, h), (h, i)):
-            rows = torch.where(torch.rand((shape[0], 1), generator=g) < frac, fac, 1.0)
-            w = torch.randn(shape, generator=g) * (DEFAULT_SIGMA * rows)
-            w = w.to(torch.bfloat16).float()  # checkpoints come from bf16 weights
-            lins.append(w)
-        l1 = MO.quantize_linear(lins[0].numpy(), amax_x)
-        hcal = torch.relu(calib_t @ lins[0].T) ** 2
-        l2 = MO.quantize_linear(lins[1].numpy(), float(hcal.abs().max()))
+            rows = np.where(g.random((shape[0], 1), dtype=np.float32) < frac, fac, 1.0)
+            sigma = np.float32(DEFAULT_SIGMA) * rows.astype(np.float32)
+            w = g.standard_normal(shape, dtype=np.float32) * sigma
+            lins.append(bf16_round(w).astype(np.float32))  # checkpoints come from bf16 weights
+        l1 = MO.quantize_linear(lins[0], amax_x)
+        hcal = np.square(np.maximum(calib32 @ lins[0].T, np.float32(0.0)))
+        l2 = MO.quantize_linear(lins[1], float(np.abs(hcal).max()))
         fc1.append(l1)
         fc2.append(l2)
         s2.append(l2.input_scale)
@@ -442,7 +449,7 @@ def audit_checkpoint(path: str, *, max_experts: int = CHECKPOINT_EXPERTS, top_k:
 DAMAGE_THRESHOLD = 0.01
 #: TensorRT-LLM's CUTEDSL-b12x MoE runs CUTLASS for batches of this many tokens and more:
 #: only decode batches take the folded path (nvfp4-semantics.md section 3.4)
-B12X_CUTLASS_FROM = 64
+B12X_CUTLASS_FROM = T.PREFILL_VIA_CUTLASS_THRESHOLD
 FOLDED = "trtllm_cutedsl_b12x"
 FIX_ADVICE = ("use a path that keeps weight_scale_2 as an fp32 alpha instead of folding it into "
               "the E4M3 block scales: FlashInfer >= 0.6.17's b12x MoE with input_global_scale "
@@ -555,6 +562,11 @@ def format_report(reports: list[LayerReport], source: str, seconds: float | None
         lines += [head, "  " + "-" * (len(head) - 2)]
         for sem, e in r.moe_errors.items():
             lines.append(f"  {SEMANTICS_LABEL.get(sem, sem):<32}" + "".join(f"{e[t]:>10.3%}" for t in toks))
+        if "trtllm_cutedsl_b12x" in r.moe_errors:
+            m = T.PREFILL_VIA_CUTLASS_THRESHOLD
+            lines.append(f"  note: TRT-LLM CUTEDSL-b12x runs CUTLASS for m >= {m} rows (prefill, "
+                         "checkpoint scales) and the folded b12x kernel below (decode): "
+                         f"T >= {m} columns show its unfolded prefill path")
         for n in r.notes:
             lines.append(f"  note: {n}")
     lines += ["", ("TRT-LLM #21461 (DGX Spark, Nemotron Super) reported: "
@@ -576,7 +588,11 @@ def to_json(reports: list[LayerReport], source: str) -> dict:
             "reference": "oracle.moe(mode='trtllm_cutlass') on the checkpoint scales",
             "error_metric": "||out - ref||_F / ||ref||_F", "scale_error_metric":
             "|E4M3(s * w_scale_2) - s * w_scale_2| / (s * w_scale_2), blocks with s > 0",
-            "issue_21461_reported": ISSUE_21461, "verdict": verdict(reports).to_json(),
+            "issue_21461_reported": ISSUE_21461,
+            "reenacted": f"re-enacted ({T.SOURCE})",
+            "cutedsl_b12x_dispatch": (f"CUTLASS (unfolded) for T >= "
+                                      f"{T.PREFILL_VIA_CUTLASS_THRESHOLD} rows, folded b12x below"),
+            "verdict": verdict(reports).to_json(),
             "layers": [r.to_json() for r in reports]}
 
 

@@ -260,8 +260,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             from . import audit
         except ImportError as exc:
-            print(f"nvfp4 audit: needs torch for the TensorRT-LLM re-enactment ({exc}); "
-                  "pip install 'nvfp4-jax[torch]'", file=sys.stderr)
+            print(f"nvfp4 audit: cannot import the audit ({exc}); it needs numpy, jax, ml_dtypes "
+                  "and safetensors (pip install -e .)", file=sys.stderr)
             return 2
 
         return _audit(audit, args)

@@ -7,7 +7,7 @@ linear form), and runs every backend on it:
 
 * **quantize** (the W4A4 activation, TensorRT-LLM linear semantics: ``trtllm`` recipe with
   ``G = fp32(1 / input_scale)``): codes and scale bytes against ``oracle.quantize``, byte for
-  byte: ``jax`` (``nvfp4_jax.quantize``), ``trtllm_reenacted`` (the torch re-enactment of
+  byte: ``jax`` (``nvfp4_jax.quantize``), ``trtllm_reenacted`` (the numpy re-enactment of
   ``fp4_quantize``, exact variant), ``trtllm_reenacted_fast`` (its fast-math default, against
   the oracle's ``trtllm_fast`` recipe), ``flashinfer_reference`` (its trace quantizer, against
   the oracle's ``flashinfer_reference`` recipe), ``trtllm_live`` (``torch.ops.trtllm``);
@@ -23,7 +23,10 @@ linear form), and runs every backend on it:
   ``trtllm_live`` (the fused MoE op).
 
 A backend that cannot run here is reported as SKIP with the reason; nothing passes without
-having run. The exit code of the CLI is 1 when any backend FAILs.
+having run. Each result names the version its backend ran at (:func:`backend_version`: the
+installed distribution, or "re-enacted (TensorRT-LLM <commits read>)"), in the table's
+``versions`` block and in the JSON's ``version`` field. The exit code of the CLI is 1 when
+any backend FAILs.
 """
 
 from __future__ import annotations
@@ -65,6 +68,33 @@ class Result:
     status: str  # PASS, FAIL or SKIP
     detail: str
     seconds: float = 0.0
+    version: str = ""  # what the backend ran at (backend_version)
+
+
+def _dist_version(dist: str) -> str:
+    import importlib.metadata
+
+    try:
+        return f"{dist} {importlib.metadata.version(dist)}"
+    except importlib.metadata.PackageNotFoundError:
+        return f"{dist} not installed"
+
+
+def backend_version(backend: str) -> str:
+    """The peer version a backend's behaviour belongs to: the installed distribution
+    (``importlib.metadata``) for code that runs, "re-enacted (TensorRT-LLM <source read>)" for
+    the numpy re-enactment."""
+    if backend.startswith("jax"):
+        return f"{_dist_version('jax')}, {_dist_version('jaxlib')}"
+    if backend.startswith("trtllm_reenacted"):
+        from .interop import trtllm
+
+        return f"re-enacted ({trtllm.SOURCE})"
+    if backend == "flashinfer_reference":
+        return _dist_version("flashinfer-python")
+    if backend == "trtllm_live":
+        return _dist_version("tensorrt_llm")
+    raise ValueError(f"backend: unknown {backend!r}")
 
 
 OPS = ("quantize", "gemm", "moe")
@@ -140,18 +170,21 @@ def _moe(backend: str, c: MoECase) -> np.ndarray:
                   topk_ids=jnp.asarray(c.topk_ids), topk_weights=jnp.asarray(c.topk_weights),
                   activation=c.activation, mode="trtllm_cutlass", **kw)
         return np.asarray(out, np.float64)
-    _torch()
-    from .interop import LiveUnavailable, trtllm
+    from .interop import trtllm
 
     args = (c.hidden, c.topk_ids, c.topk_weights, c.fc1, c.fc2, c.fc1_input_scale, c.fc2_input_scale)
     if backend == "trtllm_reenacted":
         return trtllm.run_pipeline("trtllm_cutlass", *args, activation=c.activation)
     if backend == "trtllm_live":
-        import torch
+        torch = _torch()
+        from .interop import LiveUnavailable
+        from .interop import trtllm_torch as TT
 
         try:
-            rt = trtllm.moe_weights("trtllm_cutlass", *args[3:], activation=c.activation, gate_up_order="up_gate")
-            out = trtllm.live_fused_moe(torch.from_numpy(np.asarray(c.hidden, np.float32)).to(torch.bfloat16),
+            rt = TT.moe_weights("trtllm_cutlass", *args[3:], activation=c.activation,
+                                gate_up_order="up_gate")
+            hidden = torch.from_numpy(np.asarray(c.hidden, np.float32)).to(torch.bfloat16)
+            out = TT.live_fused_moe(hidden,
                                         torch.from_numpy(c.topk_ids.astype(np.int64)),
                                         torch.from_numpy(c.topk_weights), rt)
         except LiveUnavailable as exc:
@@ -217,14 +250,14 @@ def _quantize(backend: str, x: np.ndarray, encode: float) -> tuple[np.ndarray, n
 
         q = quantize(jnp.asarray(x, jnp.bfloat16), "trtllm", encode_scale=encode)
         return np.asarray(q.codes), np.asarray(e4m3_bytes(q.linear_scales())), "trtllm"
-    torch = _torch()
-    xt = torch.tensor(x, dtype=torch.float32).to(torch.bfloat16)
     if backend in ("trtllm_reenacted", "trtllm_reenacted_fast"):
         from .interop import trtllm
 
         fast = backend.endswith("fast")
-        c, s = trtllm.fp4_quantize(xt, encode, fast_math=fast)
-        return c.numpy(), s.view(torch.uint8).numpy(), "trtllm_fast" if fast else "trtllm"
+        c, s = trtllm.fp4_quantize(bf16_round(x), encode, fast_math=fast)
+        return c, s, "trtllm_fast" if fast else "trtllm"
+    torch = _torch()
+    xt = torch.tensor(x, dtype=torch.float32).to(torch.bfloat16)
     if backend == "flashinfer_reference":
         from .interop import LiveUnavailable, flashinfer
 
@@ -234,10 +267,11 @@ def _quantize(backend: str, x: np.ndarray, encode: float) -> tuple[np.ndarray, n
             raise Skip(str(exc)) from exc
         return c, s, "flashinfer_reference"
     if backend == "trtllm_live":
-        from .interop import LiveUnavailable, trtllm
+        from .interop import LiveUnavailable
+        from .interop import trtllm_torch as TT
 
         try:
-            c, s = trtllm.live_fp4_quantize(xt, encode)
+            c, s = TT.live_fp4_quantize(xt, encode)
         except LiveUnavailable as exc:
             raise Skip(str(exc)) from exc
         return c.numpy(), s.numpy().reshape(x.shape[0], -1), "trtllm"
@@ -271,20 +305,25 @@ def _gemm(backend: str, case: GemmCase) -> np.ndarray:
         return np.asarray(out, np.float64)
     if case.mode != "w4a4":
         raise Skip("TensorRT-LLM's nvfp4_gemm is W4A4 only (FP4 activations)")
+    g = float(f32(1.0 / case.input_scale))
+    if backend == "trtllm_reenacted":
+        from .interop import trtllm
+
+        ac, asf = trtllm.fp4_quantize(bf16_round(case.x), g, fast_math=False)
+        out = trtllm.nvfp4_gemm(ac, w.codes, asf, w.scales, case.alpha, "float32")
+        return out.astype(np.float64)
     torch = _torch()
-    from .interop import LiveUnavailable, trtllm
+    from .interop import LiveUnavailable
+    from .interop import trtllm_torch as TT
 
     xt = torch.tensor(case.x, dtype=torch.float32).to(torch.bfloat16)
-    g = float(f32(1.0 / case.input_scale))
     codes, wsf = torch.from_numpy(w.codes), torch.from_numpy(w.scales)
-    if backend == "trtllm_reenacted":
-        ac, asf = trtllm.fp4_quantize(xt, g, fast_math=False)
-        return trtllm.nvfp4_gemm(ac, codes, asf, wsf, case.alpha, out_dtype=torch.float32).double().numpy()
     if backend == "trtllm_live":
         try:
-            ac, asf = trtllm.live_fp4_quantize(xt, g, swizzled=True)
-            out = trtllm.live_nvfp4_gemm(ac, codes, asf, trtllm.swizzle_128x4(wsf.view(torch.float8_e4m3fn)).view(torch.uint8),
-                                         case.alpha, out_dtype=torch.float32)
+            ac, asf = TT.live_fp4_quantize(xt, g, swizzled=True)
+            wsf_128x4 = TT.swizzle_128x4(wsf.view(torch.float8_e4m3fn)).view(torch.uint8)
+            out = TT.live_nvfp4_gemm(ac, codes, asf, wsf_128x4,
+                                     case.alpha, out_dtype=torch.float32)
         except LiveUnavailable as exc:
             raise Skip(str(exc)) from exc
         return out.double().numpy()
@@ -299,6 +338,7 @@ def _timed(fn: Callable[[], Result]) -> Result:
     t0 = time.perf_counter()
     r = fn()
     r.seconds = time.perf_counter() - t0
+    r.version = backend_version(r.backend)
     return r
 
 
@@ -377,7 +417,12 @@ def run(*, cases: int = 4, seed: int = 0, m: int = 16, n: int = 256, k: int = 51
 
 
 def format_table(results: list[Result]) -> str:
-    lines = [f"{'case':>4}  {'op':<10}  {'backend':<22}  {'result':<6}  detail"]
+    """The results table, after the version each backend ran at."""
+    lines = ["versions:"]
+    for b in dict.fromkeys(r.backend for r in results):
+        v = next(r.version for r in results if r.backend == b) or backend_version(b)
+        lines.append(f"  {b:<22}  {v}")
+    lines.append(f"{'case':>4}  {'op':<10}  {'backend':<22}  {'result':<6}  detail")
     for r in results:
         lines.append(f"{r.case:>4}  {r.op:<10}  {r.backend:<22}  {r.status:<6}  {r.detail}")
     n = {s: sum(r.status == s for r in results) for s in ("PASS", "FAIL", "SKIP")}

@@ -16,7 +16,9 @@ fp32-accumulation bound (``oracle.gemm_error_bound``), and, when it is wrong:
    bytes decoded as UE8M0 (MXFP4's) instead of E4M3; ``weight_scale_2`` folded into the E4M3
    block scales (TensorRT-LLM's CUTEDSL-b12x MoE path, #21461: products fall into E4M3
    subnormals); one split-K partial missing, or only one present; W4A4 run as W4A16; the
-   input scale used as the encode scale; the fast-math TensorRT-LLM quantizer;
+   input scale used as the encode scale; the fast-math TensorRT-LLM quantizer; activations
+   quantized by b12x's / FlashInfer's SM12x quantizer before their E4M3-subnormal decode fix
+   (``nvfp4_jax.interop.scale_decode``: such blocks come out up to 4.5x too small);
 3. **attributes** a column's (row's) error to one 16-value K block where the error is a
    multiple of that block's contribution across all rows (columns): one weight (activation)
    scale byte read wrong.
@@ -50,6 +52,8 @@ import numpy as np
 import oracle
 from oracle.formats import bf16_round, e2m1_decode, e4m3_decode, e4m3_encode, f32, unpack_nibbles
 from oracle.layouts import padded_shape, swizzle, unswizzle
+
+from .interop import scale_decode
 
 BLOCK = 16
 OUT_DTYPES = ("bfloat16", "float16", "float32")
@@ -363,6 +367,14 @@ def _hypotheses(case: GemmCase, base: _Operands) -> list[tuple[str, str, _Operan
         fast = oracle.quantize(case.x, "trtllm_fast", encode_scale=float(f32(1.0 / s)))
         meaning = "the activations came from TensorRT-LLM's fast-math quantizer (rcp.approx; a legitimate variant)"
         out.append(("trtllm_fast_quantizer", meaning, dataclasses.replace(base, a=_values(fast))))
+        old = scale_decode.quantize(case.x, float(f32(1.0 / s)), decoder="pre_fix")
+        if np.any((old.scales > 0) & (old.scales < 8)):  # only subnormal scale bytes decode wrong
+            meaning = ("the activations were quantized dividing by a wrongly decoded "
+                       "E4M3-subnormal block scale (2^-7 (1 + m/8) instead of m 2^-9, up to 4.5x; "
+                       "b12x <= 1.3.0 before PR #388, FlashInfer < 0.6.17 before PR #3932), "
+                       "the stored scale byte right")
+            out.append(("act_sf_subnormal_decode", meaning,
+                        dataclasses.replace(base, a=_values(old))))
     return out
 
 

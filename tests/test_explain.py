@@ -110,25 +110,23 @@ def test_property_faults_are_named_at_every_magnitude(seed, magnitude, fault):
 def test_nvfp4_gemm_form_activation_scales_in_the_wrong_layout():
     """TensorRT-LLM's op form: the activation scales were quantized swizzled (as fp4_quantize
     returns them for nvfp4_gemm) but the GEMM read them as linear."""
-    torch = pytest.importorskip("torch")
     from nvfp4_jax.interop import trtllm
 
     c = crosscheck.make_case(7)
     g = float(oracle.f32(1.0 / c.input_scale))
-    xt = torch.tensor(c.x, dtype=torch.float32).to(torch.bfloat16)
-    act, act_sf = trtllm.fp4_quantize(xt, g, fast_math=False, sf_layout="swizzled_128x4")
+    act, act_sf = trtllm.fp4_quantize(c.x, g, fast_math=False, sf_layout="swizzled_128x4")
     m, kv = c.x.shape[0], c.x.shape[1] // 16
-    wrong = act_sf.view(torch.uint8).reshape(-1)[: m * kv].reshape(m, kv)
-    w_codes, w_sf = torch.from_numpy(c.weight.codes), torch.from_numpy(c.weight.scales)
+    wrong = act_sf.reshape(-1)[: m * kv].reshape(m, kv)
+    w_codes, w_sf = c.weight.codes, c.weight.scales
     alpha = c.alpha
-    out = trtllm.nvfp4_gemm(act, w_codes, wrong, w_sf, alpha, out_dtype=torch.float32).double().numpy()
-    gc = explain.GemmCase.from_nvfp4_gemm(act.numpy(), act_sf.view(torch.uint8).numpy().reshape(-1),
-                                          c.weight.codes, c.weight.scales, alpha, out_dtype="float32")
+    out = trtllm.nvfp4_gemm(act, w_codes, wrong, w_sf, alpha, "float32").astype(np.float64)
+    gc = explain.GemmCase.from_nvfp4_gemm(act, act_sf.reshape(-1), c.weight.codes, c.weight.scales,
+                                          alpha, out_dtype="float32")
     assert gc.act_sf_layout == "swizzled_128x4" and gc.mode == "w4a4_prequantized"
     e = explain.explain_gemm(gc, out)
     assert e.verdict == "explained" and e.best.name == "act_sf_layout", e.format()
     good = trtllm.nvfp4_gemm(act, w_codes, trtllm.unswizzle_128x4(act_sf, m, kv), w_sf, alpha,
-                             out_dtype=torch.float32).double().numpy()
+                             "float32").astype(np.float64)
     assert explain.explain_gemm(gc, good).verdict == "correct"
 
 

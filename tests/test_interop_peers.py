@@ -18,7 +18,7 @@ import oracle
 from nvfp4_jax.interop import b12x as B
 from nvfp4_jax.interop import flashinfer as FI
 from nvfp4_jax.interop import modelopt as MO
-from nvfp4_jax.interop import trtllm as T
+from nvfp4_jax.interop import trtllm_torch as T
 
 _moe = importlib.import_module("oracle.moe")
 

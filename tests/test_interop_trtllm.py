@@ -1,4 +1,4 @@
-"""nvfp4_jax.interop.trtllm: TensorRT-LLM's arithmetic re-enacted in torch, against the oracle."""
+"""nvfp4_jax.interop.trtllm_torch: TensorRT-LLM's arithmetic in torch, against the oracle."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from conftest import nvfp4_blocks
 from test_moe_cases import make_case
 
 import oracle
-from nvfp4_jax.interop import trtllm as T
+from nvfp4_jax.interop import trtllm_torch as T
 from nvfp4_jax.testing import assert_gemm_close, assert_moe_close
 
 _moe = importlib.import_module("oracle.moe")

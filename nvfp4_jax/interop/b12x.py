@@ -27,7 +27,7 @@ import torch
 
 import oracle
 
-from .trtllm import LiveUnavailable, e4m3_saturating
+from .trtllm_torch import LiveUnavailable, e4m3_saturating
 
 
 def _import_reference():

@@ -23,7 +23,7 @@ import importlib.util
 import numpy as np
 import torch
 
-from .trtllm import LiveUnavailable, MoERuntime
+from .trtllm_torch import LiveUnavailable, MoERuntime
 
 
 def reference_available() -> tuple[bool, str]:

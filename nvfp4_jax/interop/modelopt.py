@@ -89,7 +89,7 @@ def modelopt_quantize_torch(w, decode_scale: float):
     """
     import torch
 
-    from .trtllm import e2m1_encode, e4m3_saturating, pack_nibbles
+    from .trtllm_torch import e2m1_encode, e4m3_saturating, pack_nibbles
 
     d = torch.tensor(decode_scale, dtype=torch.float32)
     w = w.to(torch.float32)

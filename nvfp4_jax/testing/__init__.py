@@ -6,7 +6,8 @@
   problems.
 * :mod:`nvfp4_jax.testing.assertions`: :func:`assert_gemm_close` (``oracle.gemm_error_bound``)
   and :func:`assert_moe_close` (an interval bound propagated through the MoE's rounding points),
-  both naming the worst element and its inputs when they fail.
+  both naming the worst element and its inputs when they fail; :func:`assert_quantize_consistent`
+  (every code is a nearest E2M1 value of ``x * G / s`` for its stored scale byte ``s``).
 
 Example::
 
@@ -22,10 +23,12 @@ from . import strategies
 from .assertions import (
            assert_gemm_close,
            assert_moe_close,
+           assert_quantize_consistent,
            gemm_reference,
            moe_bound,
            quantize_interval,
+           quantize_violations,
 )
 
-__all__ = ["assert_gemm_close", "assert_moe_close", "gemm_reference", "moe_bound",
-           "quantize_interval", "strategies"]
+__all__ = ["assert_gemm_close", "assert_moe_close", "assert_quantize_consistent", "gemm_reference",
+           "moe_bound", "quantize_interval", "quantize_violations", "strategies"]

@@ -329,3 +329,62 @@ def assert_moe_close(out, hidden, topk_ids, topk_weights, fc1, fc2, fc1_input_sc
         f"width)\n  token {ti}: max|x| {np.abs(np.asarray(hidden)[ti]).max():.4g}, routes:\n"
         + "\n".join(lines)
     )
+
+
+# ---------------------------------------------------------------------------------------
+# Quantizer self-consistency
+# ---------------------------------------------------------------------------------------
+
+def quantize_violations(
+    x, q: oracle.NVFP4, encode_scale: float, *, slack: float = 2.0**-21
+) -> np.ndarray:
+    """Per element [..., K]: how far the code lies beyond the nearest E2M1 value of
+    ``x * G / s``, with ``s`` the *stored* scale byte decoded exactly (as the tensor core reads it).
+
+    0 where the code is a nearest grid value (either one at a tie, allowing ``slack`` relative
+    for fp32 op-order differences), else the excess distance in E2M1 units. Blocks whose scale
+    byte is 0 hold no information (dequantize to 0) and are 0 here. Any quantizer that computes
+    its codes from the scale it stores passes, whatever its scale choice; one that divides by a
+    differently decoded scale (b12x <= 1.3.0 and FlashInfer < 0.6.17 on subnormal bytes,
+    ``nvfp4_jax.interop.scale_decode``) does not.
+    """
+    x = np.asarray(x, np.float64)
+    s = e4m3_decode(np.asarray(q.scales, np.uint8))
+    codes = oracle.codes_of(q)
+    if codes.shape != x.shape or s.shape != x.shape[:-1] + (x.shape[-1] // 16,):
+        raise ValueError(f"q: expected codes for x of shape {x.shape}, got codes {codes.shape}, "
+                         f"scales {s.shape}")
+    sb = np.repeat(s, 16, axis=-1)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        y = np.where(sb > 0, x * float(encode_scale) / sb, 0.0)
+    a = np.abs(y)
+    nearest = e2m1_round_magnitude(np.minimum(a, 6.0))
+    got = oracle.e2m1_decode(codes)
+    wrong_sign = (got != 0) & (np.sign(got) != np.sign(x))
+    a6 = np.minimum(a, 6.0)
+    excess = np.abs(np.abs(got) - a6) - np.abs(nearest - a6) - slack * a
+    out = np.maximum(excess, 0.0) + wrong_sign * np.abs(got)
+    return np.where(sb > 0, out, 0.0)
+
+
+def assert_quantize_consistent(
+    x, q: oracle.NVFP4, encode_scale: float, *, label: str = "quantizer"
+) -> None:
+    """Assert every code of ``q`` (a quantizer's output for ``x [..., K]`` with encode scale G)
+    is a nearest E2M1 value of ``x * G / s`` for its stored block scale ``s``
+    (:func:`quantize_violations`); the message names the worst element and its block."""
+    v = quantize_violations(x, q, encode_scale)
+    if not np.any(v > 0):
+        return
+    idx = np.unravel_index(int(np.argmax(v)), v.shape)
+    blk = idx[:-1] + (idx[-1] // 16,)
+    sbyte = int(np.asarray(q.scales)[blk])
+    code = int(oracle.codes_of(q)[idx])
+    s = float(e4m3_decode(np.uint8(sbyte)))
+    raise AssertionError(
+        f"{label}: {int((v > 0).sum())} of {v.size} codes are not a nearest E2M1 value of x*G/s "
+        f"for their stored scale; worst at {tuple(int(i) for i in idx)}: "
+        f"x = {float(np.asarray(x)[idx]):.6g}, "
+        f"scale byte 0x{sbyte:02x} = {s:.6g}{' (E4M3 subnormal)' if 0 < s < 2.0**-6 else ''}, "
+        f"x*G/s = {float(np.asarray(x)[idx]) * encode_scale / s:.6g}, code 0x{code:x} = "
+        f"{float(oracle.e2m1_decode(np.uint8(code))):g}")

@@ -443,7 +443,11 @@ def to_json(reports: list[LayerReport], source: str) -> dict:
 
 def plot(reports: list[LayerReport], path: str) -> None:
     """PNG: folded-scale relative error against scale magnitude, and MoE error against T."""
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError as e:  # an optional dependency: only the plot needs it
+        raise ImportError("plot: writing a PNG needs matplotlib: pip install 'nvfp4-jax[plot]' "
+                          "(or pip install matplotlib)") from e
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

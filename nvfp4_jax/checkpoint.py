@@ -3,7 +3,7 @@
 The safetensors container is read directly (8-byte little-endian header length, JSON header,
 raw little-endian data) through ``np.memmap``, so loading needs neither torch nor the
 ``safetensors`` package and touches only the tensors asked for. E4M3 tensors come back as
-their uint8 bytes (never a numeric cast: nvfp4-semantics.md section 8).
+their uint8 bytes (never a numeric cast).
 
 Layers found (naming conventions in ``nvfp4_jax.interop.modelopt``):
 

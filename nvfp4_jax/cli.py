@@ -41,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--json", metavar="FILE", help="write the report as JSON")
     a.add_argument("--plot", metavar="FILE", help="write a PNG: scale error against scale magnitude, MoE error against T")
     a.add_argument("--experts", type=int, metavar="N",
-                   help="experts per MoE layer to evaluate (default 32 for the synthetic layer, 64 for a checkpoint)")
+                   help="experts per MoE layer to evaluate (default 24 for the synthetic layer, 64 for a checkpoint)")
     a.add_argument("--tokens", type=_tokens, default=None, metavar="LIST",
                    help="token counts T (default 1,2,4,8,17,64)")
     a.add_argument("--top-k", type=int, default=None, help="experts per token (default: config.json or 8)")

@@ -1,7 +1,7 @@
 """TensorRT-LLM's NVFP4 arithmetic re-enacted in torch (runs on CPU), and a live bridge.
 
-Re-enactment (float32 torch ops in TensorRT-LLM's order; sources in
-../shared/docs/nvfp4-semantics.md sections 2, 3 and 3.4):
+Re-enactment (float32 torch ops in TensorRT-LLM's order, read from its quantization and fused-MoE
+kernels):
 
 * :func:`fp4_quantize` = ``torch.ops.trtllm.fp4_quantize`` / ``cvt_warp_fp16_to_fp4``, both
   the default fast-math variant (``SF = G * (vmax * rcp(6))``, ``outScale = rcp(SFn * rcp(G))``)
@@ -65,7 +65,7 @@ def e4m3_saturating(x: torch.Tensor) -> torch.Tensor:
     """fp32 -> float8_e4m3fn, RNE with subnormals, saturating at +-448 (CUDA ``__nv_fp8_e4m3``).
 
     The clamp makes the result independent of the torch version (torch < 2.12 returns NaN
-    above 464, torch >= 2.12 saturates; nvfp4-semantics.md 1.2). NaN stays NaN.
+    above 464, torch >= 2.12 saturates). NaN stays NaN.
     """
     x = x.to(torch.float32)
     return torch.clamp(x, -E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)

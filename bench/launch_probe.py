@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from moe_profile import kernel_table, traced_events
 from run_meta import run_metadata
 
-from nvfp4_jax.gemm.mosaic import _pallas_mosaic_gpu, mosaic_kernel
+from nvfp4_jax.gemm.mosaic import mosaic_kernel, pallas_mosaic_gpu
 
 CALLS = 16
 SHAPE = (8, 256)
@@ -37,7 +37,7 @@ SHAPE = (8, 256)
 
 def tma_copy(n: int):
     """Mosaic kernel: n inputs [8, 256] bf16 -> n outputs, each through SMEM by TMA."""
-    pl, plgpu = _pallas_mosaic_gpu()
+    pl, plgpu = pallas_mosaic_gpu()
 
     def body(*refs):
         ins, outs = refs[:n], refs[n:]
@@ -59,14 +59,13 @@ def tma_copy(n: int):
 
 
 def scalar_copy():
-    """Mosaic kernel without TMA: one int32 read from GMEM and written back plus one (lane
-    semantics: a scalar GMEM store)."""
+    """Mosaic kernel without TMA: one int32 read from GMEM and written back plus one."""
 
     def probe_scalar(x_gmem, o_gmem):
         o_gmem[0] = x_gmem[0] + 1
 
     return mosaic_kernel(probe_scalar, out_type=jax.ShapeDtypeStruct((1,), jnp.int32),
-                         grid=(1,), grid_names=("b",), semantics="lane")
+                         grid=(1,), grid_names=("b",))
 
 
 def triton_copy(interpret: bool = False):

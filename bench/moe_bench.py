@@ -299,7 +299,7 @@ def main():
         p1, p2 = ours_weights(q1, q2, args.scale_layout, args.pad_fc2)
         padded = p2.shape != q2.shape
         layers = {
-            "nvfp4_moe": (nvfp4_layer(act, "pallas"), (p1, p2, s1, s2)),
+            "nvfp4_moe": (nvfp4_layer(act, "auto"), (p1, p2, s1, s2)),
             "dequant_ragged_dot": (nvfp4_layer(act, "xla"), (q1, q2, s1, s2)),
             "bf16_ragged_dot": (lambda x, tids, w, p, act=act: bf16_layer(x, tids, w, p[0], p[1], act),
                                 (w1t, w2t)),

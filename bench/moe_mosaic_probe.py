@@ -15,11 +15,10 @@ experts' NVFP4 weights (0.5625 B/weight), averaged over the NROT routings.
 ``--configs``: named Mosaic configs measured on every case after the defaults (before the
 sweep): ``_``-joined knobs applied to both GEMMs of the case's default config: ``bm<N>``
 (block_m), ``bn<N>`` (block_n), ``s<N>`` (stages), ``k<N>`` (split_k, where K allows it),
-``ov`` (overlap), ``ln`` (lane semantics), ``bk512``, ``c<N>`` (consumers: warp-specialized GEMM); prefixed
+``ov`` (overlap), ``bk512``, ``c<N>`` (consumers: warp-specialized GEMM); prefixed
 ``f1``/``f2``, to one GEMM only; ``rk``: the one-launch routing kernel
 (``MosaicMoEConfig.routing="kernel"``); ``sp``: ``skip_padding``; ``bf``: ``bf16_partials``;
-``sk`` / ``sx``: the scales from one kernel (``scales="kernel"``, the default since session 10) /
-from XLA fusions (``scales="xla"``); ``fr``: ``routing="fused"``; ``er``: ``epilogue="routes"``;
+``fr``: ``routing="fused"``; ``er``: ``epilogue="routes"``;
 ``gw``: ``wide_glue``; ``tq``: ``token_quant``; ``ew``: the FC1 epilogue's block programs
 load whole blocks (no row split: ``epilogue.EPILOGUE_LOADED_ELEMS`` unbounded while tracing);
 ``pf``: the same config on FC2
@@ -64,7 +63,7 @@ from moe_bench import (
 from run_meta import patched, run_metadata
 
 from nvfp4_jax.gemm.mosaic import MosaicConfig
-from nvfp4_jax.moe import epilogue, pad_fc2
+from nvfp4_jax.moe import epilogue, operand, pad_fc2, routing_kernel
 from nvfp4_jax.moe.api import moe
 from nvfp4_jax.moe.mosaic import MosaicMoEConfig, auto_config
 
@@ -74,8 +73,8 @@ SMOKE = {"smoke": {"hidden": 256, "inter": 256, "experts": 8, "top_k": 2, "activ
 def layer_fn(activation, kernel, config=None):
     def layer(x, tids, w, p):
         return moe(x, fc1=p[0], fc2=p[1], fc1_input_scale=p[2], fc2_input_scale=p[3],
-                   topk_ids=tids, topk_weights=w, activation=activation, backend="pallas",
-                   kernel=kernel, config=config)
+                   topk_ids=tids, topk_weights=w, activation=activation,
+                   backend={"triton": "pallas"}.get(kernel, kernel), config=config)
     return layer
 
 
@@ -118,8 +117,6 @@ LAYER_KNOBS = {
     "rk": ("routing", "kernel"),  # the one-launch routing kernel
     "sp": ("skip_padding", True),  # skip the blocks' padding rows in the FC1 operand and epilogue
     "bf": ("bf16_partials", True),  # unsplit GEMMs store bf16(alpha * acc) (trtllm_cutlass)
-    "sk": ("scales", "kernel"),  # the scales (G, 1/G, alphas) from one kernel (the default)
-    "sx": ("scales", "xla"),  # ... from XLA fusions instead
     "fr": ("routing", "fused"),  # routing, scales and FC1 operand in one launch (with sk, sp)
     "er": ("epilogue", "routes"),  # the FC1 epilogue one program per route
     "gw": ("wide_glue", True),  # FC1 operand and combine in fewer, larger programs
@@ -142,7 +139,7 @@ def weight_knobs(name: str) -> tuple[bool, str]:
 #: FC1-operand program, wider combine programs)
 TRACE_KNOBS = {"ew": (epilogue, "EPILOGUE_LOADED_ELEMS", 1 << 40),
                "e4k": (epilogue, "EPILOGUE_LOADED_ELEMS", 4096),
-               "te64": (epilogue, "WIDE_THREAD_ELEMS", 64)}
+               "te64": (operand, "WIDE_THREAD_ELEMS", 64)}
 
 
 def trace_knobs(name: str) -> tuple[list, str]:
@@ -162,17 +159,13 @@ def named_config(name: str, base: MosaicMoEConfig, hidden: int, inter: int) -> M
             field, value = LAYER_KNOBS[knob]
             top[field] = value
             continue
-        m = re.fullmatch(r"(f[12])?(?:(bm|bn|s|k|bk|c)(\d+)|(ov)|(ln))", knob)
+        m = re.fullmatch(r"(f[12])?(?:(bm|bn|s|k|bk|c)(\d+)|(ov))", knob)
         if m is None:
             raise ValueError(f"--configs: unknown knob {knob!r} in {name!r}")
         which = [m.group(1).replace("f", "fc")] if m.group(1) else ["fc1", "fc2"]
         if m.group(4):
             for w in which:
                 gemm[w]["overlap"] = True
-            continue
-        if m.group(5):  # the GEMM kernels under Mosaic's lane semantics
-            for w in which:
-                gemm[w]["semantics"] = "lane"
             continue
         key, v = m.group(2), int(m.group(3))
         if key == "bm":
@@ -188,9 +181,6 @@ def named_config(name: str, base: MosaicMoEConfig, hidden: int, inter: int) -> M
             kw.pop("block_k", None)
         return _mc(c, **kw)
 
-    if top.get("scales") == "xla" and "routing" not in top and base.routing == "fused":
-        top["routing"] = "kernel"  # "fused" computes the scales itself: sx times the routing
-        # kernel with the scales in XLA (the closest layer that has them there)
     if top.get("token_quant") and "routing" not in top and base.routing == "fused":
         top["routing"] = "kernel"  # "fused" quantizes the operand in its launch
     return dataclasses.replace(base, **top, fc1=apply(base.fc1, gemm["fc1"], hidden),
@@ -215,34 +205,29 @@ def main():
                          "swizzled_128x4 (variant 'swizzled')")
     ap.add_argument("--routes-method", action="store_true",
                     help="routing kernels over more than 128 experts (nemotron) take the routes "
-                         "method at any size it takes (moe.epilogue.ROUTES_AUTO_MAX raised to "
+                         "method at any size it takes (moe.routing_kernel.ROUTES_AUTO_MAX raised to "
                          "ROUTING_ROUTES_MAX; else: up to ROUTES_AUTO_MAX routes, XLA routing above)")
-    ap.add_argument("--tokens-method", action="store_true",
-                    help="moe.epilogue.TOKENS_METHOD on for the run: routing kernels over more "
-                         "than 128 experts take the tokens method above ROUTES_AUTO_MAX routes")
     ap.add_argument("--prefer-routes", action="store_true",
                     help="routing kernels over <= 128 experts (qwen3) take the routes method where it "
-                         "fits (moe.epilogue.ROUTING_EXPERTS_MAX set to 0 for the run; the fused "
+                         "fits (moe.routing_kernel.ROUTING_EXPERTS_MAX set to 0 for the run; the fused "
                          "launch at qwen3 T = 8: 64 vs 128 registers, ~1.4K vs ~3.0K SASS "
                          "instructions, ptxas sm_90)")
     ap.add_argument("--routing-warps", type=int, default=0,
                     help="the routing kernels' warp count for every method and size "
-                         "(moe.epilogue.ROUTING_WARPS; 0: routing_warps's defaults)")
+                         "(moe.routing_kernel.ROUTING_WARPS; 0: routing_warps's defaults)")
     args = ap.parse_args()
     if args.routing_warps:
-        epilogue.ROUTING_WARPS.update({(m, 1 << i): args.routing_warps
+        routing_kernel.ROUTING_WARPS.update({(m, 1 << i): args.routing_warps
                                        for m in ("experts", "routes", "tokens") for i in range(13)})
     if args.prefer_routes:
-        epilogue.ROUTING_EXPERTS_MAX = 0
-    if args.tokens_method:
-        epilogue.TOKENS_METHOD = True
+        routing_kernel.ROUTING_EXPERTS_MAX = 0
     if args.routes_method:
-        epilogue.ROUTES_AUTO_MAX = epilogue.ROUTING_ROUTES_MAX
+        routing_kernel.ROUTES_AUTO_MAX = routing_kernel.ROUTING_ROUTES_MAX
     os.makedirs(args.out, exist_ok=True)
     t0 = time.time()
     rng = np.random.default_rng(0)
     doc = {**run_metadata(), "what": "moe mosaic probe", "harness": HARNESS,
-           "routes_method": args.routes_method, "tokens_method": args.tokens_method,
+           "routes_method": args.routes_method,
            "prefer_routes": args.prefer_routes, "routing_warps": args.routing_warps, "records": []}
     recs = doc["records"]
     path = os.path.join(args.out, "moe-mosaic-probe-h200.json")

@@ -28,7 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 from run_meta import dump_records, time_rounds
 
-from nvfp4_jax.moe import epilogue as ep
+from nvfp4_jax import triton_ops
+from nvfp4_jax.moe import routing_kernel as ep
 from nvfp4_jax.moe.mosaic import recipe_of
 from nvfp4_jax.moe.routing import block_routing
 
@@ -58,7 +59,7 @@ def main():
         ids = jnp.asarray(np.stack([rng.choice(E, K, replace=False) for _ in range(t)]).astype(np.int32))
         hidden = jnp.asarray(rng.standard_normal((t, H)), jnp.bfloat16)
         plan = [("xla block_routing", None, lambda i, w: flat(block_routing(i, E, BM)))]
-        np_ = ep._pow2(t * K)
+        np_ = triton_ops.pow2(t * K)
         for method in a.methods.split(","):
             for nw in (int(v) for v in a.warps.split(",")):
                 def rk(i, w, nw=nw, np_=np_, method=method):

@@ -56,7 +56,7 @@ for s in $STEPS; do
         --shapes "${PROBE_SHAPES:-nemotron,qwen3_30b}" --tokens "${PROBE_TOKENS:-1,8,64}" \
         --budget-s $((${T_PROBE:-200} - 40)) ${PROBE_SWEEP:+--sweep} ${PROBE_CONFIGS:+--configs $PROBE_CONFIGS} \
         ${PROBE_NO_TRITON:+--no-triton} ${PROBE_SWIZZLED:+--swizzled} \
-        ${PROBE_ROUTES_METHOD:+--routes-method} ${PROBE_TOKENS_METHOD:+--tokens-method} \
+        ${PROBE_ROUTES_METHOD:+--routes-method} \
         ${PROBE_PREFER_ROUTES:+--prefer-routes} ${PROBE_ROUTING_WARPS:+--routing-warps $PROBE_ROUTING_WARPS} \
         --rounds "${PROBE_ROUNDS:-1}" 2>&1 \
         | grep -v Warning | tail -40 | tee -a "$OUT/run.log" ;;

@@ -52,17 +52,16 @@ def test_probe_config_names():
     from nvfp4_jax.moe.mosaic import auto_config
 
     base = auto_config(8 * 8, 128, hidden=2048, rows1=1536, inter=768)
-    cfg = probe.named_config("c2_bf_sk_f2k3_sp", base, 2048, 768)
+    cfg = probe.named_config("c2_bf_f2k3_sp", base, 2048, 768)
     assert (cfg.fc1.consumers, cfg.fc2.consumers) == (2, 2)
     assert (cfg.fc1.split_k, cfg.fc2.split_k) == (base.fc1.split_k, 3)
-    assert cfg.bf16_partials and cfg.scales == "kernel" and cfg.skip_padding
+    assert cfg.bf16_partials and cfg.skip_padding
     assert probe.named_config("rk", base, 2048, 768).routing == "kernel"
-    assert probe.named_config("fr_sk_sp", base, 2048, 768).routing == "fused"
-    # sx on a fused-routing base: the scales leave the launch, so the routing kernel alone
+    assert probe.named_config("fr_sp", base, 2048, 768).routing == "fused"
+    # token_quant on a fused-routing base: the operand leaves the launch, so the routing
+    # kernel alone
     assert base.routing == "fused"
-    sx = probe.named_config("sx", base, 2048, 768)
-    assert (sx.scales, sx.routing) == ("xla", "kernel")
-    tq = probe.named_config("tq", base, 2048, 768)  # ... and so does token_quant
+    tq = probe.named_config("tq", base, 2048, 768)
     assert tq.token_quant and tq.routing == "kernel"
     # ew: a module constant set while tracing (not a config field), restored after
     patches, rest = probe.trace_knobs("pf_ew_tq")
@@ -73,13 +72,13 @@ def test_probe_config_names():
     with probe.patched(patches):
         assert ep.epilogue_row_chunk(64, 2) == 64  # whole 64-row blocks
     assert ep.EPILOGUE_LOADED_ELEMS == before and ep.epilogue_row_chunk(64, 2) == 32
-    ln = probe.named_config("f2ln", base, 2048, 768)  # lane semantics, FC2 only
-    assert (ln.fc1.semantics, ln.fc2.semantics) == ("default", "lane")
+    ov = probe.named_config("f2ov", base, 2048, 768)  # overlap, FC2 only
+    assert (ov.fc1.overlap, ov.fc2.overlap) == (False, True)
     with pytest.raises(ValueError, match="unknown knob"):
         probe.named_config("fast", base, 2048, 768)
     # pf: a weight knob (FC2 padded by moe.pad_fc2), not a config field
     assert probe.weight_knobs("pf") == (True, "") and probe.weight_knobs("f2k2_pf") == (True, "f2k2")
-    assert probe.weight_knobs("fr_sk") == (False, "fr_sk")
+    assert probe.weight_knobs("fr_sp") == (False, "fr_sp")
 
 
 def _scale_divisions(text: str) -> tuple[int, int]:
@@ -133,8 +132,7 @@ def _routing_slices(jaxpr, shape) -> int:
 def test_moe_bench_layers_read_their_routing_without_a_slice():
     """Each timed layer reads its routing from an array of its own (``device_routings``):
     ``ids[j]`` of a stacked [NROT, T, k] array is a slice, which XLA:GPU ran as a ~1 us device
-    copy before each layer's routing kernel (two per layer: ids and weights; session 17's
-    profile), a cost of the harness that a model's router does not have."""
+    copy before each layer's routing kernel (two per layer: ids and weights), a cost of the harness that a model's router does not have."""
     import sys
 
     import jax
@@ -147,7 +145,7 @@ def test_moe_bench_layers_read_their_routing_without_a_slice():
     stacked = (mb.NROT, 3, 2)
     assert _routing_slices(jax.make_jaxpr(run)(x, ids, wts, n, params).jaxpr, stacked) == 0
     ids_s, wts_s = np.stack([np.asarray(i) for i in ids]), np.stack([np.asarray(w) for w in wts])
-    # the stacked form (the harness before session 17) slices both arrays in every layer
+    # the stacked form slices both arrays in every layer
     assert _routing_slices(jax.make_jaxpr(run)(x, ids_s, wts_s, n, params).jaxpr, stacked) >= 2 * mb.NROT
 
 
@@ -155,8 +153,8 @@ def test_moe_bench_loop_recomputes_scales_per_layer():
     """The MoE bench's timed loop gives every layer its own run-time global scales, so XLA
     computes the scale expressions (G = 1 / input_scale, the alphas: f32 divisions over
     [E]-sized or scalar operands) once per layer inside the loop, as a model would. With the
-    same scale arrays for every layer (the harness before session 10) XLA shared them between
-    the layers and hoisted them out of the loop."""
+    same scale arrays for every layer XLA would share them between
+    the layers and hoist them out of the loop."""
     import sys
 
 
@@ -201,7 +199,7 @@ def test_bench_loops_share_one_host_round_trip_among_many_calls():
     """Both benches' timed programs: the outer loop (run-time trip count: XLA:GPU copies its
     predicate to the host every iteration) wraps an inner loop of static trip count, so one
     host round trip is shared by >= gemm_bench.INNER_CALLS GEMM calls and by NROT *
-    INNER_ROUNDS MoE layers (session 14; before, by C weight copies and by 8 layers)."""
+    INNER_ROUNDS MoE layers."""
     import sys
 
     import jax.numpy as jnp
@@ -226,7 +224,7 @@ def test_bench_loops_share_one_host_round_trip_among_many_calls():
 
 def test_sort_probe_times_int32_keys_only_inside_its_context():
     """bench/sort_probe.py's A/B: inside ``int32_keys(True)`` the routing sorts int32 keys (the
-    sort before session 15), outside it the narrow keys again."""
+    wide keys), outside it the narrow keys again."""
     import functools
 
     import jax

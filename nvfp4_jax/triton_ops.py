@@ -87,10 +87,12 @@ def e2m1_magnitude(a):
 
 
 def requantize(hb, g, rg, recipe: str, exact_asm: bool):
-    """hb fp32 [BM, nb, 16] (bf16 values), encode scale g, rg = IEEE 1/g -> q*sf fp32 [BM, nb, 16].
+    """hb fp32 [BM, nb, 16] (bf16 values), encode scale g, rg = IEEE 1/g -> q*sf fp32
+    [BM, nb, 16].
 
     The recipes' fp32 op order (oracle.quantize): trtllm ``sf = vmax*(G*fp32(1/6))``,
-    ``y = x * min(1/(sf8*(1/G)), FLT_MAX)``; b12x ``sf = (vmax*G)/6``, ``y = x / max(sf8/G, 1e-30)``.
+    ``y = x * min(1/(sf8*(1/G)), FLT_MAX)``; b12x ``sf = (vmax*G)/6``,
+    ``y = x / max(sf8/G, 1e-30)``.
     """
     vmax = jnp.max(jnp.abs(hb), axis=-1)
     if recipe == "trtllm":

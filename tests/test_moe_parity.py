@@ -27,7 +27,8 @@ def test_every_backend_meets_the_oracle(backend, mode, activation, order, shape)
     case = make_case(np.random.default_rng(shape["t"]), activation=activation, **shape)
     hidden, ids, wts, fc1, fc2, s1, s2 = case
     out = nvfp4_jax.moe(jnp.asarray(hidden, jnp.bfloat16), fc1=nvfp4_jax.from_oracle(fc1),
-                        fc2=nvfp4_jax.from_oracle(fc2), fc1_input_scale=jnp.asarray(s1, jnp.float32),
+                        fc2=nvfp4_jax.from_oracle(fc2),
+                        fc1_input_scale=jnp.asarray(s1, jnp.float32),
                         fc2_input_scale=jnp.asarray(s2, jnp.float32), topk_ids=jnp.asarray(ids),
                         topk_weights=jnp.asarray(wts), activation=activation,
                         gate_up_order=order, mode=mode, backend=backend)

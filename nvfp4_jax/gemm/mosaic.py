@@ -190,8 +190,8 @@ def auto_config(m: int, n: int, k: int) -> MosaicConfig | None:
 
 
 def default_config(m: int, n: int, k: int) -> MosaicConfig:
-    """Heuristic for unmeasured shapes: two stages (the sweep's best almost everywhere), >= 256 CTAs (split-K for
-    small N, keeping >= 2 steps per CTA), 64-row tiles for 64-token tiles."""
+    """Heuristic for unmeasured shapes: two stages (the sweep's best almost everywhere), >= 256
+    CTAs (split-K for small N, keeping >= 2 steps per CTA), 64-row tiles for 64-token tiles."""
     mt = token_tile(m)
     bn = 128 if mt <= 32 else 64
     tiles = -(-n // bn)

@@ -24,9 +24,9 @@ for s in $STEPS; do
     tests)
       step "gpu tests (IEEE fp32 division for bit-exact quantization)"
       XLA_FLAGS="--xla_backend_extra_options=-nvptx-prec-divf32=2" timeout "$T_TESTS" \
-        python3 -m pytest -m gpu -q -p no:cacheprovider -rs ${TEST_K:+-k "$TEST_K"} ${TEST_FILES:-tests/test_moe_gpu.py \
-        tests/test_moe_mosaic_gpu.py tests/test_gemm_mosaic_gpu.py tests/test_gemm_gpu.py \
-        tests/test_quantize_gpu.py} 2>&1 \
+        python3 -m pytest -m gpu -q -p no:cacheprovider -rs ${TEST_K:+-k "$TEST_K"} ${TEST_FILES:-tests/moe/test_moe_gpu.py \
+        tests/moe/test_moe_mosaic_gpu.py tests/gemm/test_gemm_mosaic_gpu.py tests/gemm/test_gemm_gpu.py \
+        tests/codecs/test_quantize_gpu.py} 2>&1 \
         | tail -40 | tee -a "$OUT/run.log" ;;
     gemm)
       step "gemm bench"

@@ -9,7 +9,7 @@ import subprocess
 import sys
 import textwrap
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # a subprocess in which importing hypothesis or matplotlib fails, as on a plain install
 _BLOCK = textwrap.dedent("""

@@ -213,11 +213,11 @@ def test_prefill_default_config_matches_oracle(monkeypatch, caplog):
     """The default config of prefill-sized routings (two compute warpgroups, bf16 products;
     WS_ROUTES, BF16_PARTIALS_ROUTES), lowered to 256 routes so the oracle stays cheap; nemotron's FC2 (K = 2688) with
     linear scales has no warp-specialized kernel and runs with one warpgroup, logged."""
-    from nvfp4_jax.moe import mosaic as moe_mosaic
+    from nvfp4_jax.moe import mosaic as mm
 
-    monkeypatch.setattr(moe_mosaic, "WS_ROUTES", 256)
-    monkeypatch.setattr(moe_mosaic, "BF16_PARTIALS_ROUTES", 256)
-    cfg = moe_mosaic.default_config(256, 4, hidden=1024, rows1=2688, inter=2688)
+    monkeypatch.setattr(mm, "WS_ROUTES", 256)
+    monkeypatch.setattr(mm, "BF16_PARTIALS_ROUTES", 256)
+    cfg = mm.default_config(256, 4, hidden=1024, rows1=2688, inter=2688)
     assert cfg.bf16_partials and cfg.fc1.consumers == 2 and cfg.fc2.consumers == 2
     case = make_case_fast(np.random.default_rng(11), **{**NEMO, "t": 64, "e": 4, "k": 4})
     with caplog.at_level(logging.INFO, logger="nvfp4_jax.moe.mosaic"):
@@ -376,9 +376,9 @@ def test_auto_sm90_nemotron_decode_entries_match_oracle(bucket, t, monkeypatch):
     the routing kernels take the methods they take at nemotron's 512 experts (T = 1: the
     routes method, fused with the scales and the FC1 operand; T = 8: the tokens method with
     the scales)."""
-    from nvfp4_jax.moe import routing_kernel as rtk
     from nvfp4_jax.moe import mosaic as mm
     from nvfp4_jax.moe import pad_fc2
+    from nvfp4_jax.moe import routing_kernel as rtk
 
     monkeypatch.setattr(rtk, "ROUTING_EXPERTS_MAX", 8)
     key = (*mm._NEMO, bucket)

@@ -135,7 +135,7 @@ def weight_knobs(name: str) -> tuple[bool, str]:
 #: a choice that is not a config field): ``ew``: the FC1 epilogue's block programs load whole
 #: blocks (no row split, ``epilogue.EPILOGUE_LOADED_ELEMS`` unbounded: before session 15);
 #: ``e4k``: they load at most 4096 partials (half of the default's); ``te64``: the wide glue's
-#: threads hold up to 64 elements (``epilogue.WIDE_THREAD_ELEMS``: more gathered rows per
+#: threads hold up to 64 elements (``operand.WIDE_THREAD_ELEMS``: more gathered rows per
 #: FC1-operand program, wider combine programs)
 TRACE_KNOBS = {"ew": (epilogue, "EPILOGUE_LOADED_ELEMS", 1 << 40),
                "e4k": (epilogue, "EPILOGUE_LOADED_ELEMS", 4096),

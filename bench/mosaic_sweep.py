@@ -116,7 +116,7 @@ def main():
     p.add_argument("--plan", default=PLAN)
     p.add_argument("--variants", default="",
                    help="instead of the wave-model candidates: variants of each case's auto (or "
-                        "default) config, e.g. 'base;prefetch=2;overlap=1;block_k=512,overlap=1'")
+                        "default) config, e.g. 'base;overlap=1;block_k=512,overlap=1'")
     p.add_argument("--rounds", type=int, default=1,
                    help="timing rounds per impl, interleaved over the case's impls; the row's "
                         "median_us is their median, rounds_us all of them")

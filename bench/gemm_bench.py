@@ -183,10 +183,11 @@ def impl_ours_w4a4(cfg=None, backend="pallas"):
 
 def auto_backend(m, n, k):
     """The backend nvfp4_jax.gemm.matmul(backend="auto") runs for a bf16 [m, k] x [n, k]^T."""
+    from nvfp4_jax.device import gpu_compute_capability
     from nvfp4_jax.gemm import mosaic
 
     impl = api.resolve_backend("auto")
-    if impl == "pallas" and api._gpu_compute_capability() == 90 and mosaic.auto_config(m, n, k):
+    if impl == "pallas" and gpu_compute_capability() == 90 and mosaic.auto_config(m, n, k):
         return "mosaic"
     return impl
 
@@ -280,7 +281,6 @@ def check(out_dir):
             Config(block_k=256, split_k=4),
             Config(block_m=32, block_n=128, block_k=128, load2d=True),
             Config(block_m=64, block_n=64, block_k=64, decode="bits", split_k=2),
-            Config(block_m=16, block_n=64, block_k=256, scale_gather=True),
             Config(block_m=16, block_n=64, block_k=256, decode="asm16", load2d=True),
         ]:
             out = matmul_pallas(
@@ -295,7 +295,7 @@ def check(out_dir):
             ok = bool(np.all(np.isfinite(out)) and np.all(np.abs(out - ref) <= bound))
             res[
                 f"gemm_{m}x{n}x{k}_{cfg.block_m}_{cfg.block_n}_{cfg.block_k}_{cfg.decode}"
-                f"_{int(cfg.load2d)}{int(cfg.scale_gather)}"
+                f"_{int(cfg.load2d)}"
             ] = ok
     log(json.dumps(res, indent=1))
     with open(os.path.join(out_dir, "gemm-check-h200.json"), "w") as f:
@@ -333,8 +333,6 @@ def candidates(m, n, k):
         ]:
             for split in sorted({1, split_for(n, k, bn, bk)}):
                 c.append(C(16, bn, bk, split, w, st, load2d=True))
-        c.append(C(16, 64, 256, 1, 4, 4, scale_gather=True))
-        c.append(C(16, 128, 256, 1, 4, 4, scale_gather=True))
         return c
     if m <= 64:
         return [
@@ -343,7 +341,6 @@ def candidates(m, n, k):
             C(64, 64, 128, 1, 4, 4, load2d=True),
             C(32, 64, 256, 1, 4, 4, load2d=True),
             C(64, 128, 128, 1, 4, 4, load2d=True),
-            C(64, 64, 256, 1, 4, 4, scale_gather=True),
             C(64, 128, 256, 1, 8, 4, load2d=True),
         ]
     if m <= 256:

@@ -133,9 +133,9 @@ def make_hidden(t, h):
 #: ``nvfp4_moe_triton``: the Pallas-Triton kernels, the path SM12x GPUs run;
 #: ``nvfp4_moe_mosaic``: the Mosaic GPU kernels (Hopper only).
 MOE_IMPLS = {
-    "nvfp4_moe": ({"backend": "pallas"}, None),
-    "nvfp4_moe_triton": ({"backend": "pallas", "kernel": "triton"}, "linear"),
-    "nvfp4_moe_mosaic": ({"backend": "pallas", "kernel": "mosaic"}, "swizzled_128x4"),
+    "nvfp4_moe": ({"backend": "auto"}, None),
+    "nvfp4_moe_triton": ({"backend": "pallas"}, "linear"),
+    "nvfp4_moe_mosaic": ({"backend": "mosaic"}, "swizzled_128x4"),
 }
 #: ``--proxy``: the SM12x path (Pallas-Triton MoE) side by side with the Hopper path and bf16
 PROXY_IMPLS = ("nvfp4_moe_triton", "nvfp4_moe", "bf16_ragged_dot")
@@ -153,19 +153,17 @@ def nvfp4_layer(activation, backend="pallas", config=None, **select):
 
 
 def moe_kernel_used(impl: str, routes: int, hidden: int) -> str | None:
-    """The kernels an ``nvfp4_moe*`` impl runs on this device ("triton" or "mosaic"), for the
+    """The kernels an ``nvfp4_moe*`` impl runs on this device ("pallas" or "mosaic"), for the
     record; None where ``nvfp4_jax.moe`` would not run Pallas kernels."""
-    from nvfp4_jax.moe import pallas_triton
+    from nvfp4_jax.moe.api import choose_backend
 
-    select = MOE_IMPLS[impl][0]
-    if select.get("backend", "auto") not in ("pallas", "auto") or jax.default_backend() != "gpu":
+    if jax.default_backend() != "gpu":
         return None
-    kernel = select.get("kernel", "auto")
     try:
-        return pallas_triton.choose_kernel(kernel, None, routes=routes, hidden=hidden,
-                                           interpret=False)
+        pick = choose_backend(MOE_IMPLS[impl][0]["backend"], None, routes=routes, hidden=hidden)
     except ValueError:
         return None
+    return pick if pick in ("pallas", "mosaic") else None
 
 
 def chain(x, out):

@@ -41,7 +41,7 @@ def run(sname: str, t: int) -> None:
                           bool(os.environ.get("MOE_PAD_FC2")))
     ids, wts = make_routing(np.random.default_rng(0), t, s["experts"], s["top_k"], "random")
     params = (q1, q2, *input_scales(s))
-    f = jax.jit(nvfp4_layer(s["activation"], "pallas"))
+    f = jax.jit(nvfp4_layer(s["activation"], "auto"))
     x = make_hidden(t, s["hidden"])
     for _ in range(3):
         t0 = time.perf_counter()

@@ -97,7 +97,7 @@ def profile_case(sname: str, t: int, reps: int, hlo_path: str | None = None, *,
     ids, wts = make_routing(np.random.default_rng(0), t, e, k, "random")
     ids, wts = device_routings(ids, wts)
     x0 = make_hidden(t, h)
-    layer = nvfp4_layer(act, "pallas")
+    layer = nvfp4_layer(act, "auto")
 
     # one call, one trace of NROT layers, each with its own run-time global scales, as timed
     layers = jax.jit(unrolled_layers(layer, per_layer_scales))

@@ -288,10 +288,12 @@ MOE_TOKENS = (8, 4096)
 
 def capture_moe_ttir(layer: dict, t: int) -> dict:
     """{kernel name: TTIR text} of one ``nvfp4_jax.moe`` layer on the Pallas-Triton kernels
-    (``kernel="triton"``), lowered for CUDA (from the CPU where there is no GPU)."""
+    (``backend="pallas"``), lowered for CUDA (from the CPU where there is no GPU: the kernels
+    are traced for Triton, not for interpret mode, whatever the local platform)."""
     from jax._src.pallas.triton import lowering
 
     import nvfp4_jax
+    from nvfp4_jax.moe import api as moe_api
 
     e, h, i, k = layer["experts"], layer["hidden"], layer["inter"], layer["top_k"]
     r = 2 * i if layer["gated"] else i
@@ -316,11 +318,13 @@ def capture_moe_ttir(layer: dict, t: int) -> dict:
         return nvfp4_jax.moe(x, fc1=fc1, fc2=fc2, fc1_input_scale=s, fc2_input_scale=s,
                              topk_ids=ids, topk_weights=w,
                              activation="swiglu" if layer["gated"] else "relu2",
-                             backend="pallas", kernel="triton", interpret=False)
+                             backend="pallas")
 
     args = (jnp.zeros((t, h), jnp.bfloat16), jnp.zeros((t, k), jnp.int32),
             jnp.full((t, k), 1.0 / k, jnp.float32), fc1, fc2)
     lowering.lower_jaxpr_to_triton_module = spy
+    interpret = moe_api.pallas_interpret
+    moe_api.pallas_interpret = lambda: False
     try:
         f = jax.jit(layer_fn)
         if jax.default_backend() == "gpu":
@@ -329,6 +333,7 @@ def capture_moe_ttir(layer: dict, t: int) -> dict:
             f.trace(*args).lower(lowering_platforms=("cuda",))
     finally:
         lowering.lower_jaxpr_to_triton_module = orig
+        moe_api.pallas_interpret = interpret
     return got
 
 

@@ -10,19 +10,9 @@ Public API:
 
 __version__ = "0.1.0"  # the same as pyproject.toml (tests/test_cli_errors.py checks)
 
+from . import moe  # the subpackage is callable: nvfp4_jax.moe(...)
+from .gemm.api import matmul
 from .quantize import JAX_RECIPES, NVFP4Array, dequantize, from_oracle, quantize, to_oracle
 
-__all__ = ["JAX_RECIPES", "NVFP4Array", "dequantize", "from_oracle", "quantize", "to_oracle"]
-
-try:  # the GEMM and MoE modules are optional until they land
-    from .gemm.api import matmul  # noqa: F401
-
-    __all__.append("matmul")
-except ImportError:  # pragma: no cover
-    pass
-try:
-    from . import moe  # noqa: F401  (the subpackage is callable: nvfp4_jax.moe(...))
-
-    __all__.append("moe")
-except ImportError:  # pragma: no cover
-    pass
+__all__ = ["JAX_RECIPES", "NVFP4Array", "dequantize", "from_oracle", "matmul", "moe", "quantize",
+           "to_oracle"]

@@ -42,8 +42,8 @@ import numpy as np
 import oracle
 from oracle.formats import bf16_round, f32
 
+from .device import gpu_compute_capability as _gpu_compute_capability
 from .explain import GemmCase, explain_gemm, load_npz_case, spread_case
-from .gemm.api import _gpu_compute_capability
 from .quantize import IEEE_DIV_FLAG, xla_divides_ieee
 
 log = logging.getLogger(__name__)
@@ -160,10 +160,7 @@ def _moe(backend: str, c: MoECase) -> np.ndarray:
         if kind == "mosaic" and _gpu_compute_capability() != 90:
             raise Skip("the Mosaic grouped kernel is Hopper's (sm_90); this machine has "
                        f"{jax.devices()[0].device_kind}")
-        kw = {"backend": "xla"} if kind == "xla" else {"backend": "pallas", "kernel": "triton" if kind == "pallas"
-                                                         else "mosaic"}
-        if kind == "pallas" and _gpu_compute_capability() is None:
-            kw["interpret"] = True
+        kw = {"backend": kind}  # "pallas" runs in interpret mode off the GPU
         out = moe(jnp.asarray(c.hidden, jnp.bfloat16), fc1=from_oracle(c.fc1), fc2=from_oracle(c.fc2),
                   fc1_input_scale=jnp.asarray(c.fc1_input_scale, jnp.float32),
                   fc2_input_scale=jnp.asarray(c.fc2_input_scale, jnp.float32),

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 from typing import Any
 
 import jax
@@ -28,19 +27,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import formats as F
+from .device import IEEE_DIV_FLAG, xla_divides_ieee
 from .layouts import LAYOUTS, padded_shape, swizzle, unswizzle
 
 log = logging.getLogger(__name__)
 
-#: the XLA flag that makes fp32 division IEEE on NVIDIA GPUs (div.rn.f32 instead of div.full.f32)
-IEEE_DIV_FLAG = "--xla_backend_extra_options=-nvptx-prec-divf32=2"
 _warned_gpu_division = False
-
-
-def xla_divides_ieee() -> bool:
-    """Whether XLA's fp32 division is IEEE here: on CPU always; on a GPU only with
-    ``IEEE_DIV_FLAG`` in ``XLA_FLAGS`` (else div.full.f32, within 2 ulp)."""
-    return jax.default_backend() != "gpu" or "-nvptx-prec-divf32=2" in os.environ.get("XLA_FLAGS", "")
 
 
 def _warn_if_gpu_division_is_approximate() -> None:
@@ -242,6 +234,20 @@ def _b12x(xb, vmax, G):
 
 _FNS = {"trtllm": (_trtllm, "encode"), "modelopt": (_modelopt, "decode"),
         "jax": (_jax, "decode"), "b12x": (_b12x, "encode")}
+
+
+def ieee_div(a, b) -> jax.Array:
+    """IEEE fp32 ``a / b`` with numpy broadcasting, never rewritten into a reciprocal-multiply
+    (the recipes' division; on a GPU IEEE only with ``device.IEEE_DIV_FLAG``)."""
+    return _div(a, b)
+
+
+def quantize_blocks(xb, vmax, scale, recipe: str):
+    """One recipe's fp32 arithmetic on 16-value blocks: ``xb`` fp32 [..., nb, 16], ``vmax`` fp32
+    [..., nb] (each block's max |x|), ``scale`` fp32 (the recipe's global scale: encode form for
+    trtllm/b12x, decode form for modelopt/jax) -> (E4M3 block scales as fp32 [..., nb], E2M1
+    codes uint8 [..., nb, 16]), bit-exact with ``oracle.quantize``."""
+    return _FNS[recipe][0](xb, vmax, scale)
 
 
 def _scalar(name: str, v) -> jax.Array:

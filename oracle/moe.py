@@ -7,8 +7,7 @@ NVFP4 stacks as a ModelOpt checkpoint holds them: ``fc1`` codes ``[E, R, H/2]``,
 ``weight_scale_2`` per expert; ``R = I`` for ``relu2`` and ``R = 2I`` for ``swiglu``; ``fc2``
 ``[E, H, I]``. ``fc1_input_scale`` / ``fc2_input_scale`` are ModelOpt ``input_scale`` values
 (decode form, ``amax/2688``), one per expert. Global scales always live in fp32 alphas applied
-after the block-scaled dot; they are never folded into the E4M3 block scales
-(nvfp4-semantics.md section 8, item 9).
+after the block-scaled dot; they are never folded into the E4M3 block scales.
 
 What is exact and what rounds (both modes)
 ------------------------------------------
@@ -27,8 +26,7 @@ What is exact and what rounds (both modes)
 
 Modes
 -----
-``trtllm_cutlass`` (TensorRT-LLM ``NVFP4CutlassFusedMoEMethod`` + ``cutlass_fused_moe_kernels``,
-nvfp4-semantics.md section 3):
+``trtllm_cutlass`` (TensorRT-LLM ``NVFP4CutlassFusedMoEMethod`` + ``cutlass_fused_moe_kernels``):
 
 * FC1 input: recipe ``trtllm`` (fast math off), one scalar encode scale
   ``G1 = fp32(1 / max_e fc1_input_scale)``; likewise ``G2`` from ``fc2_input_scale``.
@@ -39,8 +37,7 @@ nvfp4-semantics.md section 3):
   ``h`` requantized with ``G2``; ``d = bf16(dot2 * alpha2)`` (GEMM2 output is bf16);
   ``c = fp32(w * d)`` per route; ``out = bf16(sum_k c)``.
 
-``b12x`` (b12x 1.5.1 ``moe_reference_nvfp4``, ``quant_scale_math="direct_division"``,
-nvfp4-semantics.md section 6):
+``b12x`` (b12x 1.5.1 ``moe_reference_nvfp4``, ``quant_scale_math="direct_division"``):
 
 * Activation quant with recipe ``b12x`` and ``a1_gscale`` = per expert
   ``fp32(1 / fc1_input_scale[e])`` (``activation_scale="per_expert"``, default) or the scalar

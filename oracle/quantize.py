@@ -20,7 +20,7 @@ allowed and converted the way the named system's loader does it, with one correc
 fp32 reciprocal; the conversion is part of the result (``decode_scale`` of an encode-native
 recipe is the ``D`` you passed, or ``fp32(1/G)``).
 
-Recipes (sources: ../shared/docs/nvfp4-semantics.md and the peers' code):
+Recipes (source: the peers' code):
 
 ``trtllm``
     TensorRT-LLM / FlashInfer ``cvt_warp_fp16_to_fp4`` with fast math disabled (the

@@ -1,5 +1,7 @@
-"""NVFP4 GEMM: public ``matmul`` (api.py), Pallas-Triton kernel (pallas_triton.py), XLA
-reference path (xla.py), per-shape tile configs (configs.py), in-kernel decode (decode.py)."""
+"""NVFP4 GEMM: public ``matmul`` and the choice of backend (api.py), XLA reference path (xla.py),
+Pallas-Triton kernel (pallas_triton.py) with its per-shape tile configs (configs.py), Pallas
+Mosaic GPU kernel for Hopper with its tuning table (mosaic.py), in-kernel E2M1 decode
+(decode.py), the W4A4 activation operand kernel (operand.py)."""
 
 from .api import matmul, register_sm12x_device_kinds, resolve_backend
 from .pallas_triton import Config, dequantize_pallas, matmul_pallas

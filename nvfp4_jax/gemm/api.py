@@ -29,6 +29,7 @@ import logging
 import jax
 import jax.numpy as jnp
 
+from ..device import gpu_compute_capability, pallas_interpret
 from ..quantize import NVFP4Array, dequantize, quantize
 from . import configs, mosaic
 from .operand import w4a4_operand
@@ -39,21 +40,6 @@ log = logging.getLogger(__name__)
 
 BACKENDS = ("auto", "mosaic", "pallas", "xla")
 _MIN_CC = 89  # float8_e4m3fn -> f32 conversion in Triton needs sm_89+
-
-
-def _gpu_compute_capability() -> int | None:
-    """Compute capability of the default device as an int (90 for 9.0), None if not NVIDIA."""
-    try:
-        dev = jax.devices()[0]
-    except RuntimeError:
-        return None
-    if dev.platform != "gpu":
-        return None
-    cc = getattr(dev, "compute_capability", None)
-    if cc is None or "cuda" not in str(getattr(dev.client, "platform_version", "")).lower():
-        return None
-    major, _, minor = str(cc).partition(".")
-    return int(major) * 10 + int(minor or 0)
 
 
 def register_sm12x_device_kinds(
@@ -117,7 +103,7 @@ def resolve_backend(backend: str) -> str:
         raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
     if backend != "auto":
         return backend
-    cc = _gpu_compute_capability()
+    cc = gpu_compute_capability()
     if cc is not None and cc >= _MIN_CC:
         register_sm12x_device_kinds()
         log.info("nvfp4_jax.matmul: backend auto -> pallas (NVIDIA GPU, sm_%d)", cc)
@@ -133,7 +119,7 @@ def _pick_mosaic(backend: str, impl: str, m: int, n: int, k: int, x_dtype) -> st
     """"mosaic" where it applies: explicitly asked for (else fall back to "pallas", logged), or
     "auto" on sm_90 for a bucket in ``mosaic.AUTO_SM90``. Otherwise ``impl`` unchanged."""
     if backend == "auto":
-        if impl != "pallas" or _gpu_compute_capability() != 90 or x_dtype != jnp.bfloat16:
+        if impl != "pallas" or gpu_compute_capability() != 90 or x_dtype != jnp.bfloat16:
             return impl
         if mosaic.auto_config(m, n, k) is None:
             return impl
@@ -141,7 +127,7 @@ def _pick_mosaic(backend: str, impl: str, m: int, n: int, k: int, x_dtype) -> st
         return "mosaic"
     if impl != "mosaic":
         return impl
-    cc = _gpu_compute_capability()
+    cc = gpu_compute_capability()
     try:
         if cc != 90:
             raise ValueError(f"backend: the Mosaic kernel needs an sm_90 GPU, found {cc}")
@@ -243,7 +229,7 @@ def matmul(
         else:
             out = mosaic.matmul_mosaic(x2, w.codes, w_scales, alpha, out_dtype=out_dtype, config=mcfg)
         return out.reshape(lead + (n,))
-    interpret = jax.devices()[0].platform != "gpu"  # the Pallas-Triton kernels' mode here
+    interpret = pallas_interpret()  # the Pallas-Triton kernels' mode here
     if w4a4:
         if impl == "pallas" and not interpret:
             x2 = w4a4_operand(x2, s_in)  # one kernel, IEEE divisions whatever XLA's flags

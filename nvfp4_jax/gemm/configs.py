@@ -3,7 +3,8 @@
 Key: (M bucket, N, K). M is rounded up to the next bucket (16, 64, 256, 1024, 4096; M <= 16
 share one: the MMA pads tokens to 16 anyway). Lookup falls back to the nearest tuned (N, K) by
 weight size in the same bucket, then to the nearest tuned bucket, then to ``heuristic``.
-Numbers that justify each entry are in bench/results/gemm-h200.json and bench/NOTES-gemm.md.
+Each entry's ``measured`` field holds the numbers that justify it (in-graph medians on the
+H200, against bf16 ``jnp.dot`` and the other configs swept).
 """
 
 from __future__ import annotations
@@ -12,30 +13,31 @@ from .pallas_triton import Config
 
 M_BUCKETS = (16, 64, 256, 1024, 4096)
 
-# From the H200 sweeps (bench/results/gemm-tune-h200.json, round 2, 2026-11-29; in-graph
-# medians in the comments). Shapes not listed use the nearest (N, K) of the same bucket.
+# Shapes not listed use the nearest (N, K) of the same bucket.
 _SMALL_M = {"block_m": 16, "num_warps": 4, "num_stages": 4, "load2d": True}
 TUNED: dict[tuple[int, int, int], Config] = {
-    # M <= 16: 104.5 us (bf16 jnp.dot 122-128 us); 16 other configs 105-266 us
-    (16, 28672, 8192): Config(block_n=128, block_k=256, split_k=1, **_SMALL_M),
-    # M <= 16: 7.9 us in the sweep (bf16 13.5-16 us); split-K 8 fills the 132 SMs
-    (16, 4096, 4096): Config(block_n=64, block_k=128, split_k=8, **_SMALL_M),
-    # M = 64: 145 us (bf16 123 us); 7 configs 145-408 us
+    (16, 28672, 8192): Config(
+        block_n=128, block_k=256, split_k=1, **_SMALL_M,
+        measured="104.5 us vs bf16 122-128, 16 other configs 105-266 (h200, 2026-11-29)"),
+    # split-K 8 fills the 132 SMs
+    (16, 4096, 4096): Config(
+        block_n=64, block_k=128, split_k=8, **_SMALL_M,
+        measured="7.9 us vs bf16 13.5-16 (h200, 2026-11-29)"),
     (64, 28672, 8192): Config(
-        block_m=64, block_n=128, block_k=256, split_k=1, num_warps=8, num_stages=3, load2d=True
-    ),
-    # M = 64, small weights: NOT measured (the round-2 budget ran out); by analogy with the
-    # M <= 16 sweep on 4096 x 4096 (split-K needed: 4096/128 tiles leave SMs idle).
+        block_m=64, block_n=128, block_k=256, split_k=1, num_warps=8, num_stages=3, load2d=True,
+        measured="145 us vs bf16 123, 7 other configs 145-408 (h200, 2026-11-29)"),
+    # by analogy with the M <= 16 sweep on 4096 x 4096 (4096/128 tiles leave SMs idle
+    # without split-K)
     (64, 4096, 4096): Config(
-        block_m=64, block_n=64, block_k=128, split_k=8, num_warps=4, num_stages=4, load2d=True
-    ),
-    # M = 256: 297-325 us (bf16 205 us); dequant_dot 398 us
+        block_m=64, block_n=64, block_k=128, split_k=8, num_warps=4, num_stages=4, load2d=True,
+        measured="unmeasured"),
     (256, 28672, 8192): Config(
-        block_m=128, block_n=64, block_k=128, split_k=1, num_warps=4, num_stages=3, load2d=True
-    ),
-    # M = 1024: dequantize once + cuBLAS 833 us vs fused 1381 us; at M = 4096 (round 1)
-    # 2.88 ms vs bf16 2.93 ms vs fused 5.5 ms
-    (1024, 28672, 8192): Config(algo="dequant_dot"),
+        block_m=128, block_n=64, block_k=128, split_k=1, num_warps=4, num_stages=3, load2d=True,
+        measured="297-325 us vs bf16 205, dequant_dot 398 (h200, 2026-11-29)"),
+    (1024, 28672, 8192): Config(
+        algo="dequant_dot",
+        measured="M=1024: 833 us vs fused 1381; M=4096: 2.88 ms vs bf16 2.93, fused 5.5 "
+                 "(h200, 2026-11-29)"),
 }
 
 
@@ -58,7 +60,7 @@ def heuristic(m: int, n: int, k: int) -> Config:
         return Config(block_m=64, block_n=64, block_k=128, split_k=2, num_warps=4, num_stages=4)
     if m <= 256:
         return Config(block_m=64, block_n=128, block_k=128, split_k=1, num_warps=8, num_stages=3)
-    # large M: dequantize once, then cuBLAS (measured 1.0x bf16 at M=4096, NOTES-gemm.md)
+    # large M: dequantize once, then cuBLAS (as fast as bf16 at M = 4096, TUNED's last entry)
     return Config(
         block_m=128,
         block_n=128,

@@ -16,7 +16,7 @@ Kernel (``_kernel``), one screen:
   (bf16 placement ``sign -> bit 15, e1 e0 m -> bits 8..6``: ``e2m1 * 2^-126``, decode.py) and one
   ``fma.rn.bf16x2`` with the block scale as bf16 ``e4m3 * 2^119``; the product is
   ``e2m1 * e4m3 * 2^-7`` exactly, and 2^7 is folded into alpha;
-* the A fragment's K order is a fixed permutation of the weight's K order (``_PERM``, within
+* the A fragment's K order is a fixed permutation of the weight's K order (``PERM``, within
   every 128 elements), chosen so that each thread's 16 contiguous code bytes fill its fragment
   registers; x is permuted the same way outside the kernel (one small XLA transpose);
 * two wgmmas (K = 128 each) per step against the x tile in SMEM (B = x^T);
@@ -43,8 +43,6 @@ from jax import lax
 log = logging.getLogger(__name__)
 
 MAX_M = 64
-MAX_CLUSTER = 8  # the portable thread-block cluster size limit
-SEMANTICS = ("default", "lane", "warpgroup")  # MosaicConfig.semantics
 TOKEN_TILES = (8, 16, 32, 64)
 BLOCK_K = 256  # smallest K per pipeline step (scales tile = 16 bytes per row: the TMA minimum)
 BLOCK_KS = (256, 512)
@@ -53,8 +51,8 @@ POST_SCALE = 2.0**7  # the decode hands wgmma e2m1 * e4m3 * 2^-7 (see module doc
 
 # K permutation within each 128-element group: fragment column p = 32w + 8j + 2c + l holds
 # weight element e = 32c + 8w + 4l + j (c = thread's column quad, w = word, j = nibble pair,
-# l = lane of the bf16x2 register). _PERM[p] = e.
-_PERM = (
+# l = lane of the bf16x2 register). PERM[p] = e.
+PERM = (
     np.arange(128).reshape(4, 4, 2, 4)  # e laid out as [c, w, l, j]
     .transpose(1, 3, 0, 2)  # -> [w, j, c, l] = p order
     .reshape(128)
@@ -69,53 +67,30 @@ class MosaicConfig:
     split_k: K ranges run by separate CTAs (fp32 partials summed in XLA); reduced to a divisor
     of the number of K steps. num_stages: TMA pipeline depth. block_k: K elements per pipeline
     step (256 or 512: two or four 128-deep wgmmas per step; K must be a multiple of it).
-    prefetch: 0 (off) or the distance in K steps at which each CTA asks the L2 to prefetch its
-    weight codes and scales (one TMA bulk prefetch per tile, no shared memory): more weight bytes
-    in flight than the ``num_stages`` TMA stages alone. overlap: issue the next 128-deep group's
-    decode while the previous wgmma runs (``wgmma_wait(1)`` within a step, ``wgmma_wait(0)`` at
-    the step's end, before the pipeline releases the stage).
+    overlap: issue the next 128-deep group's decode while the previous wgmma runs
+    (``wgmma_wait(1)`` within a step, ``wgmma_wait(0)`` at the step's end, before the pipeline
+    releases the stage).
     consumers: 1 (one warpgroup per CTA) or 2..3: a warp-specialized CTA (``accumulate_tiles_ws``)
     with ``consumers`` compute warpgroups of ``block_n`` weight rows each, sharing every x stage,
     and a producer warpgroup that issues the TMA copies. Dense and grouped kernels; K % 256 ==
-    0 or swizzled_128x4 scales (no whole-K buffer); no prefetch. Run on the H200 (session 9):
-    2 and 3 pass the oracle tests; 4 hung there (register pool, see ``__post_init__``) and is
-    refused. ``AUTO_SM90`` uses 2 where it measured faster (MoE prefill; the dense GEMM's
-    28672x8192 at M = 64 gain did not hold up in repeated rounds, session 10).
+    0 or swizzled_128x4 scales (no whole-K buffer).
     bf16_store: dense kernel, split_k 1, bf16 output: the kernel multiplies its accumulator by
     alpha and stores bf16 (the same fp32 multiply and round to nearest even as the XLA
     epilogue it replaces, one launch and half the output bytes fewer); elsewhere (a split, an
     fp16/fp32 output) fp32 partials and the XLA epilogue, logged. The grouped kernel refuses it
-    (``MosaicMoEConfig.bf16_partials`` is its form). Passes the oracle GPU tests (session 10);
-    ``AUTO_SM90`` uses it where it measured faster (M = 64 unsplit buckets).
-    cluster_reduce: dense kernel, split_k 2..8, one warpgroup: the ``split`` CTAs of an output
-    tile run as one thread-block cluster and sum their partials in the kernel (each CTA after
-    the first stores its fp32 accumulator into the first CTA's shared memory, a cluster barrier
-    with release/acquire semantics, the first CTA adds them in split order and stores
-    ``alpha * sum`` as bf16, or fp32 for other output dtypes): one launch per call instead of
-    the kernel and XLA's split-K sum. Passes the oracle GPU tests (session 15) but measured
-    slower than the split kernel and XLA's sum at every decode shape (28672x8192 M = 1: 47.3
-    against 45.7 us; split 8 up to 11 us slower: the cluster's CTAs are co-scheduled and CTA
-    0 adds the partials after the barrier), so ``AUTO_SM90`` does not use it. The store into
-    a peer CTA's shared memory lowers only under Mosaic's lane semantics (JAX >= 0.11's
-    default, warpgroup semantics, has no lowering for a vector store to cluster shared
-    memory), so the clustered kernel runs ``semantics="lane"`` unless told otherwise, and
-    refuses ``"warpgroup"``.
-    semantics: Mosaic GPU lowering semantics of the kernel: ``"default"`` (JAX's default:
-    lane in JAX 0.10, warpgroup in JAX 0.11; lane for ``cluster_reduce``), ``"lane"`` or
-    ``"warpgroup"``. The same kernel body either way; the generated code differs: lane
-    measured the same or up to 4 % slower on the H200 (session 15), so the default stays.
+    (``MosaicMoEConfig.bf16_partials`` is its form).
+    measured: provenance of a tuning-table entry (shape, time against the alternatives, GPU,
+    date); not part of the configuration (ignored by ``==`` and ``hash``).
     """
 
     block_n: int = 128
     split_k: int = 1
     num_stages: int = 4
     block_k: int = 256
-    prefetch: int = 0
     overlap: bool = False
     consumers: int = 1
     bf16_store: bool = False
-    cluster_reduce: bool = False
-    semantics: str = "default"
+    measured: str = dataclasses.field(default="", compare=False)
 
     def __post_init__(self) -> None:
         if self.block_n not in (64, 128):
@@ -126,32 +101,17 @@ class MosaicConfig:
             raise ValueError(f"MosaicConfig.num_stages: expected 2..8, got {self.num_stages}")
         if self.block_k not in BLOCK_KS:
             raise ValueError(f"MosaicConfig.block_k: expected one of {BLOCK_KS}, got {self.block_k}")
-        if not 0 <= self.prefetch <= 16:
-            raise ValueError(f"MosaicConfig.prefetch: expected 0..16 steps, got {self.prefetch}")
-        for name in ("overlap", "bf16_store", "cluster_reduce"):
+        for name in ("overlap", "bf16_store"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"MosaicConfig.{name}: expected a bool, got {getattr(self, name)!r}")
-        if self.semantics not in SEMANTICS:
-            raise ValueError(f"MosaicConfig.semantics: expected one of {SEMANTICS}, got "
-                             f"{self.semantics!r}")
-        if self.cluster_reduce and self.semantics == "warpgroup":
-            raise ValueError("MosaicConfig.semantics: cluster_reduce needs lane semantics (the "
-                             "store into a peer CTA's shared memory has no warpgroup lowering); "
-                             "use 'default' or 'lane'")
         if self.consumers not in (1, 2, 3):
-            # 4 compute warpgroups hung on the H200 (session 9, three shapes). Likely cause, by
-            # arithmetic: 5 warpgroups (640 threads) launch with 96 registers per thread (65536
-            # / 640 rounded down to a multiple of 8), 480 per thread slot in all, but
-            # emit_pipeline_warp_specialized hands out 512 (producer 40, consumers 4 x 112 =
-            # 488): their setmaxnreg.inc waits on the CTA's register pool forever. 2 and 3
-            # consumers fit exactly (3 x 168 = 504 >= 40 + 2 x 232; 4 x 128 = 512 >= 40 + 3 x 152)
+            # 4 compute warpgroups hang on the H200. By arithmetic: 5 warpgroups (640 threads)
+            # launch with 96 registers per thread (65536 / 640 rounded down to a multiple of 8),
+            # 480 per thread slot in all, but emit_pipeline_warp_specialized hands out 512
+            # (producer 40, consumers 4 x 112 = 488): their setmaxnreg.inc waits on the CTA's
+            # register pool forever. 2 and 3 consumers fit exactly (3 x 168 = 504 >= 40 + 2 x
+            # 232; 4 x 128 = 512 >= 40 + 3 x 152)
             raise ValueError(f"MosaicConfig.consumers: expected 1..3, got {self.consumers}")
-        if self.consumers > 1 and self.prefetch:
-            raise ValueError("MosaicConfig.prefetch: not available with consumers > 1")
-        if self.cluster_reduce and (self.consumers > 1 or not 2 <= self.split_k <= MAX_CLUSTER):
-            raise ValueError(f"MosaicConfig.cluster_reduce: needs consumers=1 and split_k in "
-                             f"2..{MAX_CLUSTER} (one cluster of CTAs per output tile), got "
-                             f"consumers={self.consumers}, split_k={self.split_k}")
 
     def smem_bytes(self, m_tile: int, whole_k: int | None = None) -> int:
         """Shared memory of one CTA: the larger of the pipeline stages (codes, scales, x) and
@@ -171,50 +131,51 @@ class MosaicConfig:
             extra = 0
         else:
             extra = whole_k_pair_rows(self.block_n, whole_k) * 2 * (whole_k // 16)
-        # cluster_reduce: the other splits' fp32 partials, kernel-level scratch (peers write it
-        # while this CTA's pipeline may still run)
-        red = (self.split_k - 1) * self.block_n * m_tile * 4 if self.cluster_reduce else 0
-        return max(self.num_stages * stage + extra, self.block_n * m_tile * 4) + red
+        return max(self.num_stages * stage + extra, self.block_n * m_tile * 4)
 
 
-# Shapes where backend="auto" picks this kernel on sm_90: (M bucket, N, K) -> config, the bucket
-# 16 (M <= 16) or 64 (M <= 64) as configs.m_bucket, or 8 (M <= 8, looked up first, where the
-# 8-token tile measured a different best config). Only buckets MEASURED faster than the
-# Pallas-Triton config are listed: H200, JAX 0.11.2, in-graph medians of bench/mosaic_sweep.py
-# (round 4, 2026-11-29 23:30 UTC, bench/results/mosaic-sweep-round4-h200.json; us: this config
-# / Pallas-Triton / bf16 jnp.dot).
-# Two stages won almost everywhere: a smaller SMEM footprint (more CTAs per SM) beats depth.
+#: Shapes where backend="auto" picks this kernel on sm_90: (M bucket, N, K) -> config, the bucket
+#: 16 (M <= 16) or 64 (M <= 64) as configs.m_bucket, or 8 (M <= 8, looked up first, where the
+#: 8-token tile has a different best config). Only buckets measured faster than the
+#: Pallas-Triton config are listed. ``measured``: in-graph medians of bench/mosaic_sweep.py
+#: (H200, JAX 0.11.2), this config / Pallas-Triton / bf16 jnp.dot, and the runner-up. Two
+#: stages win almost everywhere: a smaller SMEM footprint (more CTAs per SM) beats depth.
 AUTO_SM90: dict[tuple[int, int, int], MosaicConfig] = {
-    # 54.1 / 101.5 / 133.9 (2.44 TB/s); the previous entry (64, 2, 4 stages): 62.6
-    (16, 28672, 8192): MosaicConfig(block_n=64, split_k=4, num_stages=2),
-    # 82.0 / 154.2 / 127.5 (median of 5 interleaved rounds, spread 80.2-84.2): one warpgroup,
-    # the kernel storing bf16 itself. Session 10, bench/results/mosaic-sweep-round9-h200.json:
-    # 82.5 without bf16_store, 83.4 with two compute warpgroups (session 9's 79.7 vs 82.3 for
-    # them was within this spread), 88.4 with both (slower in all three sweeps). block_n 128
-    # fits two CTAs per SM since the output tile reuses the stage buffers (round 7)
-    (64, 28672, 8192): MosaicConfig(block_n=128, split_k=1, num_stages=2, bf16_store=True),
-    # 11.1 / 20.7 / 15.8 (same run; next 128/4/2 12.4); this bucket used Pallas-Triton before
-    (64, 4096, 4096): MosaicConfig(block_n=64, split_k=4, num_stages=2),
-    # 13.5 / 36.9 / 39.3 (next best config 17.4)
-    (16, 4096, 14336): MosaicConfig(block_n=128, split_k=8, num_stages=2),
-    # 23.1 / 49.2 / 46.0
-    (64, 4096, 14336): MosaicConfig(block_n=64, split_k=4, num_stages=2),
-    # 17.5 / 38.2 / 42.4
-    (16, 14336, 4096): MosaicConfig(block_n=64, split_k=8, num_stages=2),
-    # 23.1 / 63.1 / 43.5 with the kernel storing bf16 itself (session 10: 23.1 and 23.9 in two
-    # sweeps against 26.4 and 26.0 for the XLA epilogue; bench/results/mosaic-sweep-round9-h200.json)
-    (64, 14336, 4096): MosaicConfig(block_n=64, split_k=1, num_stages=2, bf16_store=True),
-    # 5.6 / 15.3 / 12.5; the other seven configs 8.2-9.1 (the round-3 entry, 4 stages: 9.1).
-    # At ~10 us a call is ~3 launches and moves by up to 2x between runs (NOTES-gemm.md).
-    (16, 4096, 4096): MosaicConfig(block_n=128, split_k=8, num_stages=3),
-    # M <= 8 (8-token tile), looked up before the M <= 16 entry: the next 128-deep group's
-    # decode under the previous wgmma (overlap). Session 18, bench/results/
-    # mosaic-sweep-round12-h200.json, median of 3 interleaved rounds [range], us: 28672x8192
-    # 43.9 [43.4-44.1] vs 45.0 [44.7-45.2]; 4096x14336 15.4 [15.4-15.6] vs 15.9 [15.8-15.9].
-    # At M = 16 overlap lost or tied on these shapes (51.2 vs 50.3; 16.3 vs 16.5), and on
-    # 14336x4096 at both M (15.1 vs 14.8; 18.5 vs 17.1), so those entries keep it off.
-    (8, 28672, 8192): MosaicConfig(block_n=64, split_k=4, num_stages=2, overlap=True),
-    (8, 4096, 14336): MosaicConfig(block_n=128, split_k=8, num_stages=2, overlap=True),
+    (16, 28672, 8192): MosaicConfig(
+        block_n=64, split_k=4, num_stages=2,
+        measured="54.1 / 101.5 / 133.9 us; 4 stages 62.6 (h200, 2026-11-29)"),
+    # block_n 128 fits two CTAs per SM: the output tile reuses the stage buffers
+    (64, 28672, 8192): MosaicConfig(
+        block_n=128, split_k=1, num_stages=2, bf16_store=True,
+        measured="82.0 / 154.2 / 127.5 us; fp32 store 82.5, two warpgroups 83.4, "
+                 "both 88.4 (h200, 2026-11-30)"),
+    (64, 4096, 4096): MosaicConfig(
+        block_n=64, split_k=4, num_stages=2,
+        measured="11.1 / 20.7 / 15.8 us; block_n 128 12.4 (h200, 2026-11-29)"),
+    (16, 4096, 14336): MosaicConfig(
+        block_n=128, split_k=8, num_stages=2,
+        measured="13.5 / 36.9 / 39.3 us; next config 17.4 (h200, 2026-11-29)"),
+    (64, 4096, 14336): MosaicConfig(
+        block_n=64, split_k=4, num_stages=2,
+        measured="23.1 / 49.2 / 46.0 us (h200, 2026-11-29)"),
+    (16, 14336, 4096): MosaicConfig(
+        block_n=64, split_k=8, num_stages=2,
+        measured="17.5 / 38.2 / 42.4 us (h200, 2026-11-29)"),
+    (64, 14336, 4096): MosaicConfig(
+        block_n=64, split_k=1, num_stages=2, bf16_store=True,
+        measured="23.1 / 63.1 / 43.5 us; fp32 store 26.4 (h200, 2026-11-30)"),
+    # at ~10 us a call is ~3 launches and moves by up to 2x between runs
+    (16, 4096, 4096): MosaicConfig(
+        block_n=128, split_k=8, num_stages=3,
+        measured="5.6 / 15.3 / 12.5 us; seven other configs 8.2-9.1 (h200, 2026-11-29)"),
+    # overlap pays only at the 8-token tile on these two shapes: at M = 16 it loses or ties
+    # (51.2 vs 50.3; 16.3 vs 16.5 us), on 14336x4096 at both M (15.1 vs 14.8; 18.5 vs 17.1)
+    (8, 28672, 8192): MosaicConfig(
+        block_n=64, split_k=4, num_stages=2, overlap=True,
+        measured="43.9 us vs 45.0 without overlap (h200, 2026-12-01)"),
+    (8, 4096, 14336): MosaicConfig(
+        block_n=128, split_k=8, num_stages=2, overlap=True,
+        measured="15.4 us vs 15.9 without overlap (h200, 2026-12-01)"),
 }
 
 
@@ -229,8 +190,8 @@ def auto_config(m: int, n: int, k: int) -> MosaicConfig | None:
 
 
 def default_config(m: int, n: int, k: int) -> MosaicConfig:
-    """Heuristic for unmeasured shapes: two stages (round 4 sweep), >= 256 CTAs (split-K for
-    small N, keeping >= 2 steps per CTA), 64-row tiles for 64-token tiles."""
+    """Heuristic for unmeasured shapes: two stages (the sweep's best almost everywhere), >= 256
+    CTAs (split-K for small N, keeping >= 2 steps per CTA), 64-row tiles for 64-token tiles."""
     mt = token_tile(m)
     bn = 128 if mt <= 32 else 64
     tiles = -(-n // bn)
@@ -260,8 +221,8 @@ def check_supported(m: int, n: int, k: int) -> None:
 
 def permute_k_order(v: jax.Array) -> jax.Array:
     """[..., K] (K % 128 == 0) -> K permuted within 128-groups as the wgmma A fragment: position
-    32w + 8j + 2c + l holds element 32c + 8w + 4l + j (``_PERM``). Reshapes and a transpose
-    only, so Pallas kernels call it too (the MoE glue, ``moe/epilogue.py``)."""
+    32w + 8j + 2c + l holds element 32c + 8w + 4l + j (``PERM``). Reshapes and a transpose
+    only, so Pallas kernels call it too (the MoE glue kernels, ``gemm/operand.py``)."""
     *lead, k = v.shape
     r = len(lead)
     v = v.reshape(*lead, k // 128, 4, 4, 2, 4)  # [..., g, c, w, l, j]
@@ -270,7 +231,7 @@ def permute_k_order(v: jax.Array) -> jax.Array:
 
 
 def permute_x(x: jax.Array, mt: int) -> jax.Array:
-    """x [M, K] -> [mt, K] bf16: zero-padded tokens, K permuted within 128-groups (``_PERM``)."""
+    """x [M, K] -> [mt, K] bf16: zero-padded tokens, K permuted within 128-groups (``PERM``)."""
     return jnp.pad(permute_k_order(x), ((0, mt - x.shape[0]), (0, 0)))
 
 
@@ -420,7 +381,7 @@ def _decode_fn(block_n: int, g: int, block_k: int = BLOCK_K, scale_stride: int |
                         _DECODE_WORD,
                         "=r,=r,=r,=r,r,r,r",
                     )
-                    for j in range(4):  # fragment column tile 4w + j (see _PERM)
+                    for j in range(4):  # fragment column tile 4w + j (see PERM)
                         v = llvm.extractvalue(i32, out, [j])
                         regs[rb, 4 * w + j, 0, 0, h, 0, 0, 0, 0] = utils.bitcast(v, v2bf16)
         return fa.FragmentedArray(_registers=regs, _layout=fa.WGMMA_LAYOUT, _is_signed=None)
@@ -487,7 +448,7 @@ def split_steps(k: int, block_k: int, split: int, *, padded: bool = False) -> in
     return -(-total // split)
 
 
-def _pallas_mosaic_gpu():
+def pallas_mosaic_gpu():
     """(pl, plgpu), with pallas_call's Mosaic GPU lowering registered."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -550,7 +511,7 @@ def whole_k_supported(n: int, k: int) -> bool:
 
 def _x_spec(m_tile: int, block_k: int):
     """The pipeline's x tile [m_tile, block_k] bf16, 128-byte swizzled (the wgmma B operand)."""
-    _, plgpu = _pallas_mosaic_gpu()
+    _, plgpu = pallas_mosaic_gpu()
     return plgpu.BlockSpec((m_tile, block_k), lambda i: (0, i),
                            transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))
 
@@ -559,7 +520,7 @@ def _step_mma(cfg: MosaicConfig, *, scale_stride: int | None = None, swizzled: b
     """One pipeline step's work for one warpgroup, shared by ``accumulate_tile`` and
     ``accumulate_tiles_ws``: ``mma(acc_ref, codes_smem, scales_smem, x_smem)`` decodes each
     128-deep group of the step (``_decode_fn``) and runs its wgmma against x."""
-    pl, plgpu = _pallas_mosaic_gpu()
+    pl, plgpu = pallas_mosaic_gpu()
     bn, bk = cfg.block_n, cfg.block_k
     groups = bk // 128
     decode = [
@@ -583,8 +544,8 @@ def _step_mma(cfg: MosaicConfig, *, scale_stride: int | None = None, swizzled: b
             # reads. With overlap, at most one wgmma stays in flight while the next group
             # decodes (ptxas sees the wgmma's register operands in the inline PTX; the GPU
             # tests check the results). Either way nothing is in flight at the step's end,
-            # so the pipeline may release the stage then (delay_release = 0): an earlier
-            # variant that left a wgmma in flight across the release read overwritten x.
+            # so the pipeline may release the stage then (delay_release = 0): a wgmma left in
+            # flight across the release would read an x stage already overwritten.
             plgpu.wgmma_wait(1 if cfg.overlap and g + 1 < groups else 0)
 
     return mma
@@ -612,7 +573,7 @@ def accumulate_tile(sources, *, cfg: MosaicConfig, m_tile: int, steps: int,
     (twice the scale bytes the CTA needs, 1/8 of its code bytes more), ``s_off`` = 0 or 8 for
     the CTA of its first or last 64 rows.
     """
-    pl, plgpu = _pallas_mosaic_gpu()
+    pl, plgpu = pallas_mosaic_gpu()
     bn, bk = cfg.block_n, cfg.block_k
     if whole_k is not None and (bk != BLOCK_K or whole_k % BLOCK_K != 128):
         raise ValueError(f"config: whole-K scales need block_k={BLOCK_K} and K % 256 == 128, "
@@ -622,13 +583,6 @@ def accumulate_tile(sources, *, cfg: MosaicConfig, m_tile: int, steps: int,
     sstride = None if whole_k is None else whole_k // 16
     chunk = None if whole_k is None else whole_k_chunk(whole_k)
     mma = _step_mma(cfg, scale_stride=sstride, swizzled=swizzled)
-    prefetch = getattr(plgpu, "async_prefetch", None) if cfg.prefetch else None
-    if cfg.prefetch and prefetch is None:
-        log.warning("MosaicConfig.prefetch=%d ignored: this JAX has no plgpu.async_prefetch",
-                    cfg.prefetch)
-    if whole_k is not None and cfg.prefetch:
-        log.warning("MosaicConfig.prefetch ignored with whole-K scales (K=%d)", whole_k)
-        prefetch = None
 
     def acc_scope(acc_ref, s_all=None, barrier=None):
         if whole_k is None:
@@ -650,14 +604,6 @@ def accumulate_tile(sources, *, cfg: MosaicConfig, m_tile: int, steps: int,
 
                 off = idx[0] * 16  # the step's 16 scale bytes within every row
                 s_smem = s_all.at[:, pl.ds(off // chunk, 1), pl.ds(off % chunk, 16)]
-            if prefetch is not None:
-                ahead = idx[0] + cfg.prefetch
-
-                @pl.when(ahead < steps)
-                def _():
-                    prefetch(c_src.at[:, pl.ds(ahead * (bk // 2), bk // 2)])
-                    prefetch(s_src.at[:, pl.ds(ahead * (bk // 16), bk // 16)])
-
             mma(acc_ref, c_smem, s_smem, x_smem, s_off)
 
         specs = [plgpu.BlockSpec((bn, bk // 2), lambda i: (0, i))]
@@ -697,7 +643,7 @@ def accumulate_tiles_ws(sources, finish, *, cfg: MosaicConfig, m_tile: int, step
     128-row tiles of ``swizzled_128x4`` scales, [consumers, Kp/2, 256] (``swizzled_tile_view``
     rows), and each step copies block_k/32 rows of each; K % 256 == 128 works as in
     ``accumulate_tile`` (the last step's missing half reads zeros)."""
-    pl, plgpu = _pallas_mosaic_gpu()
+    pl, plgpu = pallas_mosaic_gpu()
     bn, bk, nc = cfg.block_n, cfg.block_k, cfg.consumers
     mma = _step_mma(cfg, swizzled=swizzled)
 
@@ -753,14 +699,14 @@ def accumulate_and_store(sources, dst, *, cfg: MosaicConfig, m_tile: int, steps:
 
 
 def ws_kernel_kw(cfg: MosaicConfig, m_tile: int, dtype) -> dict:
-    """``mosaic_kernel`` arguments for ``cfg``: its lowering semantics; with more than one
-    warpgroup also the consumers' output tiles (SMEM scratch [consumers, m_tile, block_n] of
-    the output dtype, the last kernel operand) and ``consumers + 1`` warpgroups."""
+    """``mosaic_kernel`` arguments for ``cfg``: with more than one warpgroup the consumers'
+    output tiles (SMEM scratch [consumers, m_tile, block_n] of the output dtype, the last
+    kernel operand) and ``consumers + 1`` warpgroups; none with one."""
     if cfg.consumers == 1:
-        return {"semantics": cfg.semantics}
-    _, plgpu = _pallas_mosaic_gpu()
+        return {}
+    _, plgpu = pallas_mosaic_gpu()
     return {"scratch": [plgpu.SMEM((cfg.consumers, m_tile, cfg.block_n), dtype)],
-            "num_threads": cfg.consumers + 1, "semantics": cfg.semantics}
+            "num_threads": cfg.consumers + 1}
 
 
 def store_tile(acc, o_dst, *, scale=None) -> None:
@@ -777,9 +723,9 @@ def store_tile(acc, o_dst, *, scale=None) -> None:
     scale: None, or an fp32 scalar: the tile is stored as acc * scale (one fp32 multiply) in
     ``o_dst``'s dtype: bf16 (one round to nearest even; half the bytes of fp32 partials, for
     consumers whose first step is exactly that rounding: TensorRT-LLM's bf16 GEMM outputs) or
-    fp32 (``cluster_reduce`` with an fp32 output).
+    fp32.
     """
-    pl, plgpu = _pallas_mosaic_gpu()
+    pl, plgpu = pallas_mosaic_gpu()
     bn, mt = acc.shape
     pl.run_scoped(lambda o_smem: write_tile(o_smem, acc, o_dst, scale=scale),
                   plgpu.SMEM((mt, bn), o_dst.dtype))
@@ -789,7 +735,7 @@ def write_tile(o_smem, acc, o_dst, *, scale=None) -> None:
     """The fp32 accumulator [block_n, m_tile] (times ``scale`` if given, in ``o_smem``'s dtype)
     -> SMEM tile ``o_smem`` [m_tile, block_n] (transposed: the WGMMA_TRANSPOSED layout) ->
     GMEM ``o_dst`` by TMA, issued and awaited by the calling warpgroup."""
-    _, plgpu = _pallas_mosaic_gpu()
+    _, plgpu = pallas_mosaic_gpu()
     if scale is not None:
         acc = acc * scale
     if acc.dtype != o_smem.dtype:
@@ -800,16 +746,13 @@ def write_tile(o_smem, acc, o_dst, *, scale=None) -> None:
     plgpu.wait_smem_to_gmem(0)
 
 
-def mosaic_kernel(body, *, out_type, grid, grid_names, scratch=None, num_threads=None,
-                  cluster=None, semantics="default"):
+def mosaic_kernel(body, *, out_type, grid, grid_names, scratch=None, num_threads=None):
     """``plgpu.kernel`` across JAX versions (``out_type``/``scratch_types`` in JAX >= 0.10.2,
     ``out_shape``/``scratch_shapes`` before). Without ``scratch`` there is no kernel-level
     scratch: the body allocates its SMEM in scopes (``accumulate_tile``, ``store_tile``).
-    ``num_threads``: warpgroups per CTA (warp-specialized kernels; axis name "wg").
-    ``cluster``: CTAs per thread-block cluster along one axis named "s" (``grid`` then counts
-    clusters). ``semantics``: ``MosaicConfig.semantics`` ("default" leaves JAX's). Named after
-    ``body``."""
-    _, plgpu = _pallas_mosaic_gpu()
+    ``num_threads``: warpgroups per CTA (warp-specialized kernels; axis name "wg"). Lowered
+    with JAX's default Mosaic semantics. Named after ``body``."""
+    _, plgpu = pallas_mosaic_gpu()
     params = inspect.signature(plgpu.kernel).parameters
     new_api = "out_type" in params and "scratch_types" in params
     kw = {"out_type" if new_api else "out_shape": out_type}
@@ -817,40 +760,13 @@ def mosaic_kernel(body, *, out_type, grid, grid_names, scratch=None, num_threads
         kw["scratch_types" if new_api else "scratch_shapes"] = scratch
     if num_threads is not None:
         kw.update(num_threads=num_threads, thread_name="wg")
-    if cluster is not None:
-        kw.update(cluster=(cluster,), cluster_names=("s",))
-    if semantics != "default":
-        from jax.experimental.mosaic import gpu as mgpu
-        sem = {"lane": mgpu.LoweringSemantics.Lane, "warpgroup": mgpu.LoweringSemantics.Warpgroup}
-        kw["compiler_params"] = plgpu.CompilerParams(lowering_semantics=sem[semantics])
     return plgpu.kernel(body, grid=grid, grid_names=grid_names, **kw)
-
-
-_CLUSTER_SYNC = "barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;"
-
-
-def cluster_sync() -> None:
-    """Kernel-body building block: every thread of every CTA in the cluster arrives at the
-    cluster barrier with release semantics and waits with acquire semantics (PTX
-    ``barrier.cluster``): shared-memory writes made before it by any thread of the cluster,
-    to its own CTA's memory or a peer's (``plgpu.cluster_ref``), are visible to every thread
-    of the cluster after it. All threads of all the cluster's CTAs must call it."""
-    _, plgpu = _pallas_mosaic_gpu()
-
-    @plgpu.inline_mgpu()
-    def sync(_launch_ctx):
-        from jax._src.lib.mlir import ir
-        from jax._src.lib.mlir.dialects import llvm
-
-        llvm.inline_asm(ir.Type.parse("!llvm.void"), [], _CLUSTER_SYNC, "", has_side_effects=True)
-
-    sync()
 
 
 def _k_range_sources(x_gmem, c_gmem, s_gmem, n0, rows: int, si, ks: int):
     """The dense kernels' ``sources`` for ``accumulate_tile``: weight rows [n0, n0 + rows) and
     K range ``si`` of length ``ks`` (codes, scales, x)."""
-    pl, _ = _pallas_mosaic_gpu()
+    pl, _ = pallas_mosaic_gpu()
 
     def sources():
         return (c_gmem.at[pl.ds(n0, rows), pl.ds(si * (ks // 2), ks // 2)],
@@ -860,18 +776,13 @@ def _k_range_sources(x_gmem, c_gmem, s_gmem, n0, rows: int, si, ks: int):
     return sources
 
 
-def _build(m_tile: int, n: int, k: int, cfg: MosaicConfig, split: int, scaled: bool = False,
-           clustered=None):
+def _build(m_tile: int, n: int, k: int, cfg: MosaicConfig, split: int, scaled: bool = False):
     """The dense kernel: CTA tiles of ``consumers * block_n`` weight rows (one warpgroup,
     ``accumulate_tile``; or ``consumers`` compute warpgroups, ``accumulate_tiles_ws``).
-    Operands (x, codes, scales[, alpha fp32 [1] if ``scaled`` or ``clustered``]); output
-    [split, m_tile, N padded to whole CTA tiles]: fp32 partials, or bf16(acc * alpha *
-    POST_SCALE) if ``scaled`` (split 1: the finished output, no XLA epilogue).
-    clustered: None, or the output dtype (bf16 or fp32) of ``cluster_reduce``: the ``split``
-    CTAs of a tile are one cluster (``_build_clustered``), output [1, m_tile, N padded]."""
-    if clustered is not None:
-        return _build_clustered(m_tile, n, k, cfg, split, clustered)
-    pl, _ = _pallas_mosaic_gpu()
+    Operands (x, codes, scales[, alpha fp32 [1] if ``scaled``]); output [split, m_tile, N
+    padded to whole CTA tiles]: fp32 partials, or bf16(acc * alpha * POST_SCALE) if ``scaled``
+    (split 1: the finished output, no XLA epilogue)."""
+    pl, _ = pallas_mosaic_gpu()
     bn, nc = cfg.block_n, cfg.consumers
     rows = nc * bn
     n_tiles = -(-n // rows)
@@ -900,52 +811,6 @@ def _build(m_tile: int, n: int, k: int, cfg: MosaicConfig, split: int, scaled: b
     def make(out):
         return mosaic_kernel(nvfp4_w4a16_mosaic, out_type=out, grid=(n_tiles, split),
                              grid_names=("n", "s"), **ws_kernel_kw(cfg, m_tile, dtype))
-
-    return make, out_type
-
-
-def _build_clustered(m_tile: int, n: int, k: int, cfg: MosaicConfig, split: int, dtype):
-    """The dense kernel with ``cluster_reduce``: grid (N tiles,) of clusters of ``split`` CTAs
-    (cluster axis "s" = the K range). Each CTA accumulates its K range as the unclustered
-    kernel does; CTA s > 0 stores its fp32 accumulator [block_n, m_tile] (WGMMA register
-    layout, stored and loaded alike) into slot s - 1 of CTA 0's scratch [split - 1, block_n,
-    m_tile]; ``cluster_sync``; CTA 0 adds the slots in split order to its own accumulator and
-    stores ``(sum * alpha * POST_SCALE)`` in ``dtype`` (``store_tile``). Operands (x, codes,
-    scales, alpha fp32 [1]); output [1, m_tile, N padded]."""
-    pl, plgpu = _pallas_mosaic_gpu()
-    bn = cfg.block_n
-    n_tiles = -(-n // bn)
-    ks = k // split
-    steps = ks // cfg.block_k
-
-    def nvfp4_w4a16_mosaic_cluster(x_gmem, c_gmem, s_gmem, a_gmem, o_gmem, red):
-        ni = lax.axis_index("n")
-        si = lax.axis_index("s")
-        n0 = ni * bn
-        scale = a_gmem[0] * jnp.float32(POST_SCALE)
-        sources = _k_range_sources(x_gmem, c_gmem, s_gmem, n0, bn, si, ks)
-        acc = accumulate_tile(sources, cfg=cfg, m_tile=m_tile, steps=steps)
-
-        @pl.when(si != 0)
-        def _():
-            plgpu.cluster_ref(red, {"s": 0})[si - 1] = acc
-
-        cluster_sync()
-
-        @pl.when(si == 0)
-        def _():
-            tot = acc
-            for j in range(split - 1):
-                tot = tot + plgpu.load(red.at[j], (), layout=plgpu.Layout.WGMMA)
-            store_tile(tot, o_gmem.at[0, :, pl.ds(n0, bn)], scale=scale)
-
-    out_type = jax.ShapeDtypeStruct((1, m_tile, n_tiles * bn), dtype)
-
-    def make(out):
-        return mosaic_kernel(nvfp4_w4a16_mosaic_cluster, out_type=out, grid=(n_tiles,),
-                             grid_names=("n",), cluster=split,
-                             semantics="lane",  # MosaicConfig refuses warpgroup here
-                             scratch=[plgpu.SMEM((split - 1, bn, m_tile), jnp.float32)])
 
     return make, out_type
 
@@ -1008,28 +873,19 @@ def matmul_mosaic(
     if w_scales.dtype != jnp.uint8:
         w_scales = lax.bitcast_convert_type(w_scales, jnp.uint8)
     xp = x if rows is not None else permute_x(x, mt)
-    # cluster_reduce: the split CTAs of a tile sum their partials in the kernel and store
-    # alpha * POST_SCALE * sum (bf16, else fp32 and XLA's cast); no XLA epilogue
-    clustered = None
-    if cfg.cluster_reduce:
-        if split > 1:
-            clustered = jnp.bfloat16 if jnp.dtype(out_dtype) == jnp.bfloat16 else jnp.float32
-        else:
-            log.info("nvfp4_jax.gemm: cluster_reduce with K=%d runs unsplit (split_k %d -> 1): "
-                     "nothing to reduce", k, cfg.split_k)
     # bf16_store: the kernel stores bf16(acc * alpha * POST_SCALE), the same fp32 multiply and
     # round to nearest even as the XLA epilogue, one launch fewer
     scaled = cfg.bf16_store and split == 1 and jnp.dtype(out_dtype) == jnp.bfloat16
     if cfg.bf16_store and not scaled:
         log.info("nvfp4_jax.gemm: bf16_store needs split_k 1 and a bf16 output (split %d, %s): "
                  "fp32 partials and the XLA epilogue", split, jnp.dtype(out_dtype).name)
-    make, out_type = _build(mt, n, k, cfg, split, scaled=scaled, clustered=clustered)
+    make, out_type = _build(mt, n, k, cfg, split, scaled=scaled)
     if poison and not isinstance(x, jax.core.Tracer):
         # best effort (plgpu.kernel has no input_output_aliases): free a NaN buffer of the
         # output's size just before the call, so the allocator tends to hand that memory to
         # the kernel's output and a skipped tile reads NaN (or stale data from another call)
         jax.block_until_ready(jnp.full(out_type.shape, jnp.nan, out_type.dtype)).delete()
-    if clustered is not None or scaled:  # the kernel's output is the finished product
+    if scaled:  # the kernel's output is the finished product
         out = make(out_type)(xp, w_codes, w_scales, alpha.reshape(1))[0, :m, :n]
         return out.astype(out_dtype)
     part = make(out_type)(xp, w_codes, w_scales)  # [split, mt, N_pad] fp32

@@ -24,25 +24,25 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from ..triton_ops import div_rn, requantize, row_tile
+from .mosaic import permute_k_order
+
 #: most activation elements one program quantizes (fp32 registers: 32 per thread at 4 warps)
 PROGRAM_ELEMS = 4096
 
 
 def _kernel(s_ref, x_ref, o_ref, *, m: int, bm: int, bk: int, permute: bool, exact_asm: bool):
-    from ..moe.pallas_triton import _div_rn, _requantize
-    from .mosaic import permute_k_order
-
     r0 = pl.program_id(0) * bm
     k0 = pl.program_id(1) * bk
     s = s_ref[...].reshape(1, 1)  # a [1, 1] tile: Triton's inline asm takes tensors, not scalars
-    g = _div_rn(1.0, s, exact_asm)  # G = fp32(1 / input_scale), IEEE
-    rg = _div_rn(1.0, g, exact_asm)  # fp32(1 / G), the recipe's
+    g = div_rn(1.0, s, exact_asm)  # G = fp32(1 / input_scale), IEEE
+    rg = div_rn(1.0, g, exact_asm)  # fp32(1 / G), the recipe's
     rows = r0 + lax.broadcasted_iota(jnp.int32, (bm, 1), 0)
     cols = k0 + lax.broadcasted_iota(jnp.int32, (1, bk), 1)
     live = rows < m
     x = plgpu.load(x_ref.at[jnp.minimum(rows, m - 1), cols]).astype(jnp.float32)
     x = jnp.where(live, x, 0.0)  # rows past M quantize to zeros (the Mosaic tile's padding)
-    q = _requantize(x.reshape(bm, bk // 16, 16), g, rg, "trtllm", exact_asm).reshape(bm, bk)
+    q = requantize(x.reshape(bm, bk // 16, 16), g, rg, "trtllm", exact_asm).reshape(bm, bk)
     if permute:
         q = permute_k_order(q)
     plgpu.store(o_ref.at[rows, cols], q.astype(jnp.bfloat16), mask=rows < o_ref.shape[0])
@@ -68,9 +68,7 @@ def w4a4_operand(x: jax.Array, input_scale: jax.Array, *, rows: int | None = Non
     s = jnp.asarray(input_scale, jnp.float32).reshape(-1)
     if s.shape != (1,):
         raise ValueError(f"input_scale: expected an fp32 scalar, got shape {jnp.shape(input_scale)}")
-    from ..moe.epilogue import _row_tile  # the glue kernels' column tile (power of two <= 2048)
-
-    bk = _row_tile(k)
+    bk = row_tile(k)
     bm = max(1, min(8, PROGRAM_ELEMS // bk))
     kern = functools.partial(_kernel, m=m, bm=bm, bk=bk, permute=permute, exact_asm=not interpret)
     return pl.pallas_call(

@@ -43,6 +43,7 @@ class Config:
     block_m: tokens per tile (MMA N slot, >= 16). block_n: output features per tile (MMA M slot).
     block_k: K elements per loop step (>= 32). split_k: K ranges run by separate programs.
     algo: "fused" (this kernel) or "dequant_dot" (dequantize W to bf16 once, then jnp.dot).
+    measured: provenance of a tuning-table entry (``configs.TUNED``); ignored by ``==``.
     """
 
     block_m: int = 16
@@ -55,7 +56,7 @@ class Config:
     decode: str = "asm"
     algo: str = "fused"
     load2d: bool = False  # load codes as a 2-D [BN, BK/2] tile (wider vector loads), then reshape
-    scale_gather: bool = False  # gather one scale per code byte (2-D, all-elementwise decode)
+    measured: str = dataclasses.field(default="", compare=False)  # a tuning entry's provenance
 
     def __post_init__(self) -> None:
         check_tile_config(self, ("block_m", "block_n", "block_k", "split_k", "num_warps", "group_m"))
@@ -107,21 +108,15 @@ def _gemm_kernel(
         kb_mask = (kb0 + jnp.arange(BKB)) < KB
         w_mask = n_mask[:, None] & kb_mask[None, :]
         k2_mask = n_mask[:, None] & ((kb0 * 8 + jnp.arange(BK2)) < K2)[None, :]
-        if cfg.scale_gather:
-            codes = plgpu.load(c_ref.at[pl.ds(n0, BN), pl.ds(kb0 * 8, BK2)], mask=k2_mask, other=0)
-            rows = jnp.minimum(n0 + jnp.arange(BN), N - 1)[:, None]
-            cols = jnp.minimum(kb0 + jnp.arange(BK2) // 8, KB - 1)[None, :]
-            scales = plgpu.load(s_ref.at[rows, cols], mask=k2_mask, other=0)  # [BN, BK/2]
+        if cfg.load2d:
+            codes = plgpu.load(
+                c_ref.at[pl.ds(n0, BN), pl.ds(kb0 * 8, BK2)], mask=k2_mask, other=0
+            ).reshape(BN, BKB, 8)
         else:
-            if cfg.load2d:
-                codes = plgpu.load(
-                    c_ref.at[pl.ds(n0, BN), pl.ds(kb0 * 8, BK2)], mask=k2_mask, other=0
-                ).reshape(BN, BKB, 8)
-            else:
-                codes = plgpu.load(
-                    c_ref.at[pl.ds(n0, BN), pl.ds(kb0, BKB), :], mask=w_mask[:, :, None], other=0
-                )
-            scales = plgpu.load(s_ref.at[pl.ds(n0, BN), pl.ds(kb0, BKB)], mask=w_mask, other=0)
+            codes = plgpu.load(
+                c_ref.at[pl.ds(n0, BN), pl.ds(kb0, BKB), :], mask=w_mask[:, :, None], other=0
+            )
+        scales = plgpu.load(s_ref.at[pl.ds(n0, BN), pl.ds(kb0, BKB)], mask=w_mask, other=0)
         w_even, w_odd, _ = decode_block(codes, scales, cfg.decode, xe_ref.dtype)
         x_mask = m_mask[:, None] & ((kb0 * 8 + jnp.arange(BK2)) < K2)[None, :]
         xe = plgpu.load(xe_ref.at[pl.ds(m0, BM), pl.ds(kb0 * 8, BK2)], mask=x_mask, other=0)
@@ -182,7 +177,7 @@ def matmul_pallas(
     if w_scales.dtype != jnp.uint8:
         w_scales = lax.bitcast_convert_type(w_scales, jnp.uint8)
     cfg = config
-    codes3 = w_codes if (cfg.load2d or cfg.scale_gather) else w_codes.reshape(N, K // 16, 8)
+    codes3 = w_codes if cfg.load2d else w_codes.reshape(N, K // 16, 8)
     op_dtype = jnp.float16 if (x if x is not None else xe).dtype == jnp.float16 else jnp.bfloat16
     # the decode may hand the MMA e2m1*e4m3 / 2^j (decode.py); fold 2^j into alpha (exact)
     alpha_arr = (jnp.asarray(alpha, jnp.float32) * post_scale(cfg.decode, op_dtype)).reshape(1)

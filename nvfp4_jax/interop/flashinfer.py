@@ -107,7 +107,7 @@ def live_b12x_moe(hidden: torch.Tensor, topk_ids, topk_weights, w: MoERuntime, *
 
     ``input_global_scale`` (FlashInfer >= 0.6.17): decode-form FC1 activation scale, letting
     ``w1_alpha`` carry ``weight_scale_2`` (the fix); None is the legacy dual use of ``w1_alpha``.
-    Arguments per nvfp4-semantics.md 5.3; not run on this project's machines.
+    Arguments as FlashInfer's ``b12x_fused_moe``; not run on this project's machines.
     """
     ok, why = live_available(min_sm=(12,))
     if not ok:

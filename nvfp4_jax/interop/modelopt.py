@@ -1,6 +1,6 @@
 """ModelOpt NVFP4 checkpoint conventions, and a live bridge to ModelOpt's own quantizer.
 
-A ModelOpt "unified HF" NVFP4 export (nvfp4-semantics.md section 4) stores per linear
+A ModelOpt "unified HF" NVFP4 export stores per linear
 ``{prefix}``:
 
 * ``{prefix}.weight``          uint8 [N, K/2], two E2M1 codes per byte, element 2j low nibble;

@@ -1,8 +1,13 @@
-"""Routed NVFP4 mixture of experts: api.py (public ``moe``), routing.py, xla.py (reference
-path), pallas_triton.py (grouped Pallas-Triton kernels, and the kernel choice), mosaic.py
-(grouped Mosaic GPU kernels for Hopper at decode sizes), epilogue.py (the Mosaic path's
-Pallas-Triton glue: FC1 operand, FC1 epilogue, combine), configs.py (tiles), weights.py
-(``pad_fc2``: FC2 weights with 128-byte aligned rows).
+"""Routed NVFP4 mixture of experts.
+
+* api.py: the public ``moe`` and the choice of backend (``choose_backend``);
+* routing.py: expert selection and the block routing (XLA); xla.py: the reference path;
+* pallas_triton.py: grouped Pallas-Triton kernels with fused epilogues; configs.py: their tiles;
+* mosaic.py: grouped Mosaic GPU kernels for Hopper, ``MosaicMoEConfig`` and its tuning table;
+* the Mosaic path's Pallas-Triton glue kernels, one concern each: routing_kernel.py (block
+  routing in one program), scales.py (encode scales and alphas), operand.py (the FC1 operand),
+  epilogue.py (the FC1 epilogue), combine.py (the weighted top-k sum);
+* weights.py: ``pad_fc2`` (FC2 weights with 128-byte aligned rows).
 
 The package itself is callable (``nvfp4_jax.moe.moe(...)`` and ``nvfp4_jax.moe(...)`` are the
 same function), so a package ``__init__`` can export the subpackage under the function's name

@@ -1,23 +1,83 @@
-"""Public routed NVFP4 MoE: ``nvfp4_jax.moe(...)``; validation and the choice of backend."""
+"""Public routed NVFP4 MoE: ``nvfp4_jax.moe(...)``; validation and the choice of backend.
+
+Backends (``backend=``, the same words as ``nvfp4_jax.matmul``):
+
+* ``"xla"``: the plain-XLA reference path (xla.py), any device;
+* ``"pallas"``: Pallas-Triton grouped GEMMs with fused epilogues (pallas_triton.py), any NVIDIA
+  GPU from sm_89; off the GPU the kernels run in Pallas interpret mode (CPU tests);
+* ``"mosaic"``: Pallas Mosaic GPU grouped GEMMs with Pallas-Triton glue kernels (mosaic.py),
+  sm_90 only, H % 256 == 0; off the GPU an XLA emulation of the grouped GEMMs with the glue
+  kernels in interpret mode (CPU tests);
+* ``"auto"``: on sm_90 "mosaic" up to ``mosaic.MAX_ROUTES`` routed rows (measured faster
+  there) unless a Pallas-Triton ``MoEConfig`` is given, "pallas" on other GPUs, "xla" off the
+  GPU. The choice is logged (``choose_backend``).
+"""
 
 from __future__ import annotations
+
+import logging
 
 import jax
 import jax.numpy as jnp
 
+from ..device import is_sm90, on_gpu, pallas_interpret
 from ..quantize import NVFP4Array
 from .configs import MoEConfig
-from .mosaic import MosaicMoEConfig
-from .pallas_triton import KERNELS
+from .mosaic import BLOCK_K, MAX_ROUTES, MosaicMoEConfig, check_supported, moe_mosaic
+from .pallas_triton import moe_pallas
 from .routing import ROUTINGS, select_experts
 from .weights import intermediate_size, padded_inter, unpad_fc2
 from .xla import ACTIVATION_SCALES, ACTIVATIONS, GATE_UP_ORDERS, MODES, moe_xla
 
-BACKENDS = ("auto", "pallas", "xla")
+log = logging.getLogger(__name__)
+
+BACKENDS = ("auto", "mosaic", "pallas", "xla")
 
 
-def _on_gpu() -> bool:
-    return jax.default_backend() == "gpu"
+def choose_backend(backend: str, config, *, routes: int, hidden: int) -> str:
+    """"mosaic", "pallas" or "xla" for ``moe`` (the choice of "auto" is logged).
+
+    "auto": "xla" off the GPU; on a GPU "mosaic" when ``config`` is None or a
+    ``MosaicMoEConfig``, the GPU is sm_90, ``routes <= mosaic.MAX_ROUTES`` and H % 256 == 0,
+    else "pallas". An explicit backend is checked against ``config`` and the device
+    ("mosaic" off the GPU runs the kernels' XLA emulation, for CPU tests); raises ValueError
+    naming the argument when it cannot run.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+    if backend == "mosaic":
+        if isinstance(config, MoEConfig):
+            raise ValueError("config: backend='mosaic' takes a MosaicMoEConfig (or None), got a "
+                             "Pallas-Triton MoEConfig")
+        check_supported(hidden, name="fc1")
+        if on_gpu() and not is_sm90():
+            raise ValueError("backend: 'mosaic' needs an sm_90 (Hopper) GPU; off the GPU it runs "
+                             "the kernels' XLA emulation")
+        return "mosaic"
+    if backend in ("pallas", "xla"):
+        if isinstance(config, MosaicMoEConfig):
+            raise ValueError(f"config: backend={backend!r} takes a MoEConfig (or None), got a "
+                             "MosaicMoEConfig")
+        return backend
+    if not on_gpu():
+        why, pick = "no GPU", "xla"
+    elif isinstance(config, MoEConfig):
+        why, pick = "explicit Pallas-Triton MoEConfig", "pallas"
+    elif not is_sm90():
+        why, pick = "not an sm_90 GPU", "pallas"
+    elif routes > MAX_ROUTES:
+        why, pick = f"T*k = {routes} routes > mosaic.MAX_ROUTES = {MAX_ROUTES}", "pallas"
+    elif hidden % BLOCK_K:
+        why, pick = f"H = {hidden} is not a multiple of {BLOCK_K}", "pallas"
+    else:
+        log.info("nvfp4_jax.moe: backend auto -> mosaic (sm_90, %d routes <= %d)", routes,
+                 MAX_ROUTES)
+        return "mosaic"
+    if isinstance(config, MosaicMoEConfig) and pick != "xla":
+        raise ValueError(  # noqa: TRY004 - not a type error: the device or shape rules it out
+            f"config: a MosaicMoEConfig was given but the Mosaic kernels cannot run ({why})")
+    log.info("nvfp4_jax.moe: backend auto -> %s (%s)", pick, why)
+    return pick
 
 
 def _check(hidden, fc1, fc2, s1, s2, activation, gate_up_order, mode, backend, activation_scale):
@@ -87,8 +147,6 @@ def moe(
     activation_scale: str | None = None,
     backend: str = "auto",
     config: MoEConfig | MosaicMoEConfig | None = None,
-    kernel: str = "auto",
-    interpret: bool | None = None,
 ) -> jax.Array:
     """Routed NVFP4 mixture-of-experts layer -> bf16 [T, H]. Jittable for any T; no host sync.
 
@@ -103,14 +161,9 @@ def moe(
     ``routing.select_experts``), or ``topk_ids`` int [T, k] with ``topk_weights`` [T, k].
     ``mode``: "trtllm_cutlass" or "b12x" (arithmetic of ``oracle.moe``); ``activation_scale``:
     "scalar" (default for trtllm_cutlass, the only choice there) or "per_expert" (default for
-    b12x). ``backend``: "pallas" (Pallas-Triton kernels; ``interpret=True`` runs them on CPU),
-    "xla", or "auto" (pallas on a GPU, else xla). ``kernel`` (pallas backend only): "triton"
-    (Pallas-Triton grouped GEMMs, fused epilogues), "mosaic" (Pallas Mosaic GPU grouped GEMMs,
-    Hopper only, H % 256 == 0; FC2 stays on Pallas-Triton when I % 256 is neither 0 nor 128;
-    operand, epilogue and combine as Pallas-Triton kernels; with ``interpret`` an XLA emulation
-    of the grouped GEMMs) or "auto" (mosaic on an sm_90 GPU when
-    T*k <= ``moe.mosaic.MAX_ROUTES``, no Pallas-Triton ``config`` was given and H % 256 == 0,
-    else triton; logged). ``config``: ``MoEConfig`` (Pallas-Triton tiles) or
+    b12x). ``backend``: "auto", "mosaic", "pallas" or "xla" (module docstring; "mosaic": FC2
+    stays on Pallas-Triton when I % 256 is neither 0 nor 128). Off the GPU the Pallas kernels
+    run in interpret mode. ``config``: ``MoEConfig`` (Pallas-Triton tiles) or
     ``moe.mosaic.MosaicMoEConfig`` (Mosaic tiles), None for the defaults.
     """
     hidden = jnp.asarray(hidden)
@@ -120,8 +173,6 @@ def moe(
     s2 = jnp.asarray(fc2_input_scale)
     e, inter = _check(hidden, fc1, fc2, s1, s2, activation, gate_up_order, mode, backend,
                       activation_scale)
-    if kernel not in KERNELS:
-        raise ValueError(f"kernel: expected one of {KERNELS}, got {kernel!r}")
     s1, s2 = jnp.broadcast_to(s1, (e,)), jnp.broadcast_to(s2, (e,))
     if router_logits is not None:
         if topk_ids is not None or topk_weights is not None:
@@ -147,13 +198,14 @@ def moe(
             raise ValueError(f"top_k: {top_k} does not match topk_ids.shape[1] = {topk_ids.shape[1]}")
     kw = {"activation": activation, "gate_up_order": gate_up_order, "mode": mode,
           "activation_scale": activation_scale}
-    if backend == "auto":
-        backend = "pallas" if _on_gpu() else "xla"
+    backend = choose_backend(backend, config, routes=topk_ids.size, hidden=hidden.shape[1])
     if backend == "xla":
         return moe_xla(hidden, topk_ids, topk_weights, fc1, unpad_fc2(fc2, inter), s1, s2, **kw)
-    from .pallas_triton import moe_pallas
-
-    if interpret is None:
-        interpret = not _on_gpu()
+    interpret = pallas_interpret()
+    if backend == "mosaic":
+        if interpret:
+            log.info("nvfp4_jax.moe: backend mosaic off the GPU -> XLA emulation of the kernels")
+        return moe_mosaic(hidden, topk_ids, topk_weights, fc1, fc2, s1, s2, config=config,
+                          reference=interpret, **kw)
     return moe_pallas(hidden, topk_ids, topk_weights, fc1, fc2, s1, s2, config=config,
-                      kernel=kernel, interpret=interpret, **kw)
+                      interpret=interpret, **kw)

@@ -23,7 +23,7 @@ class Config:
     num_warps: int = 4
     num_stages: int = 3
     decode: str = "asm"
-    load2d: bool = True  # codes as one [BN, BK/2] tile, reshaped in registers (gemm round 1)
+    load2d: bool = True  # codes as one [BN, BK/2] tile, reshaped in registers: wider loads
 
     def __post_init__(self) -> None:
         check_tile_config(self, ("block_m", "block_n", "block_k", "num_warps"))
@@ -48,11 +48,9 @@ def default_config(num_routes: int, num_experts: int, *, inter: int = 2048, hidd
                    gated: bool = False) -> MoEConfig:
     """Tiles from the average rows per expert and the launch size (static shapes only).
 
-    Round 1 on the H200 (bench/NOTES-moe.md) used (16, 64, 256, 4 warps, 3 stages) for decode
-    and (64, 128, 64, 8, 3) for T = 4096. The values below follow the dense NVFP4 GEMM's
-    round-2 sweep (nvfp4_jax/gemm/configs.py: M <= 16 best at BN 128, BK 256, 4 warps,
-    4 stages; M = 256 best at BM 128, BN 64, BK 128, 4 warps, 3 stages), not yet re-measured on
-    the MoE. BN is 128 only for BM <= 32 and when that still gives two programs per SM (132 SMs);
+    The values follow the dense NVFP4 GEMM's sweep (``gemm.configs.TUNED``: M <= 16 best at
+    BN 128, BK 256, 4 warps, 4 stages; M = 256 best at BM 128, BN 64, BK 128, 4 warps, 3
+    stages); the MoE itself has no sweep of its own. BN is 128 only for BM <= 32 and when that still gives two programs per SM (132 SMs);
     gated FC1 (two accumulators) keeps BN 64 and BM <= 64 to stay within registers.
     """
     blocks = max(1, min(num_experts, num_routes))

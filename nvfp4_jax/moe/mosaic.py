@@ -1,7 +1,7 @@
 """Grouped NVFP4 GEMM for the routed MoE as a Pallas Mosaic GPU kernel (Hopper: TMA + wgmma).
 
 The dense kernel of ``gemm/mosaic.py`` (swap-AB, ``plgpu.emit_pipeline`` over K, E2M1 decode in
-inline PTX straight into the wgmma A fragment, x K-permuted by ``_PERM`` before the kernel,
+inline PTX straight into the wgmma A fragment, x K-permuted by ``PERM`` before the kernel,
 ``wgmma_wait(0)`` after every wgmma) with one expert per block of routed rows:
 
 * inputs: ``x [NB*mt, K]`` bf16, the routed rows already gathered block by block (block ``b``
@@ -25,17 +25,18 @@ K step reads half past the end of the codes and x (TMA fills zeros). Other K kee
 Pallas-Triton kernel (``moe_mosaic`` logs it).
 
 ``moe_mosaic`` is the routed MoE layer on top: block routing (``routing.block_routing``, sort-
-free at decode sizes; or ``epilogue.routing_kernel``), the scales (``epilogue.moe_scales_kernel``,
-or inside the routing kernel's launch), then five launches (``epilogue.py``): the FC1 operand (gather, quantize,
-K permutation; Pallas-Triton), FC1 (this kernel), the FC1 epilogue (split-K sum, ``* alpha1[e]``,
-trtllm_cutlass bf16 rounding, activation, bf16 ``h``, requantization with ``G2[e]``, K
-permutation; Pallas-Triton), FC2 (this kernel), the combine (``* alpha2[e]``, bf16 in
-trtllm_cutlass, router weight, fp32 top-k sum; Pallas-Triton). When FC2 cannot run here
-(``check_supported``) it runs on Pallas-Triton, with the FC1 epilogue in XLA (the functions of
-``xla.py``). ``moe_pallas`` calls ``moe_mosaic`` on sm_90 at decode sizes
-(``pallas_triton.choose_kernel``). ``reference=True`` replaces the Mosaic kernel by an XLA
-emulation with the same inputs and output layout and runs the Pallas-Triton kernels in
-interpret mode (CPU tests of the dataflow around the kernel).
+free at decode sizes; or ``routing_kernel.routing_kernel``), the scales
+(``scales.moe_scales_kernel``, or inside the routing kernel's launch), then five launches: the
+FC1 operand (gather, quantize, K permutation; ``operand.py``), FC1 (this kernel), the FC1
+epilogue (split-K sum, ``* alpha1[e]``, trtllm_cutlass bf16 rounding, activation, bf16 ``h``,
+requantization with ``G2[e]``, K permutation; ``epilogue.py``), FC2 (this kernel), the combine
+(``* alpha2[e]``, bf16 in trtllm_cutlass, router weight, fp32 top-k sum; ``combine.py``). When
+FC2 cannot run here (``check_supported``) it runs on Pallas-Triton
+(``pallas_triton.fc2_triton``), with the FC1 epilogue in XLA (the functions of ``xla.py``).
+``moe(backend="auto")`` picks ``moe_mosaic`` on sm_90 at decode sizes (``api.choose_backend``).
+``reference=True`` replaces the Mosaic kernel by an XLA emulation with the same inputs and
+output layout and runs the Pallas-Triton kernels in interpret mode (CPU tests of the dataflow
+around the kernel).
 """
 
 from __future__ import annotations
@@ -49,16 +50,16 @@ import numpy as np
 from jax import lax
 
 from ..gemm.mosaic import (  # BLOCK_K: K % 256 for TMA; TOKEN_TILES: rows per block (wgmma N)
-    _PERM,
     BLOCK_K,
+    PERM,
     POST_SCALE,
     SMEM_LIMIT,
     TOKEN_TILES,
     MosaicConfig,
-    _pallas_mosaic_gpu,
     accumulate_and_store,
     check_config,
     mosaic_kernel,
+    pallas_mosaic_gpu,
     reads_swizzled_scales,
     split_steps,
     swizzled_tile_view,
@@ -69,24 +70,18 @@ from ..gemm.mosaic import (  # BLOCK_K: K % 256 for TMA; TOKEN_TILES: rows per b
 )
 from ..layouts import unswizzle
 from ..quantize import NVFP4Array
-from ..quantize import _div as _ieee_div
+from ..triton_ops import cdiv, pow2
+from .combine import combine
 from .configs import Config
 from .configs import default_config as triton_default_config
-from .epilogue import (
-    _pow2,
-    combine,
-    fc1_epilogue,
-    fc1_operand,
-    moe_scales_kernel,
-    routing_kernel,
-    routing_kernel_fits,
-    routing_operand_kernel,
-    token_operand,
-)
+from .epilogue import fc1_epilogue
+from .operand import fc1_operand, token_operand
+from .pallas_triton import fc2_triton
 from .routing import block_routing, max_blocks
+from .routing_kernel import routing_kernel, routing_kernel_fits, routing_operand_kernel
+from .scales import moe_scales_kernel
 from .weights import intermediate_size, padded_inter, unpad_fc2
-from .xla import activate, moe_scales, quantized_values, recipe_of, sorted_rows
-from .xla import bf16_round as _bf16_round
+from .xla import activate, bf16_round, quantized_values, recipe_of, sorted_rows
 
 log = logging.getLogger(__name__)
 
@@ -96,10 +91,6 @@ N_SM = 132  # H200
 GROUPED_TOKEN_TILES = (*TOKEN_TILES, 128)
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 # ----------------------------------------------------------------------------- configs
 
 
@@ -107,76 +98,46 @@ def _cdiv(a: int, b: int) -> int:
 class MosaicMoEConfig:
     """Launch configuration of the Mosaic MoE path (data, see ``AUTO_SM90``).
 
-    block_m: routed rows per routing block (the wgmma N slot: 8, 16, 32, 64 or 128; 16 or more when
-    FC2 runs on Pallas-Triton, whose blocks are >= 16 rows). fc1 / fc2: ``MosaicConfig`` of the
-    two grouped GEMMs (block_n, split_k, num_stages, block_k). fc2_triton: Pallas-Triton tiles
-    for FC2 when its K = I is not a multiple of 256 (None: ``configs.default_config``'s).
-    routing: "xla" (``routing.block_routing``: ~5 small XLA fusions) or "kernel"
-    (``epilogue.routing_kernel``: one Pallas-Triton launch, for routings that fit one program,
-    ``routing_kernel_fits``; larger ones use "xla", logged). Both give the same routing.
-    Measured on the H200: faster for qwen3 at T <= 8 (-2.4..-3.5 us), slower for nemotron
-    T = 1 (+7 us, session 8: one program compared 512 experts), so ``AUTO_SM90`` sets it per
-    shape and "xla" is the default. Routings over more than 128 experts take the kernel's
-    "routes" method (route-by-route compares, no expert dimension) up to
-    ``epilogue.ROUTES_AUTO_MAX`` routes: 5-6 us faster than the XLA routing at nemotron T = 1
-    (22 routes), 39 us slower at T = 8 (session 12); above, the "tokens" method (a [T, E] table
-    in a scratch output; up to nemotron T = 46): 2 us faster than the XLA routing at T = 8;
-    larger ones get the XLA routing (logged).
-    "fused" (``epilogue.routing_operand_kernel``; needs
-    ``scales="kernel"`` and ``skip_padding``): the routing, the scales and the FC1 operand in
-    one launch instead of two, each program recomputing the small routing in registers. Bit for
-    bit the separate kernels (CPU, interpret mode) and passes the oracle GPU tests; on the H200
-    (session 11) 2.0 / 2.5 us faster than "kernel" at qwen3 T = 1 / 8, so ``AUTO_SM90`` sets
-    it there.
-    skip_padding: the FC1 operand and FC1 epilogue kernels leave the blocks' padding rows
-    alone (no quantization, no reads of their partials, no writes; nothing downstream reads
-    them) instead of processing whole blocks: at decode most block rows are padding (nemotron
-    T = 8: ~1.1 of 8). Measured 0-1 us faster at T <= 8; set in ``AUTO_SM90`` there.
-    bf16_partials: in ``trtllm_cutlass`` mode, an unsplit grouped GEMM stores bf16(alpha *
-    acc), TensorRT-LLM CUTLASS's bf16 GEMM output, instead of fp32 partials for the next
-    kernel to scale and round: the same numbers, half the bytes written and read (at nemotron
-    T = 4096 the FC1 partials are 968 MB in fp32). Ignored, with a log line, in ``b12x`` mode
-    (no rounding there) and for a split GEMM. H200 (session 9): passes the oracle tests; the
-    default from ``BF16_PARTIALS_ROUTES`` routed rows on and in two ``AUTO_SM90`` entries,
-    where it measured faster (nemotron T = 4096: -3.5 %, qwen3 T = 512: -5 %).
-    epilogue: "blocks" (the default: the FC1 epilogue kernel runs one program per routing block
-    and column group, masking the padding rows with skip_padding) or "routes" (one program
-    per route and column group, loading only that route's row: at decode most block rows are
-    padding, e.g. nemotron T = 8 has ~1.2 routed rows per 8-row block, and a block program
-    holds registers for all 8). The same values; passes the oracle GPU tests. With one program
-    per route it measured no faster (session 12); with each route's columns split until
-    ``epilogue.EPILOGUE_MIN_PROGRAMS`` it is 1.1-2.5 us faster at T <= 8 on both models
-    (session 13), so ``AUTO_SM90``'s decode entries set it.
-    scales: "kernel" (the default: ``epilogue.moe_scales_kernel``, one Pallas-Triton launch,
-    ``div.rn.f32`` whatever XLA's flags; with ``routing="kernel"`` the routing kernel's launch
-    computes them) or "xla" (``xla.moe_scales`` and two reciprocals: 11-14 small XLA fusions
-    of ~1-1.5 us each on the H200 (session 7's profile), their divisions IEEE only with
-    ``XLA_FLAGS=--xla_backend_extra_options=-nvptx-prec-divf32=2``). The same values with that
-    flag. The scales depend only on the global scales, so a benchmark that feeds every layer
-    the same ones lets XLA compute the "xla" version once for all of them (the MoE harness
-    did until session 10, and measured no difference); a model's layers each pay it. The
-    kernel passes the oracle tests on the H200 (session 10); default since session 10 for
-    the IEEE divisions and the launch count, not yet timed under the fixed harness.
-    wide_glue: the FC1 operand kernel takes ``epilogue.operand_rows`` sorted rows per program
+    block_m: routed rows per routing block (the wgmma N slot: 8, 16, 32, 64 or 128; 16 or more
+    when FC2 runs on Pallas-Triton, whose blocks are >= 16 rows).
+    fc1 / fc2: ``MosaicConfig`` of the two grouped GEMMs (block_n, split_k, num_stages, block_k).
+    fc2_triton: Pallas-Triton tiles for FC2 when its K = I is not a multiple of 256 (None:
+    ``configs.default_config``'s).
+    routing: "xla" (``routing.block_routing``: ~5 small XLA fusions), "kernel"
+    (``routing_kernel.routing_kernel``: the routing and the scales in one Pallas-Triton launch,
+    for routings that fit one program, ``routing_kernel_fits``; larger ones use "xla", logged)
+    or "fused" (``routing_kernel.routing_operand_kernel``; needs ``skip_padding``: the routing,
+    the scales and the FC1 operand in one launch, each program recomputing the small routing in
+    registers). The same routing either way; the one-program kernels pay at decode sizes only,
+    and which one pays depends on the expert count, so ``AUTO_SM90`` sets it per shape.
+    skip_padding: the FC1 operand and FC1 epilogue kernels leave the blocks' padding rows alone
+    (no quantization, no reads of their partials, no writes; nothing downstream reads them)
+    instead of processing whole blocks: at decode most block rows are padding.
+    bf16_partials: in ``trtllm_cutlass`` mode, an unsplit grouped GEMM stores bf16(alpha * acc),
+    TensorRT-LLM CUTLASS's bf16 GEMM output, instead of fp32 partials for the next kernel to
+    scale and round: the same numbers, half the bytes written and read. Ignored, with a log
+    line, in ``b12x`` mode (no rounding there) and for a split GEMM.
+    epilogue: "blocks" (one FC1-epilogue program per routing block and column group, masking
+    the padding rows with skip_padding) or "routes" (one program per route and column group,
+    loading only that route's row, with each route's columns split until
+    ``epilogue.EPILOGUE_MIN_PROGRAMS``): the same values; "routes" pays at decode.
+    wide_glue: the FC1 operand kernel takes ``operand.operand_rows`` sorted rows per program
     (their routes first, then one [rows, H tile] gather) and the combine
-    ``epilogue.combine_width`` output columns per program (256 at nemotron, 512 at qwen3)
-    instead of one row and 64 columns: fewer, larger programs for prefill, where the profile
-    (session 13, nemotron T = 4096) had the two at 156 and 198 us, ~1.2 and ~0.9 TB/s. The
-    same values (the combine's top-k sum in Triton's tree order for its tile shape); passes
-    the oracle GPU tests; on the H200 (session 13) 204 us faster at nemotron T = 4096 (3279
-    us, 302 TFLOP/s), 1-3 % at qwen3 T = 4096 and both at T = 512, so ``default_config``
-    sets it from ``WIDE_GLUE_ROUTES`` routed rows on.
-    token_quant: where one encode scale serves all experts (``activation_scale`` "scalar",
-    as in ``trtllm_cutlass``), quantize each token's FC1 input once (``epilogue.token_operand``,
-    T rows) and let the FC1 operand kernel only gather the routed rows from it, instead of
-    quantizing every route (T * k rows: 8x the work at qwen3, 22x at nemotron). Bit for bit the
-    same operand (CPU, interpret mode); one more launch. Per-expert activation scales quantize
-    each route with its expert's scale: there it is ignored, logged. Incompatible with
-    ``routing="fused"`` (which computes the operand in the routing launch): refused there.
-    Written for prefill (the operand kernel took 95 us of qwen3's T = 4096 layer,
-    instruction-bound by the quantization); passes the oracle GPU tests and measured faster at
-    every prefill size on the H200 (session 15, ``TOKEN_QUANT_ROUTES``), so ``default_config``
-    sets it from there on.
+    ``combine.combine_width`` output columns per program instead of one row and 64 columns:
+    fewer, larger programs for prefill. The same values (the combine's top-k sum in Triton's
+    tree order for its tile shape).
+    token_quant: where one encode scale serves all experts (``activation_scale`` "scalar", as in
+    ``trtllm_cutlass``), quantize each token's FC1 input once (``operand.token_operand``, T
+    rows) and let the FC1 operand kernel only gather the routed rows from it, instead of
+    quantizing every route (T * k rows). Bit for bit the same operand; one more launch, so it
+    pays for prefill. Per-expert activation scales quantize each route with its expert's
+    scale: there it is ignored, logged. Refused with ``routing="fused"`` (which computes the
+    operand in the routing launch).
+    measured: provenance of a tuning-table entry (shape, time against the alternative, GPU,
+    date); not part of the configuration (ignored by ``==`` and ``hash``).
+
+    The encode scales and alphas always come from one Pallas-Triton launch with IEEE divisions
+    (``scales.moe_scales_kernel``, or inside the routing kernel's launch).
     """
 
     block_m: int = 8
@@ -186,10 +147,10 @@ class MosaicMoEConfig:
     routing: str = "xla"
     skip_padding: bool = False
     bf16_partials: bool = False
-    scales: str = "kernel"
     epilogue: str = "blocks"
     wide_glue: bool = False
     token_quant: bool = False
+    measured: str = dataclasses.field(default="", compare=False)
 
     def __post_init__(self) -> None:
         for name in ("skip_padding", "bf16_partials", "wide_glue", "token_quant"):
@@ -198,17 +159,14 @@ class MosaicMoEConfig:
         if self.routing not in ("xla", "kernel", "fused"):
             raise ValueError(f"MosaicMoEConfig.routing: expected 'xla', 'kernel' or 'fused', "
                              f"got {self.routing!r}")
-        if self.scales not in ("xla", "kernel"):
-            raise ValueError(f"MosaicMoEConfig.scales: expected 'xla' or 'kernel', got {self.scales!r}")
         if self.epilogue not in ("blocks", "routes"):
             raise ValueError(f"MosaicMoEConfig.epilogue: expected 'blocks' or 'routes', got {self.epilogue!r}")
         if self.routing == "fused" and self.token_quant:
             raise ValueError("MosaicMoEConfig.token_quant: routing='fused' quantizes the FC1 operand "
                              "in the routing launch; use routing='kernel' or 'xla' with token_quant")
-        if self.routing == "fused" and not (self.skip_padding and self.scales == "kernel"):
-            raise ValueError("MosaicMoEConfig.routing: 'fused' computes the scales and writes only "
-                             "the routed operand rows; it needs scales='kernel' and skip_padding=True, "
-                             f"got scales={self.scales!r}, skip_padding={self.skip_padding}")
+        if self.routing == "fused" and not self.skip_padding:
+            raise ValueError("MosaicMoEConfig.routing: 'fused' writes only the routed operand rows; "
+                             "it needs skip_padding=True")
         if self.block_m not in GROUPED_TOKEN_TILES:
             raise ValueError(f"MosaicMoEConfig.block_m: expected one of {GROUPED_TOKEN_TILES}, "
                              f"got {self.block_m}")
@@ -221,103 +179,72 @@ class MosaicMoEConfig:
                              f"got {type(self.fc2_triton).__name__}")
 
 
-#: Routed rows (T * top_k) up to which ``moe_pallas`` ("auto") uses the Mosaic kernels on sm_90:
-#: the largest routing measured faster than Pallas-Triton (H200, 2026-11-30, default configs,
-#: bench/results/moe-mosaic-probe-round4-h200.json against the bench's Pallas-Triton layer:
-#: nemotron T = 512 / 4096: 1059 / 4592 us vs 1563 / 5258; qwen3 T = 512 / 4096: 315 / 1589 vs
-#: 514 / 1715). Beyond nemotron T = 4096 (90112 routes) it is unmeasured.
+#: Routed rows (T * top_k) up to which ``moe(backend="auto")`` uses the Mosaic kernels on sm_90:
+#: the largest routing measured faster than Pallas-Triton (H200, default configs: nemotron
+#: T = 512 / 4096: 1059 / 4592 us vs 1563 / 5258; qwen3 T = 512 / 4096: 315 / 1589 vs 514 /
+#: 1715). Beyond nemotron T = 4096 (90112 routes) it is unmeasured.
 MAX_ROUTES = 90112
 
 _NEMO = (512, 1024, 2688, 2688)  # (E, H, R, I)
 _QWEN = (128, 2048, 1536, 768)
-#: Measured configs: (E, H, R, I, routes bucket) -> MosaicMoEConfig; anything else gets
-#: ``default_config``. Buckets: routes rounded up to a power of two. H200, JAX 0.11.2,
-#: bench/moe_mosaic_probe.py (in-graph layer time, random routing). Every entry is the default
-#: heuristic's config: qwen3 (2026-11-29) was measured without a sweep (device budget); for
-#: nemotron (2026-11-30) five variants measured in the same run did not beat it. Layer times
-#: Mosaic vs Pallas-Triton:
 _NEMO_CFG = MosaicMoEConfig(block_m=8, fc1=MosaicConfig(block_n=128, split_k=1, num_stages=2),
                             fc2=MosaicConfig(block_n=128, split_k=1, num_stages=2))
+#: Measured configs: (E, H, R, I, routes bucket) -> MosaicMoEConfig; anything else gets
+#: ``default_config``. Buckets: routes rounded up to a power of two. Each entry's ``measured``:
+#: the layer's time with it against the alternatives measured (H200, JAX 0.11.2, in-graph layer
+#: time, random routing, median of 3 runs).
 AUTO_SM90: dict[tuple[int, int, int, int, int], MosaicMoEConfig] = {
-    # nemotron, FC2 (K = 2688) with whole-K scales, 2026-11-30 (session 4): T = 1: 77.6 vs
-    # 96.6 us; T = 8: 226.1 vs 415.6 us; T = 64: 641.9 vs 1178.6 us. Variants measured in the
-    # same run (3 stages, 4 stages, block_n 64, split-K x2 / x4) were within -3 %..+9 % of it.
-    # FC2 split-K (uneven over its 11 steps; only with swizzled_128x4 scales, else split 1),
-    # 2026-11-30 (session 7, bench/results/moe-mosaic-probe-round5-h200.json, swizzled
-    # weights): T = 1 split 3: 50.8 us vs 53.8 unsplit; T = 8 split 2: 189.0 vs 192.6;
-    # T = 64: no gain (544.7 / 551.3 vs 542.8).
-    # skip_padding (session 8, 2026-11-30, bench/results/moe-mosaic-probe-round6-h200.json,
-    # swizzled weights): T = 1 50.5 vs 51.1 us; T = 8 183.8 vs 184.6. The routing kernel was
-    # slower at T = 1 (58.3: one program over 512 experts) and does not fit T = 8.
-    # Routing, scales and FC1 operand in one launch with the routing kernels' routes method
-    # (session 12, bench/results/moe-mosaic-probe-round12-h200.json, FC2 padded by pad_fc2,
-    # median of 3 rounds): 46.4 vs 52.4 us (the routing kernel alone 47.5; with the FC1
-    # epilogue by route 51.0)
-    # The FC1 epilogue by route at its ~2-programs-per-SM grid (session 13,
-    # bench/results/moe-mosaic-probe-round17-h200.json, median of 3 rounds): 44.7 vs 45.8 us
-    (*_NEMO, 32): dataclasses.replace(_NEMO_CFG, skip_padding=True, routing="fused", epilogue="routes",
-                                      fc2=MosaicConfig(block_n=128, split_k=3, num_stages=2)),
-    # The routing kernel's tokens method with the scales in its launch (session 12,
-    # bench/results/moe-mosaic-probe-round16-h200.json, FC2 padded, median of 3 rounds): 180.0
-    # vs 182.0 us (the routes method, session 12 round 12: 220.4). The FC1 epilogue by route
-    # (session 13, round 17, as T = 1): 175.1 vs 177.6 us
-    (*_NEMO, 256): dataclasses.replace(_NEMO_CFG, skip_padding=True, routing="kernel", epilogue="routes",
-                                       fc2=MosaicConfig(block_n=128, split_k=2, num_stages=2)),
-    # bf16 products (session 9, bench/results/moe-mosaic-probe-round8-h200.json, swizzled
-    # weights): T = 64 537.2 vs 546.6 us; T = 8: 186.3 either way (skip_padding already reads
-    # only the routed rows there), so that entry keeps fp32 partials
-    (*_NEMO, 2048): dataclasses.replace(_NEMO_CFG, bf16_partials=True),
-    # qwen3-30B T = 1: 48.1 vs 51.9 us; routing kernel + skip_padding (session 8, same file):
-    # 32.0 vs 35.4 us (routing kernel alone 31.9, skip_padding alone 35.4). Routing, scales and
-    # FC1 operand in one launch (session 11, bench/results/moe-mosaic-probe-round10-h200.json,
-    # per-layer scales, median of 3 rounds; passes the oracle GPU tests): 30.9 vs 32.9 us;
-    # the scales in XLA instead of the routing kernel's launch: 37.1. block_n 64 in both GEMMs
-    # (session 10 on linear scales: 30.5 us, nine other variants 31.5-34.5; at 8 routes FC2's
-    # N = 2048 in 128-row tiles is 128 CTAs, one per SM, 64-row tiles make two per SM and twice
-    # the loads in flight), read from swizzled scales as they are (session 12,
-    # bench/results/moe-mosaic-probe-round13-h200.json, median of 3 rounds): 29.5 vs 31.0 us
-    # (linear weights 29.6; FC2 alone at 64: 29.8; with the FC1 epilogue by route: 29.4). The
-    # FC1 epilogue by route at its new grid (session 13, round 17, as nemotron): 27.6 vs 29.4 us
-    (*_QWEN, 8): MosaicMoEConfig(block_m=8, fc1=MosaicConfig(block_n=64, split_k=2, num_stages=2),
-                                 fc2=MosaicConfig(block_n=64, split_k=1, num_stages=2),
-                                 routing="fused", skip_padding=True, epilogue="routes"),
-    # qwen3-30B T = 8: 101.0 vs 143.7 us; routing kernel + skip_padding: 76.7 vs 79.1 us
-    # (routing kernel alone 76.9, skip_padding alone 78.3); bf16 products (session 9, same
-    # file as the nemotron T = 64 entry): 75.1 vs 76.9. Fused routing (session 11, as T = 1):
-    # 74.1 vs 76.6 us (XLA scales 81.3). block_n 64 in both GEMMs on swizzled scales (session
-    # 12, as T = 1): 72.6 vs 74.8 us (FC2 alone at 64: 73.8; with the FC1 epilogue by route 73.1).
-    # The FC1 epilogue by route at its new grid (session 13, round 17): 69.3 vs 70.4 us
-    (*_QWEN, 64): MosaicMoEConfig(block_m=8, fc1=MosaicConfig(block_n=64, split_k=1, num_stages=2),
-                                  fc2=MosaicConfig(block_n=64, split_k=1, num_stages=2),
-                                  routing="fused", skip_padding=True, bf16_partials=True,
-                                  epilogue="routes"),
-    # qwen3-30B T = 2049..4096: default_config's (tests check) with skip_padding and FC2 on one
-    # compute warpgroup (session 16, bench/results/moe-mosaic-probe-round29-h200.json, T =
-    # 4096, swizzled weights, median of 3 rounds): 1026.9 vs 1041.4 us (skip_padding alone
-    # 1036.1, FC2 one warpgroup alone 1036.2). FC2's K = 768 is three 256-deep steps: with two
-    # warpgroups its CTA (200 KB of shared memory at 64-row blocks, MosaicConfig.smem_bytes)
-    # has the SM alone and fills and drains its pipeline with nothing overlapping; with one
-    # (100 KB) two CTAs share an SM. Both lose at nemotron T = 4096 (skip_padding 3251.3 vs
-    # 3190.3 in the same run; FC2 on one warpgroup 3350.7 vs 3169.3 in round 28: K = 2688 is
-    # eleven steps), which keeps the default.
-    (*_QWEN, 32768): MosaicMoEConfig(block_m=64, fc1=MosaicConfig(block_n=128, num_stages=2, consumers=2),
-                                     fc2=MosaicConfig(block_n=128, num_stages=2, consumers=1),
-                                     bf16_partials=True, wide_glue=True, token_quant=True,
-                                     skip_padding=True),
+    (*_NEMO, 32): dataclasses.replace(
+        _NEMO_CFG, skip_padding=True, routing="fused", epilogue="routes",
+        fc2=MosaicConfig(block_n=128, split_k=3, num_stages=2),
+        measured="nemotron T=1: 44.7 us vs 45.8 blocks epilogue, 52.4 XLA routing, "
+                 "96.6 Pallas-Triton (h200, 2026-11-30)"),
+    (*_NEMO, 256): dataclasses.replace(
+        _NEMO_CFG, skip_padding=True, routing="kernel", epilogue="routes",
+        fc2=MosaicConfig(block_n=128, split_k=2, num_stages=2),
+        measured="nemotron T=8: 175.1 us vs 177.6 blocks epilogue, 182.0 XLA routing, "
+                 "220.4 fused routes method (h200, 2026-11-30)"),
+    (*_NEMO, 2048): dataclasses.replace(
+        _NEMO_CFG, bf16_partials=True,
+        measured="nemotron T=64: 537.2 us vs 546.6 fp32 partials, 1178.6 Pallas-Triton "
+                 "(h200, 2026-11-30)"),
+    (*_QWEN, 8): MosaicMoEConfig(
+        block_m=8, fc1=MosaicConfig(block_n=64, split_k=2, num_stages=2),
+        fc2=MosaicConfig(block_n=64, split_k=1, num_stages=2),
+        routing="fused", skip_padding=True, epilogue="routes",
+        measured="qwen3 T=1: 27.6 us vs 29.4 blocks epilogue, 31.0 block_n 128, 37.1 XLA scales, "
+                 "51.9 Pallas-Triton (h200, 2026-11-30)"),
+    (*_QWEN, 64): MosaicMoEConfig(
+        block_m=8, fc1=MosaicConfig(block_n=64, split_k=1, num_stages=2),
+        fc2=MosaicConfig(block_n=64, split_k=1, num_stages=2),
+        routing="fused", skip_padding=True, bf16_partials=True, epilogue="routes",
+        measured="qwen3 T=8: 69.3 us vs 70.4 blocks epilogue, 74.8 block_n 128, "
+                 "143.7 Pallas-Triton (h200, 2026-11-30)"),
+    # FC2's K = 768 is three 256-deep steps: with two warpgroups its CTA (200 KB of shared
+    # memory) has the SM alone; with one (100 KB) two CTAs share an SM. At nemotron T = 4096
+    # (K = 2688, eleven steps) both choices lose, which keeps the default there.
+    (*_QWEN, 32768): MosaicMoEConfig(
+        block_m=64, fc1=MosaicConfig(block_n=128, num_stages=2, consumers=2),
+        fc2=MosaicConfig(block_n=128, num_stages=2, consumers=1),
+        bf16_partials=True, wide_glue=True, token_quant=True, skip_padding=True,
+        measured="qwen3 T=4096: 1026.9 us vs 1036.1 skip_padding alone, 1041.4 default_config "
+                 "(h200, 2026-12-01)"),
 }
 
 
 #: FC2's config in place of the ``AUTO_SM90`` entry's when FC2 is zero-padded along K
-#: (``pad_fc2``): with 128-byte aligned code rows the split that paid on the unpadded rows no
-#: longer does. nemotron T = 8 (session 13, bench/results/moe-mosaic-probe-round18-h200.json,
-#: median of 3 rounds): split 1 169.8 vs split 2 171.5 us (3 stages 175.5, split 3 174.8)
+#: (``pad_fc2``): with 128-byte aligned code rows the split that pays on the unpadded rows
+#: does not.
 AUTO_SM90_PADDED_FC2: dict[tuple[int, int, int, int, int], MosaicConfig] = {
-    (*_NEMO, 256): MosaicConfig(block_n=128, split_k=1, num_stages=2),
+    (*_NEMO, 256): MosaicConfig(
+        block_n=128, split_k=1, num_stages=2,
+        measured="nemotron T=8, FC2 padded: 169.8 us vs 171.5 split 2, 174.8 split 3 "
+                 "(h200, 2026-11-30)"),
 }
 
 
 def _bucket(routes: int) -> int:
-    return _pow2(routes)
+    return pow2(routes)
 
 
 def _split_for(tiles: int, steps: int, want: int) -> int:
@@ -329,27 +256,21 @@ def _split_for(tiles: int, steps: int, want: int) -> int:
     return best
 
 
-#: Routed rows from which ``default_config`` picks bf16 products (``bf16_partials``), and
-#: from which two compute warpgroups per CTA (consumers=2). H200, session 9 (2026-11-30,
-#: bench/results/moe-mosaic-probe-round8-h200.json, swizzled weights, us):
-#: - nemotron T = 4096 (90112 routes): 3700 -> 3571 (bf), 3577 (c2), 3448 (both);
-#: - qwen3 T = 4096 (32768 routes): 1314 -> 1184, 1261, 1158;
-#: - nemotron T = 512 (11264 routes): 1012 -> 977 (bf); both: 1020 (the bench, another call);
-#: - qwen3 T = 512 (4096 routes): 290 -> 275 (bf), 328 (both).
-#: Two warpgroups win with 64-row blocks and lose with 32-row ones (T = 512).
+#: Routed rows from which ``default_config`` picks bf16 products (``bf16_partials``), and from
+#: which two compute warpgroups per CTA (consumers=2). H200, us, default -> bf16 / two
+#: warpgroups / both: nemotron T = 4096 (90112 routes) 3700 -> 3571 / 3577 / 3448; qwen3 T =
+#: 4096 (32768 routes) 1314 -> 1184 / 1261 / 1158; nemotron T = 512 (11264 routes) 1012 -> 977
+#: (bf16); qwen3 T = 512 (4096 routes) 290 -> 275 (bf16), 328 (both). Two warpgroups win with
+#: 64-row blocks and lose with 32-row ones.
 BF16_PARTIALS_ROUTES = 4096
 WS_ROUTES = 32768
 #: Routed rows from which ``default_config`` picks the wide glue kernels (``wide_glue``). H200,
-#: session 13 (bench/results/moe-mosaic-probe-round20-h200.json, swizzled weights, FC2 padded
-#: by pad_fc2, median of 3 rounds, us): nemotron T = 4096 3482.9 -> 3279.3, T = 512 976.9 ->
-#: 957.4; qwen3 T = 4096 1159.6 -> 1127.7, T = 512 (4096 routes) 276.1 -> 273.2. Not measured
-#: between the decode entries (<= 1408 routes) and 4096.
+#: us: nemotron T = 4096 3482.9 -> 3279.3, T = 512 976.9 -> 957.4; qwen3 T = 4096 1159.6 ->
+#: 1127.7, T = 512 (4096 routes) 276.1 -> 273.2. Unmeasured between 1408 and 4096 routes.
 WIDE_GLUE_ROUTES = 4096
-#: Routed rows from which ``default_config`` sets ``token_quant``. H200, session 15
-#: (bench/results/moe-mosaic-probe-round25/26-h200.json, swizzled weights, FC2 padded, us):
-#: qwen3 T = 4096 1125.8 -> 1081.4 and T = 512 (4096 routes) 271.6 -> 262.9 (medians of 3
-#: rounds); nemotron T = 4096 3287.7 -> 3211.1 and T = 512 951.6 -> 946.6 (one round). Not
-#: measured below 4096 routes, where the extra launch weighs more than the saved work.
+#: Routed rows from which ``default_config`` sets ``token_quant``. H200, us: qwen3 T = 4096
+#: 1125.8 -> 1081.4, T = 512 (4096 routes) 271.6 -> 262.9; nemotron T = 4096 3287.7 -> 3211.1,
+#: T = 512 951.6 -> 946.6. Below 4096 routes the extra launch weighs more than the saved work.
 TOKEN_QUANT_ROUTES = 4096
 
 
@@ -374,7 +295,7 @@ def default_config(routes: int, num_experts: int, *, hidden: int, rows1: int, in
         bn = 128
         if MosaicConfig(block_n=bn, num_stages=2).smem_bytes(bm, whole_k=k if whole else None) > SMEM_LIMIT:
             bn = 64
-        split = 1 if whole else _split_for(blocks * _cdiv(n, bn), k // BLOCK_K, 2 * N_SM)
+        split = 1 if whole else _split_for(blocks * cdiv(n, bn), k // BLOCK_K, 2 * N_SM)
         cfg = MosaicConfig(block_n=bn, split_k=split, num_stages=2)
         ws = dataclasses.replace(cfg, consumers=2)
         if ws_ok and bn == 128 and ws.smem_bytes(bm) <= SMEM_LIMIT:
@@ -418,10 +339,10 @@ def check_supported(k: int, *, n: int = 2, name: str = "w") -> None:
 
 def _build(mt: int, nb: int, n: int, k: int, cfg: MosaicConfig, split: int, name: str,
            swizzled: bool = False, scaled: bool = False, padded: bool = False):
-    pl, _ = _pallas_mosaic_gpu()
+    pl, _ = pallas_mosaic_gpu()
     bn, nc = cfg.block_n, cfg.consumers
     rows = nc * bn  # weight rows per CTA (consumers > 1: warp-specialized, accumulate_tiles_ws)
-    n_tiles = _cdiv(n, rows)
+    n_tiles = cdiv(n, rows)
     steps = split_steps(k, cfg.block_k, split, padded=padded)
     ks = steps * cfg.block_k  # K per split (K % 256 == 128: the last split runs past K)
     # whole-K scales (split == 1, s_gmem is whole_k_scale_view's) unless swizzled (s_gmem is
@@ -504,7 +425,7 @@ def _reference(xp, codes, scales, block_expert, num_blocks, *, mt, n_pad, split,
     c = jnp.stack([lo, hi], axis=-1).reshape(e, n, k)
     s = lax.bitcast_convert_type(scales, jnp.float8_e4m3fn).astype(jnp.float32)
     w = F.e2m1_decode(c).astype(jnp.float32) * jnp.repeat(s, 16, axis=-1)  # exact
-    perm = (np.arange(k) // 128 * 128) + np.tile(_PERM, k // 128)
+    perm = (np.arange(k) // 128 * 128) + np.tile(PERM, k // 128)
     w = w[..., perm]  # the fragment's K order (x is permuted the same way)
     wb = w[block_expert]  # [NB, N, K]
     xf = xp.astype(jnp.float32)
@@ -600,9 +521,6 @@ def grouped_matmul(
     if cfg.bf16_store:
         raise ValueError("config: MosaicConfig.bf16_store is the dense kernel's; the grouped "
                          "kernel stores bf16 products through MosaicMoEConfig.bf16_partials")
-    if cfg.cluster_reduce:
-        raise ValueError("config: MosaicConfig.cluster_reduce is the dense kernel's; the grouped "
-                         "kernel's split-K partials are summed by its consumers")
     split = check_config(cfg, kc, block_m, swizzled=swizzled, padded=padded)
     if alpha is not None:
         if alpha.shape != (e,) or alpha.dtype != jnp.float32:
@@ -614,7 +532,7 @@ def grouped_matmul(
         scales = lax.bitcast_convert_type(scales, jnp.uint8)
     be = block_expert.astype(jnp.int32)
     nbk = num_blocks.astype(jnp.int32)
-    n_pad = _cdiv(n, cfg.block_n * cfg.consumers) * cfg.block_n * cfg.consumers
+    n_pad = cdiv(n, cfg.block_n * cfg.consumers) * cfg.block_n * cfg.consumers
     if reference:
         lin = unswizzle(scales, n, kc // 16, scale_layout) if swizzled else scales
         xk = jnp.pad(x, ((0, 0), (0, kc - k)))  # padded weights: x's missing columns are zeros
@@ -679,8 +597,6 @@ def moe_mosaic(
     (``pad_fc2``): the grouped kernel reads its aligned rows as they are. ``reference=True``: the Mosaic kernels are
     replaced by their XLA emulation and the Pallas-Triton ones run in interpret mode (CPU tests).
     """
-    from .pallas_triton import fc2_triton
-
     t, k = topk_ids.shape
     e, r, h_dim = fc1.shape
     inter = intermediate_size(r, activation)
@@ -734,24 +650,18 @@ def moe_mosaic(
         if config.routing == "fused":  # routing, scales and the FC1 operand in one launch
             br, sv, xp = routing_operand_kernel(topk_ids, hidden, e, bm, scale_spec, recipe=recipe,
                                                 interpret=reference)
-        elif config.scales == "kernel":  # both in one launch
+        else:  # the routing and the scales in one launch
             br, sv = routing_kernel(topk_ids, e, bm, scales=scale_spec, interpret=reference)
-        else:
-            br = routing_kernel(topk_ids, e, bm, interpret=reference)
     else:
         if config.routing != "xla":
             log.info("nvfp4_jax.moe: routing kernel does not fit %d routes x %d experts; XLA "
                      "routing%s", n_routes, e, " and a separate FC1 operand kernel"
                      if config.routing == "fused" else "")
         br = block_routing(topk_ids, e, bm)
-    if sv is None and config.scales == "kernel":
+    if sv is None:
         sv = moe_scales_kernel(*scale_args, num_experts=e, mode=mode,
                                activation_scale=activation_scale, interpret=reference)
-    if sv is not None:
-        g1, rg1, a1, g2, rg2, a2 = sv
-    else:
-        g1, g2, a1, a2 = moe_scales(*scale_args, mode, activation_scale)
-        rg1, rg2 = _ieee_div(1.0, g1), _ieee_div(1.0, g2)
+    g1, rg1, a1, g2, rg2, a2 = sv
     em = br.sorted_route.shape[0]
     assert em // bm == max_blocks(n_routes, e, bm)
     meta = (br.block_expert, br.num_blocks)
@@ -827,8 +737,8 @@ def moe_mosaic(
                                         activation_scale=activation_scale)
         u = _block_rows(part1, r) * (a1[row_expert] * jnp.float32(POST_SCALE))[:, None]
         if mode == "trtllm_cutlass":  # GEMM1 output buffer is bf16 in TRT-LLM CUTLASS
-            u = _bf16_round(u)
-        hf = _bf16_round(activate(u, activation, gate_up_order))  # bf16 values of h, in fp32
+            u = bf16_round(u)
+        hf = bf16_round(activate(u, activation, gate_up_order))  # bf16 values of h, in fp32
         hb = hf.astype(jnp.bfloat16)  # [EM, I], exact
         hv = quantized_values(hf, g2[row_expert], recipe)  # q * sf, bf16 (exact)
         contrib = fc2_triton(meta, hv[:, 0::2], hv[:, 1::2], fc2, a2, wt, cfg=tcfg, em=em,

@@ -1,9 +1,9 @@
-"""Routed NVFP4 MoE as two Pallas-Triton grouped GEMMs (H200 now, SM12x later).
+"""Routed NVFP4 MoE as two Pallas-Triton grouped GEMMs (NVIDIA GPUs from sm_89, SM12x included).
 
 Dataflow (shapes: T tokens, k routes each, N = T*k, E experts, H hidden, I intermediate,
 R = I or 2I, EM = BM * max_blocks sorted rows, see routing.py):
 
-0. Pallas-Triton: the encode scales and alphas (``epilogue.moe_scales_kernel``, one program).
+0. Pallas-Triton: the encode scales and alphas (``scales.moe_scales_kernel``, one program).
 1. XLA: ``block_routing`` (routes sorted by expert, padded to BM-row blocks, one expert per
    block); FC1 input quantized with the mode's recipe as ``q * sf`` bf16 values (exact),
    gathered into sorted order and split into even/odd K columns ``x_even, x_odd [EM, H/2]``.
@@ -22,9 +22,8 @@ R = I or 2I, EM = BM * max_blocks sorted rows, see routing.py):
    (fp32), store fp32 ``[EM, H]`` rows.
 4. XLA: gather each route's row, sum over the k routes in fp32, cast to bf16.
 
-On sm_90 up to ``mosaic.MAX_ROUTES`` routed rows ``moe_pallas`` runs ``mosaic.moe_mosaic`` instead (``kernel="auto"``,
-see ``choose_kernel``): Mosaic GPU grouped GEMMs, with the operand, epilogue and combine as
-Pallas-Triton kernels of their own (``epilogue.py``).
+On sm_90 ``moe(backend="auto")`` picks ``mosaic.moe_mosaic`` up to ``mosaic.MAX_ROUTES`` routed
+rows instead (``api.choose_backend``); it borrows :func:`fc2_triton` where its own FC2 cannot run.
 
 Each block reads its expert's weights once; its activation rows are read from HBM once and
 then from L2 by its other output tiles, and consecutive blocks of one expert find the expert's
@@ -36,7 +35,6 @@ at ties.
 from __future__ import annotations
 
 import functools
-import logging
 
 import jax
 import jax.numpy as jnp
@@ -44,114 +42,17 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from ..gemm import decode as _decode
+from ..gemm import decode as gemm_decode
 from ..gemm.decode import decode_block
 from ..quantize import NVFP4Array
-from ..quantize import _div as _ieee_div
+from ..triton_ops import bf16_rne, cdiv, fc1_activation, requantize
 from .configs import Config, MoEConfig, default_config
 from .routing import block_routing
+from .scales import moe_scales_kernel
 from .weights import intermediate_size, unpad_fc2
 from .xla import recipe_of, sorted_rows
 
-log = logging.getLogger(__name__)
-
-_FLT_MAX = 3.4028234663852886e38
 _DIMS = (((1,), (1,)), ((), ()))
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _div_rn(a, b, exact_asm: bool):
-    """IEEE round-to-nearest fp32 division (Triton's ``/`` is approximate on NVIDIA GPUs)."""
-    a, b = jnp.broadcast_arrays(jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32))
-    if not exact_asm:  # interpret mode: XLA would turn a division by a broadcast into a * (1/b)
-        return _ieee_div(a, b)
-    return plgpu.elementwise_inline_asm(
-        "div.rn.f32 $0, $1, $2;", args=[a, b], constraints="=r,r,r", pack=1,
-        result_shape_dtypes=[jax.ShapeDtypeStruct(a.shape, jnp.float32)])[0]
-
-
-def _e4m3(v):
-    """fp32 v >= 0 -> nearest E4M3 value (RNE, subnormals down to 2^-9), saturating at 448.
-
-    Integer/float arithmetic only (Pallas-Triton has no int->f8 cast and the f32->f8 cast's
-    rounding is the backend's): the quantum at v's exponent (clamped to E4M3's minimum normal
-    exponent -6) is 2^(e-3); y = v / quantum < 16 is exact and is rounded to an integer, ties
-    to even, with integer ops (an ``(y + 2^23) - 2^23`` trick would be folded away by XLA in
-    interpret mode).
-    """
-    v = jnp.minimum(v, 448.0)
-    e = ((lax.bitcast_convert_type(v, jnp.uint32) >> 23) & 0xFF).astype(jnp.int32) - 127
-    q = jnp.maximum(e, -6) - 3
-    quantum = lax.bitcast_convert_type(((q + 127) << 23).astype(jnp.uint32), jnp.float32)
-    inv = lax.bitcast_convert_type(((127 - q) << 23).astype(jnp.uint32), jnp.float32)
-    y = v * inv
-    n = y.astype(jnp.int32)  # truncation; y >= 0
-    frac = y - n.astype(jnp.float32)
-    up = (frac > 0.5) | ((frac == 0.5) & ((n & 1) == 1))
-    return (n + up.astype(jnp.int32)).astype(jnp.float32) * quantum
-
-
-def _e2m1_magnitude(a):
-    """|y| -> nearest E2M1 magnitude, ties to even (0.25->0, 0.75->1, 1.25->1, 1.75->2, 2.5->2, 3.5->4, 5->4), saturating."""
-    f = lambda c: c.astype(jnp.float32)
-    half = f(a > 0.25) + f(a >= 0.75) + f(a > 1.25) + f(a >= 1.75)
-    return 0.5 * half + f(a > 2.5) + f(a >= 3.5) + 2.0 * f(a > 5.0)
-
-
-def _requantize(hb, g, rg, recipe: str, exact_asm: bool):
-    """hb fp32 [BM, nb, 16] (bf16 values), encode scale g, rg = IEEE 1/g -> q*sf fp32 [BM, nb, 16].
-
-    The recipes' fp32 op order (oracle.quantize): trtllm ``sf = vmax*(G*fp32(1/6))``,
-    ``y = x * min(1/(sf8*(1/G)), FLT_MAX)``; b12x ``sf = (vmax*G)/6``, ``y = x / max(sf8/G, 1e-30)``.
-    """
-    vmax = jnp.max(jnp.abs(hb), axis=-1)
-    if recipe == "trtllm":
-        sf = jnp.where(vmax == 0, 0.0, vmax * (g * jnp.float32(1.0 / 6.0)))
-        s = _e4m3(sf)
-        out_scale = jnp.minimum(_div_rn(1.0, s * rg, exact_asm), _FLT_MAX)
-        y = hb * out_scale[..., None]
-    else:
-        s = _e4m3(jnp.minimum(_div_rn(vmax * g, 6.0, exact_asm), 448.0))
-        den = jnp.maximum(_div_rn(s, g, exact_asm), 1e-30)
-        y = _div_rn(hb, jnp.broadcast_to(den[..., None], hb.shape), exact_asm)
-    mag = _e2m1_magnitude(jnp.abs(y))
-    return jnp.where(y < 0, -mag, mag) * s[..., None]
-
-
-def bf16_rne(v, exact_asm: bool):
-    """fp32 -> nearest bf16 value, kept in fp32, inside a kernel: the convert pair on the GPU
-    (Triton emits both conversions); ``lax.reduce_precision`` in interpret mode
-    (``exact_asm`` False), where XLA's excess-precision simplifier may drop a convert pair."""
-    if exact_asm:
-        return v.astype(jnp.bfloat16).astype(jnp.float32)
-    return lax.reduce_precision(v, exponent_bits=8, mantissa_bits=7)
-
-
-def fc1_activation(first, second, alpha, *, activation: str, gate_up_order: str, mode: str,
-                   exact_asm: bool = True):
-    """FC1 epilogue in registers: accumulators fp32 [BN, BM] (the two halves' tiles for swiglu,
-    ``second`` None for relu2) ``* alpha`` (-> bf16 in trtllm_cutlass), activation in fp32 ->
-    ``h`` bf16 [BN, BM]. ``exact_asm`` False: interpret mode (see ``bf16_rne``). ``alpha``
-    None: the accumulators are already bf16(alpha * acc) (trtllm_cutlass products stored by
-    the GEMM, ``mosaic.grouped_matmul(alpha=...)``), in fp32."""
-
-    def scaled(acc):
-        if alpha is None:
-            return acc
-        u = acc * alpha
-        if mode == "trtllm_cutlass":  # GEMM1 output buffer is bf16 in TRT-LLM CUTLASS
-            u = bf16_rne(u, exact_asm)
-        return u
-
-    if activation == "relu2":
-        r = jnp.maximum(scaled(first), 0.0)
-        return (r * r).astype(jnp.bfloat16)
-    up, gate = (first, second) if gate_up_order == "up_gate" else (second, first)
-    up, gate = scaled(up), scaled(gate)
-    return (gate / (1.0 + jnp.exp(-gate)) * up).astype(jnp.bfloat16)
 
 
 def _grouped_tiles(xe_ref, xo_ref, c_ref, s_ref, e, m0, row0s, n_valid, K: int, cfg: Config):
@@ -170,7 +71,7 @@ def _grouped_tiles(xe_ref, xo_ref, c_ref, s_ref, e, m0, row0s, n_valid, K: int, 
         w_mask = n_mask[:, None] & kb_mask[None, :]
         out = []
         for acc, row0 in zip(accs, row0s):
-            if cfg.load2d:  # one [BN, BK/2] tile: wider vector loads (gemm NOTES round 1: -28 %)
+            if cfg.load2d:  # one [BN, BK/2] tile: wider vector loads (-28 % in the dense GEMM)
                 codes = plgpu.load(c_ref.at[e, pl.ds(row0, BN), pl.ds(kb0 * 8, BK2)],
                                    mask=n_mask[:, None] & x_mask, other=0).reshape(BN, BKB, 8)
             else:
@@ -188,15 +89,14 @@ def _grouped_tiles(xe_ref, xo_ref, c_ref, s_ref, e, m0, row0s, n_valid, K: int, 
         return tuple(out)
 
     zero = tuple(jnp.zeros((BN, BM), jnp.float32) for _ in row0s)
-    accs = lax.fori_loop(0, _cdiv(K, BK), body, zero)
+    accs = lax.fori_loop(0, cdiv(K, BK), body, zero)
     post = _post_scale(cfg.decode)
     return tuple(a * post for a in accs) if post != 1.0 else accs
 
 
 def _post_scale(decode: str) -> float:
     """Power of two the decode leaves out of the bf16 weights (exact; gemm/decode.py)."""
-    fn = getattr(_decode, "post_scale", None)
-    return float(fn(decode, jnp.bfloat16)) if fn is not None else 1.0
+    return float(gemm_decode.post_scale(decode, jnp.bfloat16))
 
 
 def _block_and_tile(n_tiles: int):
@@ -204,9 +104,8 @@ def _block_and_tile(n_tiles: int):
 
     Programs that run at the same time then share their row block (its activation rows stay in
     L2 across the block's output tiles) and a few adjacent blocks of one expert share its weight
-    tiles. With the row blocks fastest (the first version), every output tile re-read all
-    activation rows from HBM: at T = 4096 (nemotron) about 11 GB per GEMM against 0.8 GB of
-    weights (bench/NOTES-moe.md).
+    tiles. With the row blocks fastest, every output tile would re-read all activation rows
+    from HBM: at T = 4096 (nemotron) about 11 GB per GEMM against 0.8 GB of weights.
     """
     pid = pl.program_id(0)
     return pid // n_tiles, pid % n_tiles
@@ -216,7 +115,7 @@ def _fc1_kernel(be_ref, nb_ref, xe_ref, xo_ref, c_ref, s_ref, a1_ref, g2_ref, rg
                 he_ref, ho_ref, *h_ref, cfg: Config, H: int, I: int, activation: str,
                 gate_up_order: str, mode: str, exact_asm: bool):
     BM, BN = cfg.block_m, cfg.block_n
-    b, n = _block_and_tile(_cdiv(I, BN))
+    b, n = _block_and_tile(cdiv(I, BN))
 
     @pl.when(b < nb_ref[0])
     def _():
@@ -235,7 +134,7 @@ def _fc1_kernel(be_ref, nb_ref, xe_ref, xo_ref, c_ref, s_ref, a1_ref, g2_ref, rg
         if h_ref:
             plgpu.store(h_ref[0].at[pl.ds(m0, BM), pl.ds(n0, BN)], h.T, mask=col_mask[None, :])
         hb = h.T.astype(jnp.float32).reshape(BM, BN // 16, 16)
-        q = _requantize(hb, g2_ref[e], rg2_ref[e], recipe_of(mode), exact_asm)
+        q = requantize(hb, g2_ref[e], rg2_ref[e], recipe_of(mode), exact_asm)
         ev, od = jnp.split(q.reshape(BM, BN // 2, 2), 2, axis=-1)
         half_mask = ((n0 // 2 + jnp.arange(BN // 2)) < I // 2)[None, :]
         plgpu.store(he_ref.at[pl.ds(m0, BM), pl.ds(n0 // 2, BN // 2)],
@@ -247,7 +146,7 @@ def _fc1_kernel(be_ref, nb_ref, xe_ref, xo_ref, c_ref, s_ref, a1_ref, g2_ref, rg
 def _fc2_kernel(be_ref, nb_ref, xe_ref, xo_ref, c_ref, s_ref, a2_ref, w_ref, o_ref, *,
                 cfg: Config, H: int, I: int, mode: str, exact_asm: bool):
     BM, BN = cfg.block_m, cfg.block_n
-    b, n = _block_and_tile(_cdiv(H, BN))
+    b, n = _block_and_tile(cdiv(H, BN))
 
     @pl.when(b < nb_ref[0])
     def _():
@@ -263,61 +162,6 @@ def _fc2_kernel(be_ref, nb_ref, xe_ref, xo_ref, c_ref, s_ref, a2_ref, w_ref, o_r
         plgpu.store(o_ref.at[pl.ds(m0, BM), pl.ds(n0, BN)], contrib.T, mask=col_mask[None, :])
 
 
-KERNELS = ("auto", "triton", "mosaic")
-
-
-def _is_sm90() -> bool:
-    from ..gemm.api import _gpu_compute_capability
-
-    return _gpu_compute_capability() == 90
-
-
-def choose_kernel(kernel: str, config, *, routes: int, hidden: int, interpret: bool) -> str:
-    """"triton" or "mosaic" for ``moe_pallas`` (the choice of "auto" is logged).
-
-    "auto": "mosaic" when ``config`` is None or a ``MosaicMoEConfig``, not interpreting, on an
-    sm_90 GPU, with ``routes <= mosaic.MAX_ROUTES`` and H % 256 == 0; a ``MoEConfig`` (Pallas-
-    Triton tiles) or anything else gives "triton". "mosaic" / "triton" are taken as asked
-    ("mosaic" with ``interpret`` runs the kernels' XLA emulation, for CPU tests).
-    """
-    from . import mosaic as _mosaic
-
-    if kernel not in KERNELS:
-        raise ValueError(f"kernel: expected one of {KERNELS}, got {kernel!r}")
-    if kernel == "mosaic":
-        if isinstance(config, MoEConfig):
-            raise ValueError("config: kernel='mosaic' takes a MosaicMoEConfig (or None), got a "
-                             "Pallas-Triton MoEConfig")
-        _mosaic.check_supported(hidden, name="fc1")
-        if not interpret and not _is_sm90():
-            raise ValueError("kernel: 'mosaic' needs an sm_90 (Hopper) GPU (or interpret=True, "
-                             "which runs the kernels' XLA emulation)")
-        return "mosaic"
-    if kernel == "triton":
-        if isinstance(config, _mosaic.MosaicMoEConfig):
-            raise ValueError("config: kernel='triton' takes a MoEConfig (or None), got a MosaicMoEConfig")
-        return "triton"
-    if isinstance(config, MoEConfig):
-        why = "explicit Pallas-Triton MoEConfig"
-    elif interpret:
-        why = "interpret mode"
-    elif not _is_sm90():
-        why = "not an sm_90 GPU"
-    elif routes > _mosaic.MAX_ROUTES:
-        why = f"T*k = {routes} routes > mosaic.MAX_ROUTES = {_mosaic.MAX_ROUTES}"
-    elif hidden % _mosaic.BLOCK_K:
-        why = f"H = {hidden} is not a multiple of {_mosaic.BLOCK_K}"
-    else:
-        log.info("nvfp4_jax.moe: kernel auto -> mosaic (sm_90, %d routes <= %d)", routes,
-                 _mosaic.MAX_ROUTES)
-        return "mosaic"
-    if isinstance(config, _mosaic.MosaicMoEConfig):
-        raise ValueError(  # noqa: TRY004 - not a type error: the device or shape rules it out
-            f"config: a MosaicMoEConfig was given but the Mosaic kernels cannot run ({why})")
-    log.info("nvfp4_jax.moe: kernel auto -> triton (%s)", why)
-    return "triton"
-
-
 def fc2_triton(meta, he, ho, fc2: NVFP4Array, a2, wt, *, cfg: Config, em: int, h_dim: int,
                inter: int, mode: str, interpret: bool) -> jax.Array:
     """Pallas-Triton grouped FC2 (+ alpha2, bf16 in trtllm_cutlass, router weight) -> fp32 [EM, H].
@@ -328,7 +172,7 @@ def fc2_triton(meta, he, ho, fc2: NVFP4Array, a2, wt, *, cfg: Config, em: int, h
     return pl.pallas_call(
         functools.partial(_fc2_kernel, cfg=cfg, H=h_dim, I=inter, mode=mode, exact_asm=not interpret),
         out_shape=jax.ShapeDtypeStruct((em, h_dim), jnp.float32),
-        grid=(em // cfg.block_m * _cdiv(h_dim, cfg.block_n),),
+        grid=(em // cfg.block_m * cdiv(h_dim, cfg.block_n),),
         compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
         interpret=interpret,
         name="nvfp4_moe_fc2",
@@ -353,32 +197,20 @@ def moe_pallas(
     gate_up_order: str,
     mode: str,
     activation_scale: str,
-    config=None,
-    kernel: str = "auto",
+    config: MoEConfig | None = None,
     interpret: bool = False,
     return_intermediates: bool = False,
 ):
-    """Pallas MoE -> bf16 [T, H] (and per-route ``h`` [T*k, I] with ``return_intermediates``).
+    """Pallas-Triton MoE -> bf16 [T, H] (and per-route ``h`` [T*k, I] with ``return_intermediates``).
 
     Arguments as :func:`nvfp4_jax.moe` (validated there); fc1/fc2 scales in the linear layout.
-    ``kernel`` (see ``choose_kernel``): "triton" (the Pallas-Triton kernels of this module),
-    "mosaic" (``mosaic.moe_mosaic``: Mosaic GPU grouped GEMMs on Hopper, FC2 on Pallas-Triton
-    when I % 256 is neither 0 nor 128) or "auto" (mosaic on sm_90 up to ``mosaic.MAX_ROUTES`` routed rows; logged).
-    ``config``: ``MoEConfig`` (Pallas-Triton tiles), ``mosaic.MosaicMoEConfig`` or None (defaults).
+    ``config``: ``MoEConfig`` (tiles) or None (``configs.default_config``). ``interpret``:
+    Pallas interpret mode (CPU).
     """
     t, k = topk_ids.shape
     e, r, h_dim = fc1.shape
     inter = intermediate_size(r, activation)
     n_routes = t * k
-    if choose_kernel(kernel, config, routes=n_routes, hidden=h_dim, interpret=interpret) == "mosaic":
-        from .mosaic import moe_mosaic
-
-        if interpret:
-            log.info("nvfp4_jax.moe: kernel mosaic in interpret mode -> XLA emulation of the kernels")
-        return moe_mosaic(hidden, topk_ids, topk_weights, fc1, fc2, fc1_input_scale,
-                          fc2_input_scale, activation=activation, gate_up_order=gate_up_order,
-                          mode=mode, activation_scale=activation_scale, config=config,
-                          reference=interpret, return_intermediates=return_intermediates)
     fc2 = unpad_fc2(fc2, inter)  # these kernels read K = I (a padded stack is sliced, logged)
     if config is None:
         config = default_config(n_routes, e, inter=inter, hidden=h_dim, gated=activation == "swiglu")
@@ -390,9 +222,7 @@ def moe_pallas(
     recipe = recipe_of(mode)
 
     # the encode scales, alphas and 1/G2 (the trtllm recipe's) from one launch with IEEE
-    # divisions (``epilogue.moe_scales_kernel``; in XLA they were 11-14 small fusions per layer)
-    from .epilogue import moe_scales_kernel  # epilogue imports this module: a local import
-
+    # divisions (in XLA they are 11-14 small fusions per layer)
     g1, _, a1, g2, rg2, a2 = moe_scales_kernel(
         fc1.decode_scale, fc2.decode_scale, fc1_input_scale, fc2_input_scale, num_experts=e,
         mode=mode, activation_scale=activation_scale, interpret=interpret)
@@ -413,7 +243,7 @@ def moe_pallas(
         functools.partial(_fc1_kernel, cfg=c1, H=h_dim, I=inter, activation=activation,
                           gate_up_order=gate_up_order, mode=mode, exact_asm=exact_asm),
         out_shape=tuple(out1),
-        grid=(nb * _cdiv(inter, c1.block_n),),
+        grid=(nb * cdiv(inter, c1.block_n),),
         compiler_params=plgpu.CompilerParams(num_warps=c1.num_warps, num_stages=c1.num_stages),
         interpret=interpret,
         name="nvfp4_moe_fc1",

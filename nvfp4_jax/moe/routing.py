@@ -54,7 +54,7 @@ def sort_keys(flat: jax.Array, num_experts: int) -> jax.Array:
     """Expert ids int32 [N] as the narrowest unsigned type that holds [0, num_experts): uint8
     up to 256 experts, uint16 up to 65536, else int32 unchanged. XLA:GPU sorts such keys with
     CUB's radix sort, one 8-bit digit pass per key byte (4 passes for int32 keys: ~27 us of
-    qwen3's T = 4096 layer on the H200, session 14), and its H100 heuristic hands every
+    qwen3's T = 4096 layer on the H200), and its H100 heuristic hands every
     single-row 8-bit sort to CUB, where 32-bit keys go to XLA's own sort below ~22000
     elements. The order is the same: a stable sort of the same values."""
     if num_experts <= 1 << 8:

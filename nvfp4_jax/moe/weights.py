@@ -3,7 +3,7 @@
 An intermediate size I with I % 256 == 128 (Nemotron's 2688) gives FC2 code rows of I/2 bytes,
 64 bytes off a 128-byte line every other row, and a last K step that runs half past the end.
 On the H200 the grouped kernel alone ran 10 % faster on weights zero-padded to the next
-multiple of 256 (5 % more bytes; session 11, ``bench/results/fc2-align-probe-h200.json``).
+multiple of 256 (5 % more bytes).
 :func:`pad_fc2` makes that copy once, at load time; ``nvfp4_jax.moe`` takes either form.
 The padded columns multiply the FC2 operand's missing columns (read as zeros) or are sliced
 off (backends other than the Mosaic kernel, which then copy the weights on every call,

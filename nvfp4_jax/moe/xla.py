@@ -17,12 +17,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from .. import formats as F
-from ..quantize import _FNS as _RECIPE_FNS  # the recipes' fp32 op order, bit-exact with the oracle
-from ..quantize import (
-    NVFP4Array,
-    _div,  # IEEE division (XLA rewrites x / broadcast(b) into x * (1/b))
-    dequantize,
-)
+from ..quantize import NVFP4Array, dequantize, ieee_div, quantize_blocks
 from .routing import sort_keys
 
 MODES = ("trtllm_cutlass", "b12x")
@@ -59,10 +54,10 @@ def moe_scales(fc1_weight_scale_2, fc2_weight_scale_2, fc1_input_scale, fc2_inpu
         ws2 = jnp.asarray(ws2, jnp.float32)
         s_in = jnp.broadcast_to(jnp.asarray(s_in, jnp.float32), ws2.shape)
         if activation_scale == "scalar":
-            g = jnp.broadcast_to(_div(1.0, jnp.max(s_in)), ws2.shape)
+            g = jnp.broadcast_to(ieee_div(1.0, jnp.max(s_in)), ws2.shape)
         else:
-            g = _div(1.0, s_in)
-        alpha = _div(1.0, g * _div(1.0, ws2)) if mode == "trtllm_cutlass" else _div(ws2, g)
+            g = ieee_div(1.0, s_in)
+        alpha = ieee_div(1.0, g * ieee_div(1.0, ws2)) if mode == "trtllm_cutlass" else ieee_div(ws2, g)
         out.append((g, alpha))
     (g1, a1), (g2, a2) = out
     return g1, g2, a1, a2
@@ -79,7 +74,7 @@ def quantized_values(x: jax.Array, encode_scale: jax.Array, recipe: str) -> jax.
     vmax = jnp.max(jnp.abs(xb), axis=-1)
     g = jnp.asarray(encode_scale, jnp.float32)
     g = g.reshape(g.shape + (1,) * (vmax.ndim - g.ndim))
-    s, codes = _RECIPE_FNS[recipe][0](xb, vmax, g)
+    s, codes = quantize_blocks(xb, vmax, g, recipe)
     vals = F.e2m1_decode(codes).astype(jnp.float32) * s[..., None]
     return vals.reshape(xf.shape).astype(jnp.bfloat16)
 

@@ -19,16 +19,24 @@ Example::
         assert_moe_close(my_moe(*p.args(), **p.kwargs()), *p.args(), **p.kwargs())
 """
 
-from . import strategies
 from .assertions import (
-           assert_gemm_close,
-           assert_moe_close,
-           assert_quantize_consistent,
-           gemm_reference,
-           moe_bound,
-           quantize_interval,
-           quantize_violations,
+    assert_gemm_close,
+    assert_moe_close,
+    assert_quantize_consistent,
+    gemm_reference,
+    moe_bound,
+    quantize_interval,
+    quantize_violations,
 )
 
 __all__ = ["assert_gemm_close", "assert_moe_close", "assert_quantize_consistent", "gemm_reference",
            "moe_bound", "quantize_interval", "quantize_violations", "strategies"]
+
+
+def __getattr__(name: str):
+    # the strategies need hypothesis (the ``test`` extra); the assertions do not
+    if name == "strategies":
+        import importlib
+
+        return importlib.import_module(".strategies", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

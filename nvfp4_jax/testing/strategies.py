@@ -35,7 +35,12 @@ import importlib
 import math
 
 import numpy as np
-from hypothesis import strategies as st
+
+try:
+    from hypothesis import strategies as st
+except ImportError as e:  # a test-time dependency, not a runtime one
+    raise ImportError("nvfp4_jax.testing.strategies needs hypothesis: pip install "
+                      "'nvfp4-jax[test]' (or pip install hypothesis)") from e
 
 import oracle
 from oracle.formats import bf16_round, f32

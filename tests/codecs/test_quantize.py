@@ -79,7 +79,7 @@ def _compare(recipe, x, codes, scales, dj, ref):
 def _check_jax_equals_oracle(seed, log2_scale, mode, bf16):
     g = float(np.float32(2.0**log2_scale))
     # the data is built around a decode scale; for 'encode' runs the encode scale is g and
-    # the blocks are built around 1/g
+    # the blocks are built about 1/g
     d_for_data = g if mode != "encode" else 1.0 / g
     x = _flush_subnormals(nvfp4_blocks(seed, 16, d_for_data, bf16=bf16).reshape(SHAPE))
     if mode == "amax" and not np.any(x):

@@ -1,7 +1,7 @@
 """Pallas-Triton MoE on the GPU at realistic layer widths vs the oracle (stage-wise bounds).
 
-Forces ``kernel="triton"`` (on sm_90 "auto" would pick the Mosaic kernels at these sizes;
-those are tested in test_moe_mosaic_gpu.py)."""
+Calls the Pallas-Triton path directly (on sm_90 ``backend="auto"`` picks the Mosaic kernels at
+these sizes; those are tested in test_moe_mosaic_gpu.py)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from moe_cases import check_against_oracle, make_case
 from test_moe import to_jax
-from test_moe_cases import check_against_oracle, make_case
 
 from nvfp4_jax.moe.pallas_triton import moe_pallas
 
@@ -33,8 +33,7 @@ def test_moe_gpu_matches_oracle(mode, shape):
     case = make_case(np.random.default_rng(shape["t"]), **shape)
     act_scale = "scalar" if mode == "trtllm_cutlass" else "per_expert"
     fn = functools.partial(moe_pallas, activation=shape["activation"], gate_up_order="up_gate", mode=mode,
-                           activation_scale=act_scale, return_intermediates=True,
-                           kernel="triton")  # the Mosaic path: test_moe_mosaic_gpu.py
+                           activation_scale=act_scale, return_intermediates=True)
     out, inter = jax.jit(fn)(*to_jax(case))
     f = lambda a: np.asarray(a.astype(jnp.float32), np.float64)
     stats = check_against_oracle(case, f(out), f(inter["h"]), mode=mode, activation=shape["activation"])

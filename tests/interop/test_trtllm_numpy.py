@@ -26,7 +26,7 @@ torch = pytest.importorskip("torch")
 from nvfp4_jax.interop import trtllm_torch as T  # noqa: E402
 
 TORCH_SATURATES = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 12)
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _torch_fold(scale_bytes: np.ndarray, ws: np.ndarray) -> np.ndarray:

@@ -1,10 +1,8 @@
 """Mosaic GPU grouped-GEMM MoE (Hopper) at realistic layer widths vs the oracle (stage-wise
-derived bounds of test_moe_cases). Skipped without an sm_90 GPU.
+derived bounds of moe_cases). Skipped without an sm_90 GPU.
 
-Some cases run the scale expressions in XLA (``scales="xla"``; the default ``"kernel"`` divides
-with ``div.rn.f32`` itself, as the glue kernels of ``moe/epilogue.py`` do), and so does the FC1
-epilogue when FC2 falls back to Pallas-Triton: bit-exactness with the oracle there needs IEEE
-fp32 division, ``XLA_FLAGS=--xla_backend_extra_options=-nvptx-prec-divf32=2`` (bench/run_gpu.sh
+The FC1 epilogue runs in XLA when FC2 falls back to Pallas-Triton (the glue kernels divide with
+``div.rn.f32`` themselves): bit-exactness with the oracle there needs IEEE fp32 division, ``XLA_FLAGS=--xla_backend_extra_options=-nvptx-prec-divf32=2`` (bench/run_gpu.sh
 sets it for the GPU tests); without it the module is skipped.
 """
 
@@ -19,18 +17,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from moe_cases import check_against_oracle, make_case_fast
 from test_moe import to_jax
-from test_moe_cases import check_against_oracle, make_case_fast
 
-from nvfp4_jax.gemm.api import _gpu_compute_capability
+from nvfp4_jax.device import gpu_compute_capability
 from nvfp4_jax.gemm.mosaic import MosaicConfig
-from nvfp4_jax.moe.mosaic import _QWEN, AUTO_SM90, MosaicMoEConfig
+from nvfp4_jax.moe.api import choose_backend
+from nvfp4_jax.moe.mosaic import _QWEN, AUTO_SM90, MosaicMoEConfig, moe_mosaic
 from nvfp4_jax.moe.pallas_triton import moe_pallas
 
 pytestmark = pytest.mark.gpu
 
 
-if _gpu_compute_capability() != 90:
+if gpu_compute_capability() != 90:
     pytest.skip("needs an sm_90 (Hopper) NVIDIA GPU", allow_module_level=True)
 if "-nvptx-prec-divf32=2" not in os.environ.get("XLA_FLAGS", ""):
     pytest.skip("needs XLA_FLAGS=--xla_backend_extra_options=-nvptx-prec-divf32=2 (IEEE division "
@@ -47,12 +46,15 @@ BM128 = MosaicMoEConfig(block_m=128, fc1=MosaicConfig(block_n=64, split_k=1, num
                         fc2=MosaicConfig(block_n=64, split_k=1, num_stages=2))
 
 
-def _run(case, *, mode, activation, order="up_gate", config=None, kernel="mosaic"):
+def _run(case, *, mode, activation, order="up_gate", config=None, backend="mosaic"):
     act_scale = "scalar" if mode == "trtllm_cutlass" else "per_expert"
-    fn = functools.partial(moe_pallas, activation=activation, gate_up_order=order, mode=mode,
-                           activation_scale=act_scale, config=config, kernel=kernel,
-                           return_intermediates=True)
-    out, inter = jax.jit(fn)(*to_jax(case))
+    args = to_jax(case)
+    if backend == "auto":
+        backend = choose_backend("auto", config, routes=args[1].size, hidden=args[0].shape[1])
+    fn = functools.partial(moe_mosaic if backend == "mosaic" else moe_pallas, activation=activation,
+                           gate_up_order=order, mode=mode, activation_scale=act_scale,
+                           config=config, return_intermediates=True)
+    out, inter = jax.jit(fn)(*args)
     f = lambda a: np.asarray(a.astype(jnp.float32), np.float64)
     return f(out), f(inter["h"])
 
@@ -92,41 +94,33 @@ def _run(case, *, mode, activation, order="up_gate", config=None, kernel="mosaic
      MosaicMoEConfig(block_m=8, bf16_partials=True, skip_padding=True)),
     # the scales (G, 1/G, alphas) from one Pallas-Triton kernel instead of XLA: both modes
     ("qwen_scales_kernel_b12x", "b12x", {**QWEN, "t": 3, "e": 16, "k": 4}, "up_gate",
-     MosaicMoEConfig(block_m=8, scales="kernel", routing="kernel", skip_padding=True)),
+     MosaicMoEConfig(block_m=8, routing="kernel", skip_padding=True)),
     ("nemotron_scales_kernel_trtllm", "trtllm_cutlass", {**NEMO, "t": 5, "e": 24, "k": 6}, "up_gate",
-     MosaicMoEConfig(block_m=8, scales="kernel")),
-    # the scale expressions in XLA (the default before session 10; IEEE with run_gpu.sh's flag)
-    ("nemotron_xla_scales_trtllm", "trtllm_cutlass", {**NEMO, "t": 5, "e": 24, "k": 6}, "up_gate",
-     MosaicMoEConfig(block_m=8, scales="xla")),
+     MosaicMoEConfig(block_m=8)),
     # routing, scales and the FC1 operand in one launch (routing="fused"): both modes
     ("qwen_fused_routing_b12x", "b12x", {**QWEN, "t": 3, "e": 16, "k": 4}, "up_gate",
-     MosaicMoEConfig(block_m=8, scales="kernel", routing="fused", skip_padding=True)),
+     MosaicMoEConfig(block_m=8, routing="fused", skip_padding=True)),
     ("qwen_fused_routing_trtllm", "trtllm_cutlass", {**QWEN, "t": 8, "e": 128, "k": 8}, "up_gate",
-     MosaicMoEConfig(block_m=8, scales="kernel", routing="fused", skip_padding=True)),
-    # the FC1 epilogue one program per route (epilogue="routes", session 11)
+     MosaicMoEConfig(block_m=8, routing="fused", skip_padding=True)),
+    # the FC1 epilogue one program per route (epilogue="routes")
     ("nemotron_epilogue_routes_trtllm", "trtllm_cutlass", {**NEMO, "t": 8, "e": 24, "k": 6}, "up_gate",
      MosaicMoEConfig(block_m=8, epilogue="routes", skip_padding=True)),
     ("qwen_epilogue_routes_b12x", "b12x", {**QWEN, "t": 3, "e": 16, "k": 4}, "up_gate",
      MosaicMoEConfig(block_m=8, epilogue="routes", routing="fused", skip_padding=True)),
-    # wide glue (session 13): 8-row FC1-operand programs (4 at qwen3's H = 2048), 256 / 512
+    # wide glue: 8-row FC1-operand programs (4 at qwen3's H = 2048), 256 / 512
     # combine columns per program, at prefill-like blocks
     ("nemotron_wide_glue_trtllm", "trtllm_cutlass", {**NEMO, "t": 64, "e": 4, "k": 4}, "up_gate",
      MosaicMoEConfig(block_m=64, bf16_partials=True, wide_glue=True)),
     ("qwen_wide_glue_b12x", "b12x", {**QWEN, "t": 40, "e": 4, "k": 2}, "up_gate",
      MosaicMoEConfig(block_m=32, wide_glue=True)),
     # qwen3's prefill default at 64-row blocks: the FC1 epilogue in programs of 32 rows
-    # (epilogue_row_chunk, session 15), each token quantized once, the wide glue
+    # (epilogue_row_chunk), each token quantized once, the wide glue
     ("qwen_prefill_default_trtllm", "trtllm_cutlass", {**QWEN, "t": 96, "e": 4, "k": 2}, "up_gate",
      MosaicMoEConfig(block_m=64, bf16_partials=True, wide_glue=True, token_quant=True)),
-    # qwen3's measured prefill entry (session 16): skip_padding, FC2 on one warpgroup
+    # qwen3's measured prefill entry: skip_padding, FC2 on one warpgroup
     ("qwen_prefill_auto_trtllm", "trtllm_cutlass", {**QWEN, "t": 96, "e": 4, "k": 2}, "up_gate",
      AUTO_SM90[(*_QWEN, 32768)]),
-    # both grouped GEMMs under Mosaic's lane semantics (JAX 0.11's default is warpgroup),
-    # whole-K scales (nemotron FC2) included
-    ("nemotron_lane_trtllm", "trtllm_cutlass", {**NEMO, "t": 8, "e": 24, "k": 6}, "up_gate",
-     MosaicMoEConfig(block_m=8, fc1=MosaicConfig(block_n=128, split_k=2, num_stages=3, semantics="lane"),
-                     fc2=MosaicConfig(block_n=128, num_stages=3, semantics="lane"))),
-    # token_quant (session 14; passed on the H200 in session 15): each token quantized once,
+    # token_quant: each token quantized once,
     # the routed rows gathered (trtllm_cutlass: one encode scale), wide and narrow
     ("nemotron_token_quant_wide_trtllm", "trtllm_cutlass", {**NEMO, "t": 64, "e": 4, "k": 4}, "up_gate",
      MosaicMoEConfig(block_m=64, bf16_partials=True, wide_glue=True, token_quant=True)),
@@ -153,17 +147,17 @@ def test_moe_mosaic_gpu_matches_oracle(name, mode, shape, order, config):
 
 def test_auto_picks_mosaic_at_decode_and_matches_triton(caplog):
     case = make_case_fast(np.random.default_rng(3), **{**QWEN, "t": 4, "e": 8, "k": 4})
-    with caplog.at_level(logging.INFO, logger="nvfp4_jax.moe.pallas_triton"):
-        out_a, h_a = _run(case, mode="b12x", activation="swiglu", kernel="auto")
-    assert "kernel auto -> mosaic" in caplog.text
-    out_t, h_t = _run(case, mode="b12x", activation="swiglu", kernel="triton")
+    with caplog.at_level(logging.INFO, logger="nvfp4_jax.moe.api"):
+        out_a, h_a = _run(case, mode="b12x", activation="swiglu", backend="auto")
+    assert "backend auto -> mosaic" in caplog.text
+    out_t, h_t = _run(case, mode="b12x", activation="swiglu", backend="pallas")
     check_against_oracle(case, out_a, h_a, mode="b12x", activation="swiglu")
     check_against_oracle(case, out_t, h_t, mode="b12x", activation="swiglu")
 
 
 @pytest.mark.parametrize("n,k,split,bk,bn", [
     (1024, 2688, 1, 256, 128), (2688, 1024, 2, 256, 128), (333, 1024, 1, 512, 128),
-    # block_n 64 (session 11): each CTA reads half of a 128-row swizzled tile (8 bytes on for
+    # block_n 64: each CTA reads half of a 128-row swizzled tile (8 bytes on for
     # the odd CTAs); N = 333 ends in a partial tile
     (1536, 2048, 2, 256, 64), (2048, 768, 1, 256, 64), (1024, 2688, 1, 256, 64), (333, 1024, 1, 256, 64),
 ])
@@ -199,8 +193,8 @@ def test_moe_mosaic_gpu_swizzled_weights_match_oracle(fc2_split, consumers=1):
     hidden, ids, w, fc1, fc2, s1, s2 = to_jax(case)
     cfg = MosaicMoEConfig(block_m=8, fc1=MosaicConfig(block_n=128, split_k=2, num_stages=2, consumers=consumers),
                           fc2=MosaicConfig(block_n=128, split_k=fc2_split, num_stages=2, consumers=consumers))
-    fn = functools.partial(moe_pallas, activation="relu2", gate_up_order="up_gate", mode="trtllm_cutlass",
-                           activation_scale="scalar", kernel="mosaic", return_intermediates=True,
+    fn = functools.partial(moe_mosaic, activation="relu2", gate_up_order="up_gate", mode="trtllm_cutlass",
+                           activation_scale="scalar", return_intermediates=True,
                            config=cfg)
     out, inter = jax.jit(fn)(hidden, ids, w, fc1.with_layout("swizzled_128x4"),
                              fc2.with_layout("swizzled_128x4"), s1, s2)
@@ -219,11 +213,11 @@ def test_prefill_default_config_matches_oracle(monkeypatch, caplog):
     """The default config of prefill-sized routings (two compute warpgroups, bf16 products;
     WS_ROUTES, BF16_PARTIALS_ROUTES), lowered to 256 routes so the oracle stays cheap; nemotron's FC2 (K = 2688) with
     linear scales has no warp-specialized kernel and runs with one warpgroup, logged."""
-    from nvfp4_jax.moe import mosaic as moe_mosaic
+    from nvfp4_jax.moe import mosaic as mm
 
-    monkeypatch.setattr(moe_mosaic, "WS_ROUTES", 256)
-    monkeypatch.setattr(moe_mosaic, "BF16_PARTIALS_ROUTES", 256)
-    cfg = moe_mosaic.default_config(256, 4, hidden=1024, rows1=2688, inter=2688)
+    monkeypatch.setattr(mm, "WS_ROUTES", 256)
+    monkeypatch.setattr(mm, "BF16_PARTIALS_ROUTES", 256)
+    cfg = mm.default_config(256, 4, hidden=1024, rows1=2688, inter=2688)
     assert cfg.bf16_partials and cfg.fc1.consumers == 2 and cfg.fc2.consumers == 2
     case = make_case_fast(np.random.default_rng(11), **{**NEMO, "t": 64, "e": 4, "k": 4})
     with caplog.at_level(logging.INFO, logger="nvfp4_jax.moe.mosaic"):
@@ -281,8 +275,8 @@ def test_moe_mosaic_gpu_padded_fc2_matches_oracle(layout):
     fc2p = pad_fc2(fc2.with_layout(layout))
     assert fc2p.shape[2] == 2816
     for cfg in (None, MosaicMoEConfig(block_m=8, fc2=MosaicConfig(block_n=128, split_k=2, num_stages=2))):
-        fn = functools.partial(moe_pallas, activation="relu2", gate_up_order="up_gate", mode="trtllm_cutlass",
-                               activation_scale="scalar", kernel="mosaic", return_intermediates=True,
+        fn = functools.partial(moe_mosaic, activation="relu2", gate_up_order="up_gate", mode="trtllm_cutlass",
+                               activation_scale="scalar", return_intermediates=True,
                                config=cfg)
         out, inter = jax.jit(fn)(hidden, ids, w, fc1.with_layout(layout), fc2p, s1, s2)
         f = lambda a: np.asarray(a.astype(jnp.float32), np.float64)
@@ -292,25 +286,26 @@ def test_moe_mosaic_gpu_padded_fc2_matches_oracle(layout):
 @pytest.mark.parametrize("t,e,k", [(1, 512, 22), (8, 512, 22), (23, 512, 22), (1, 128, 8), (8, 128, 8)])
 def test_routing_kernel_routes_method_on_gpu(t, e, k):
     """The routing kernels' "routes" method on the GPU (nemotron: 22 routes per token over 512
-    experts; qwen3: 8 over 128, where it is the default up to T = 8, ``PREFER_ROUTES``): its
+    experts; qwen3: 8 over 128, where it is the default up to T = 8): its
     CTA barriers and the read-back of the sorted order give exactly the XLA
     ``block_routing``, alone, with the scales, and inside the fused launch (whose FC1 operand
     rows are bit for bit ``fc1_operand``'s)."""
-    from nvfp4_jax.moe import epilogue as ep
+    from nvfp4_jax.moe import operand as opd
+    from nvfp4_jax.moe import routing_kernel as rtk
     from nvfp4_jax.moe.routing import block_routing
 
     rng = np.random.default_rng(t)
     bm, h = 8, 1024
-    methods = ep.routing_methods(t * k, e, bm, explicit=True)
-    assert methods == (("routes", "experts") if e <= ep.ROUTING_EXPERTS_MAX else ("routes",))
+    methods = rtk.routing_methods(t * k, e, bm, explicit=True)
+    assert methods == (("routes", "experts") if e <= rtk.ROUTING_EXPERTS_MAX else ("routes",))
     ids = jnp.asarray(np.argsort(rng.random((t, e)), axis=1)[:, :k].astype(np.int32))
     want = block_routing(ids, e, bm)
     vecs = [jnp.asarray(np.exp2(rng.uniform(-12, 4, e)).astype(np.float32)) for _ in range(4)]
     scales = (*vecs, "trtllm_cutlass", "scalar")
     hidden = jnp.asarray(rng.standard_normal((t, h)) * 64, jnp.bfloat16)
-    got = jax.jit(lambda i: ep.routing_kernel(i, e, bm, method="routes"))(ids)
-    got_s, sv = jax.jit(lambda i: ep.routing_kernel(i, e, bm, scales=scales, method="routes"))(ids)
-    got_f, sv_f, xp = jax.jit(lambda i, x: ep.routing_operand_kernel(i, x, e, bm, scales, recipe="trtllm",
+    got = jax.jit(lambda i: rtk.routing_kernel(i, e, bm, method="routes"))(ids)
+    got_s, sv = jax.jit(lambda i: rtk.routing_kernel(i, e, bm, scales=scales, method="routes"))(ids)
+    got_f, sv_f, xp = jax.jit(lambda i, x: rtk.routing_operand_kernel(i, x, e, bm, scales, recipe="trtllm",
                                                                      method="routes"))(ids, hidden)
     for br in (got, got_s, got_f):
         for name in ("sorted_route", "block_expert", "num_blocks", "route_pos"):
@@ -318,7 +313,7 @@ def test_routing_kernel_routes_method_on_gpu(t, e, k):
                                           err_msg=name)
     for a, b in zip(sv, sv_f, strict=True):
         np.testing.assert_array_equal(np.asarray(a).view(np.uint32), np.asarray(b).view(np.uint32))
-    ref = ep.fc1_operand(hidden, want.sorted_route, want.block_expert, want.num_blocks, sv[0], sv[1],
+    ref = opd.fc1_operand(hidden, want.sorted_route, want.block_expert, want.num_blocks, sv[0], sv[1],
                          top_k=k, block_m=bm, recipe="trtllm", per_expert=False, skip_padding=True)
     live = np.asarray(want.route_pos)
     a, b = np.asarray(xp, np.float32)[live], np.asarray(ref, np.float32)[live]
@@ -332,15 +327,16 @@ def test_routing_kernel_tokens_method_on_gpu(t, warps, monkeypatch):
     on the GPU: its scratch table's barriers give exactly the XLA ``block_routing``, alone and
     with the scales; also with every token routed twice to its first expert. ``warps``: the
     program's warp count instead of ``routing_warps``'s default (T = 8: 4)."""
-    from nvfp4_jax.moe import epilogue as ep
+    from nvfp4_jax import triton_ops as tops
+    from nvfp4_jax.moe import routing_kernel as rtk
     from nvfp4_jax.moe.routing import block_routing
 
     rng = np.random.default_rng(t)
     e, k, bm = 512, 22, 8
-    assert "tokens" in ep.routing_methods(t * k, e, bm, top_k=k, explicit=True)
+    assert "tokens" in rtk.routing_methods(t * k, e, bm, top_k=k, explicit=True)
     if warps is not None:
-        monkeypatch.setitem(ep.ROUTING_WARPS, ("tokens", ep._pow2(t * k)), warps)
-        assert ep.routing_warps("tokens", t * k) == warps
+        monkeypatch.setitem(rtk.ROUTING_WARPS, ("tokens", tops.pow2(t * k)), warps)
+        assert rtk.routing_warps("tokens", t * k) == warps
     ids = np.argsort(rng.random((t, e)), axis=1)[:, :k].astype(np.int32)
     rep = ids.copy()
     rep[:, 1] = rep[:, 0]
@@ -348,8 +344,8 @@ def test_routing_kernel_tokens_method_on_gpu(t, warps, monkeypatch):
     scales = (*vecs, "trtllm_cutlass", "scalar")
     for i in (jnp.asarray(ids), jnp.asarray(rep)):
         want = block_routing(i, e, bm)
-        got = jax.jit(lambda i: ep.routing_kernel(i, e, bm, method="tokens"))(i)
-        got_s, _ = jax.jit(lambda i: ep.routing_kernel(i, e, bm, scales=scales, method="tokens"))(i)
+        got = jax.jit(lambda i: rtk.routing_kernel(i, e, bm, method="tokens"))(i)
+        got_s, _ = jax.jit(lambda i: rtk.routing_kernel(i, e, bm, scales=scales, method="tokens"))(i)
         for br in (got, got_s):
             for name in ("sorted_route", "block_expert", "num_blocks", "route_pos"):
                 np.testing.assert_array_equal(np.asarray(getattr(br, name)), np.asarray(getattr(want, name)),
@@ -360,15 +356,13 @@ def test_routing_kernel_tokens_method_on_gpu(t, warps, monkeypatch):
 def test_moe_mosaic_gpu_routes_method_matches_oracle(routing, method, monkeypatch):
     """The layer with the "routes" routing method (taken above 128 experts; forced here at 24
     by lowering ROUTING_EXPERTS_MAX) against the oracle, in the routing kernel's launch or
-    fused with the FC1 operand; and with the "tokens" method (TOKENS_METHOD on,
-    ROUTES_AUTO_MAX 0)."""
-    from nvfp4_jax.moe import epilogue as ep
+    fused with the FC1 operand; and with the "tokens" method (ROUTES_AUTO_MAX 0)."""
+    from nvfp4_jax.moe import routing_kernel as rtk
 
-    monkeypatch.setattr(ep, "ROUTING_EXPERTS_MAX", 8)
+    monkeypatch.setattr(rtk, "ROUTING_EXPERTS_MAX", 8)
     if method == "tokens":
-        monkeypatch.setattr(ep, "TOKENS_METHOD", True)
-        monkeypatch.setattr(ep, "ROUTES_AUTO_MAX", 0)
-    assert ep.routing_methods(8 * 6, 24, 8, top_k=6)[0] == method
+        monkeypatch.setattr(rtk, "ROUTES_AUTO_MAX", 0)
+    assert rtk.routing_methods(8 * 6, 24, 8, top_k=6)[0] == method
     case = make_case_fast(np.random.default_rng(24), **{**NEMO, "t": 8, "e": 24, "k": 6})
     cfg = MosaicMoEConfig(block_m=8, routing=routing, skip_padding=True)
     out, h = _run(case, mode="trtllm_cutlass", activation="relu2", config=cfg)
@@ -382,21 +376,21 @@ def test_auto_sm90_nemotron_decode_entries_match_oracle(bucket, t, monkeypatch):
     the routing kernels take the methods they take at nemotron's 512 experts (T = 1: the
     routes method, fused with the scales and the FC1 operand; T = 8: the tokens method with
     the scales)."""
-    from nvfp4_jax.moe import epilogue as ep
     from nvfp4_jax.moe import mosaic as mm
     from nvfp4_jax.moe import pad_fc2
+    from nvfp4_jax.moe import routing_kernel as rtk
 
-    monkeypatch.setattr(ep, "ROUTING_EXPERTS_MAX", 8)
+    monkeypatch.setattr(rtk, "ROUTING_EXPERTS_MAX", 8)
     key = (*mm._NEMO, bucket)
     cfg = mm.AUTO_SM90[key]
     if key in mm.AUTO_SM90_PADDED_FC2:  # what the layer picks for padded FC2 weights
         cfg = dataclasses.replace(cfg, fc2=mm.AUTO_SM90_PADDED_FC2[key])
-    assert ep.routing_kernel_fits(t * 22, 24, cfg.block_m,
+    assert rtk.routing_kernel_fits(t * 22, 24, cfg.block_m,
                                   top_k=None if cfg.routing == "fused" else 22) == (cfg.routing != "xla")
     case = make_case_fast(np.random.default_rng(bucket), **{**NEMO, "t": t, "e": 24, "k": 22})
     hidden, ids, w, fc1, fc2, s1, s2 = to_jax(case)
-    fn = functools.partial(moe_pallas, activation="relu2", gate_up_order="up_gate", mode="trtllm_cutlass",
-                           activation_scale="scalar", kernel="mosaic", return_intermediates=True,
+    fn = functools.partial(moe_mosaic, activation="relu2", gate_up_order="up_gate", mode="trtllm_cutlass",
+                           activation_scale="scalar", return_intermediates=True,
                            config=cfg)
     out, inter = jax.jit(fn)(hidden, ids, w, fc1.with_layout("swizzled_128x4"),
                              pad_fc2(fc2.with_layout("swizzled_128x4")), s1, s2)
@@ -414,8 +408,8 @@ def test_auto_sm90_qwen3_decode_entries_match_oracle(bucket, t, caplog):
     cfg = mm.AUTO_SM90[(*mm._QWEN, bucket)]
     case = make_case_fast(np.random.default_rng(bucket), **{**QWEN, "t": t, "e": 16, "k": 8})
     hidden, ids, w, fc1, fc2, s1, s2 = to_jax(case)
-    fn = functools.partial(moe_pallas, activation="swiglu", gate_up_order="up_gate", mode="b12x",
-                           activation_scale="per_expert", kernel="mosaic", return_intermediates=True,
+    fn = functools.partial(moe_mosaic, activation="swiglu", gate_up_order="up_gate", mode="b12x",
+                           activation_scale="per_expert", return_intermediates=True,
                            config=cfg)
     with caplog.at_level(logging.WARNING, logger="nvfp4_jax.moe"):
         out, inter = jax.jit(fn)(hidden, ids, w, fc1.with_layout("swizzled_128x4"),

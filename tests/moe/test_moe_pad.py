@@ -12,8 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from moe_cases import check_against_oracle, make_case
 from test_moe import to_jax
-from test_moe_cases import check_against_oracle, make_case
 
 import nvfp4_jax
 from nvfp4_jax.gemm.mosaic import MosaicConfig, check_config
@@ -60,15 +60,17 @@ def test_pad_fc2_appends_zero_columns(layout):
     assert padded_inter(2688) == 2816 and padded_inter(768) == 768
 
 
-def _layer(case, fc2, *, backend="pallas", kernel="mosaic", config=None, mode="trtllm_cutlass"):
+def _layer(case, fc2, *, backend="mosaic", config=None, mode="trtllm_cutlass"):
     hidden, ids, w, fc1, _, s1, s2 = to_jax(case)
     if backend == "xla":
         return nvfp4_jax.moe(hidden, fc1=fc1, fc2=fc2, fc1_input_scale=s1, fc2_input_scale=s2,
                              topk_ids=ids, topk_weights=w, activation="relu2", mode=mode,
                              backend="xla")
-    fn = functools.partial(moe_pallas, activation="relu2", gate_up_order="up_gate", mode=mode,
+    kw = {"reference": True} if backend == "mosaic" else {"interpret": True}
+    fn = functools.partial(moe_mosaic if backend == "mosaic" else moe_pallas, activation="relu2",
+                           gate_up_order="up_gate", mode=mode,
                            activation_scale="scalar" if mode == "trtllm_cutlass" else "per_expert",
-                           config=config, kernel=kernel, interpret=True, return_intermediates=True)
+                           config=config, return_intermediates=True, **kw)
     return jax.jit(fn)(hidden, ids, w, fc1, fc2, s1, s2)
 
 
@@ -104,8 +106,8 @@ def test_padded_fc2_other_backends_slice_it(caplog):
         out_p = _layer(case, pad_fc2(fc2), backend="xla")
     assert "sliced (copied) on every call" in caplog.text
     np.testing.assert_array_equal(f(out_p), f(_layer(case, fc2, backend="xla")))
-    out_t, _ = _layer(case, pad_fc2(fc2), kernel="triton")
-    out_u, _ = _layer(case, fc2, kernel="triton")
+    out_t, _ = _layer(case, pad_fc2(fc2), backend="pallas")
+    out_u, _ = _layer(case, fc2, backend="pallas")
     np.testing.assert_array_equal(f(out_t), f(out_u))
 
 

@@ -126,7 +126,7 @@ def test_dequant_exhaustive_codes_and_scales(decode):
 
 
 def test_sm12x_compile_has_tensor_core_mma(tmp_path):
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
     import sm12x_compile
 
     summary = sm12x_compile.run(str(tmp_path))

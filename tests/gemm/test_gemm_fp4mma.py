@@ -25,7 +25,7 @@ from nvfp4_jax.gemm.fp4mma import (
 from nvfp4_jax.testing import assert_gemm_close
 from nvfp4_jax.testing import strategies as nst
 
-BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
+BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "bench")
 
 
 def _random_nvfp4(rng, rows, k, *, subnormal_frac=0.3, decode_scale=1.0) -> oracle.NVFP4:

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import nvfp4_blocks
-from test_moe_cases import make_case
+from moe_cases import make_case
 
 import oracle
 from nvfp4_jax.interop import b12x as B

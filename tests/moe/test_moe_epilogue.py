@@ -1,7 +1,7 @@
 """The Mosaic MoE path's Pallas-Triton glue kernels (moe/epilogue.py) in interpret mode, each
 against an independent reference: the XLA functions the path used before (``xla.py``:
 ``sorted_rows``, ``activate``, ``quantized_values``, all bit-exact with the oracle) with the
-K permutation applied as a gather by ``gemm.mosaic._PERM``; bit-exact, on
+K permutation applied as a gather by ``gemm.mosaic.PERM``; bit-exact, on
 random partials at several magnitudes (E4M3-subnormal block scales included), uneven routing,
 both modes and activations, split-K 1 and 3. The combine's fp32 top-k sum may run in any
 order: it is checked against the exact sum of the exact per-route terms within the fp32
@@ -14,8 +14,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from nvfp4_jax.gemm.mosaic import _PERM, POST_SCALE
+from nvfp4_jax import triton_ops as tops
+from nvfp4_jax.gemm.mosaic import PERM, POST_SCALE
+from nvfp4_jax.moe import combine as cmb
 from nvfp4_jax.moe import epilogue as ep
+from nvfp4_jax.moe import operand as opd
+from nvfp4_jax.moe import routing_kernel as rtk
+from nvfp4_jax.moe import scales as msc
 from nvfp4_jax.moe.routing import block_routing
 from nvfp4_jax.moe.xla import (
     activate,
@@ -25,14 +30,14 @@ from nvfp4_jax.moe.xla import (
     recipe_of,
     sorted_rows,
 )
-from nvfp4_jax.quantize import _div
+from nvfp4_jax.quantize import ieee_div
 
 
 def _permuted(x):
     """[S, K] -> K permuted as the grouped kernel reads it: column p of each 128-group holds
-    element _PERM[p] (a gather: independent of the kernels' reshape-and-transpose)."""
+    element PERM[p] (a gather: independent of the kernels' reshape-and-transpose)."""
     k = x.shape[1]
-    return x[:, (np.arange(k) // 128 * 128) + np.tile(_PERM, k // 128)]
+    return x[:, (np.arange(k) // 128 * 128) + np.tile(PERM, k // 128)]
 
 
 def _routing(rng, t, k, e, bm, skew):
@@ -63,7 +68,7 @@ def _scales(rng, e, mode, act_scale, in_mag=1.0):
 def test_fc1_operand_is_the_xla_operand(mode, act_scale, in_mag, skew, wide):
     rng = np.random.default_rng(int(in_mag * 7) + skew)
     t, k, e, bm, h = 9, 3, 8, 8, 512
-    assert ep.operand_rows(bm, h, wide) == (8 if wide else 1)
+    assert opd.operand_rows(bm, h, wide) == (8 if wide else 1)
     _, br, nb = _routing(rng, t, k, e, bm, skew)
     hidden = jnp.asarray(rng.standard_normal((t, h)) * rng.choice([1e-3, 1.0, 50.0], (t, 1)), jnp.bfloat16)
     g1, _, _, _ = _scales(rng, e, mode, act_scale, in_mag)
@@ -71,7 +76,7 @@ def test_fc1_operand_is_the_xla_operand(mode, act_scale, in_mag, skew, wide):
     sf = np.abs(np.asarray(hidden, np.float32)).reshape(t, h // 16, 16).max(-1) * float(np.max(g1)) / 6
     if in_mag > 1:
         assert np.mean(sf < 2.0**-6) > 0.5  # the case drives the block scales into subnormals
-    got = ep.fc1_operand(hidden, br.sorted_route, br.block_expert, br.num_blocks, g1, _div(1.0, g1),
+    got = opd.fc1_operand(hidden, br.sorted_route, br.block_expert, br.num_blocks, g1, ieee_div(1.0, g1),
                          top_k=k, block_m=bm, recipe=recipe, per_expert=act_scale == "per_expert",
                          interpret=True, wide=wide)
     wts = jnp.ones((t, k), jnp.float32)
@@ -99,12 +104,12 @@ def test_token_operand_then_gather_is_the_fc1_operand(mode, in_mag, t, bm, wide,
     g1, _, _, _ = _scales(rng, e, mode, "scalar", in_mag)
     kw = {"top_k": k, "block_m": bm, "recipe": recipe_of(mode), "per_expert": False,
           "interpret": True, "wide": wide, "skip_padding": skip}
-    args = (br.sorted_route, br.block_expert, br.num_blocks, g1, _div(1.0, g1))
-    want = np.asarray(ep.fc1_operand(hidden, *args, **kw), np.float32)
-    xq = ep.token_operand(hidden, g1, _div(1.0, g1), recipe=recipe_of(mode), interpret=True, wide=wide)
-    assert xq.shape == (-(-t // ep.TOKEN_BLOCK) * ep.TOKEN_BLOCK, h)
+    args = (br.sorted_route, br.block_expert, br.num_blocks, g1, ieee_div(1.0, g1))
+    want = np.asarray(opd.fc1_operand(hidden, *args, **kw), np.float32)
+    xq = opd.token_operand(hidden, g1, ieee_div(1.0, g1), recipe=recipe_of(mode), interpret=True, wide=wide)
+    assert xq.shape == (-(-t // opd.TOKEN_BLOCK) * opd.TOKEN_BLOCK, h)
     assert not np.any(np.asarray(xq, np.float32)[t:])  # rows past T: zeros
-    got = np.asarray(ep.fc1_operand(xq, *args, **kw, prequantized=True, num_tokens=t), np.float32)
+    got = np.asarray(opd.fc1_operand(xq, *args, **kw, prequantized=True, num_tokens=t), np.float32)
     rows = np.arange(nb * bm)
     routed = np.asarray(br.sorted_route)[rows] < t * k
     assert np.count_nonzero(want[rows][routed]) > t * k * h // 4
@@ -112,9 +117,9 @@ def test_token_operand_then_gather_is_the_fc1_operand(mode, in_mag, t, bm, wide,
     if not skip:
         np.testing.assert_array_equal(got[rows][~routed], want[rows][~routed])
     with pytest.raises(ValueError, match="^per_expert: prequantized"):
-        ep.fc1_operand(xq, *args, **{**kw, "per_expert": True}, prequantized=True, num_tokens=t)
+        opd.fc1_operand(xq, *args, **{**kw, "per_expert": True}, prequantized=True, num_tokens=t)
     with pytest.raises(ValueError, match="^num_tokens"):
-        ep.fc1_operand(xq, *args, **kw, prequantized=True, num_tokens=xq.shape[0] + 1)
+        opd.fc1_operand(xq, *args, **kw, prequantized=True, num_tokens=xq.shape[0] + 1)
 
 
 def test_wide_fc1_operand_skip_padding_writes_only_routed_rows():
@@ -123,14 +128,14 @@ def test_wide_fc1_operand_skip_padding_writes_only_routed_rows():
     mode fills outputs with NaN, so an unmasked store of a padding row's zeros would show)."""
     rng = np.random.default_rng(3)
     t, k, e, bm, h = 11, 3, 8, 16, 1024
-    assert ep.operand_rows(bm, h, True) == 8
+    assert opd.operand_rows(bm, h, True) == 8
     _, br, nb = _routing(rng, t, k, e, bm, skew=True)
     hidden = jnp.asarray(rng.standard_normal((t, h)) * 3.0, jnp.bfloat16)
     g1, _, _, _ = _scales(rng, e, "trtllm_cutlass", "scalar")
     kw = {"top_k": k, "block_m": bm, "recipe": "trtllm", "per_expert": False, "interpret": True}
-    args = (hidden, br.sorted_route, br.block_expert, br.num_blocks, g1, _div(1.0, g1))
-    narrow = np.asarray(ep.fc1_operand(*args, **kw), np.float32)
-    wide = np.asarray(ep.fc1_operand(*args, **kw, skip_padding=True, wide=True), np.float32)
+    args = (hidden, br.sorted_route, br.block_expert, br.num_blocks, g1, ieee_div(1.0, g1))
+    narrow = np.asarray(opd.fc1_operand(*args, **kw), np.float32)
+    wide = np.asarray(opd.fc1_operand(*args, **kw, skip_padding=True, wide=True), np.float32)
     routed = np.asarray(br.sorted_route) < t * k
     assert routed.sum() == t * k and (~routed[: nb * bm]).sum() > 0  # both kinds of rows
     np.testing.assert_array_equal(wide[routed], narrow[routed])
@@ -159,7 +164,7 @@ def test_fc1_epilogue_is_the_xla_epilogue(activation, order, mode, split, mag, b
     nbk = br.block_expert.shape[0]
     part = jnp.asarray(rng.standard_normal((split, nbk * bm, r_pad)) * mag, jnp.float32)
     _, g2, a1, _ = _scales(rng, e, mode, "scalar" if mode == "trtllm_cutlass" else "per_expert")
-    hv, hb = ep.fc1_epilogue(part, br.block_expert, br.num_blocks, a1, g2, _div(1.0, g2), inter=inter,
+    hv, hb = ep.fc1_epilogue(part, br.block_expert, br.num_blocks, a1, g2, ieee_div(1.0, g2), inter=inter,
                              activation=activation, gate_up_order=order, mode=mode,
                              recipe=recipe_of(mode), return_h=True, interpret=True)
     # reference: the XLA epilogue (moe_mosaic before the kernels), from the same partials
@@ -210,8 +215,8 @@ def test_combine_is_a_bounded_fp32_sum_of_the_mode_terms(mode, split, mt, k, wid
     part = jnp.asarray(rng.standard_normal((split, nbk * mt, h + 128)) * 3.0, jnp.float32)
     wts = jnp.asarray(rng.uniform(0.0, 1.0, (t, k)), jnp.float32)
     a2 = jnp.asarray(rng.uniform(0.5, 2.0, e) * 2.0**-9, jnp.float32)
-    assert ep.combine_width(h, ep._pow2(k), wide) == (256 if wide else ep.COMBINE_WIDTH)
-    got = np.asarray(ep.combine(part, br.route_pos, jnp.asarray(ids), wts, a2, hidden=h, mode=mode,
+    assert cmb.combine_width(h, tops.pow2(k), wide) == (256 if wide else cmb.COMBINE_WIDTH)
+    got = np.asarray(cmb.combine(part, br.route_pos, jnp.asarray(ids), wts, a2, hidden=h, mode=mode,
                                 interpret=True, wide=wide), np.float64)
     p32, pos, w = np.asarray(part), np.asarray(br.route_pos), np.asarray(wts)
     a2n = np.asarray(a2)
@@ -248,13 +253,13 @@ def test_glue_kernels_lower_for_cuda():
     i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)
 
     def f(hidden, sr, be, nbk, pos, ids, wts, part1, part2, g, a):
-        xp = ep.fc1_operand(hidden, sr, be, nbk, g, g, top_k=k, block_m=bm, recipe="trtllm", per_expert=False)
-        xw = ep.fc1_operand(hidden, sr, be, nbk, g, g, top_k=k, block_m=bm, recipe="trtllm", per_expert=False,
+        xp = opd.fc1_operand(hidden, sr, be, nbk, g, g, top_k=k, block_m=bm, recipe="trtllm", per_expert=False)
+        xw = opd.fc1_operand(hidden, sr, be, nbk, g, g, top_k=k, block_m=bm, recipe="trtllm", per_expert=False,
                             skip_padding=True, wide=True)
         hv, _ = ep.fc1_epilogue(part1, be, nbk, a, g, g, inter=inter, activation="relu2",
                                 gate_up_order="up_gate", mode="trtllm_cutlass", recipe="trtllm")
-        return (xp, xw, hv, ep.combine(part2, pos, ids, wts, a, hidden=h, mode="trtllm_cutlass"),
-                ep.combine(part2, pos, ids, wts, a, hidden=h, mode="trtllm_cutlass", wide=True))
+        return (xp, xw, hv, cmb.combine(part2, pos, ids, wts, a, hidden=h, mode="trtllm_cutlass"),
+                cmb.combine(part2, pos, ids, wts, a, hidden=h, mode="trtllm_cutlass", wide=True))
 
     args = (jax.ShapeDtypeStruct((t, h), jnp.bfloat16), i32(nb * bm), i32(nb), i32(1), i32(t * k),
             i32(t, k), f32(t, k), f32(1, nb * bm, inter), f32(1, nb * bm, h), f32(e), f32(e))
@@ -266,7 +271,7 @@ def test_glue_kernels_lower_for_cuda():
 def test_glue_kernels_name_the_bad_argument():
     z = jnp.zeros
     with pytest.raises(ValueError, match="hidden: expected"):
-        ep.fc1_operand(z((2, 320), jnp.bfloat16), z(8, jnp.int32), z(1, jnp.int32), z(1, jnp.int32),
+        opd.fc1_operand(z((2, 320), jnp.bfloat16), z(8, jnp.int32), z(1, jnp.int32), z(1, jnp.int32),
                        z(4), z(4), top_k=2, block_m=8, recipe="trtllm", per_expert=False, interpret=True)
     with pytest.raises(ValueError, match="part: expected"):  # I not a multiple of 128
         ep.fc1_epilogue(z((1, 16, 256)), z(2, jnp.int32), z(1, jnp.int32), z(4), z(4), z(4), inter=192,
@@ -277,7 +282,7 @@ def test_glue_kernels_name_the_bad_argument():
                         activation="swiglu", gate_up_order="up_gate", mode="b12x", recipe="b12x",
                         interpret=True)
     with pytest.raises(ValueError, match="part: expected"):  # H_pad < H
-        ep.combine(z((1, 16, 128)), z(4, jnp.int32), z((2, 2), jnp.int32), z((2, 2)), z(4),
+        cmb.combine(z((1, 16, 128)), z(4, jnp.int32), z((2, 2), jnp.int32), z((2, 2)), z(4),
                    hidden=256, mode="b12x", interpret=True)
 
 
@@ -318,7 +323,7 @@ def test_routing_kernel_is_the_block_routing(t, k, e, bm, kind, method):
     power of two, nemotron T = 8 (176 routes over 512 experts: not the experts method), a
     token routed twice to one expert ("one_expert", "repeats": the tokens method counts them
     per token)."""
-    if method not in ep.routing_methods(t * k, e, bm, top_k=k, explicit=True):
+    if method not in rtk.routing_methods(t * k, e, bm, top_k=k, explicit=True):
         pytest.skip(f"{method} does not take {t * k} routes over {e} experts")
     rng = np.random.default_rng(t * 100 + k)
     ids = np.argsort(rng.random((t, e)), axis=1)[:, :k].astype(np.int32)
@@ -330,7 +335,7 @@ def test_routing_kernel_is_the_block_routing(t, k, e, bm, kind, method):
     if kind == "repeats":
         ids[:, 1] = ids[:, 0]  # every token twice on its first expert, token 2 always on 5
         ids[2] = 5
-    got = ep.routing_kernel(jnp.asarray(ids), e, bm, interpret=True, method=method)
+    got = rtk.routing_kernel(jnp.asarray(ids), e, bm, interpret=True, method=method)
     want = _numpy_block_routing(ids, e, bm)
     xla = block_routing(jnp.asarray(ids), e, bm)
     for name, w in zip(("sorted_route", "block_expert", "num_blocks", "route_pos"), want):
@@ -347,11 +352,11 @@ def test_routing_kernel_with_scales(mode, act_scale):
     ids = np.argsort(rng.random((t, e)), axis=1)[:, :k].astype(np.int32)
     vecs = [(np.exp2(rng.uniform(lo, hi, e)) * rng.uniform(1, 2, e)).astype(np.float32)
             for lo, hi in ((-24, 4), (-24, 4), (-12, 8), (-12, 8))]
-    br, sv = ep.routing_kernel(jnp.asarray(ids), e, bm, scales=(*vecs, mode, act_scale), interpret=True)
+    br, sv = rtk.routing_kernel(jnp.asarray(ids), e, bm, scales=(*vecs, mode, act_scale), interpret=True)
     want = _numpy_block_routing(ids, e, bm)
     for name, w in zip(("sorted_route", "block_expert", "num_blocks", "route_pos"), want):
         np.testing.assert_array_equal(np.asarray(getattr(br, name)), w, err_msg=name)
-    alone = ep.moe_scales_kernel(*vecs, num_experts=e, mode=mode, activation_scale=act_scale, interpret=True)
+    alone = msc.moe_scales_kernel(*vecs, num_experts=e, mode=mode, activation_scale=act_scale, interpret=True)
     assert len(sv) == 6
     for got, w in zip(sv, alone, strict=True):
         np.testing.assert_array_equal(np.asarray(got).view(np.uint32), np.asarray(w).view(np.uint32))
@@ -359,42 +364,35 @@ def test_routing_kernel_with_scales(mode, act_scale):
 
 def test_routing_kernel_lowers_and_refuses_large_routings(monkeypatch):
     for t, method in ((1, "routes"), (8, "routes"), (8, "tokens"), (23, "tokens")):  # nemotron
-        f = jax.jit(lambda ids, m=method: ep.routing_kernel(ids, 512, 8, method=m))
+        f = jax.jit(lambda ids, m=method: rtk.routing_kernel(ids, 512, 8, method=m))
         text = f.trace(jax.ShapeDtypeStruct((t, 22), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
         assert "nvfp4_moe_routing" in text
     # the layer picks the routes method by itself up to ROUTES_AUTO_MAX routes (nemotron T = 1,
     # where it measured faster than the XLA routing; at T = 8 it was slower), an explicit
     # request up to ROUTING_ROUTES_MAX
-    assert ep.routing_methods(22, 512, 8) == ("routes",) and ep.routing_kernel_fits(22, 512, 8)
-    assert ep.routing_methods(8 * 22, 512, 8, explicit=True) == ("routes",)
-    assert ep.routing_methods(8 * 22, 512, 8) == () and not ep.routing_kernel_fits(8 * 22, 512, 8)
-    # qwen3 T = 8: routes first (PREFER_ROUTES, measured faster in session 14); experts above
-    # ROUTES_AUTO_MAX routes (T = 16) or with PREFER_ROUTES off; explicit routes after experts
-    assert ep.routing_methods(8 * 8, 128, 8) == ("routes", "experts")
-    assert ep.routing_methods(16 * 8, 128, 8) == ("experts",)
-    assert ep.routing_methods(16 * 8, 128, 8, explicit=True) == ("experts", "routes")
-    monkeypatch.setattr(ep, "PREFER_ROUTES", False)
-    assert ep.routing_methods(8 * 8, 128, 8) == ("experts", "routes")
-    monkeypatch.setattr(ep, "PREFER_ROUTES", True)
-    # the tokens method: for a [T, k] routing only (not the fused launch, top_k None), by
-    # itself while TOKENS_METHOD is on; its [T, E] table fits up to T = 64 at 512 experts, its
-    # [N, k] compare tile up to 1024 routes
-    assert ep.routing_methods(8 * 22, 512, 8, top_k=22, explicit=True) == ("routes", "tokens")
-    monkeypatch.setattr(ep, "TOKENS_METHOD", False)
-    assert ep.routing_methods(8 * 22, 512, 8, top_k=22) == ()
-    monkeypatch.setattr(ep, "TOKENS_METHOD", True)
-    assert ep.routing_methods(8 * 22, 512, 8, top_k=22) == ("tokens",)
-    assert ep.routing_methods(22, 512, 8, top_k=22) == ("routes", "tokens")
-    assert not ep.routing_kernel_fits(8 * 22, 512, 8)  # no top_k: not the tokens method
-    assert ep.routing_kernel_fits(46 * 22, 512, 8, top_k=22)
-    assert not ep.routing_kernel_fits(47 * 22, 512, 8, top_k=22)  # 1034 routes
-    monkeypatch.setattr(ep, "ROUTES_AUTO_MAX", 512)
-    assert ep.routing_methods(8 * 22, 512, 8) == ("routes",) and ep.routing_kernel_fits(8 * 22, 512, 8)
-    assert not ep.routing_kernel_fits(64 * 22, 512, 8)  # nemotron T = 64: XLA routing
+    assert rtk.routing_methods(22, 512, 8) == ("routes",) and rtk.routing_kernel_fits(22, 512, 8)
+    assert rtk.routing_methods(8 * 22, 512, 8, explicit=True) == ("routes",)
+    assert rtk.routing_methods(8 * 22, 512, 8) == () and not rtk.routing_kernel_fits(8 * 22, 512, 8)
+    # qwen3 T = 8: routes first (it measures faster there); experts above ROUTES_AUTO_MAX
+    # routes (T = 16); explicit routes after experts
+    assert rtk.routing_methods(8 * 8, 128, 8) == ("routes", "experts")
+    assert rtk.routing_methods(16 * 8, 128, 8) == ("experts",)
+    assert rtk.routing_methods(16 * 8, 128, 8, explicit=True) == ("experts", "routes")
+    # the tokens method: for a [T, k] routing only (not the fused launch, top_k None); its
+    # [T, E] table fits up to T = 64 at 512 experts, its [N, k] compare tile up to 1024 routes
+    assert rtk.routing_methods(8 * 22, 512, 8, top_k=22, explicit=True) == ("routes", "tokens")
+    assert rtk.routing_methods(8 * 22, 512, 8, top_k=22) == ("tokens",)
+    assert rtk.routing_methods(22, 512, 8, top_k=22) == ("routes", "tokens")
+    assert not rtk.routing_kernel_fits(8 * 22, 512, 8)  # no top_k: not the tokens method
+    assert rtk.routing_kernel_fits(46 * 22, 512, 8, top_k=22)
+    assert not rtk.routing_kernel_fits(47 * 22, 512, 8, top_k=22)  # 1034 routes
+    monkeypatch.setattr(rtk, "ROUTES_AUTO_MAX", 512)
+    assert rtk.routing_methods(8 * 22, 512, 8) == ("routes",) and rtk.routing_kernel_fits(8 * 22, 512, 8)
+    assert not rtk.routing_kernel_fits(64 * 22, 512, 8)  # nemotron T = 64: XLA routing
     with pytest.raises(ValueError, match="^topk_ids: 1408 routes over 512 experts"):
-        ep.routing_kernel(jnp.zeros((64, 22), jnp.int32), 512, 8, interpret=True)
+        rtk.routing_kernel(jnp.zeros((64, 22), jnp.int32), 512, 8, interpret=True)
     with pytest.raises(ValueError, match="^topk_ids: 176 routes over 512 experts .*experts method"):
-        ep.routing_kernel(jnp.zeros((8, 22), jnp.int32), 512, 8, interpret=True, method="experts")
+        rtk.routing_kernel(jnp.zeros((8, 22), jnp.int32), 512, 8, interpret=True, method="experts")
 
 
 @pytest.mark.parametrize("mode,act_scale,x_mag,t,k,e,h,method", [
@@ -416,15 +414,15 @@ def test_routing_operand_kernel_is_the_two_kernels(mode, act_scale, x_mag, t, k,
             for lo, hi in ((-24, 4), (-24, 4), (-12, 8), (-12, 8))]
     hidden = jnp.asarray(rng.standard_normal((t, h)) * x_mag, jnp.bfloat16)
     bm, recipe = 8, recipe_of(mode)
-    br, sv, xp = ep.routing_operand_kernel(jnp.asarray(ids), hidden, e, bm, (*vecs, mode, act_scale),
+    br, sv, xp = rtk.routing_operand_kernel(jnp.asarray(ids), hidden, e, bm, (*vecs, mode, act_scale),
                                            recipe=recipe, interpret=True, method=method)
     for name, w in zip(("sorted_route", "block_expert", "num_blocks", "route_pos"),
                        _numpy_block_routing(ids, e, bm)):
         np.testing.assert_array_equal(np.asarray(getattr(br, name)), w, err_msg=name)
-    alone = ep.moe_scales_kernel(*vecs, num_experts=e, mode=mode, activation_scale=act_scale, interpret=True)
+    alone = msc.moe_scales_kernel(*vecs, num_experts=e, mode=mode, activation_scale=act_scale, interpret=True)
     for got, w in zip(sv, alone, strict=True):
         np.testing.assert_array_equal(np.asarray(got).view(np.uint32), np.asarray(w).view(np.uint32))
-    want = ep.fc1_operand(hidden, br.sorted_route, br.block_expert, br.num_blocks, alone[0], alone[1],
+    want = opd.fc1_operand(hidden, br.sorted_route, br.block_expert, br.num_blocks, alone[0], alone[1],
                           top_k=k, block_m=bm, recipe=recipe, per_expert=act_scale == "per_expert",
                           skip_padding=True, interpret=True)
     live = np.asarray(br.route_pos)  # the routed rows
@@ -436,22 +434,22 @@ def test_routing_operand_kernel_is_the_two_kernels(mode, act_scale, x_mag, t, k,
 
 def test_routing_operand_kernel_lowers_and_checks_operands():
     vecs = (jnp.ones(128), jnp.ones(128), jnp.ones(128), jnp.ones(128), "b12x", "per_expert")
-    f = jax.jit(lambda ids, x: ep.routing_operand_kernel(ids, x, 128, 8, vecs, recipe="b12x"))
+    f = jax.jit(lambda ids, x: rtk.routing_operand_kernel(ids, x, 128, 8, vecs, recipe="b12x"))
     text = f.trace(jax.ShapeDtypeStruct((8, 8), jnp.int32),
                    jax.ShapeDtypeStruct((8, 2048), jnp.bfloat16)).lower(lowering_platforms=("cuda",)).as_text()
     assert "nvfp4_moe_routing_operand" in text
     with pytest.raises(ValueError, match="^hidden: expected"):
-        ep.routing_operand_kernel(jnp.zeros((1, 8), jnp.int32), jnp.zeros((1, 320), jnp.bfloat16), 128, 8,
+        rtk.routing_operand_kernel(jnp.zeros((1, 8), jnp.int32), jnp.zeros((1, 320), jnp.bfloat16), 128, 8,
                                   vecs, recipe="b12x", interpret=True)
     with pytest.raises(ValueError, match="^topk_ids: expected"):
-        ep.routing_operand_kernel(jnp.zeros((2, 8), jnp.int32), jnp.zeros((1, 256), jnp.bfloat16), 128, 8,
+        rtk.routing_operand_kernel(jnp.zeros((2, 8), jnp.int32), jnp.zeros((1, 256), jnp.bfloat16), 128, 8,
                                   vecs, recipe="b12x", interpret=True)
     with pytest.raises(ValueError, match="^topk_ids: 1408 routes"):  # nemotron T = 64
-        ep.routing_operand_kernel(jnp.zeros((64, 22), jnp.int32), jnp.zeros((64, 1024), jnp.bfloat16), 512, 8,
+        rtk.routing_operand_kernel(jnp.zeros((64, 22), jnp.int32), jnp.zeros((64, 1024), jnp.bfloat16), 512, 8,
                                   vecs[:4] + ("trtllm_cutlass", "scalar"), recipe="trtllm", interpret=True)
     # nemotron T = 8 (the routes method) lowers
     v512 = (jnp.ones(512),) * 4 + ("trtllm_cutlass", "scalar")
-    f = jax.jit(lambda ids, x: ep.routing_operand_kernel(ids, x, 512, 8, v512, recipe="trtllm", method="routes"))
+    f = jax.jit(lambda ids, x: rtk.routing_operand_kernel(ids, x, 512, 8, v512, recipe="trtllm", method="routes"))
     text = f.trace(jax.ShapeDtypeStruct((8, 22), jnp.int32),
                    jax.ShapeDtypeStruct((8, 1024), jnp.bfloat16)).lower(lowering_platforms=("cuda",)).as_text()
     assert "nvfp4_moe_routing_operand" in text
@@ -479,8 +477,8 @@ def test_skip_padding_rows_keeps_the_routed_rows(activation, split, monkeypatch)
     hidden = jnp.asarray(rng.standard_normal((t, h)), jnp.bfloat16)
     g1, g2, a1, _ = _scales(rng, e, "trtllm_cutlass", "scalar")
     kw = {"top_k": k, "block_m": bm, "recipe": "trtllm", "per_expert": False, "interpret": True}
-    full = ep.fc1_operand(hidden, br.sorted_route, br.block_expert, br.num_blocks, g1, _div(1.0, g1), **kw)
-    skip = ep.fc1_operand(hidden, br.sorted_route, br.block_expert, br.num_blocks, g1, _div(1.0, g1),
+    full = opd.fc1_operand(hidden, br.sorted_route, br.block_expert, br.num_blocks, g1, ieee_div(1.0, g1), **kw)
+    skip = opd.fc1_operand(hidden, br.sorted_route, br.block_expert, br.num_blocks, g1, ieee_div(1.0, g1),
                           skip_padding=True, **kw)
     live = np.asarray(br.sorted_route) < t * k
     live[nb * bm:] = False
@@ -493,19 +491,19 @@ def test_skip_padding_rows_keeps_the_routed_rows(activation, split, monkeypatch)
     ekw = {"inter": inter, "activation": activation, "gate_up_order": "up_gate", "mode": "trtllm_cutlass",
            "recipe": "trtllm", "return_h": True, "interpret": True}
     hv_f, hb_f = ep.fc1_epilogue(jnp.nan_to_num(part), br.block_expert, br.num_blocks, a1, g2,
-                                 _div(1.0, g2), **ekw)
-    hv_s, hb_s = ep.fc1_epilogue(part, br.block_expert, br.num_blocks, a1, g2, _div(1.0, g2),
+                                 ieee_div(1.0, g2), **ekw)
+    hv_s, hb_s = ep.fc1_epilogue(part, br.block_expert, br.num_blocks, a1, g2, ieee_div(1.0, g2),
                                  sorted_route=br.sorted_route, n_routes=t * k, **ekw)
     with monkeypatch.context() as m:  # each block in programs of 4 rows, padding rows masked
         m.setattr(ep, "epilogue_row_chunk", lambda block_m, halves: 4)
-        hv_c, hb_c = ep.fc1_epilogue(part, br.block_expert, br.num_blocks, a1, g2, _div(1.0, g2),
+        hv_c, hb_c = ep.fc1_epilogue(part, br.block_expert, br.num_blocks, a1, g2, ieee_div(1.0, g2),
                                      sorted_route=br.sorted_route, n_routes=t * k, **ekw)
     by_route = {"route_pos": br.route_pos, "route_expert": jnp.asarray(ids.reshape(-1), jnp.int32)}
     assert ep.route_tiles_per_program(inter // ep.TILE, t * k, 2 if activation == "swiglu" else 1) == 1
-    hv_r, hb_r = ep.fc1_epilogue(part, br.block_expert, br.num_blocks, a1, g2, _div(1.0, g2), **by_route, **ekw)
+    hv_r, hb_r = ep.fc1_epilogue(part, br.block_expert, br.num_blocks, a1, g2, ieee_div(1.0, g2), **by_route, **ekw)
     monkeypatch.setattr(ep, "EPILOGUE_MIN_PROGRAMS", 1)
     assert ep.route_tiles_per_program(inter // ep.TILE, t * k, 2 if activation == "swiglu" else 1) == 2
-    hv_2, hb_2 = ep.fc1_epilogue(part, br.block_expert, br.num_blocks, a1, g2, _div(1.0, g2), **by_route, **ekw)
+    hv_2, hb_2 = ep.fc1_epilogue(part, br.block_expert, br.num_blocks, a1, g2, ieee_div(1.0, g2), **by_route, **ekw)
     for got, want in ((hv_s, hv_f), (hb_s, hb_f), (hv_c, hv_f), (hb_c, hb_f), (hv_r, hv_f), (hb_r, hb_f),
                       (hv_2, hv_f), (hb_2, hb_f)):
         g, w = np.asarray(got, np.float32)[live], np.asarray(want, np.float32)[live]
@@ -542,7 +540,7 @@ def assert_scales_kernel_is_oracle(w1, w2, s1, s2, *, e: int, mode: str, activat
 
     stack = lambda w: types.SimpleNamespace(codes=np.zeros((e, 1, 1), np.uint8), decode_scale=w)
     g1, g2, a1, a2 = oracle.moe_scales(stack(w1), stack(w2), s1, s2, mode, activation_scale)
-    got = ep.moe_scales_kernel(w1, w2, s1, s2, num_experts=e, mode=mode,
+    got = msc.moe_scales_kernel(w1, w2, s1, s2, num_experts=e, mode=mode,
                                activation_scale=activation_scale, interpret=True)
     want = (g1, f32_rcp(g1), a1, g2, f32_rcp(g2), a2)
     for name, gv, wv in zip(("g1", "1/g1", "alpha1", "g2", "1/g2", "alpha2"), got, want, strict=True):
@@ -553,6 +551,6 @@ def assert_scales_kernel_is_oracle(w1, w2, s1, s2, *, e: int, mode: str, activat
 
 def test_scales_kernel_validates_operands():
     with pytest.raises(ValueError, match=r"^fc2_input_scale: expected a scalar or shape \(8,\)"):
-        ep.moe_scales_kernel(np.ones(8, np.float32), np.ones(8, np.float32), np.ones(8, np.float32),
+        msc.moe_scales_kernel(np.ones(8, np.float32), np.ones(8, np.float32), np.ones(8, np.float32),
                              np.ones(3, np.float32), num_experts=8, mode="b12x",
                              activation_scale="per_expert", interpret=True)

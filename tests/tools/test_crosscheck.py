@@ -131,9 +131,9 @@ def test_w4a16_input_file_is_refused_with_the_reason(tmp_path, capsys):
 def test_gpu_kernels_pass_the_crosscheck():
     """On an NVIDIA GPU: the compiled Pallas-Triton kernel (and on sm_90 the Mosaic kernel) at
     a realistic K, every generated magnitude, W4A4 and W4A16: run (not skipped) and PASS."""
-    from nvfp4_jax.gemm.api import _gpu_compute_capability
+    from nvfp4_jax.device import gpu_compute_capability
 
-    cc = _gpu_compute_capability()
+    cc = gpu_compute_capability()
     if cc is None:
         pytest.skip("needs an NVIDIA GPU")
     res = []
@@ -160,9 +160,9 @@ def test_gpu_w4a4_kernels_are_exact_without_the_xla_division_flag():
     import subprocess
     import sys
 
-    from nvfp4_jax.gemm.api import _gpu_compute_capability
+    from nvfp4_jax.device import gpu_compute_capability
 
-    if _gpu_compute_capability() is None:
+    if gpu_compute_capability() is None:
         pytest.skip("needs an NVIDIA GPU")
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     cmd = [sys.executable, "-m", "nvfp4_jax.cli", "crosscheck", "--m", "16", "--n", "1024", "--k", "2048",

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_moe_cases import check_against_oracle, make_case
+from moe_cases import check_against_oracle, make_case
 
 import nvfp4_jax
 from nvfp4_jax.moe import block_routing, select_experts
@@ -202,10 +202,10 @@ def test_moe_errors_name_arguments():
 
 @pytest.mark.parametrize("recipe", ["trtllm", "b12x"])
 def test_in_kernel_requantization_is_the_recipe(recipe):
-    """The FC1 epilogue's requantization (pallas_triton._requantize, jnp ops as interpret mode
+    """The FC1 epilogue's requantization (triton_ops.requantize, jnp ops as interpret mode
     runs them) equals oracle.quantize bit for bit, E2M1 ties and subnormal/zero scales included."""
     import oracle
-    from nvfp4_jax.moe.pallas_triton import _requantize
+    from nvfp4_jax.triton_ops import requantize
     from oracle.formats import bf16_round
 
     rng = np.random.default_rng(0)
@@ -216,7 +216,7 @@ def test_in_kernel_requantization_is_the_recipe(recipe):
     for g in (np.float32(2688 / 3.0), np.float32(7.3), np.float32(1e4)):
         want = oracle.dequantize(oracle.quantize(x, recipe, encode_scale=float(g)), include_decode_scale=False)
         rg = jnp.float32(1.0) / jnp.float32(g)
-        got = jax.jit(lambda h, g, rg: _requantize(h.reshape(64, 4, 16), g, rg, recipe, False))(
+        got = jax.jit(lambda h, g, rg: requantize(h.reshape(64, 4, 16), g, rg, recipe, False))(
             jnp.asarray(x, jnp.float32), jnp.float32(g), rg)
         np.testing.assert_array_equal(np.asarray(got, np.float64).reshape(64, 64), want)
 

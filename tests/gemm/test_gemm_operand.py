@@ -103,9 +103,9 @@ def test_mosaic_refuses_a_prepared_operand_of_the_wrong_tile():
 def test_gpu_operand_is_byte_exact_at_prefill_and_ragged_shapes():
     """The compiled kernel (div.rn.f32) on the GPU: prefill M, K a multiple of 16 only, the
     Mosaic token tiles with the permutation, subnormal block scales and saturation."""
-    from nvfp4_jax.gemm.api import _gpu_compute_capability
+    from nvfp4_jax.device import gpu_compute_capability
 
-    if _gpu_compute_capability() is None:
+    if gpu_compute_capability() is None:
         pytest.skip("needs an NVIDIA GPU")
     for seed, (m, k, rows, permute, headroom) in enumerate([
             (300, 1040, None, False, 1.0), (2048, 4096, None, False, 0.5), (37, 14336, 64, True, 1.0),

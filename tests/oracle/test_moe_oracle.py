@@ -7,7 +7,7 @@ from fractions import Fraction
 
 import numpy as np
 import pytest
-from test_moe_cases import make_case
+from moe_cases import make_case
 
 import oracle
 from oracle.formats import bf16_round, f32

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from nvfp4_jax.gemm.mosaic import (
-    _PERM,
+    PERM,
     MosaicConfig,
     check_config,
     check_supported,
@@ -42,8 +42,7 @@ def _args(m, n, k, sdtype=jnp.float8_e4m3fn):
         (64, 2048, 1024, MosaicConfig(block_n=128, split_k=1, num_stages=3)),
         (16, 1000, 2048, MosaicConfig(block_n=64, split_k=2, num_stages=3, block_k=512)),
         (37, 3000, 1536, MosaicConfig(block_n=64, split_k=1, num_stages=2, block_k=512)),
-        # L2 prefetch ahead of the pipeline; decode overlapping the previous wgmma
-        (16, 4096, 4096, MosaicConfig(block_n=64, split_k=4, num_stages=2, prefetch=2)),
+        # decode overlapping the previous wgmma
         (37, 3000, 1536, MosaicConfig(block_n=64, split_k=1, num_stages=2, block_k=512,
                                       overlap=True)),
         # warp-specialized: 2-3 compute warpgroups sharing the x stages, a TMA producer
@@ -57,7 +56,6 @@ def test_lowers_for_cuda(m, n, k, cfg):
     f = jax.jit(lambda x, c, s, a: matmul_mosaic(x, c, s, a, config=cfg))
     text = f.trace(*_args(m, n, k)).lower(lowering_platforms=("cuda",)).as_text()
     assert "fma.rn.bf16x2" in text  # the in-register decode made it into the Mosaic module
-    assert ("cp.async.bulk.prefetch" in text) == bool(cfg and cfg.prefetch)
     ws = bool(cfg and cfg.consumers > 1)
     assert ("nvfp4_w4a16_mosaic_ws" in text) == ws
     # the kernel's output: fp32 partials [split, mt, N padded to whole CTA tiles of
@@ -84,9 +82,9 @@ def test_permutation_matches_fragment_layout():
     assert xp.shape == (8, 256) and not xp[1:].any()
     for p in range(128):
         w, j, c, l = p // 32, (p // 8) % 4, (p // 2) % 4, p % 2
-        assert _PERM[p] == 32 * c + 8 * w + 4 * l + j
-        assert xp[0, p] == _PERM[p] and xp[0, 128 + p] == 128 + _PERM[p]
-    assert sorted(_PERM.tolist()) == list(range(128))
+        assert PERM[p] == 32 * c + 8 * w + 4 * l + j
+        assert xp[0, p] == PERM[p] and xp[0, 128 + p] == 128 + PERM[p]
+    assert sorted(PERM.tolist()) == list(range(128))
 
 
 def test_validation_names_the_argument():
@@ -122,7 +120,7 @@ def test_validation_names_the_argument():
     with pytest.raises(ValueError, match="^w: the Mosaic kernel needs K % 256"):
         check_supported(4, 64, 528)
     for bad in ({"block_n": 96}, {"split_k": 0}, {"num_stages": 1}, {"num_stages": 9},
-                {"block_k": 384}, {"prefetch": -1}, {"prefetch": 17}):
+                {"block_k": 384}):
         with pytest.raises(ValueError, match="^MosaicConfig"):
             MosaicConfig(**bad)
     with pytest.raises(TypeError, match="^MosaicConfig.overlap"):
@@ -132,7 +130,7 @@ def test_validation_names_the_argument():
     with pytest.raises(ValueError, match="^alpha: expected an fp32 scalar"):
         matmul_mosaic(jnp.zeros((16, 1024), jnp.bfloat16), jnp.zeros((64, 512), jnp.uint8),
                       jnp.zeros((64, 64), jnp.uint8), jnp.ones(2))
-    for bad in ({"consumers": 0}, {"consumers": 4}, {"consumers": 2, "prefetch": 2}):
+    for bad in ({"consumers": 0}, {"consumers": 4}):
         with pytest.raises(ValueError, match="^MosaicConfig"):
             MosaicConfig(**bad)
     with pytest.raises(ValueError, match="^config: consumers=2 needs K % 256 == 0 or swizzled"):
@@ -204,63 +202,3 @@ def test_bf16_store_elsewhere_is_logged(caplog):
         with caplog.at_level("INFO", logger="nvfp4_jax.gemm.mosaic"):
             f.trace(*_args(16, 1024, 2048)).lower(lowering_platforms=("cuda",))
         assert "bf16_store needs split_k 1 and a bf16 output" in caplog.text
-
-
-@pytest.mark.parametrize("m,n,k,split,bn", [(1, 28672, 8192, 4, 64), (5, 1000, 2048, 2, 64),
-                                            (16, 4096, 14336, 8, 128), (9, 333, 768, 3, 64)])
-def test_cluster_reduce_lowers_for_cuda(m, n, k, split, bn, caplog):
-    """cluster_reduce: one launch of clusters of ``split`` CTAs (the cluster barrier in the
-    module), output [1, mt, N padded] in the output dtype (bf16, or fp32 with XLA's cast to
-    fp16), no fp32 partials [split, ...] and no XLA split-K sum; alpha is a 4th operand. With
-    a K too short to split it runs unsplit and says so."""
-    cfg = MosaicConfig(block_n=bn, split_k=split, num_stages=2, cluster_reduce=True)
-    assert check_config(cfg, k, token_tile(m)) == split
-    mt, npad = token_tile(m), -(-n // bn) * bn
-    for out_dtype, kdt in ((jnp.bfloat16, "bf16"), (jnp.float32, "f32"), (jnp.float16, "f32")):
-        f = jax.jit(functools.partial(matmul_mosaic, config=cfg, out_dtype=out_dtype))
-        text = f.trace(*_args(m, n, k)).lower(lowering_platforms=("cuda",)).as_text()
-        assert "barrier.cluster.arrive.release" in text and "nvvm.mapa" in text
-        assert f"tensor<1x{mt}x{npad}x{kdt}>" in text and "tensor<1xf32>" in text
-        assert f"tensor<{split}x{mt}x{npad}xf32>" not in text
-        assert "stablehlo.reduce" not in text  # no XLA split-K sum
-    unclustered = dataclasses.replace(cfg, cluster_reduce=False)
-    text = jax.jit(functools.partial(matmul_mosaic, config=unclustered)).trace(
-        *_args(m, n, k)).lower(lowering_platforms=("cuda",)).as_text()
-    assert "stablehlo.reduce" in text and "barrier.cluster" not in text
-    short = MosaicConfig(block_n=64, split_k=2, num_stages=2, cluster_reduce=True)
-    with caplog.at_level("INFO", logger="nvfp4_jax.gemm.mosaic"):
-        text = jax.jit(functools.partial(matmul_mosaic, config=short)).trace(
-            *_args(4, 512, 256)).lower(lowering_platforms=("cuda",)).as_text()
-    assert "nothing to reduce" in caplog.text and "barrier.cluster" not in text
-
-
-def test_semantics_reach_the_kernel():
-    """MosaicConfig.semantics picks Mosaic's lowering semantics: lane and warpgroup lower to
-    different modules, "default" to JAX's own choice (one of the two); cluster_reduce lowers
-    under lane ("default" means lane there) and refuses warpgroup, which cannot lower its
-    store into a peer CTA's shared memory."""
-    def text(**kw):
-        cfg = MosaicConfig(block_n=64, split_k=2, num_stages=2, **kw)
-        return jax.jit(functools.partial(matmul_mosaic, config=cfg)).trace(
-            *_args(1, 512, 1024)).lower(lowering_platforms=("cuda",)).as_text()
-
-    lane, wg, default = text(semantics="lane"), text(semantics="warpgroup"), text()
-    assert lane != wg and default in (lane, wg)
-    assert text(cluster_reduce=True) == text(cluster_reduce=True, semantics="lane")
-    with pytest.raises(ValueError, match="^MosaicConfig.semantics: cluster_reduce needs lane"):
-        MosaicConfig(split_k=2, cluster_reduce=True, semantics="warpgroup")
-    with pytest.raises(ValueError, match="^MosaicConfig.semantics: expected one of"):
-        MosaicConfig(semantics="thread")
-
-
-def test_cluster_reduce_validation():
-    for bad in ({"cluster_reduce": True}, {"cluster_reduce": True, "split_k": 9},
-                {"cluster_reduce": True, "split_k": 2, "consumers": 2}):
-        with pytest.raises(ValueError, match="^MosaicConfig.cluster_reduce"):
-            MosaicConfig(**bad)
-    with pytest.raises(TypeError, match="^MosaicConfig.cluster_reduce"):
-        MosaicConfig(split_k=2, cluster_reduce=1)
-    # the other splits' partials are kernel-level scratch on top of the pipeline
-    base = MosaicConfig(block_n=64, split_k=4, num_stages=2)
-    cr = dataclasses.replace(base, cluster_reduce=True)
-    assert cr.smem_bytes(8) == base.smem_bytes(8) + 3 * 64 * 8 * 4

@@ -13,7 +13,7 @@ import sys
 from nvfp4_jax import checkpoint as C
 from nvfp4_jax.cli import main
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def test_audit_checkpoint_writes_table_json_and_png(tmp_path, capsys):

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import nvfp4_blocks
-from test_moe_cases import make_case
+from moe_cases import make_case
 
 import oracle
 from nvfp4_jax.interop import trtllm_torch as T

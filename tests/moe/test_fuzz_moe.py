@@ -64,7 +64,7 @@ def test_jax_moe_mosaic_path_within_bound(p, mode, routing):
         fc2=nvfp4_jax.from_oracle(p.fc2), fc1_input_scale=jnp.asarray(p.fc1_input_scale, jnp.float32),
         fc2_input_scale=jnp.asarray(p.fc2_input_scale, jnp.float32), topk_ids=jnp.asarray(p.topk_ids),
         topk_weights=jnp.asarray(p.topk_weights), activation=p.activation,
-        gate_up_order=p.gate_up_order, mode=mode, backend="pallas", kernel="mosaic", interpret=True,
+        gate_up_order=p.gate_up_order, mode=mode, backend="mosaic",
         config=config)
     assert_moe_close(np.asarray(out.astype(jnp.float32)), *p.args(), **p.kwargs(), mode=mode,
                      label=f"nvfp4_jax.moe mosaic (interpret) {mode} routing {routing}")
@@ -129,7 +129,7 @@ def test_folding_fails_at_checkpoint_magnitudes(p):
 @given(st.sampled_from([3, 16]), st.data(), st.sampled_from([("trtllm_cutlass", "scalar"), ("b12x", "per_expert"),
                                                              ("b12x", "scalar")]))
 def test_scales_kernel_is_the_oracle(e, data, mode_scale):
-    """The one-program scales kernel (``MosaicMoEConfig(scales="kernel")``, interpret mode)
+    """The one-program scales kernel (``scales.moe_scales_kernel``, interpret mode)
     gives the oracle's encode scales and alphas bit for bit, for weight_scale_2 and input
     scales drawn log-uniformly over the ranges the fuzzer uses (ModelOpt's ~2e-5 included)."""
     from test_moe_epilogue import assert_scales_kernel_is_oracle
@@ -151,14 +151,14 @@ def test_routing_kernel_methods_are_the_grouping(shape, bm, method, data):
     (nemotron's 512)."""
     from test_moe_epilogue import _numpy_block_routing
 
-    from nvfp4_jax.moe import epilogue as ep
+    from nvfp4_jax.moe import routing_kernel as rtk
 
     t, k, e = shape
     pool = data.draw(st.integers(k, e), label="experts in use")
     ids = np.stack([np.asarray(data.draw(st.permutations(range(pool)), label="token order"))[:k]
                     for _ in range(t)]).astype(np.int32)
     ids = np.asarray(data.draw(st.permutations(range(e))), np.int32)[ids]  # which experts
-    got = ep.routing_kernel(jnp.asarray(ids), e, bm, interpret=True, method=method)
+    got = rtk.routing_kernel(jnp.asarray(ids), e, bm, interpret=True, method=method)
     for name, w in zip(("sorted_route", "block_expert", "num_blocks", "route_pos"),
                        _numpy_block_routing(ids, e, bm), strict=True):
         np.testing.assert_array_equal(np.asarray(getattr(got, name)), w, err_msg=name)

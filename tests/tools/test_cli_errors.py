@@ -21,7 +21,7 @@ from nvfp4_jax import audit as A
 from nvfp4_jax import checkpoint as C
 from nvfp4_jax.cli import build_parser, main, version
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def one_line_error(capsys, prefix: str) -> str:

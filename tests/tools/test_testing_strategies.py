@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, find, given, settings
 from hypothesis import strategies as st
-from test_moe_cases import make_case
+from moe_cases import make_case
 
 import oracle
 from nvfp4_jax.testing import assert_gemm_close, assert_moe_close, moe_bound, quantize_interval

@@ -14,15 +14,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from moe_cases import check_against_oracle, make_case
 from test_moe import to_jax
-from test_moe_cases import check_against_oracle, make_case
 
 from nvfp4_jax.gemm.mosaic import MosaicConfig, check_config
 from nvfp4_jax.moe import mosaic as mm
 from nvfp4_jax.moe.api import moe
 from nvfp4_jax.moe.configs import MoEConfig
 from nvfp4_jax.moe.mosaic import MosaicMoEConfig, default_config, grouped_matmul, moe_mosaic
-from nvfp4_jax.moe.pallas_triton import choose_kernel, moe_pallas
 
 
 def _grouped_args(nb, mt, e, n, k):
@@ -60,9 +59,7 @@ def test_grouped_kernel_lowers_for_cuda(nb, mt, e, n, k, cfg):
     ("swiglu", 768, None), ("relu2", 2688, None), ("relu2", 96, None),
     ("relu2", 2688, MosaicMoEConfig(block_m=64, bf16_partials=True)),
     ("swiglu", 768, MosaicMoEConfig(block_m=8, bf16_partials=True, skip_padding=True, routing="kernel")),
-    ("relu2", 96, MosaicMoEConfig(block_m=16, scales="xla")),
-    ("swiglu", 768, MosaicMoEConfig(block_m=8, scales="xla")),
-    ("swiglu", 768, MosaicMoEConfig(block_m=8, scales="xla", routing="kernel")),
+    ("relu2", 96, MosaicMoEConfig(block_m=16)),
     ("swiglu", 768, MosaicMoEConfig(block_m=8, routing="kernel")),
     ("swiglu", 768, MosaicMoEConfig(block_m=8, routing="fused", skip_padding=True)),
     ("relu2", 2688, MosaicMoEConfig(block_m=8, epilogue="routes", skip_padding=True)),
@@ -96,10 +93,9 @@ def test_moe_mosaic_layer_lowers_for_cuda(activation, inter, config):
     fused = config is not None and config.routing == "fused"  # t * k = 12 routes: it fits
     assert ("nvfp4_moe_fc1_operand" in text) == (not fused)
     assert ("nvfp4_moe_routing_operand" in text) == fused
-    sk = config is None or config.scales == "kernel"  # the default (auto: default_config's)
     rk = config is not None and config.routing == "kernel"
-    assert ("nvfp4_moe_scales" in text) == (sk and not rk and not fused)
-    assert ("nvfp4_moe_routing_scales" in text) == (sk and rk)
+    assert ("nvfp4_moe_scales" in text) == (not rk and not fused)
+    assert ("nvfp4_moe_routing_scales" in text) == rk
     for glue in ("nvfp4_moe_fc1_epilogue", "nvfp4_moe_combine"):  # only with FC2 on Mosaic
         assert (glue in text) == on2
     if config is not None and config.bf16_partials:
@@ -152,11 +148,10 @@ def _swizzle_case(case, which=("fc1", "fc2")):
     return hidden, ids, w, fc1, fc2, s1, s2
 
 
-def _run(case, *, mode, activation, order="up_gate", config=None, kernel="mosaic", act_scale=None,
-         swizzle=()):
+def _run(case, *, mode, activation, order="up_gate", config=None, act_scale=None, swizzle=()):
     act_scale = act_scale or ("scalar" if mode == "trtllm_cutlass" else "per_expert")
-    fn = functools.partial(moe_pallas, activation=activation, gate_up_order=order, mode=mode,
-                           activation_scale=act_scale, config=config, kernel=kernel, interpret=True,
+    fn = functools.partial(moe_mosaic, activation=activation, gate_up_order=order, mode=mode,
+                           activation_scale=act_scale, config=config, reference=True,
                            return_intermediates=True)
     out, inter = jax.jit(fn)(*_swizzle_case(case, swizzle))
     f = lambda a: np.asarray(a.astype(jnp.float32), np.float64)
@@ -207,26 +202,21 @@ SPLIT = MosaicMoEConfig(block_m=16, fc1=MosaicConfig(block_n=64, split_k=2, num_
     # the scales (G, 1/G, alphas) from one kernel instead of XLA: both modes
     ("scales_kernel_relu2_trtllm", "trtllm_cutlass", "relu2", "up_gate",
      {"t": 9, "h": 256, "inter": 384, "e": 6, "k": 3, "scale_factor": 2.0**15},
-     MosaicMoEConfig(block_m=8, scales="kernel")),
+     MosaicMoEConfig(block_m=8)),
     ("scales_kernel_swiglu_b12x", "b12x", "swiglu", "gate_up", {"t": 7, "h": 512, "inter": 256, "e": 5, "k": 2},
-     MosaicMoEConfig(block_m=16, scales="kernel", bf16_partials=True)),
+     MosaicMoEConfig(block_m=16, bf16_partials=True)),
     # ... and from the routing kernel's launch (routing and scales in one program)
     ("routing_scales_kernel_relu2_b12x", "b12x", "relu2", "up_gate",
      {"t": 5, "h": 256, "inter": 256, "e": 8, "k": 3, "routing": "skewed"},
-     MosaicMoEConfig(block_m=8, scales="kernel", routing="kernel")),
-    # the scale expressions in XLA (scales="xla", the default before session 10): both modes
-    ("xla_scales_relu2_trtllm", "trtllm_cutlass", "relu2", "up_gate", {"t": 9, "h": 512, "inter": 256, "e": 6, "k": 3},
-     MosaicMoEConfig(block_m=8, scales="xla")),
-    ("xla_scales_swiglu_b12x", "b12x", "swiglu", "gate_up", {"t": 7, "h": 256, "inter": 256, "e": 5, "k": 2},
-     MosaicMoEConfig(block_m=16, scales="xla", routing="kernel")),
+     MosaicMoEConfig(block_m=8, routing="kernel")),
     # ... and the FC1 operand from that launch too (routing="fused"): both modes, FC1 K over
     # two operand tiles (H = 4096), E4M3-subnormal block scales
     ("fused_routing_swiglu_b12x", "b12x", "swiglu", "gate_up",
      {"t": 3, "h": 4096, "inter": 256, "e": 16, "k": 4},
-     MosaicMoEConfig(block_m=8, scales="kernel", routing="fused", skip_padding=True)),
+     MosaicMoEConfig(block_m=8, routing="fused", skip_padding=True)),
     ("fused_routing_subnormal_relu2_trtllm", "trtllm_cutlass", "relu2", "up_gate",
      {"t": 5, "h": 256, "inter": 512, "e": 8, "k": 3, "scale_factor": 2.0**15},
-     MosaicMoEConfig(block_m=8, scales="kernel", routing="fused", skip_padding=True)),
+     MosaicMoEConfig(block_m=8, routing="fused", skip_padding=True)),
     # warp-specialized GEMM configs: partials padded to whole CTAs of consumers * block_n rows
     ("ws_relu2_b12x", "b12x", "relu2", "up_gate", {"t": 9, "h": 256, "inter": 512, "e": 4, "k": 2},
      MosaicMoEConfig(block_m=8, fc1=MosaicConfig(block_n=64, consumers=3),
@@ -352,30 +342,44 @@ def test_moe_mosaic_b12x_scalar_activation_scale():
     check_against_oracle(case, out, h, mode="b12x", activation="relu2", activation_scale="scalar")
 
 
-def test_public_api_kernel_choice_is_logged(caplog):
+def test_public_api_backend_choice_is_logged(caplog):
     case = make_case(np.random.default_rng(2), t=4, h=256, inter=256, e=4, k=2, activation="relu2")
     hidden, ids, w, fc1, fc2, s1, s2 = to_jax(case)
     kw = {"fc1": fc1, "fc2": fc2, "fc1_input_scale": s1, "fc2_input_scale": s2, "topk_ids": ids,
-          "topk_weights": w, "backend": "pallas"}
+          "topk_weights": w}
     with caplog.at_level(logging.INFO, logger="nvfp4_jax.moe"):
-        forced = moe(hidden, kernel="mosaic", **kw)
-        auto = moe(hidden, **kw)
-    assert "kernel mosaic in interpret mode" in caplog.text
-    assert "kernel auto -> triton (interpret mode)" in caplog.text
-    np.testing.assert_array_equal(np.asarray(forced, np.float32), np.asarray(auto, np.float32))
+        forced = moe(hidden, backend="mosaic", **kw)
+        pallas = moe(hidden, backend="pallas", **kw)
+        moe(hidden, backend="auto", **kw)
+    assert "backend mosaic off the GPU -> XLA emulation" in caplog.text
+    assert "backend auto -> xla (no GPU)" in caplog.text
+    np.testing.assert_array_equal(np.asarray(forced, np.float32), np.asarray(pallas, np.float32))
 
 
-def test_choose_kernel():
-    assert choose_kernel("auto", None, routes=8, hidden=2048, interpret=True) == "triton"
-    assert choose_kernel("auto", MoEConfig(), routes=8, hidden=2048, interpret=False) == "triton"
-    assert choose_kernel("mosaic", None, routes=8, hidden=2048, interpret=True) == "mosaic"
-    assert choose_kernel("triton", MoEConfig(), routes=8, hidden=2048, interpret=False) == "triton"
-    if jax.default_backend() == "cpu":
-        assert choose_kernel("auto", None, routes=8, hidden=2048, interpret=False) == "triton"
-        with pytest.raises(ValueError, match="^config: a MosaicMoEConfig was given"):
-            choose_kernel("auto", MosaicMoEConfig(), routes=8, hidden=2048, interpret=False)
-        with pytest.raises(ValueError, match="^kernel: 'mosaic' needs an sm_90"):
-            choose_kernel("mosaic", None, routes=8, hidden=2048, interpret=False)
+def test_choose_backend(monkeypatch):
+    from nvfp4_jax.moe import api
+
+    assert api.choose_backend("pallas", MoEConfig(), routes=8, hidden=2048) == "pallas"
+    assert api.choose_backend("xla", None, routes=8, hidden=2048) == "xla"
+    with pytest.raises(ValueError, match="^backend: expected one of"):
+        api.choose_backend("triton", None, routes=8, hidden=2048)
+    with pytest.raises(ValueError, match="^config: backend='pallas' takes a MoEConfig"):
+        api.choose_backend("pallas", MosaicMoEConfig(), routes=8, hidden=2048)
+    with pytest.raises(ValueError, match="^config: backend='mosaic' takes a MosaicMoEConfig"):
+        api.choose_backend("mosaic", MoEConfig(), routes=8, hidden=2048)
+    # the device as each kind of machine reports it
+    for gpu, sm90, want in ((False, False, "xla"), (True, False, "pallas"), (True, True, "mosaic")):
+        monkeypatch.setattr(api, "on_gpu", lambda gpu=gpu: gpu)
+        monkeypatch.setattr(api, "is_sm90", lambda sm90=sm90: sm90)
+        assert api.choose_backend("auto", None, routes=8, hidden=2048) == want
+    assert api.choose_backend("auto", MoEConfig(), routes=8, hidden=2048) == "pallas"
+    assert api.choose_backend("auto", None, routes=api.MAX_ROUTES + 1, hidden=2048) == "pallas"
+    assert api.choose_backend("auto", None, routes=8, hidden=2048 + 128) == "pallas"
+    with pytest.raises(ValueError, match="^config: a MosaicMoEConfig was given"):
+        api.choose_backend("auto", MosaicMoEConfig(), routes=api.MAX_ROUTES + 1, hidden=2048)
+    monkeypatch.setattr(api, "is_sm90", lambda: False)
+    with pytest.raises(ValueError, match="^backend: 'mosaic' needs an sm_90"):
+        api.choose_backend("mosaic", None, routes=8, hidden=2048)
 
 
 def test_validation_names_the_argument():
@@ -409,8 +413,6 @@ def test_validation_names_the_argument():
         g(x, c, s, be, nb, config=MosaicConfig(block_k=512))
     with pytest.raises(ValueError, match="^config: MosaicConfig.bf16_store is the dense kernel's"):
         g(x, c, s, be, nb, config=MosaicConfig(bf16_store=True))
-    with pytest.raises(ValueError, match="^config: MosaicConfig.cluster_reduce is the dense kernel's"):
-        g(x, c, s, be, nb, config=MosaicConfig(split_k=2, cluster_reduce=True))
     with pytest.raises(ValueError, match="^config: .* bytes of shared memory"):
         grouped_matmul(jnp.zeros((128, 512), jnp.bfloat16), c[:, :, :1] .repeat(256, 2), s[:, :, :1].repeat(32, 2),
                        be, nb, block_m=64, reference=True,
@@ -423,30 +425,30 @@ def test_validation_names_the_argument():
     with pytest.raises(ValueError, match="^config: K=384 .* needs block_k=256"):
         g(jnp.zeros((16, 384), jnp.bfloat16), jnp.zeros((3, 64, 192), jnp.uint8),
           jnp.zeros((3, 64, 24), jnp.uint8), be, nb, config=MosaicConfig(block_k=512))
-    for bad in ({"block_m": 4}, {"fc1": "x"}, {"fc2_triton": 3}, {"routing": "sort"}, {"scales": "numpy"}):
+    for bad in ({"block_m": 4}, {"fc1": "x"}, {"fc2_triton": 3}, {"routing": "sort"}):
         with pytest.raises(ValueError, match="^MosaicMoEConfig"):
             MosaicMoEConfig(**bad)
     with pytest.raises(TypeError, match="^MosaicMoEConfig.skip_padding"):
         MosaicMoEConfig(skip_padding=1)
-    # public API: the kernel name and the kernel/config pairing
+    # public API: the backend name and the backend/config pairing
     case = make_case(np.random.default_rng(0), t=2, h=256, inter=96, e=2, k=1)
     hidden, ids, w, fc1, fc2, s1, s2 = to_jax(case)
     kw = {"fc1": fc1, "fc2": fc2, "fc1_input_scale": s1, "fc2_input_scale": s2, "topk_ids": ids,
-          "topk_weights": w, "backend": "pallas", "interpret": True}
-    with pytest.raises(ValueError, match="^kernel: expected one of"):
-        moe(hidden, kernel="cuda", **kw)
-    with pytest.raises(ValueError, match="^config: kernel='mosaic' takes a MosaicMoEConfig"):
-        moe(hidden, kernel="mosaic", config=MoEConfig(), **kw)
-    with pytest.raises(ValueError, match="^config: kernel='triton' takes a MoEConfig"):
-        moe(hidden, kernel="triton", config=MosaicMoEConfig(), **kw)
+          "topk_weights": w}
+    with pytest.raises(ValueError, match="^backend: expected one of"):
+        moe(hidden, backend="cuda", **kw)
+    with pytest.raises(ValueError, match="^config: backend='mosaic' takes a MosaicMoEConfig"):
+        moe(hidden, backend="mosaic", config=MoEConfig(), **kw)
+    with pytest.raises(ValueError, match="^config: backend='pallas' takes a MoEConfig"):
+        moe(hidden, backend="pallas", config=MosaicMoEConfig(), **kw)
     with pytest.raises(ValueError, match="^config: block_m=8; FC2 runs on Pallas-Triton"):
-        moe(hidden, kernel="mosaic", config=MosaicMoEConfig(block_m=8), **kw)
+        moe(hidden, backend="mosaic", config=MosaicMoEConfig(block_m=8), **kw)
     case = make_case(np.random.default_rng(0), t=2, h=96, inter=64, e=2, k=1)
     hidden, ids, w, fc1, fc2, s1, s2 = to_jax(case)
     kw.update({"fc1": fc1, "fc2": fc2, "fc1_input_scale": s1, "fc2_input_scale": s2, "topk_ids": ids,
                "topk_weights": w})
     with pytest.raises(ValueError, match="^fc1: the Mosaic grouped kernel needs K % 256"):
-        moe(hidden, kernel="mosaic", **kw)
+        moe(hidden, backend="mosaic", **kw)
 
 
 def test_default_configs():
@@ -569,11 +571,10 @@ def test_whole_k_scale_addressing(n, k, bn):
 
 
 def test_fused_routing_config_is_checked():
-    """routing="fused" writes only the routed operand rows and computes the scales: a config
-    without skip_padding or without the scales kernel is refused, naming the field."""
-    for kw in ({}, {"scales": "xla", "skip_padding": True}):
-        with pytest.raises(ValueError, match="^MosaicMoEConfig.routing: 'fused'"):
-            MosaicMoEConfig(routing="fused", **kw)
+    """routing="fused" writes only the routed operand rows: a config without skip_padding is
+    refused, naming the field."""
+    with pytest.raises(ValueError, match="^MosaicMoEConfig.routing: 'fused'"):
+        MosaicMoEConfig(routing="fused")
     with pytest.raises(ValueError, match="^MosaicMoEConfig.routing: expected 'xla', 'kernel' or 'fused'"):
         MosaicMoEConfig(routing="triton")
     assert MosaicMoEConfig(routing="fused", skip_padding=True).routing == "fused"
@@ -583,15 +584,13 @@ def test_fused_routing_config_is_checked():
 def test_moe_mosaic_dataflow_routes_method(routing, method, monkeypatch, caplog):
     """The routing kernels' "routes" method (above 128 experts, up to ROUTES_AUTO_MAX routes;
     forced here at 24 experts by lowering ROUTING_EXPERTS_MAX) and "tokens" method (with
-    TOKENS_METHOD on, ROUTES_AUTO_MAX 0) inside the layer, against the oracle; no fallback to
-    XLA."""
-    from nvfp4_jax.moe import epilogue as ep
+    ROUTES_AUTO_MAX 0) inside the layer, against the oracle; no fallback to XLA."""
+    from nvfp4_jax.moe import routing_kernel as rtk
 
-    monkeypatch.setattr(ep, "ROUTING_EXPERTS_MAX", 8)
+    monkeypatch.setattr(rtk, "ROUTING_EXPERTS_MAX", 8)
     if method == "tokens":
-        monkeypatch.setattr(ep, "TOKENS_METHOD", True)
-        monkeypatch.setattr(ep, "ROUTES_AUTO_MAX", 0)
-    assert ep.routing_methods(9 * 3, 24, 8, top_k=3)[0] == method
+        monkeypatch.setattr(rtk, "ROUTES_AUTO_MAX", 0)
+    assert rtk.routing_methods(9 * 3, 24, 8, top_k=3)[0] == method
     case = make_case(np.random.default_rng(31), t=9, h=256, inter=384, e=24, k=3, activation="relu2",
                      routing="skewed")
     cfg = MosaicMoEConfig(block_m=8, routing=routing, skip_padding=True)
@@ -609,8 +608,8 @@ def test_token_quant_runs_where_one_scale_serves_all_experts(caplog):
     case = make_case(np.random.default_rng(5), t=6, h=256, inter=256, e=4, k=2, activation="relu2")
     cfg = MosaicMoEConfig(block_m=8, token_quant=True)
     for mode, act, gather in (("trtllm_cutlass", "scalar", True), ("b12x", "per_expert", False)):
-        fn = functools.partial(moe_pallas, activation="relu2", gate_up_order="up_gate", mode=mode,
-                               activation_scale=act, config=cfg, kernel="mosaic", interpret=True)
+        fn = functools.partial(moe_mosaic, activation="relu2", gate_up_order="up_gate", mode=mode,
+                               activation_scale=act, config=cfg, reference=True)
         caplog.clear()
         with caplog.at_level(logging.INFO, logger="nvfp4_jax.moe"):
             text = str(jax.make_jaxpr(fn)(*to_jax(case)))

@@ -9,14 +9,14 @@ import numpy as np
 import pytest
 
 import oracle
-from nvfp4_jax.gemm.api import _gpu_compute_capability
+from nvfp4_jax.device import gpu_compute_capability
 from nvfp4_jax.gemm.mosaic import MosaicConfig, matmul_mosaic
 from nvfp4_jax.testing import assert_gemm_close
 
 pytestmark = pytest.mark.gpu
 
 
-if _gpu_compute_capability() != 90:
+if gpu_compute_capability() != 90:
     pytest.skip("needs an sm_90 (Hopper) NVIDIA GPU", allow_module_level=True)
 
 
@@ -53,13 +53,11 @@ def _run(x, wo, out_dtype, cfg):
         # four 128-deep wgmmas per pipeline step (scale tile rows of 32 bytes)
         (16, 1000, 2048, 1.0, MosaicConfig(block_n=64, split_k=2, num_stages=3, block_k=512)),
         (37, 3000, 1536, 3.0, MosaicConfig(block_n=64, split_k=1, num_stages=2, block_k=512)),
-        # decode overlapping the previous wgmma, and L2 prefetch ahead of the TMA pipeline
+        # decode overlapping the previous wgmma
         (16, 4000, 4096, 1.0, MosaicConfig(block_n=64, split_k=2, num_stages=2, overlap=True)),
         (64, 1000, 3072, 5.0, MosaicConfig(block_n=64, split_k=1, num_stages=2, block_k=512,
                                            overlap=True)),
-        (5, 3000, 4096, 1.0, MosaicConfig(block_n=128, split_k=2, num_stages=2, prefetch=2)),
-        (33, 2048, 8192, 1.0, MosaicConfig(block_n=64, split_k=4, num_stages=3, prefetch=4,
-                                           overlap=True)),
+        (33, 2048, 8192, 1.0, MosaicConfig(block_n=64, split_k=4, num_stages=3, overlap=True)),
         # warp-specialized: 2-3 compute warpgroups sharing the x stages (ragged N: the last
         # CTA's rows run past N), a TMA producer warpgroup
         # (ids "ws*": run them alone first, with a short timeout, the first time on a GPU)
@@ -77,21 +75,6 @@ def _run(x, wo, out_dtype, cfg):
                      id="bs_m64"),
         pytest.param(37, 3000, 1024, 3.0, MosaicConfig(block_n=64, split_k=1, num_stages=2, consumers=2,
                                                        bf16_store=True), id="bs_ws2_ragged"),
-        # the same kernels under Mosaic's lane semantics (JAX 0.11's default is warpgroup)
-        pytest.param(16, 4000, 4096, 1.0, MosaicConfig(block_n=64, split_k=2, num_stages=2,
-                                                       overlap=True, semantics="lane"), id="ln_m16"),
-        pytest.param(37, 3000, 1024, 3.0, MosaicConfig(block_n=64, split_k=1, num_stages=2, consumers=2,
-                                                       bf16_store=True, semantics="lane"), id="ln_ws2"),
-        # cluster_reduce: the split CTAs of a tile as one cluster, summed in CTA 0's shared
-        # memory (ids "cr*"; lane semantics: warpgroup semantics cannot lower the remote store)
-        pytest.param(1, 4096, 4096, 1.0, MosaicConfig(block_n=64, split_k=4, num_stages=2,
-                                                      cluster_reduce=True), id="cr4_m1"),
-        pytest.param(5, 1000, 2048, 40.0, MosaicConfig(block_n=64, split_k=2, num_stages=2,
-                                                       cluster_reduce=True), id="cr2_ragged"),
-        pytest.param(16, 4000, 4608, 1e-2, MosaicConfig(block_n=128, split_k=6, num_stages=2,
-                                                        cluster_reduce=True), id="cr6_m16_bn128"),
-        pytest.param(9, 3000, 8192, 3.0, MosaicConfig(block_n=64, split_k=8, num_stages=3,
-                                                      cluster_reduce=True), id="cr8"),
     ],
 )
 @pytest.mark.parametrize("out_dtype", [jnp.float32, jnp.bfloat16])

@@ -1,0 +1,98 @@
+"""The MoE's encode scales and alphas in one Pallas-Triton launch (IEEE divisions).
+
+``moe_scales_kernel`` computes ``xla.moe_scales``' four [E] vectors and the two reciprocals the
+glue kernels take in one program instead of ~8 small XLA fusions, every division
+``div.rn.f32`` whatever XLA's division flags. ``scale_values`` / ``store_scales`` are its body,
+which the routing kernels reuse to compute the scales in their own launch.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental.pallas import triton as plgpu
+
+from ..triton_ops import call, div_rn, pow2
+
+
+def scales_plan(scales: tuple, num_experts: int, interpret: bool):
+    """``(fc1_weight_scale_2, fc2_weight_scale_2, fc1_input_scale, fc2_input_scale, mode,
+    activation_scale)`` -> (the four validated operands, ``_scale_values``' static arguments,
+    the six fp32 [E] outputs' shapes)."""
+    *vecs, mode, activation_scale = scales
+    kw = {"e": num_experts, "activation_scale": activation_scale, "mode": mode,
+          "exact_asm": not interpret}
+    f32 = jax.ShapeDtypeStruct((num_experts,), jnp.float32)
+    return _scale_operands(vecs, num_experts), kw, (f32,) * 6
+
+
+def scale_values(w1_ref, w2_ref, s1_ref, s2_ref, *, e: int, activation_scale: str, mode: str,
+                  exact_asm: bool):
+    """(j, valid, [g1, 1/g1, alpha1, g2, 1/g2, alpha2]): the six [E] scale vectors in registers
+    (lanes past E invalid)."""
+    ep = pow2(e)
+    j = lax.broadcasted_iota(jnp.int32, (ep,), 0)
+    valid = j < e
+    jc = jnp.minimum(j, e - 1)
+
+    def vec(ref):  # an [E] operand, or a [1] one broadcast to every expert
+        return plgpu.load(ref.at[jc if ref.shape[0] == e else jnp.zeros_like(j)])
+
+    one = jnp.ones((ep,), jnp.float32)
+    vals = []
+    for w_ref, s_ref in ((w1_ref, s1_ref), (w2_ref, s2_ref)):
+        ws2, s_in = vec(w_ref), vec(s_ref)
+        if activation_scale == "scalar":  # one encode scale: 1 / max over the experts' input scales
+            m = jnp.max(jnp.where(valid, s_in, -jnp.inf))
+            g = div_rn(one, jnp.full((ep,), m, jnp.float32), exact_asm)
+        else:
+            g = div_rn(one, s_in, exact_asm)
+        if mode == "trtllm_cutlass":
+            alpha = div_rn(one, g * div_rn(one, ws2, exact_asm), exact_asm)
+        else:
+            alpha = div_rn(ws2, g, exact_asm)
+        vals += [g, div_rn(one, g, exact_asm), alpha]
+    return j, valid, vals
+
+
+def store_scales(j, valid, vals, out_refs) -> None:
+    """Stores ``_scale_values``' six vectors."""
+    for ref, v in zip(out_refs, vals, strict=True):
+        # masked lanes index past E (not clamped: a duplicate index would race with the valid
+        # lane's store; interpret mode drops them)
+        plgpu.store(ref.at[j], v, mask=valid)
+
+
+def scales_kernel(w1_ref, w2_ref, s1_ref, s2_ref, *out_refs, e: int, activation_scale: str,
+                   mode: str, exact_asm: bool):
+    store_scales(*scale_values(w1_ref, w2_ref, s1_ref, s2_ref, e=e, activation_scale=activation_scale,
+                                 mode=mode, exact_asm=exact_asm), out_refs)
+
+
+def moe_scales_kernel(fc1_weight_scale_2: jax.Array, fc2_weight_scale_2: jax.Array,
+                      fc1_input_scale: jax.Array, fc2_input_scale: jax.Array, *, num_experts: int,
+                      mode: str, activation_scale: str, interpret: bool = False):
+    """``xla.moe_scales`` plus the two reciprocals the glue kernels take, as one Pallas-Triton
+    launch (one program) instead of ~8 small XLA fusions, each division ``div.rn.f32`` (IEEE,
+    whatever XLA's division flags). Operands: fp32 [E] or scalars (one value for every
+    expert). Returns fp32 [E] each: ``(g1, 1/g1, alpha1, g2, 1/g2, alpha2)``, bit for bit the
+    expressions of ``oracle.moe_scales``."""
+    ops, kw, outs = scales_plan((fc1_weight_scale_2, fc2_weight_scale_2, fc1_input_scale,
+                                  fc2_input_scale, mode, activation_scale), num_experts, interpret)
+    return call(functools.partial(scales_kernel, **kw), outs, (1,), num_warps=4,
+                 name="nvfp4_moe_scales", interpret=interpret)(*ops)
+
+
+def _scale_operands(vecs, e: int) -> list:
+    """The four scale operands as fp32 [E] or [1] (one value for every expert), validated."""
+    ops = []
+    names = ("fc1_weight_scale_2", "fc2_weight_scale_2", "fc1_input_scale", "fc2_input_scale")
+    for name, v in zip(names, vecs, strict=True):
+        v = jnp.asarray(v, jnp.float32)
+        if v.shape not in ((), (1,), (e,)):
+            raise ValueError(f"{name}: expected a scalar or shape ({e},), got {v.shape}")
+        ops.append(v.reshape(-1))
+    return ops

@@ -8,7 +8,18 @@ Public API:
 * :func:`moe` (routed NVFP4 mixture of experts).
 """
 
-from .quantize import JAX_RECIPES, NVFP4Array, dequantize, from_oracle, quantize, to_oracle
+from .versions import check_jax
+
+check_jax()  # an unsupported JAX fails here, saying why and which versions work (versions.py)
+
+from .quantize import (  # noqa: E402
+    JAX_RECIPES,
+    NVFP4Array,
+    dequantize,
+    from_oracle,
+    quantize,
+    to_oracle,
+)
 
 __all__ = ["JAX_RECIPES", "NVFP4Array", "dequantize", "from_oracle", "quantize", "to_oracle"]
 

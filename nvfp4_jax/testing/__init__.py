@@ -18,7 +18,6 @@ Example::
         assert_moe_close(my_moe(*p.args(), **p.kwargs()), *p.args(), **p.kwargs())
 """
 
-from . import strategies
 from .assertions import (
            assert_gemm_close,
            assert_moe_close,
@@ -29,3 +28,13 @@ from .assertions import (
 
 __all__ = ["assert_gemm_close", "assert_moe_close", "gemm_reference", "moe_bound",
            "quantize_interval", "strategies"]
+
+
+def __getattr__(name: str):
+    """``strategies`` is imported on first use: it needs hypothesis, the assertions do not
+    (``nvfp4 selftest`` uses them without it)."""
+    if name == "strategies":
+        import importlib
+
+        return importlib.import_module(f"{__name__}.strategies")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

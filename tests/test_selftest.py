@@ -6,10 +6,13 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from nvfp4_jax import cli, explain, selftest
 
@@ -77,3 +80,21 @@ def test_a_broken_backend_fails_with_an_npz_that_explain_attributes(tmp_path, mo
     assert "FAIL  matmul/xla/w4a16" in printed
     assert cli.main(["explain", failed[0]["npz"], "--out-dtype", "float32"]) == 1
     assert np.isfinite(failed[0]["seconds"])
+
+
+@pytest.mark.gpu
+def test_gpu_selftest_passes_for_every_backend_without_xla_flags(tmp_path):
+    """On the GPU, in a process without XLA_FLAGS: every kernel the device runs passes."""
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs a GPU")
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    path = tmp_path / "selftest.json"
+    p = subprocess.run([sys.executable, "-m", "nvfp4_jax.cli", "selftest", "--json", str(path),
+                        "--out-dir", str(tmp_path / "fail")], env=env, capture_output=True,
+                       text=True, timeout=1800, check=False)
+    print(p.stdout)
+    assert p.returncode == 0, p.stdout[-6000:] + p.stderr[-3000:]
+    d = json.loads(path.read_text())
+    assert d["verdict"] == "PASS" and d["device"]["compute_capability"] is not None
+    families = {k.split("/")[0] + "/" + k.split("/")[1] for k in d["kernels"]}
+    assert {"matmul/pallas", "matmul/xla", "moe/pallas-triton", "moe/xla"} <= families

@@ -110,7 +110,8 @@ def device_info() -> dict:
         "jax": jax.__version__, "jaxlib": jaxlib.__version__,
         # Pallas-Triton kernels compile with the Triton that XLA bundles (jaxlib's); the pip
         # package, if any, is not used by them
-        "triton": {"bundled_with": f"jaxlib {jaxlib.__version__}", "pip_triton": _version_of("triton")},
+        "triton": {"bundled_with": f"jaxlib {jaxlib.__version__}",
+                   "pip_triton": _version_of("triton")},
         "jax_cuda_plugin": _version_of("jax-cuda12-plugin") or _version_of("jax-cuda13-plugin"),
         "python": platform.python_version(), "supported_jax": SUPPORTED_JAX,
     }
@@ -118,7 +119,8 @@ def device_info() -> dict:
 
 # ----------------------------------------------------------------------------- fuzzed inputs
 
-def spread_values(rng: np.random.Generator, shape: tuple[int, ...], lo: float, hi: float) -> np.ndarray:
+def spread_values(rng: np.random.Generator, shape: tuple[int, ...], lo: float,
+                  hi: float) -> np.ndarray:
     """bf16 values (float64) whose 16-value blocks have magnitudes 2^U(lo, hi)."""
     *lead, k = shape
     mag = np.exp2(rng.uniform(lo, hi, (*lead, k // 16, 1))).repeat(16, -1).reshape(shape)
@@ -174,8 +176,9 @@ def _quantize_check(recipe: str, x: np.ndarray, d: float | None):
     detail = (f"{dc} of {want.codes.size} code bytes, {ds} of {want.scales.size} scale bytes"
               f"{', the decode scale' if dd else ''} differ from oracle.quantize")
     if dc or ds or dd:
-        return FAIL, detail, {"x": x, "recipe": np.array(recipe), "decode_scale": np.float64(d or 0.0),
-                              "codes": got.codes, "scales": got.scales, "oracle_codes": want.codes,
+        return FAIL, detail, {"x": x, "recipe": np.array(recipe),
+                              "decode_scale": np.float64(d or 0.0), "codes": got.codes,
+                              "scales": got.scales, "oracle_codes": want.codes,
                               "oracle_scales": want.scales}
     subnormal = int(((want.scales > 0) & (want.scales < 8)).sum())
     return PASS, f"byte-exact ({subnormal} E4M3-subnormal block scales)", None
@@ -197,7 +200,8 @@ def _matmul_check(backend: str, w4a4: bool, rng, m: int, n: int, k: int):
                                         out_dtype="float32")
     mm = jax.jit(lambda xx, ww, ss: nj.matmul(xx, ww, input_scale=ss, out_dtype=jnp.float32,
                                               backend=backend))
-    out = mm(jnp.asarray(x, jnp.bfloat16), nj.from_oracle(wo), None if s is None else jnp.float32(s))
+    out = mm(jnp.asarray(x, jnp.bfloat16), nj.from_oracle(wo),
+             None if s is None else jnp.float32(s))
     out = np.asarray(out.astype(jnp.float32), np.float64)
     e = explain.explain_gemm(case, out)
     if e.verdict == "correct":
@@ -281,7 +285,8 @@ CPU_GEMM = ((3, 128, 256), (17, 64, 272))
 GPU_QUANT = ((1, 16), (33, 4096), (256, 512), (300, 1040))
 CPU_QUANT = ((3, 64), (17, 272))
 GPU_MOE = ((5, 256, 256, 8, 2, "relu2", "trtllm_cutlass"), (5, 256, 256, 8, 2, "relu2", "b12x"),
-           (3, 768, 512, 8, 3, "swiglu", "b12x"), (37, 1024, 2688, 16, 6, "relu2", "trtllm_cutlass"),
+           (3, 768, 512, 8, 3, "swiglu", "b12x"),
+           (37, 1024, 2688, 16, 6, "relu2", "trtllm_cutlass"),
            (9, 512, 1024, 8, 2, "swiglu", "trtllm_cutlass"))
 CPU_MOE = ((3, 256, 128, 4, 2, "relu2", "trtllm_cutlass"), (2, 256, 128, 4, 2, "swiglu", "b12x"))
 
@@ -298,7 +303,8 @@ def plan(cc: int | None, seed: int = 0) -> list[tuple[str, str, Callable]]:
         for m, k in GPU_QUANT if gpu else CPU_QUANT:
             x = spread_values(rng, (m, k), -40.0, 10.0)
             d = float(f32(np.abs(x).max() / 2688 * np.exp2(rng.uniform(-3, 3))))
-            out.append((f"quantize/{recipe}", f"{m}x{k}", lambda r=recipe, x=x, d=d: _quantize_check(r, x, d)))
+            out.append((f"quantize/{recipe}", f"{m}x{k}",
+                        lambda r=recipe, x=x, d=d: _quantize_check(r, x, d)))
             out.append((f"quantize/{recipe}", f"{m}x{k} amax",
                         lambda r=recipe, x=x: _quantize_check(r, x, None)))
     backends = ["xla"]
@@ -312,8 +318,8 @@ def plan(cc: int | None, seed: int = 0) -> list[tuple[str, str, Callable]]:
                 if backend == "mosaic" and (m > 64 or k % 256):
                     continue  # outside the Mosaic kernel's shapes (matmul would fall back)
                 out.append((f"matmul/{backend}/{mode}", f"{m}x{n}x{k}",
-                            lambda b=backend, a4=mode == "w4a4", s=int(rng.integers(2**31)), m=m, n=n, k=k:
-                            _matmul_check(b, a4, np.random.default_rng(s), m, n, k)))
+                            lambda b=backend, a4=mode == "w4a4", s=int(rng.integers(2**31)),
+                            m=m, n=n, k=k: _matmul_check(b, a4, np.random.default_rng(s), m, n, k)))
     paths = ["pallas-triton", "xla"] if (not gpu or cc >= 89) else ["xla"]
     if cc == 90:
         paths.insert(1, "mosaic")
@@ -322,8 +328,8 @@ def plan(cc: int | None, seed: int = 0) -> list[tuple[str, str, Callable]]:
             if path == "mosaic" and h % 256:
                 continue
             out.append((f"moe/{path}/{mode}/{act}", f"T{t} H{h} I{i} E{e} k{k}",
-                        lambda p=path, md=mode, a=act, s=int(rng.integers(2**31)), sh=(t, h, i, e, k):
-                        _moe_check(p, md, a, np.random.default_rng(s), *sh)))
+                        lambda p=path, md=mode, a=act, s=int(rng.integers(2**31)),
+                        sh=(t, h, i, e, k): _moe_check(p, md, a, np.random.default_rng(s), *sh)))
     return out
 
 

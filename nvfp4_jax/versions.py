@@ -53,7 +53,8 @@ def unsupported_reason(version: str) -> str | None:
     tested = ", ".join(f"{k} ({w})" for k, w in TESTED_JAX.items())
     if v < JAX_MIN:
         return (f"nvfp4-jax needs jax {SUPPORTED_JAX}, found jax {version}: older releases lack "
-                f"the Pallas APIs the kernels use (tested: {tested}). pip install 'jax{SUPPORTED_JAX}'")
+                f"the Pallas APIs the kernels use (tested: {tested}). "
+                f"pip install 'jax{SUPPORTED_JAX}'")
     if v >= JAX_BELOW:
         return (f"nvfp4-jax needs jax {SUPPORTED_JAX}, found jax {version}: the GPU kernels are "
                 "Pallas-Triton, deprecated since jax 0.11.0 and due to be removed, and they have "

@@ -59,7 +59,8 @@ def test_integer_divide_is_ieee_division(seed, kinds):
 
 def test_integer_divide_special_values_ties_and_rounding_carries():
     sp = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 1e-45, -1e-45, 2.0**-126, 2.0**-149 * 3,
-                   np.finfo(np.float32).max, 1.0, 3.0, 6.0, 2688.0, 448.0, 2.0**-9, 0.75], np.float32)
+                   np.finfo(np.float32).max, 1.0, 3.0, 6.0, 2688.0, 448.0, 2.0**-9, 0.75],
+                  np.float32)
     a, b = (v.ravel() for v in np.meshgrid(sp, sp))
     assert _same_bits(_int_div(a, b), _ieee(a, b)).all()
     # quotients one ulp either side of a rounding tie, the largest finite / overflow boundary
@@ -203,8 +204,9 @@ def test_fc1_input_kernel_is_the_oracles_quantization(seed, shape, recipe, per_e
     bm = 4
     br = block_routing(jnp.asarray(ids), e, bm)
     got = fc1_operand(jnp.asarray(x, jnp.bfloat16), br.sorted_route, br.block_expert, br.num_blocks,
-                      jnp.asarray(g, jnp.float32), jnp.asarray(rg, jnp.float32), top_k=k, block_m=bm,
-                      recipe=recipe, per_expert=per_expert, interpret=True, permute=False)
+                      jnp.asarray(g, jnp.float32), jnp.asarray(rg, jnp.float32), top_k=k,
+                      block_m=bm, recipe=recipe, per_expert=per_expert, interpret=True,
+                      permute=False)
     got = np.asarray(got, np.float64)
     route = np.asarray(br.sorted_route)
     be = np.repeat(np.asarray(br.block_expert), bm)
@@ -213,8 +215,8 @@ def test_fc1_input_kernel_is_the_oracles_quantization(seed, shape, recipe, per_e
             assert not got[p].any(), f"padding row {p}"
             continue
         gp = g[be[p]] if per_expert else g[0]
-        want = oracle.dequantize(oracle.quantize(x[route[p] // k][None], recipe,
-                                                 encode_scale=float(gp)), include_decode_scale=False)
+        q = oracle.quantize(x[route[p] // k][None], recipe, encode_scale=float(gp))
+        want = oracle.dequantize(q, include_decode_scale=False)
         np.testing.assert_array_equal(got[p], want[0], err_msg=f"row {p}")
 
 

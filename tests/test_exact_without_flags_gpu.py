@@ -72,14 +72,16 @@ def test_quantize_is_the_oracle(recipe):
                            oracle.quantize(x, recipe, decode_scale=d)),
                           (g(jnp.asarray(x, jnp.bfloat16)), oracle.quantize(x, recipe))):
             got = nj.to_oracle(got)
-            np.testing.assert_array_equal(got.scales, want.scales, err_msg=f"{recipe} {m}x{k} scales")
+            np.testing.assert_array_equal(got.scales, want.scales,
+                                          err_msg=f"{recipe} {m}x{k} scales")
             np.testing.assert_array_equal(got.codes, want.codes, err_msg=f"{recipe} {m}x{k} codes")
             assert float(got.decode_scale) == float(want.decode_scale)
 
 
 def _weight(seed: int, n: int, k: int, scale_factor: float):
     w = bf16_round(np.random.default_rng(seed).standard_normal((n, k)) / np.sqrt(k))
-    return oracle.quantize(w, "modelopt", decode_scale=float(f32(np.abs(w).max() / 2688 * scale_factor)))
+    d = float(f32(np.abs(w).max() / 2688 * scale_factor))
+    return oracle.quantize(w, "modelopt", decode_scale=d)
 
 
 @pytest.mark.parametrize("backend", ["pallas", "xla"])
@@ -104,7 +106,8 @@ def test_matmul_is_the_oracle(backend, m, n, k, scale_factor):
     alpha = float(f32(s * float(wo.decode_scale)))
     w_alpha = nj.NVFP4Array.from_parts(w.codes, w.scales, jnp.float32(alpha))
     ref = np.asarray(nj.matmul(jnp.asarray(xq, jnp.bfloat16), w_alpha, backend=backend), np.float32)
-    np.testing.assert_array_equal(out4, ref, err_msg=f"{backend} W4A4 vs W4A16 on the oracle's codes")
+    np.testing.assert_array_equal(out4, ref,
+                                  err_msg=f"{backend} W4A4 vs W4A16 on the oracle's codes")
 
 
 def _moe_case(seed, *, t, h, inter, e, k, activation, scale_factor):
@@ -158,9 +161,9 @@ def test_moe_is_the_oracle(path, mode, shape):
     activation, sf = shape.pop("activation"), shape.pop("scale_factor")
     case = _moe_case(sum(shape.values()), activation=activation, scale_factor=sf, **shape)
     hidden, ids, wts, fc1, fc2, s1, s2 = case
-    out = nj.moe(jnp.asarray(hidden, jnp.bfloat16), fc1=nj.from_oracle(fc1), fc2=nj.from_oracle(fc2),
-                 fc1_input_scale=jnp.asarray(s1), fc2_input_scale=jnp.asarray(s2),
-                 topk_ids=jnp.asarray(ids), topk_weights=jnp.asarray(wts), activation=activation,
+    out = nj.moe(jnp.asarray(hidden, jnp.bfloat16), fc1=nj.from_oracle(fc1),
+                 fc2=nj.from_oracle(fc2), fc1_input_scale=jnp.asarray(s1),
+                 fc2_input_scale=jnp.asarray(s2), topk_ids=jnp.asarray(ids), topk_weights=jnp.asarray(wts), activation=activation,
                  mode=mode, **kw)
     out = np.asarray(out, np.float32)
     b = assert_moe_close(out, *case, activation=activation, mode=mode, quant_slack=0.0,

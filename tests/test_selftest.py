@@ -20,7 +20,8 @@ from nvfp4_jax import cli, explain, selftest
 def test_cpu_selftest_passes_and_writes_the_json(tmp_path, capsys):
     path = tmp_path / "selftest.json"
     rc = cli.main(["selftest", "--json", str(path), "--out-dir", str(tmp_path / "fail"),
-                   "--only", "quantize/b12x,matmul/pallas/w4a4,matmul/xla,moe/pallas-triton/trtllm"])
+                   "--only",
+                   "quantize/b12x,matmul/pallas/w4a4,matmul/xla,moe/pallas-triton/trtllm"])
     printed = capsys.readouterr().out
     assert rc == 0, printed
     d = json.loads(path.read_text())
@@ -76,7 +77,8 @@ def test_a_broken_backend_fails_with_an_npz_that_explain_attributes(tmp_path, mo
         assert e.localisation["columns"] == "5", e.format()  # output column = the weight row
         if case.shape[0] >= 4:  # enough rows to identify the block: the scale byte is named
             j = int(np.argmax(case.weight.scales[5]))
-            assert {(a["operand"], a["index"], a["block"]) for a in e.attribution} == {("weight", 5, j)}
+            named = {(a["operand"], a["index"], a["block"]) for a in e.attribution}
+            assert named == {("weight", 5, j)}, e.format()
     assert "FAIL  matmul/xla/w4a16" in printed
     assert cli.main(["explain", failed[0]["npz"], "--out-dtype", "float32"]) == 1
     assert np.isfinite(failed[0]["seconds"])

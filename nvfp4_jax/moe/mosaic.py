@@ -150,9 +150,8 @@ class MosaicMoEConfig:
     scales: "kernel" (the default: ``epilogue.moe_scales_kernel``, one Pallas-Triton launch,
     ``div.rn.f32`` whatever XLA's flags; with ``routing="kernel"`` the routing kernel's launch
     computes them) or "xla" (``xla.moe_scales`` and two reciprocals: 11-14 small XLA fusions
-    of ~1-1.5 us each on the H200 (session 7's profile), their divisions IEEE only with
-    ``XLA_FLAGS=--xla_backend_extra_options=-nvptx-prec-divf32=2``). The same values with that
-    flag. The scales depend only on the global scales, so a benchmark that feeds every layer
+    of ~1-1.5 us each on the H200 (session 7's profile), their divisions ``division.divide``:
+    IEEE whatever XLA's flags). The same values. The scales depend only on the global scales, so a benchmark that feeds every layer
     the same ones lets XLA compute the "xla" version once for all of them (the MoE harness
     did until session 10, and measured no difference); a model's layers each pay it. The
     kernel passes the oracle tests on the H200 (session 10); default since session 10 for

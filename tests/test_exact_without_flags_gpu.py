@@ -163,8 +163,8 @@ def test_moe_is_the_oracle(path, mode, shape):
     hidden, ids, wts, fc1, fc2, s1, s2 = case
     out = nj.moe(jnp.asarray(hidden, jnp.bfloat16), fc1=nj.from_oracle(fc1),
                  fc2=nj.from_oracle(fc2), fc1_input_scale=jnp.asarray(s1),
-                 fc2_input_scale=jnp.asarray(s2), topk_ids=jnp.asarray(ids), topk_weights=jnp.asarray(wts), activation=activation,
-                 mode=mode, **kw)
+                 fc2_input_scale=jnp.asarray(s2), topk_ids=jnp.asarray(ids),
+                 topk_weights=jnp.asarray(wts), activation=activation, mode=mode, **kw)
     out = np.asarray(out, np.float32)
     b = assert_moe_close(out, *case, activation=activation, mode=mode, quant_slack=0.0,
                          label=f"moe {label} {mode} {activation}")

@@ -286,7 +286,7 @@ GPU_QUANT = ((1, 16), (33, 4096), (256, 512), (300, 1040))
 CPU_QUANT = ((3, 64), (17, 272))
 GPU_MOE = ((5, 256, 256, 8, 2, "relu2", "trtllm_cutlass"), (5, 256, 256, 8, 2, "relu2", "b12x"),
            (3, 768, 512, 8, 3, "swiglu", "b12x"),
-           (37, 1024, 2688, 16, 6, "relu2", "trtllm_cutlass"),
+           (37, 1024, 2688, 8, 6, "relu2", "trtllm_cutlass"),
            (9, 512, 1024, 8, 2, "swiglu", "trtllm_cutlass"))
 CPU_MOE = ((3, 256, 128, 4, 2, "relu2", "trtllm_cutlass"), (2, 256, 128, 4, 2, "swiglu", "b12x"))
 

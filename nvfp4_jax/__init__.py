@@ -8,11 +8,22 @@ Public API:
 * :func:`moe` (routed NVFP4 mixture of experts).
 """
 
-__version__ = "0.1.0"  # the same as pyproject.toml (tests/test_cli_errors.py checks)
+__version__ = "0.1.0"  # the same as pyproject.toml (tests/tools/test_cli_errors.py checks)
 
-from . import moe  # the subpackage is callable: nvfp4_jax.moe(...)
-from .gemm.api import matmul
-from .quantize import JAX_RECIPES, NVFP4Array, dequantize, from_oracle, quantize, to_oracle
+from .versions import check_jax
+
+check_jax()  # an unsupported JAX fails here, saying why and which versions work (versions.py)
+
+from . import moe  # noqa: E402  (the subpackage is callable: nvfp4_jax.moe(...))
+from .gemm.api import matmul  # noqa: E402
+from .quantize import (  # noqa: E402
+    JAX_RECIPES,
+    NVFP4Array,
+    dequantize,
+    from_oracle,
+    quantize,
+    to_oracle,
+)
 
 __all__ = ["JAX_RECIPES", "NVFP4Array", "dequantize", "from_oracle", "matmul", "moe", "quantize",
            "to_oracle"]

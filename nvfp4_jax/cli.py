@@ -15,6 +15,9 @@ fault reproduces it (``nvfp4_jax.explain``); exit code 1 when the output is wron
 ``nvfp4 --version``. Bad input (an option out of its range, a damaged checkpoint or ``.npz``, a
 checkpoint with nothing to audit) is refused before any work with one line on stderr and exit
 code 2: no option is silently replaced, no traceback is shown.
+
+``nvfp4 selftest [--json FILE] [--out-dir DIR] [--only LIST] [--seed S]``: every kernel this
+device runs against the oracle (``nvfp4_jax.selftest``); exit code 1 when one fails.
 """
 
 from __future__ import annotations
@@ -152,7 +155,39 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"explain the XLA backend's output with one fault injected: {', '.join(DEMO_FAULTS)}")
     e.add_argument("--save", metavar="FILE.npz", help="with --demo: also write the demo call and output")
     e.add_argument("--json", metavar="FILE", help="write the explanation as JSON")
+    t = sub.add_parser(
+        "selftest", help="every NVFP4 kernel this device runs, against the exact oracle",
+        description="Run quantize (every recipe), matmul (every backend, W4A16 and W4A4) and moe (every "
+                    "path) on fuzzed inputs with E4M3-subnormal block scales at a spread of shapes, and hold "
+                    "each to the exact oracle (nvfp4_jax.selftest). On CPU the Pallas kernels run "
+                    "interpreted at small sizes. Exit code 1 when a kernel fails.")
+    t.add_argument("--json", metavar="FILE", help="write the device, versions and every check as JSON")
+    t.add_argument("--out-dir", default="nvfp4-selftest-failures", metavar="DIR",
+                   help="where each failure's .npz goes (GEMM ones: nvfp4 explain FILE.npz reads them)")
+    t.add_argument("--only", default="", metavar="LIST",
+                   help="comma-separated kernel name prefixes, e.g. quantize,matmul/pallas (default: all)")
+    t.add_argument("--seed", type=int, default=0)
     return p
+
+
+def _selftest(args) -> int:
+    from . import selftest
+
+    only = tuple(o for o in args.only.split(",") if o)
+    info, checks = selftest.run(seed=args.seed, out_dir=args.out_dir, only=only,
+                                progress=lambda c: print(selftest.format_check(c), flush=True))
+    if not checks:
+        print(f"nvfp4 selftest: --only {args.only!r} selects no kernel", file=sys.stderr)
+        return 2
+    v = selftest.verdicts(checks)
+    print(f"\n{info['device_kind']} (compute capability {info['compute_capability']}, driver "
+          f"{info['driver']}), jax {info['jax']}, jaxlib {info['jaxlib']}")
+    for kernel, verdict in v.items():
+        print(f"{verdict:4}  {kernel}")
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(selftest.to_json(info, checks))
+    return 1 if selftest.FAIL in v.values() else 0
 
 
 def _crosscheck(args) -> int:
@@ -269,6 +304,8 @@ def main(argv: list[str] | None = None) -> int:
         return _crosscheck(args)
     if args.command == "explain":
         return _explain(args)
+    if args.command == "selftest":
+        return _selftest(args)
     return 2  # pragma: no cover
 
 

@@ -42,9 +42,8 @@ import numpy as np
 import oracle
 from oracle.formats import bf16_round, f32
 
-from .device import gpu_compute_capability as _gpu_compute_capability
+from .device import gpu_compute_capability
 from .explain import GemmCase, explain_gemm, load_npz_case, spread_case
-from .quantize import IEEE_DIV_FLAG, xla_divides_ieee
 
 log = logging.getLogger(__name__)
 
@@ -157,7 +156,7 @@ def _moe(backend: str, c: MoECase) -> np.ndarray:
         from .quantize import from_oracle
 
         kind = backend[4:]
-        if kind == "mosaic" and _gpu_compute_capability() != 90:
+        if kind == "mosaic" and gpu_compute_capability() != 90:
             raise Skip("the Mosaic grouped kernel is Hopper's (sm_90); this machine has "
                        f"{jax.devices()[0].device_kind}")
         kw = {"backend": kind}  # "pallas" runs in interpret mode off the GPU
@@ -207,7 +206,7 @@ def check_moe_case(i: int, c: MoECase, backends=BACKENDS) -> list[Result]:
             v = moe_violations(out, bound)
             bad = int((v > 0).sum())
             if bad == 0:
-                interp = " (interpret mode)" if b == "jax_pallas" and _gpu_compute_capability() is None else ""
+                interp = " (interpret mode)" if b == "jax_pallas" and gpu_compute_capability() is None else ""
                 width = float(np.max(bound.hi - bound.lo))
                 return Result(i, op, b, "PASS", f"all {out.size} outputs inside the oracle's interval "
                               f"(widest {width:.3g}){interp}")
@@ -286,7 +285,7 @@ def _gemm(backend: str, case: GemmCase) -> np.ndarray:
         from .quantize import NVFP4Array
 
         kind = backend[4:]
-        if kind == "mosaic" and _gpu_compute_capability() != 90:
+        if kind == "mosaic" and gpu_compute_capability() != 90:
             raise Skip("the Mosaic GPU kernel is Hopper's (sm_90); this machine has "
                        f"{jax.devices()[0].device_kind}")
         if kind == "mosaic" and (case.shape[0] > 64 or case.shape[2] % 256):
@@ -361,10 +360,6 @@ def check_case(i: int, case: GemmCase, backends=BACKENDS) -> list[Result]:
             ok = dc == 0 and ds == 0 and codes.shape == ref.codes.shape
             detail = (f"vs oracle '{recipe}': {dc} of {ref.codes.size} code bytes and {ds} of "
                       f"{ref.scales.size} scale bytes differ")
-            if not ok and b == "jax" and not xla_divides_ieee():
-                detail += (f" (XLA divides with div.full.f32 on this GPU: set XLA_FLAGS={IEEE_DIV_FLAG} for "
-                           "IEEE division; matmul's pallas and mosaic backends quantize in a kernel that "
-                           "does not need it)")
             return Result(i, "quantize", b, "PASS" if ok else "FAIL", detail)
         res.append(_timed(q))
 
@@ -379,7 +374,7 @@ def check_case(i: int, case: GemmCase, backends=BACKENDS) -> list[Result]:
                 e = explain_gemm(c, out)
                 if e.verdict == "correct":
                     interp = " (interpret mode: the kernel's logic, not its GPU build)" if (
-                        b == "jax_pallas" and _gpu_compute_capability() is None) else ""
+                        b == "jax_pallas" and gpu_compute_capability() is None) else ""
                     return Result(i, op, b, "PASS", f"max |out - oracle| / bound = {e.margin:.3g}{interp}")
                 detail = f"{e.bad} of {e.total} outside the bound; {e.verdict}: {e.reason}"
                 if op == "gemm_w4a4" and b == "jax_xla" and any(

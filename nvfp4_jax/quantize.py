@@ -19,35 +19,17 @@ Recipes here: ``trtllm`` (TensorRT-LLM exact / fast-math-disabled variant), ``mo
 from __future__ import annotations
 
 import dataclasses
-import logging
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import division
 from . import formats as F
-from .device import IEEE_DIV_FLAG, xla_divides_ieee
 from .layouts import LAYOUTS, padded_shape, swizzle, unswizzle
 
-log = logging.getLogger(__name__)
 
-_warned_gpu_division = False
-
-
-def _warn_if_gpu_division_is_approximate() -> None:
-    """Log once per process when XLA code that needs IEEE division is traced for a GPU whose
-    XLA divides approximately (no ``IEEE_DIV_FLAG``): its FP4 codes may then differ from the
-    oracle's at E2M1 midpoints. Not silent, not an error (the flag is a process-wide choice)."""
-    global _warned_gpu_division
-    if _warned_gpu_division or xla_divides_ieee():
-        return
-    _warned_gpu_division = True
-    log.warning("nvfp4_jax: XLA lowers fp32 division to div.full.f32 (not IEEE) on this GPU, so NVFP4 "
-                "quantization in XLA (nvfp4_jax.quantize, the xla backends' activation quantization) may "
-                "differ from the oracle at E2M1 midpoints; set XLA_FLAGS=%s before JAX starts for IEEE "
-                "division. matmul's pallas/mosaic backends and the MoE kernels divide with div.rn.f32 and "
-                "do not need it.", IEEE_DIV_FLAG)
 
 BLOCK = 16
 JAX_RECIPES = ("trtllm", "modelopt", "jax", "b12x")
@@ -173,20 +155,11 @@ class NVFP4Array:
 # ---------------------------------------------------------------------------------------
 
 def _div(a, b):
-    """IEEE fp32 ``a / b`` with numpy broadcasting, as the oracle computes it.
-
-    XLA's algebraic simplifier rewrites a division by a broadcast (``x / s[..., None]``,
-    ``v / 6``) into a multiply by an fp32 reciprocal, which differs in the last bit (and so
-    in FP4 codes at E2M1 midpoints). Materialising the divisor behind an optimization
-    barrier keeps the true division.
-    """
-    _warn_if_gpu_division_is_approximate()
-    a = jnp.asarray(a, jnp.float32)
-    b = jnp.asarray(b, jnp.float32)
-    shape = jnp.broadcast_shapes(a.shape, b.shape)
-    a = jnp.broadcast_to(a, shape)
-    b = jax.lax.optimization_barrier(jnp.broadcast_to(b, shape))
-    return jax.lax.div(a, b)
+    """IEEE fp32 ``a / b`` with numpy broadcasting, as the oracle computes it, on every backend
+    whatever XLA's flags (``division.divide``: XLA's divide behind an optimization barrier on
+    CPU, where XLA would otherwise rewrite ``x / broadcast(b)`` into ``x * (1/b)``; integer
+    long division on GPUs, where XLA's divide is ``div.full.f32``)."""
+    return division.divide(a, b)
 
 
 def _rcp(b):
@@ -237,8 +210,8 @@ _FNS = {"trtllm": (_trtllm, "encode"), "modelopt": (_modelopt, "decode"),
 
 
 def ieee_div(a, b) -> jax.Array:
-    """IEEE fp32 ``a / b`` with numpy broadcasting, never rewritten into a reciprocal-multiply
-    (the recipes' division; on a GPU IEEE only with ``device.IEEE_DIV_FLAG``)."""
+    """IEEE fp32 ``a / b`` with numpy broadcasting, never rewritten into a reciprocal-multiply,
+    on every backend without XLA flags (the recipes' division, ``division.divide``)."""
     return _div(a, b)
 
 
@@ -271,9 +244,8 @@ def quantize(
     ``decode_scale`` (D = amax/2688, what ModelOpt checkpoints store) may be given; the other
     is derived with one fp32 reciprocal. With neither, it follows from ``max|x|``
     (``fp32(amax/2688)`` or ``fp32(2688/amax)`` in the recipe's native convention). Jittable;
-    bit-exact with ``oracle.quantize(x, recipe, ...)`` on CPU, and on an NVIDIA GPU when XLA
-    divides IEEE (``XLA_FLAGS`` with ``IEEE_DIV_FLAG``; without it XLA's div.full.f32 may flip
-    codes at E2M1 midpoints, and a warning says so once).
+    bit-exact with ``oracle.quantize(x, recipe, ...)`` on CPU and on GPUs, with or without
+    XLA's division flag (``IEEE_DIV_FLAG``): every division is ``division.divide``.
     """
     if recipe not in _FNS:
         raise ValueError(f"recipe: expected one of {JAX_RECIPES} (the oracle has more), got {recipe!r}")

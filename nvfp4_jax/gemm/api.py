@@ -18,8 +18,8 @@ dequantized activation ``e2m1 * e4m3`` is exact in bf16, so feeding it to the W4
 fp32 accumulation gives the same numbers as an FP4 x FP4 MMA with fp32 accumulation. On an
 NVIDIA GPU the ``"pallas"`` and ``"mosaic"`` backends quantize x in one Pallas-Triton launch
 with IEEE divisions (``operand.w4a4_operand``; for Mosaic already K-permuted and padded), so
-the activation codes are the oracle's whatever XLA's flags; the ``"xla"`` backend uses XLA's
-quantizer, exact on CPU and on a GPU only with ``-nvptx-prec-divf32=2``.
+the activation codes are the oracle's whatever XLA's flags; the ``"xla"`` backend uses
+``quantize`` (in XLA, its divisions ``division.divide``: exact on every backend, flags or not).
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from ..device import gpu_compute_capability, pallas_interpret
+from ..division import divide
 from ..quantize import NVFP4Array, dequantize, quantize
 from . import configs, mosaic
 from .operand import w4a4_operand
@@ -233,8 +234,8 @@ def matmul(
     if w4a4:
         if impl == "pallas" and not interpret:
             x2 = w4a4_operand(x2, s_in)  # one kernel, IEEE divisions whatever XLA's flags
-        else:  # XLA's quantizer: exact on CPU; on a GPU only with -nvptx-prec-divf32=2 (README)
-            xq = quantize(x2, "trtllm", encode_scale=jnp.float32(1.0) / s_in)
+        else:  # XLA's quantizer (IEEE divisions on every backend: division.divide)
+            xq = quantize(x2, "trtllm", encode_scale=divide(1.0, s_in))
             x2 = dequantize(xq, jnp.bfloat16, include_decode_scale=False)  # exact
     if impl == "xla":
         out = matmul_xla(x2, w.codes, w_scales, alpha, out_dtype=out_dtype)

@@ -30,9 +30,11 @@ from jax.experimental.pallas import triton as plgpu
 from ..gemm.mosaic import permute_k_order
 from ..triton_ops import call, requantize, row_tile
 
+
 def _operand_kernel(route_ref, be_ref, nb_ref, x_ref, g_ref, rg_ref, o_ref, *, mt: int, top_k: int,
                     n_routes: int, bk: int, recipe: str, per_expert: bool, exact_asm: bool,
-                    skip_padding: bool, rows: int = 1, prequantized: bool = False):
+                    skip_padding: bool, rows: int = 1, prequantized: bool = False,
+                    permute: bool = True):
     p, kt = pl.program_id(0), pl.program_id(1)
     b = p * rows // mt  # rows divides mt: a program's rows lie in one block
 
@@ -58,7 +60,8 @@ def _operand_kernel(route_ref, be_ref, nb_ref, x_ref, g_ref, rg_ref, o_ref, *, m
             else:
                 x = x.astype(jnp.float32).reshape(rows * bk // 16, 16)
                 q = requantize(x, g_ref[e], rg_ref[e], recipe, exact_asm).reshape(rows, bk)
-                q = permute_k_order(jnp.where(live, q, 0.0)).astype(jnp.bfloat16)
+                q = jnp.where(live, q, 0.0)
+                q = (permute_k_order(q) if permute else q).astype(jnp.bfloat16)
             if rows == 1:
                 plgpu.store(o_ref.at[p, pl.ds(kt * bk, bk)], q.reshape(bk))
             else:  # skip_padding: the padding rows' stores masked off
@@ -94,7 +97,7 @@ def fc1_operand(hidden: jax.Array, sorted_route: jax.Array, block_expert: jax.Ar
                 recipe: str, per_expert: bool, skip_padding: bool = False,
                 interpret: bool = False, wide: bool = False,
                 prequantized: bool = False, num_tokens: int | None = None,
-                kernel_name: str | None = None) -> jax.Array:
+                kernel_name: str | None = None, permute: bool = True) -> jax.Array:
     """The FC1 operand of the grouped kernel, K-permuted: bf16 [EM, H].
 
     hidden bf16 [T, H] (H % 256 == 0); sorted_route int32 [EM] (sentinel T*k on padding rows);
@@ -109,11 +112,15 @@ def fc1_operand(hidden: jax.Array, sorted_route: jax.Array, block_expert: jax.Ar
     quantized with the one encode scale and K-permuted, rows padded past T): the kernel only
     gathers rows; per_expert must be False. ``num_tokens``: T when ``hidden`` has more rows.
     ``kernel_name``: the launch's name in profiles (default nvfp4_moe_fc1_operand, or
-    nvfp4_moe_fc1_gather when prequantized).
+    nvfp4_moe_fc1_gather when prequantized). ``permute`` False: K in its natural order and
+    H % 16 == 0 (the Pallas-Triton grouped kernels' operand, ``pallas_triton.moe_pallas``).
     """
     t, h = hidden.shape
-    if h % 256:
-        raise ValueError(f"hidden: expected [T, H] with H % 256 == 0 (the grouped kernel's K), got {hidden.shape}")
+    if h % (256 if permute else 16):
+        raise ValueError(f"hidden: expected [T, H] with H % {256 if permute else 16} == 0 (the grouped "
+                         f"kernel's K), got {hidden.shape}")
+    if prequantized and not permute:
+        raise ValueError("permute: prequantized rows are K-permuted already")
     if num_tokens is not None:
         if not 1 <= num_tokens <= t:
             raise ValueError(f"num_tokens: expected 1..{t} (the rows of hidden), got {num_tokens}")
@@ -126,7 +133,8 @@ def fc1_operand(hidden: jax.Array, sorted_route: jax.Array, block_expert: jax.Ar
     rows = operand_rows(block_m, h, wide)
     kern = functools.partial(_operand_kernel, mt=block_m, top_k=top_k, n_routes=t * top_k, bk=bk,
                              recipe=recipe, per_expert=per_expert, exact_asm=not interpret,
-                             skip_padding=skip_padding, rows=rows, prequantized=prequantized)
+                             skip_padding=skip_padding, rows=rows, prequantized=prequantized,
+                             permute=permute)
     nw = 4 if rows == 1 else max(4, min(8, rows * bk // (32 * WIDE_THREAD_ELEMS)))
     name = kernel_name or ("nvfp4_moe_fc1_gather" if prequantized else "nvfp4_moe_fc1_operand")
     return call(kern, jax.ShapeDtypeStruct((em, h), jnp.bfloat16), (em // rows, h // bk), num_warps=nw,

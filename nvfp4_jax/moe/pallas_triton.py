@@ -5,8 +5,9 @@ R = I or 2I, EM = BM * max_blocks sorted rows, see routing.py):
 
 0. Pallas-Triton: the encode scales and alphas (``scales.moe_scales_kernel``, one program).
 1. XLA: ``block_routing`` (routes sorted by expert, padded to BM-row blocks, one expert per
-   block); FC1 input quantized with the mode's recipe as ``q * sf`` bf16 values (exact),
-   gathered into sorted order and split into even/odd K columns ``x_even, x_odd [EM, H/2]``.
+   block). Pallas-Triton (``epilogue.fc1_operand`` in K order, ``div.rn.f32``): the FC1 input
+   quantized with the mode's recipe as ``q * sf`` bf16 values (exact) in sorted order; XLA
+   splits it into even/odd K columns ``x_even, x_odd [EM, H/2]``.
 2. ``_fc1_kernel``, 1-D grid of ``NB * cdiv(I, BN)`` programs, output tiles fastest
    (``_block_and_tile``): program (b, n) exits at once when
    ``b >= num_blocks``; else expert ``e = block_expert[b]``, swap-AB accumulators
@@ -47,10 +48,11 @@ from ..gemm.decode import decode_block
 from ..quantize import NVFP4Array
 from ..triton_ops import bf16_rne, cdiv, fc1_activation, requantize
 from .configs import Config, MoEConfig, default_config
+from .operand import fc1_operand
 from .routing import block_routing
 from .scales import moe_scales_kernel
 from .weights import intermediate_size, unpad_fc2
-from .xla import recipe_of, sorted_rows
+from .xla import recipe_of
 
 _DIMS = (((1,), (1,)), ((), ()))
 
@@ -223,14 +225,19 @@ def moe_pallas(
 
     # the encode scales, alphas and 1/G2 (the trtllm recipe's) from one launch with IEEE
     # divisions (in XLA they are 11-14 small fusions per layer)
-    g1, _, a1, g2, rg2, a2 = moe_scales_kernel(
+    g1, rg1, a1, g2, rg2, a2 = moe_scales_kernel(
         fc1.decode_scale, fc2.decode_scale, fc1_input_scale, fc2_input_scale, num_experts=e,
         mode=mode, activation_scale=activation_scale, interpret=interpret)
     br = block_routing(topk_ids, e, bm)
     em = br.sorted_route.shape[0]
     nb = em // bm
-    xv, wt, _ = sorted_rows(hidden, topk_weights, g1, br.sorted_route, br.block_expert, top_k=k,
-                            block_m=bm, recipe=recipe, activation_scale=activation_scale)
+    # the FC1 input quantized in one Pallas-Triton launch (div.rn.f32 whatever XLA's flags)
+    xv = fc1_operand(hidden, br.sorted_route, br.block_expert, br.num_blocks, g1, rg1, top_k=k,
+                     block_m=bm, recipe=recipe, per_expert=activation_scale == "per_expert",
+                     interpret=interpret, permute=False, kernel_name="nvfp4_moe_fc1_input")
+    valid = br.sorted_route < n_routes
+    wt = jnp.where(valid, topk_weights.reshape(-1).astype(jnp.float32)[
+        jnp.where(valid, br.sorted_route, 0)], 0.0)  # router weight per sorted row
     xe, xo = xv[:, 0::2], xv[:, 1::2]
 
     c1c, c1s = _stack(fc1, c1)

@@ -399,29 +399,3 @@ def test_xla_rewrites_reciprocal_of_quotient():
     from nvfp4_jax.quantize import _div, _rcp
 
     np.testing.assert_array_equal(np.asarray(jax.jit(lambda v: _rcp(_div(2688.0, v)))(a)), ieee)
-
-
-def test_gpu_division_warning_logged_once_and_only_without_the_flag(monkeypatch, caplog):
-    """On a GPU without XLA's IEEE-division flag the XLA quantizer may flip codes: it says so
-    (once), and says nothing with the flag or on CPU."""
-    import importlib
-    import logging
-
-    import jax
-    import jax.numpy as jnp
-
-    q = importlib.import_module("nvfp4_jax.quantize")  # the package exports the function
-    x = jnp.ones((2, 32), jnp.float32)
-    caplog.set_level(logging.WARNING, logger="nvfp4_jax.quantize")
-    monkeypatch.setattr(q, "_warned_gpu_division", False)
-    q.quantize(x, "trtllm")  # CPU: silent
-    assert not caplog.records
-    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    monkeypatch.setenv("XLA_FLAGS", q.IEEE_DIV_FLAG)
-    q.quantize(x, "trtllm")
-    assert not caplog.records
-    monkeypatch.setenv("XLA_FLAGS", "")
-    q.quantize(x, "trtllm")
-    q.quantize(x, "modelopt")
-    msgs = [r.getMessage() for r in caplog.records]
-    assert len(msgs) == 1 and "div.full.f32" in msgs[0] and q.IEEE_DIV_FLAG in msgs[0]

@@ -1,11 +1,10 @@
 """GPU: JAX quantization recipes byte for byte against the oracle on the device.
 
-XLA:GPU lowers fp32 division to ``div.full.f32`` (not correctly rounded, <= 2 ulp) unless
-``XLA_FLAGS=--xla_backend_extra_options=-nvptx-prec-divf32=2`` is set; the recipes divide, so
-bit-exactness with the oracle on a GPU needs that flag (bench/run_gpu.sh sets it for tests).
+XLA:GPU lowers its own fp32 division to ``div.full.f32`` (<= 2 ulp) unless
+``XLA_FLAGS=--xla_backend_extra_options=-nvptx-prec-divf32=2`` is set; the recipes divide with
+``division.divide`` (integer long division on GPUs), so they are bit-exact either way
+(test_exact_without_flags_gpu.py runs them in a process without the flag).
 """
-
-import os
 
 import jax
 import jax.numpy as jnp
@@ -16,7 +15,6 @@ import nvfp4_jax as nj
 import oracle
 
 pytestmark = pytest.mark.gpu
-_FLAG = "-nvptx-prec-divf32=2"
 
 
 def _gpu():
@@ -29,8 +27,6 @@ def _gpu():
 def _skip_reason():
     if _gpu() is None:
         return "needs an NVIDIA GPU (jax has no gpu device here)"
-    if _FLAG not in os.environ.get("XLA_FLAGS", ""):
-        return f"needs XLA_FLAGS=--xla_backend_extra_options={_FLAG} (IEEE fp32 division)"
     return None
 
 

@@ -1,0 +1,102 @@
+"""``nvfp4 selftest`` on CPU: it passes and writes its JSON; a broken backend makes it exit 1
+and leave an .npz that ``nvfp4 explain`` reads and attributes."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from nvfp4_jax import cli, explain, selftest
+
+
+def test_cpu_selftest_passes_and_writes_the_json(tmp_path, capsys):
+    path = tmp_path / "selftest.json"
+    rc = cli.main(["selftest", "--json", str(path), "--out-dir", str(tmp_path / "fail"),
+                   "--only",
+                   "quantize/b12x,matmul/pallas/w4a4,matmul/xla,moe/pallas-triton/trtllm"])
+    printed = capsys.readouterr().out
+    assert rc == 0, printed
+    d = json.loads(path.read_text())
+    assert d["verdict"] == "PASS"
+    for key in ("device_kind", "compute_capability", "driver", "jax", "jaxlib", "triton"):
+        assert key in d["device"]
+    assert d["device"]["platform"] == "cpu" and d["device"]["compute_capability"] is None
+    assert set(d["kernels"]) == {"quantize/b12x", "matmul/pallas/w4a4", "matmul/xla/w4a16",
+                                 "matmul/xla/w4a4", "moe/pallas-triton/trtllm_cutlass/relu2"}
+    assert all(c["status"] == "PASS" and c["npz"] is None for c in d["checks"])
+    assert any("E4M3-subnormal" in c["detail"] and not c["detail"].startswith("byte-exact (0 ")
+               for c in d["checks"] if c["kernel"] == "quantize/b12x")
+    assert not (tmp_path / "fail").exists()
+
+
+def test_the_cpu_plan_covers_every_kernel_family():
+    kernels = {k for k, _, _ in selftest.plan(None)}
+    assert {"quantize/trtllm", "quantize/modelopt", "quantize/jax", "quantize/b12x",
+            "matmul/pallas/w4a16", "matmul/pallas/w4a4", "matmul/xla/w4a16", "matmul/xla/w4a4",
+            } <= kernels
+    assert {k.split("/")[1] for k in kernels if k.startswith("moe/")} == {"pallas-triton", "xla"}
+    gpu90 = {k for k, _, _ in selftest.plan(90)}
+    assert "matmul/mosaic/w4a4" in gpu90 and any(k.startswith("moe/mosaic/") for k in gpu90)
+    sm120 = {k for k, _, _ in selftest.plan(120)}
+    assert "matmul/pallas/w4a4" in sm120 and not any("mosaic" in k for k in sm120)
+
+
+def test_a_broken_backend_fails_with_an_npz_that_explain_attributes(tmp_path, monkeypatch, capsys):
+    api = importlib.import_module("nvfp4_jax.gemm.api")
+    real = api.matmul_xla
+
+    def flipped(x, w_codes, w_scales, alpha, **kw):
+        """Weight row 5's largest block scale byte with one exponent bit flipped (x2 or /2)."""
+        u8 = jax.lax.bitcast_convert_type(w_scales, jnp.uint8)
+        j = jnp.argmax(u8[5])
+        u8 = u8.at[5, j].set(u8[5, j] ^ jnp.uint8(0x08))
+        return real(x, w_codes, jax.lax.bitcast_convert_type(u8, w_scales.dtype), alpha, **kw)
+
+    monkeypatch.setattr(api, "matmul_xla", flipped)
+    path = tmp_path / "s.json"
+    rc = cli.main(["selftest", "--only", "matmul/xla/w4a16", "--json", str(path),
+                   "--out-dir", str(tmp_path / "fail")])
+    printed = capsys.readouterr().out
+    assert rc == 1, printed
+    d = json.loads(path.read_text())
+    assert d["verdict"] == "FAIL" and d["kernels"] == {"matmul/xla/w4a16": "FAIL"}
+    failed = [c for c in d["checks"] if c["status"] == "FAIL"]
+    assert failed and all(c["npz"] and os.path.exists(c["npz"]) for c in failed)
+    for c in failed:
+        case, out = explain.load_npz(c["npz"])
+        e = explain.explain_gemm(case, out)
+        assert e.verdict != "correct"
+        assert e.localisation["columns"] == "5", e.format()  # output column = the weight row
+        if case.shape[0] >= 4:  # enough rows to identify the block: the scale byte is named
+            j = int(np.argmax(case.weight.scales[5]))
+            named = {(a["operand"], a["index"], a["block"]) for a in e.attribution}
+            assert named == {("weight", 5, j)}, e.format()
+    assert "FAIL  matmul/xla/w4a16" in printed
+    assert cli.main(["explain", failed[0]["npz"], "--out-dtype", "float32"]) == 1
+    assert np.isfinite(failed[0]["seconds"])
+
+
+@pytest.mark.gpu
+def test_gpu_selftest_passes_for_every_backend_without_xla_flags(tmp_path):
+    """On the GPU, in a process without XLA_FLAGS: every kernel the device runs passes."""
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs a GPU")
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    path = tmp_path / "selftest.json"
+    p = subprocess.run([sys.executable, "-m", "nvfp4_jax.cli", "selftest", "--json", str(path),
+                        "--out-dir", str(tmp_path / "fail")], env=env, capture_output=True,
+                       text=True, timeout=1800, check=False)
+    print(p.stdout)
+    assert p.returncode == 0, p.stdout[-6000:] + p.stderr[-3000:]
+    d = json.loads(path.read_text())
+    assert d["verdict"] == "PASS" and d["device"]["compute_capability"] is not None
+    families = {k.split("/")[0] + "/" + k.split("/")[1] for k in d["kernels"]}
+    assert {"matmul/pallas", "matmul/xla", "moe/pallas-triton", "moe/xla"} <= families

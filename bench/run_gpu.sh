@@ -2,9 +2,10 @@
 # GPU tests and both benchmarks on a GPU machine, each step under its own timeout; everything
 # lands under $OUT (run.log plus each tool's JSON/PNG/text).
 # Usage: NVFP4_COMMIT=<hash> STEPS="tests gemm moe" bash bench/run_gpu.sh
-# Steps: tests gemm moe proxy profile ncu mncu (default "tests gemm moe").
-#   tests:   the GPU test modules (TEST_FILES: module names or paths, split at spaces; TEST_K: a
-#            pytest -k expression), with IEEE fp32 division in XLA; T_TESTS seconds.
+# Steps: tests tests_ieee gemm moe proxy profile ncu mncu (default "tests gemm moe").
+#   tests:   every test marked gpu (TEST_FILES: module names or paths,
+#            split at spaces; TEST_K: a pytest -k expression), without XLA flags as a user runs
+#            them; tests_ieee: the same with XLA's IEEE fp32 division flag; T_TESTS seconds.
 #   gemm:    bench/gemm_bench.py (GEMM_SHAPES, GEMM_MS narrow it); T_GEMM.
 #   moe:     bench/moe_bench.py (MOE_TOKENS, MOE_IMPLS; MOE_PAD_FC2=1: ours on FC2 weights padded
 #            by moe.pad_fc2; MOE_SCALE_LAYOUT=linear: ours on linear weight scales); T_MOE.
@@ -31,16 +32,18 @@ step() { echo "=== $1 ($(date +%T))" | tee -a "$OUT/run.log"; }
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader | tee -a "$OUT/run.log"
 for s in $STEPS; do
   case $s in
-    tests)
-      step "gpu tests (IEEE fp32 division for bit-exact quantization)"
+    tests|tests_ieee)
+      # tests: as a user runs them, no XLA flags (the library's divisions are exact without
+      # them); tests_ieee: the same with XLA's IEEE fp32 division flag
+      flags=""; [ "$s" = tests_ieee ] && flags="--xla_backend_extra_options=-nvptx-prec-divf32=2"
+      step "gpu tests (XLA_FLAGS='$flags')"
       files=""
-      for f in ${TEST_FILES:-test_moe_gpu.py test_moe_mosaic_gpu.py test_gemm_mosaic_gpu.py \
-          test_gemm_gpu.py test_quantize_gpu.py}; do  # a module name is found wherever it lives
+      for f in ${TEST_FILES:-tests}; do  # a module name is found wherever it lives
         if [ -e "$f" ]; then files="$files $f"; else files="$files $(find tests -name "$f" | head -1)"; fi
       done
-      XLA_FLAGS="--xla_backend_extra_options=-nvptx-prec-divf32=2" timeout "$T_TESTS" \
+      env -u XLA_FLAGS ${flags:+XLA_FLAGS="$flags"} timeout "$T_TESTS" \
         python3 -m pytest -m gpu -q -p no:cacheprovider -rs ${TEST_K:+-k "$TEST_K"} $files 2>&1 \
-        | tail -40 | tee -a "$OUT/run.log" ;;
+        | tee "$OUT/$s.log" | tail -40 | tee -a "$OUT/run.log" ;;
     gemm)
       step "gemm bench"
       timeout "$T_GEMM" python3 bench/gemm_bench.py --out "$OUT" --budget-s $((T_GEMM - 40)) \

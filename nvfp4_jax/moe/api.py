@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from .. import validate
 from ..quantize import NVFP4Array
 from .configs import MoEConfig
 from .mosaic import MosaicMoEConfig
@@ -120,6 +121,7 @@ def moe(
     s2 = jnp.asarray(fc2_input_scale)
     e, inter = _check(hidden, fc1, fc2, s1, s2, activation, gate_up_order, mode, backend,
                       activation_scale)
+    validate.check_moe_args(hidden, fc1, fc2, s1, s2, topk_ids)
     if kernel not in KERNELS:
         raise ValueError(f"kernel: expected one of {KERNELS}, got {kernel!r}")
     s1, s2 = jnp.broadcast_to(s1, (e,)), jnp.broadcast_to(s2, (e,))
@@ -145,6 +147,10 @@ def moe(
             raise ValueError(f"topk_weights: expected float [{topk_ids.shape}], got {topk_weights.dtype} {topk_weights.shape}")
         if top_k is not None and top_k != topk_ids.shape[1]:
             raise ValueError(f"top_k: {top_k} does not match topk_ids.shape[1] = {topk_ids.shape[1]}")
+        # ids outside [0, E) (traced, unchecked): NaN output rows, never a silently dropped route
+        valid = (topk_ids >= 0) & (topk_ids < e)
+        topk_ids = jnp.where(valid, topk_ids, 0).astype(topk_ids.dtype)
+        topk_weights = jnp.where(valid, topk_weights, jnp.nan).astype(topk_weights.dtype)
     kw = {"activation": activation, "gate_up_order": gate_up_order, "mode": mode,
           "activation_scale": activation_scale}
     if backend == "auto":

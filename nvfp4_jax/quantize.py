@@ -64,8 +64,8 @@ JAX_RECIPES = ("trtllm", "modelopt", "jax", "b12x")
 _FLT_MAX = float(np.finfo(np.float32).max)
 #: smallest normal fp32 number: smaller inputs (subnormals) are read as signed zero
 FP32_TINY = 2.0**-126
-#: global scales are fp32 values in [2^-116, 2^116] (``oracle.quantize.SCALE_RANGE``)
-SCALE_RANGE = (2.0**-116, 2.0**116)
+#: global scales are fp32 values in [2^-117, 2^117] (``oracle.quantize.SCALE_RANGE``)
+SCALE_RANGE = (2.0**-117, 2.0**117)
 #: ``max|x|`` below 2^-105 (all-zero included): global scale 1.0, dequantizes to zeros
 TINY_AMAX = 2.0**-105
 
@@ -317,7 +317,7 @@ def quantize(
 
     Exactly one of ``encode_scale`` (G = 2688/amax, what TensorRT-LLM kernels take) and
     ``decode_scale`` (D = amax/2688, what ModelOpt checkpoints store) may be given (an fp32
-    scalar in ``SCALE_RANGE`` = [2^-116, 2^116]); the other is derived with one fp32 reciprocal. With neither,
+    scalar in ``SCALE_RANGE`` = [2^-117, 2^117]); the other is derived with one fp32 reciprocal. With neither,
     it follows from ``max|x|`` (``fp32(amax/2688)`` or ``fp32(2688/amax)`` in the recipe's native
     convention); an all-zero tensor (or one with ``max|x| < TINY_AMAX``) gets ``1.0`` and
     dequantizes to zeros. fp32 subnormal inputs are read as signed zero. Jittable;

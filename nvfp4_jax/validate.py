@@ -64,8 +64,9 @@ def check_dtype(name: str, x: Any, allowed: Sequence[Any], hint: str = "",
     """Raise ``error`` unless ``x`` (as given) has one of the ``allowed`` dtypes."""
     dt = dtype_of(x)
     if dt not in [np.dtype(a) for a in allowed]:
-        names = ", ".join(np.dtype(a).name for a in allowed)
-        raise error(f"{name}: expected dtype {names}{hint}, got {dt.name}")
+        names = [np.dtype(a).name for a in allowed]
+        names = ", ".join(names[:-1]) + " or " + names[-1] if len(names) > 1 else names[0]
+        raise error(f"{name}: expected {names}{hint}, got {dt.name}")
 
 
 def _first_bad(bad: jax.Array, x: jax.Array) -> str:

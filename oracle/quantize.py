@@ -107,10 +107,10 @@ from .formats import (
 BLOCK = 16
 E2M1_X_E4M3 = 6.0 * 448.0  # 2688
 FP32_TINY = 2.0**-126  # smallest normal fp32 number
-#: global scales are normal fp32 numbers in [2^-116, 2^116]: then every product of an E4M3
+#: global scales are normal fp32 numbers in [2^-117, 2^117]: then every product of an E4M3
 #: block scale (>= 2^-9) and the global scale is a normal fp32 number too, so a device that
 #: flushes subnormals (XLA:CPU) computes the same bits (docs/input-policy.md)
-SCALE_RANGE = (2.0**-116, 2.0**116)
+SCALE_RANGE = (2.0**-117, 2.0**117)
 #: a tensor with ``max|x|`` below this (2^-105, ~2.5e-32; an all-zero one included) quantizes
 #: with global scale 1.0: zero codes and scales (or the recipe's zero-block values), and
 #: dequantizes to zeros; ``amax/2688`` would leave ``SCALE_RANGE``
@@ -337,7 +337,7 @@ def _check_scalar_scale(name: str, v) -> float:
     if not np.isfinite(v) or v <= 0:
         raise ValueError(f"{name}: expected a positive finite fp32 value, got {v}")
     if not SCALE_RANGE[0] <= v <= SCALE_RANGE[1]:
-        raise ValueError(f"{name}: expected a value in [2^-116, 2^116] (docs/input-policy.md), "
+        raise ValueError(f"{name}: expected a value in [2^-117, 2^117] (docs/input-policy.md), "
                          f"got {v}")
     if float(f32(v)) != v:
         raise ValueError(f"{name}: expected an fp32-representable value, got {v!r}")
@@ -354,7 +354,7 @@ def quantize(
     """Quantize ``x[..., K]`` to NVFP4 with the named recipe (see the module docstring).
 
     Exactly one of ``encode_scale`` (G) and ``decode_scale`` (D) may be given (an fp32 value
-    in ``SCALE_RANGE`` = [2^-116, 2^116]); with neither, the global scale comes from ``max|x|`` in the
+    in ``SCALE_RANGE`` = [2^-117, 2^117]); with neither, the global scale comes from ``max|x|`` in the
     recipe's native convention (``fp32(amax/2688)`` or ``fp32(2688/amax)``), and is 1.0 when
     ``max|x| < TINY_AMAX`` (an all-zero tensor: zero codes, dequantizes to zeros).
 
@@ -377,7 +377,8 @@ def quantize(
     if bad.any():
         first = tuple(int(i) for i in np.argwhere(bad)[0])
         raise ValueError(f"x: expected finite values, got {int(bad.sum())} non-finite of {x.size} "
-                         f"(first at index {first}: {x[first]}); NVFP4 quantization needs finite inputs")
+                         f"(first at index {first}: {x[first]}); NVFP4 quantization needs finite inputs, "
+                         "no NaN or Inf")
     if rec.needs_f32_input and not is_f32_representable(x):
         raise ValueError(
             f"x: recipe {recipe!r} models fp32 kernels; values must be float32-representable "

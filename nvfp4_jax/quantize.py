@@ -286,7 +286,8 @@ _FNS = {"trtllm": (_nan_scale_if_nonfinite(_trtllm), "encode"),
 
 def _scalar(name: str, v) -> jax.Array:
     if jnp.ndim(v) != 0:
-        raise ValueError(f"{name}: expected a scalar float32 global scale, got shape {jnp.shape(v)}")
+        raise ValueError(f"{name}: expected a scalar float32 global scale, got shape "
+                         f"{jnp.shape(v)}")
     V.check_positive_scale(name, v, bounds=SCALE_RANGE)
     return jnp.asarray(v, jnp.float32)
 
@@ -313,14 +314,15 @@ def quantize(
     decode_scale=None,
     layout: str = "linear",
 ) -> NVFP4Array:
-    """Quantize ``x[..., K]`` (bf16/fp16/fp32; K a positive multiple of 16) to an :class:`NVFP4Array`.
+    """Quantize ``x[..., K]`` (bf16/fp16/fp32; K a positive multiple of 16) to an NVFP4Array.
 
     Exactly one of ``encode_scale`` (G = 2688/amax, what TensorRT-LLM kernels take) and
     ``decode_scale`` (D = amax/2688, what ModelOpt checkpoints store) may be given (an fp32
-    scalar in ``SCALE_RANGE`` = [2^-117, 2^117]); the other is derived with one fp32 reciprocal. With neither,
-    it follows from ``max|x|`` (``fp32(amax/2688)`` or ``fp32(2688/amax)`` in the recipe's native
-    convention); an all-zero tensor (or one with ``max|x| < TINY_AMAX``) gets ``1.0`` and
-    dequantizes to zeros. fp32 subnormal inputs are read as signed zero. Jittable;
+    scalar in ``SCALE_RANGE`` = [2^-117, 2^117]); the other is derived with one fp32
+    reciprocal. With neither, it follows from ``max|x|`` (``fp32(amax/2688)`` or
+    ``fp32(2688/amax)`` in the recipe's native convention); an all-zero tensor (or one with
+    ``max|x| < TINY_AMAX``) gets ``1.0`` and dequantizes to zeros. fp32 subnormal inputs are
+    read as signed zero. Jittable;
     bit-exact with ``oracle.quantize(x, recipe, ...)`` on CPU, and on an NVIDIA GPU when XLA
     divides IEEE (``XLA_FLAGS`` with ``IEEE_DIV_FLAG``; without it XLA's div.full.f32 may flip
     codes at E2M1 midpoints, and a warning says so once).
@@ -372,7 +374,8 @@ def _quantize(x, recipe, encode_scale, decode_scale, layout) -> NVFP4Array:
     return NVFP4Array(codes, scales, D, tuple(x.shape), layout)
 
 
-def quantize_experts(w: jax.Array, recipe: str = "modelopt", *, layout: str = "linear") -> NVFP4Array:
+def quantize_experts(w: jax.Array, recipe: str = "modelopt", *,
+                     layout: str = "linear") -> NVFP4Array:
     """Quantize a stack of expert weights ``w`` [E, N, K] (bf16/fp16/fp32, K a positive multiple
     of 16) with one global scale per expert, as a ModelOpt MoE checkpoint stores them.
 
@@ -383,7 +386,8 @@ def quantize_experts(w: jax.Array, recipe: str = "modelopt", *, layout: str = "l
     ``oracle.quantize(w[e], recipe)``. Jittable; the same as ``jax.vmap(quantize)`` over experts.
     """
     if recipe not in _FNS:
-        raise ValueError(f"recipe: expected one of {JAX_RECIPES} (the oracle has more), got {recipe!r}")
+        raise ValueError(f"recipe: expected one of {JAX_RECIPES} (the oracle has more), "
+                         f"got {recipe!r}")
     if jnp.ndim(w) != 3:
         raise ValueError(f"w: expected a stack of experts [E, N, K], got shape {jnp.shape(w)}")
     w = _check_x(w, layout)

@@ -354,9 +354,10 @@ def quantize(
     """Quantize ``x[..., K]`` to NVFP4 with the named recipe (see the module docstring).
 
     Exactly one of ``encode_scale`` (G) and ``decode_scale`` (D) may be given (an fp32 value
-    in ``SCALE_RANGE`` = [2^-117, 2^117]); with neither, the global scale comes from ``max|x|`` in the
-    recipe's native convention (``fp32(amax/2688)`` or ``fp32(2688/amax)``), and is 1.0 when
-    ``max|x| < TINY_AMAX`` (an all-zero tensor: zero codes, dequantizes to zeros).
+    in ``SCALE_RANGE`` = [2^-117, 2^117]); with neither, the global scale comes from
+    ``max|x|`` in the recipe's native convention (``fp32(amax/2688)`` or
+    ``fp32(2688/amax)``), and is 1.0 when ``max|x| < TINY_AMAX`` (an all-zero tensor: zero
+    codes, dequantizes to zeros).
 
     Degenerate input (docs/input-policy.md): NaN/Inf raise ValueError (count and first index);
     for the recipes that model fp32 kernels, fp32 subnormal inputs are read as signed zero, as
@@ -372,13 +373,14 @@ def quantize(
     if x.ndim < 1 or x.shape[-1] % BLOCK:
         raise ValueError(f"x: last dimension must be a multiple of {BLOCK}, got shape {x.shape}")
     if x.shape[-1] == 0:
-        raise ValueError(f"x: last dimension must be a positive multiple of {BLOCK}, got shape {x.shape}")
+        raise ValueError(f"x: last dimension must be a positive multiple of {BLOCK}, got shape "
+                         f"{x.shape}")
     bad = ~np.isfinite(x)
     if bad.any():
         first = tuple(int(i) for i in np.argwhere(bad)[0])
-        raise ValueError(f"x: expected finite values, got {int(bad.sum())} non-finite of {x.size} "
-                         f"(first at index {first}: {x[first]}); NVFP4 quantization needs finite inputs, "
-                         "no NaN or Inf")
+        raise ValueError(f"x: expected finite values, got {int(bad.sum())} non-finite of "
+                         f"{x.size} (first at index {first}: {x[first]}); NVFP4 quantization "
+                         "needs finite inputs, no NaN or Inf")
     if rec.needs_f32_input and not is_f32_representable(x):
         raise ValueError(
             f"x: recipe {recipe!r} models fp32 kernels; values must be float32-representable "

@@ -113,6 +113,11 @@ def moe(
     T*k <= ``moe.mosaic.MAX_ROUTES``, no Pallas-Triton ``config`` was given and H % 256 == 0,
     else triton; logged). ``config``: ``MoEConfig`` (Pallas-Triton tiles) or
     ``moe.mosaic.MosaicMoEConfig`` (Mosaic tiles), None for the defaults.
+
+    Bad values (docs/input-policy.md): a concrete non-finite ``hidden``, ``topk_ids`` outside
+    [0, E), input scales not finite and > 0, or inconsistent ``fc1``/``fc2`` raise; traced, they
+    are checked under :func:`nvfp4_jax.checked`, and unchecked the affected tokens' output rows
+    are NaN.
     """
     hidden = jnp.asarray(hidden)
     if activation_scale is None:

@@ -225,8 +225,8 @@ def test_stack_slices_stay_consistent():
 M, N, K = 4, 16, 64
 
 
-def _w_oracle(kind, seed):
-    return oracle.quantize(degenerate(kind, (N, K), seed).astype(np.float64), "modelopt")
+def _w_oracle(kind, seed, recipe="modelopt"):
+    return oracle.quantize(degenerate(kind, (N, K), seed).astype(np.float64), recipe)
 
 
 def _input_scale(x) -> float:
@@ -249,10 +249,10 @@ MATMUL_KINDS = ("zeros", "constant", "max_magnitude", "subnormal", "subnormal_mi
 @pytest.mark.parametrize("w4a4", [False, True], ids=["w4a16", "w4a4"])
 @settings(max_examples=10, deadline=None, derandomize=True)
 @given(xkind=st.sampled_from(MATMUL_KINDS), wkind=st.sampled_from(MATMUL_KINDS),
-       seed=st.integers(0, 2**32 - 1))
-def test_matmul_degenerate_matches_oracle(backend, w4a4, xkind, wkind, seed):
+       recipe=st.sampled_from(nj.JAX_RECIPES), seed=st.integers(0, 2**32 - 1))
+def test_matmul_degenerate_matches_oracle(backend, w4a4, xkind, wkind, recipe, seed):
     x = degenerate(xkind, (M, K), seed, bf16=True)
-    wo = _w_oracle(wkind, seed + 1)
+    wo = _w_oracle(wkind, seed + 1, recipe)
     w = nj.from_oracle(wo)
     xb = jnp.asarray(x, jnp.bfloat16)
     if w4a4:
@@ -416,3 +416,18 @@ def test_moe_nonfinite_hidden_and_bad_ids(backend):
             s[1] = v
             with pytest.raises(ValueError, match=rf"{name}: expected finite and > 0"):
                 nj.moe(hb, **{**args, name: s})
+
+
+def test_w4a4_operand_kernel_nonfinite_block_is_nan():
+    """The Pallas-Triton W4A4 operand kernel (what matmul's pallas/mosaic backends run on a GPU;
+    interpreted here) gives NaN for a block holding NaN/Inf and the oracle's values elsewhere."""
+    from nvfp4_jax.gemm.operand import w4a4_operand
+
+    x, idx = nonfinite((M, K), 4, bf16=True)
+    out = np.asarray(w4a4_operand(jnp.asarray(x, jnp.bfloat16), jnp.float32(0.001), interpret=True)
+                     .astype(jnp.float32))
+    blk = slice((idx[1] // 16) * 16, (idx[1] // 16 + 1) * 16)
+    assert np.isnan(out[idx[0], blk]).all()
+    good = np.arange(M) != idx[0]
+    ref = oracle.quantize(x[good].astype(np.float64), "trtllm", encode_scale=float(f32(1 / 0.001)))
+    np.testing.assert_array_equal(out[good], oracle.dequantize(ref, include_decode_scale=False))

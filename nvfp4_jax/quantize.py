@@ -19,6 +19,7 @@ Recipes here: ``trtllm`` (TensorRT-LLM exact / fast-math-disabled variant), ``mo
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -27,13 +28,18 @@ import numpy as np
 
 from . import division
 from . import formats as F
+from . import validate as V
 from .layouts import LAYOUTS, padded_shape, swizzle, unswizzle
-
-
 
 BLOCK = 16
 JAX_RECIPES = ("trtllm", "modelopt", "jax", "b12x")
 _FLT_MAX = float(np.finfo(np.float32).max)
+#: smallest normal fp32 number: smaller inputs (subnormals) are read as signed zero
+FP32_TINY = 2.0**-126
+#: global scales are fp32 values in [2^-117, 2^117] (``oracle.quantize.SCALE_RANGE``)
+SCALE_RANGE = (2.0**-117, 2.0**117)
+#: ``max|x|`` below 2^-105 (all-zero included): global scale 1.0, dequantizes to zeros
+TINY_AMAX = 2.0**-105
 
 
 @jax.tree_util.register_pytree_node_class
@@ -56,7 +62,7 @@ class NVFP4Array:
         obj = object.__new__(cls)
         for name, val in zip(("codes", "scales", "decode_scale"), children):
             object.__setattr__(obj, name, val)
-        object.__setattr__(obj, "shape", aux[0])
+        object.__setattr__(obj, "shape", _batched_shape(aux[0], children[0]))
         object.__setattr__(obj, "layout", aux[1])
         return obj
 
@@ -91,8 +97,9 @@ class NVFP4Array:
         shape, layout = self.shape, self.layout
         if layout not in LAYOUTS:
             raise ValueError(f"layout: expected one of {LAYOUTS}, got {layout!r}")
-        if len(shape) < 1 or shape[-1] % BLOCK:
-            raise ValueError(f"shape: last dimension K must be a multiple of {BLOCK}, got {shape}")
+        if len(shape) < 1 or shape[-1] % BLOCK or shape[-1] == 0:
+            raise ValueError(f"shape: last dimension K must be a positive multiple of {BLOCK}, "
+                             f"got {shape}")
         if self.codes.dtype != jnp.uint8:
             raise TypeError(f"codes: expected uint8 (two E2M1 codes per byte), got {self.codes.dtype}")
         want = shape[:-1] + (shape[-1] // 2,)
@@ -150,6 +157,22 @@ class NVFP4Array:
         return f"NVFP4Array(shape={self.shape}, layout={self.layout!r})"
 
 
+def _batched_shape(shape: tuple[int, ...], codes: Any) -> tuple[int, ...]:
+    """The logical shape for ``codes`` when a transformation (``vmap``'s output, ``scan``'s or
+    ``vmap``'s per-slice input, ``tree.map`` slicing) added or removed leading dimensions of the
+    leaves: leading dimensions follow ``codes``; anything else keeps ``shape`` (and ``validate``
+    reports the mismatch)."""
+    cs = getattr(codes, "shape", None)
+    if not isinstance(cs, tuple) or not shape or len(cs) == len(shape):
+        return shape
+    inner = shape[:-1] + (shape[-1] // 2,)
+    if len(cs) > len(shape) and tuple(cs[len(cs) - len(inner):]) == inner:
+        return tuple(int(d) for d in cs[: len(cs) - len(inner)]) + tuple(shape)
+    if 0 < len(cs) < len(shape) and tuple(cs) == inner[len(inner) - len(cs):]:
+        return tuple(shape[len(shape) - len(cs):])
+    return shape
+
+
 # ---------------------------------------------------------------------------------------
 # recipes (each: xb [..., nb, 16] f32, vmax [..., nb] f32, g f32 -> (scale f32 values, codes))
 # ---------------------------------------------------------------------------------------
@@ -205,8 +228,23 @@ def _b12x(xb, vmax, G):
     return s, F.e2m1_encode(y, negative_zero="never")
 
 
-_FNS = {"trtllm": (_trtllm, "encode"), "modelopt": (_modelopt, "decode"),
-        "jax": (_jax, "decode"), "b12x": (_b12x, "encode")}
+def _nan_scale_if_nonfinite(fn):
+    """The recipe ``fn`` with a NaN block scale for every block holding a NaN or +-Inf, so its
+    values dequantize to NaN (a peer kernel saturates Inf to a finite code; here non-finite input
+    stays visible: docs/input-policy.md)."""
+
+    @functools.wraps(fn)
+    def run(xb, vmax, g):
+        s, codes = fn(xb, vmax, g)
+        return jnp.where(vmax <= _FLT_MAX, s, jnp.nan), codes
+
+    return run
+
+
+_FNS = {"trtllm": (_nan_scale_if_nonfinite(_trtllm), "encode"),
+        "modelopt": (_nan_scale_if_nonfinite(_modelopt), "decode"),
+        "jax": (_nan_scale_if_nonfinite(_jax), "decode"),
+        "b12x": (_nan_scale_if_nonfinite(_b12x), "encode")}
 
 
 def ieee_div(a, b) -> jax.Array:
@@ -224,10 +262,25 @@ def quantize_blocks(xb, vmax, scale, recipe: str):
 
 
 def _scalar(name: str, v) -> jax.Array:
-    a = jnp.asarray(v, jnp.float32)
-    if a.ndim != 0:
-        raise ValueError(f"{name}: expected a scalar float32 global scale, got shape {a.shape}")
-    return a
+    if jnp.ndim(v) != 0:
+        raise ValueError(f"{name}: expected a scalar float32 global scale, got shape "
+                         f"{jnp.shape(v)}")
+    V.check_positive_scale(name, v, bounds=SCALE_RANGE)
+    return jnp.asarray(v, jnp.float32)
+
+
+def _check_x(x, layout: str):
+    V.check_dtype("x", x, V.FLOAT_DTYPES)
+    x = jnp.asarray(x)
+    if x.ndim < 1 or x.shape[-1] % BLOCK or x.shape[-1] == 0:
+        raise ValueError(f"x: last dimension must be a positive multiple of {BLOCK}, got shape "
+                         f"{x.shape}")
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout: expected one of {LAYOUTS}, got {layout!r}")
+    if layout != "linear" and x.ndim < 2:
+        raise ValueError(f"layout: {layout} needs x of rank >= 2, got shape {x.shape}")
+    V.check_finite("x", x)
+    return x
 
 
 def quantize(
@@ -238,51 +291,83 @@ def quantize(
     decode_scale=None,
     layout: str = "linear",
 ) -> NVFP4Array:
-    """Quantize ``x[..., K]`` (bf16/fp16/fp32; K a multiple of 16) to an :class:`NVFP4Array`.
+    """Quantize ``x[..., K]`` (bf16/fp16/fp32; K a positive multiple of 16) to an NVFP4Array.
 
     Exactly one of ``encode_scale`` (G = 2688/amax, what TensorRT-LLM kernels take) and
-    ``decode_scale`` (D = amax/2688, what ModelOpt checkpoints store) may be given; the other
-    is derived with one fp32 reciprocal. With neither, it follows from ``max|x|``
-    (``fp32(amax/2688)`` or ``fp32(2688/amax)`` in the recipe's native convention). Jittable;
+    ``decode_scale`` (D = amax/2688, what ModelOpt checkpoints store) may be given (an fp32
+    scalar in ``SCALE_RANGE`` = [2^-117, 2^117]); the other is derived with one fp32
+    reciprocal. With neither, it follows from ``max|x|`` (``fp32(amax/2688)`` or
+    ``fp32(2688/amax)`` in the recipe's native convention); an all-zero tensor (or one with
+    ``max|x| < TINY_AMAX``) gets ``1.0`` and dequantizes to zeros. fp32 subnormal inputs are
+    read as signed zero. Jittable;
     bit-exact with ``oracle.quantize(x, recipe, ...)`` on CPU and on GPUs, with or without
-    XLA's division flag (``IEEE_DIV_FLAG``): every division is ``division.divide``.
+    XLA's division flag (``device.IEEE_DIV_FLAG``): every division is ``division.divide``.
+
+    Non-finite input (docs/input-policy.md): a concrete ``x`` holding NaN/Inf raises ValueError;
+    a traced one gives NaN block scales for its blocks and a NaN ``decode_scale`` (under
+    :func:`nvfp4_jax.checked` it raises). ``jax.vmap(quantize)`` gives a stacked array with one
+    decode scale per slice (what :func:`quantize_experts` returns for a stack of experts).
     """
     if recipe not in _FNS:
         raise ValueError(f"recipe: expected one of {JAX_RECIPES} (the oracle has more), got {recipe!r}")
-    x = jnp.asarray(x)
-    if x.dtype not in (jnp.bfloat16, jnp.float16, jnp.float32):
-        raise TypeError(f"x: expected bfloat16, float16 or float32, got {x.dtype}")
-    if x.ndim < 1 or x.shape[-1] % BLOCK:
-        raise ValueError(f"x: last dimension must be a multiple of {BLOCK}, got shape {x.shape}")
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout: expected one of {LAYOUTS}, got {layout!r}")
-    if layout != "linear" and x.ndim < 2:
-        raise ValueError(f"layout: {layout} needs x of rank >= 2, got shape {x.shape}")
-    fn, native = _FNS[recipe]
-    xf = x.astype(jnp.float32)
+    x = _check_x(x, layout)
     if encode_scale is not None and decode_scale is not None:
         raise ValueError("pass only one of encode_scale (G = 2688/amax) and decode_scale (D = amax/2688)")
-    if encode_scale is None and decode_scale is None:
-        amax = jnp.max(jnp.abs(xf))
-        if native == "decode":
-            decode_scale = _div(amax, jnp.float32(2688.0))
-        else:
-            encode_scale = _div(jnp.float32(2688.0), amax)
     if encode_scale is not None:
-        G = _scalar("encode_scale", encode_scale)
-        D = _rcp(G)
-    else:
-        D = _scalar("decode_scale", decode_scale)
-        G = _rcp(D)
-    g = G if native == "encode" else D
+        encode_scale = _scalar("encode_scale", encode_scale)
+    if decode_scale is not None:
+        decode_scale = _scalar("decode_scale", decode_scale)
+    return _quantize(x, recipe, encode_scale, decode_scale, layout)
+
+
+def _quantize(x, recipe, encode_scale, decode_scale, layout) -> NVFP4Array:
+    fn, native = _FNS[recipe]
+    xf = x.astype(jnp.float32)
+    # subnormals read as signed zero on every device (XLA:CPU flushes them; the oracle does too)
+    xf = jnp.where(jnp.abs(xf) < FP32_TINY, xf * 0.0, xf)
     xb = xf.reshape(x.shape[:-1] + (x.shape[-1] // BLOCK, BLOCK))
     vmax = jnp.max(jnp.abs(xb), axis=-1)
+    amax = jnp.max(vmax)  # NaN or Inf when x holds a non-finite value
+    if encode_scale is None and decode_scale is None:
+        tiny = amax < TINY_AMAX  # all zeros (or no normal fp32 global scale): 1.0
+        if native == "decode":
+            decode_scale = jnp.where(tiny, jnp.float32(1.0), _div(amax, jnp.float32(2688.0)))
+        else:
+            encode_scale = jnp.where(tiny, jnp.float32(1.0), _div(jnp.float32(2688.0), amax))
+    if encode_scale is not None:
+        G = jnp.asarray(encode_scale, jnp.float32)
+        D = _rcp(G)
+    else:
+        D = jnp.asarray(decode_scale, jnp.float32)
+        G = _rcp(D)
+    g = G if native == "encode" else D
     s, codes = fn(xb, vmax, g)
+    D = jnp.where(amax <= _FLT_MAX, D, jnp.nan)  # non-finite input: a visibly NaN tensor
     codes = F.pack_nibbles(codes.reshape(x.shape))
     scales = s.astype(jnp.float8_e4m3fn)  # exact: s is already an E4M3 value
     if layout != "linear":
         scales = swizzle(scales, layout)
     return NVFP4Array(codes, scales, D, tuple(x.shape), layout)
+
+
+def quantize_experts(w: jax.Array, recipe: str = "modelopt", *,
+                     layout: str = "linear") -> NVFP4Array:
+    """Quantize a stack of expert weights ``w`` [E, N, K] (bf16/fp16/fp32, K a positive multiple
+    of 16) with one global scale per expert, as a ModelOpt MoE checkpoint stores them.
+
+    Returns an :class:`NVFP4Array` of logical shape [E, N, K]: codes uint8 [E, N, K/2], scales
+    float8_e4m3fn [E, N, K/16] (``layout="linear"``) and ``decode_scale`` float32 [E] (each
+    expert's ``weight_scale_2 = fp32(amax_e/2688)``, 1.0 for an all-zero expert): what
+    :func:`nvfp4_jax.moe` takes as ``fc1``/``fc2``. Expert ``e`` is bit-exact with
+    ``oracle.quantize(w[e], recipe)``. Jittable; the same as ``jax.vmap(quantize)`` over experts.
+    """
+    if recipe not in _FNS:
+        raise ValueError(f"recipe: expected one of {JAX_RECIPES} (the oracle has more), "
+                         f"got {recipe!r}")
+    if jnp.ndim(w) != 3:
+        raise ValueError(f"w: expected a stack of experts [E, N, K], got shape {jnp.shape(w)}")
+    w = _check_x(w, layout)
+    return jax.vmap(lambda we: _quantize(we, recipe, None, None, layout))(w)
 
 
 def dequantize(a: NVFP4Array, dtype=jnp.float32, *, include_decode_scale: bool = True) -> jax.Array:

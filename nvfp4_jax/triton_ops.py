@@ -105,6 +105,10 @@ def requantize(hb, g, rg, recipe: str, exact_asm: bool):
         den = jnp.maximum(div_rn(s, g, exact_asm), 1e-30)
         y = div_rn(hb, jnp.broadcast_to(den[..., None], hb.shape), exact_asm)
     mag = e2m1_magnitude(jnp.abs(y))
+    # a block holding NaN/Inf dequantizes to NaN (docs/input-policy.md); the flag is reduced
+    # from 0/1 values because a GPU max reduction may drop NaN
+    nonfinite = jnp.max(jnp.where(jnp.abs(hb) <= FLT_MAX, 0.0, 1.0), axis=-1)
+    s = jnp.where(nonfinite > 0, jnp.nan, s)
     return jnp.where(y < 0, -mag, mag) * s[..., None]
 
 

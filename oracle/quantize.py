@@ -106,6 +106,15 @@ from .formats import (
 
 BLOCK = 16
 E2M1_X_E4M3 = 6.0 * 448.0  # 2688
+FP32_TINY = 2.0**-126  # smallest normal fp32 number
+#: global scales are normal fp32 numbers in [2^-117, 2^117]: then every product of an E4M3
+#: block scale (>= 2^-9) and the global scale is a normal fp32 number too, so a device that
+#: flushes subnormals (XLA:CPU) computes the same bits (docs/input-policy.md)
+SCALE_RANGE = (2.0**-117, 2.0**117)
+#: a tensor with ``max|x|`` below this (2^-105, ~2.5e-32; an all-zero one included) quantizes
+#: with global scale 1.0: zero codes and scales (or the recipe's zero-block values), and
+#: dequantizes to zeros; ``amax/2688`` would leave ``SCALE_RANGE``
+TINY_AMAX = 2.0**-105
 
 GlobalKind = Literal["encode", "decode"]
 
@@ -327,6 +336,9 @@ def _check_scalar_scale(name: str, v) -> float:
     v = float(a)
     if not np.isfinite(v) or v <= 0:
         raise ValueError(f"{name}: expected a positive finite fp32 value, got {v}")
+    if not SCALE_RANGE[0] <= v <= SCALE_RANGE[1]:
+        raise ValueError(f"{name}: expected a value in [2^-117, 2^117] (docs/input-policy.md), "
+                         f"got {v}")
     if float(f32(v)) != v:
         raise ValueError(f"{name}: expected an fp32-representable value, got {v!r}")
     return v
@@ -341,9 +353,15 @@ def quantize(
 ) -> NVFP4:
     """Quantize ``x[..., K]`` to NVFP4 with the named recipe (see the module docstring).
 
-    Exactly one of ``encode_scale`` (G) and ``decode_scale`` (D) may be given; with neither,
-    the global scale comes from ``max|x|`` in the recipe's native convention
-    (``fp32(amax/2688)`` or ``fp32(2688/amax)``).
+    Exactly one of ``encode_scale`` (G) and ``decode_scale`` (D) may be given (an fp32 value
+    in ``SCALE_RANGE`` = [2^-117, 2^117]); with neither, the global scale comes from
+    ``max|x|`` in the recipe's native convention (``fp32(amax/2688)`` or
+    ``fp32(2688/amax)``), and is 1.0 when ``max|x| < TINY_AMAX`` (an all-zero tensor: zero
+    codes, dequantizes to zeros).
+
+    Degenerate input (docs/input-policy.md): NaN/Inf raise ValueError (count and first index);
+    for the recipes that model fp32 kernels, fp32 subnormal inputs are read as signed zero, as
+    XLA:CPU reads them (and as ``nvfp4_jax.quantize`` does on every device).
     """
     if recipe not in RECIPES:
         raise ValueError(f"recipe: expected one of {sorted(RECIPES)}, got {recipe!r}")
@@ -354,20 +372,29 @@ def quantize(
     x = x.astype(np.float64)
     if x.ndim < 1 or x.shape[-1] % BLOCK:
         raise ValueError(f"x: last dimension must be a multiple of {BLOCK}, got shape {x.shape}")
-    if not np.all(np.isfinite(x)):
-        raise ValueError("x: contains NaN or Inf; NVFP4 quantization needs finite inputs")
+    if x.shape[-1] == 0:
+        raise ValueError(f"x: last dimension must be a positive multiple of {BLOCK}, got shape "
+                         f"{x.shape}")
+    bad = ~np.isfinite(x)
+    if bad.any():
+        first = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise ValueError(f"x: expected finite values, got {int(bad.sum())} non-finite of "
+                         f"{x.size} (first at index {first}: {x[first]}); NVFP4 quantization "
+                         "needs finite inputs, no NaN or Inf")
     if rec.needs_f32_input and not is_f32_representable(x):
         raise ValueError(
             f"x: recipe {recipe!r} models fp32 kernels; values must be float32-representable "
             "(e.g. bf16 or fp32 inputs)"
         )
+    if rec.needs_f32_input:
+        x = np.where(np.abs(x) < FP32_TINY, x * 0.0, x)  # subnormals read as signed zero
     if encode_scale is not None and decode_scale is not None:
         raise ValueError("pass only one of encode_scale (G = 2688/amax) and decode_scale (D = amax/2688)")
     if encode_scale is None and decode_scale is None:
         amax = float(np.max(np.abs(x))) if x.size else 0.0
-        if amax == 0:
-            raise ValueError("x: all zeros, so no global scale follows from amax; pass decode_scale or encode_scale")
-        if rec.native == "decode":
+        if amax < TINY_AMAX:  # all zeros, or no normal fp32 global scale: 1.0
+            decode_scale = 1.0
+        elif rec.native == "decode":
             decode_scale = decode_scale_from_amax(amax)
         else:
             encode_scale = encode_scale_from_amax(amax)

@@ -29,6 +29,7 @@ import logging
 import jax
 import jax.numpy as jnp
 
+from .. import validate
 from ..device import gpu_compute_capability, pallas_interpret
 from ..division import divide
 from ..quantize import NVFP4Array, dequantize, quantize
@@ -173,11 +174,16 @@ def matmul(
     convert once with ``w.with_layout("linear")``).
     input_scale: ModelOpt ``input_scale`` (decode form, amax/2688, fp32 scalar) -> W4A4.
     out_dtype: bf16 (default), fp16 or fp32. Returns out_dtype ``[..., N]``. Jittable.
+    Bad values (docs/input-policy.md): concrete non-finite ``x``, a non-positive
+    ``input_scale`` or an inconsistent ``w`` raise ValueError/TypeError; traced, they are
+    checked under :func:`nvfp4_jax.checked`, and unchecked a non-finite x gives non-finite
+    (W4A4: NaN) output rows.
     """
     _check_weight(w)
     n, k = w.shape
     if k % 16:
         raise ValueError(f"w: K must be a multiple of 16, got shape {w.shape}")
+    validate.check_matmul_args(x, w, input_scale)
     if jnp.dtype(out_dtype) not in (jnp.bfloat16, jnp.float16, jnp.float32):
         raise ValueError(f"out_dtype: expected bfloat16, float16 or float32, got {out_dtype}")
     impl = resolve_backend(backend)

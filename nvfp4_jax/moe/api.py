@@ -20,6 +20,7 @@ import logging
 import jax
 import jax.numpy as jnp
 
+from .. import validate
 from ..device import is_sm90, on_gpu, pallas_interpret
 from ..quantize import NVFP4Array
 from .configs import MoEConfig
@@ -165,6 +166,11 @@ def moe(
     stays on Pallas-Triton when I % 256 is neither 0 nor 128). Off the GPU the Pallas kernels
     run in interpret mode. ``config``: ``MoEConfig`` (Pallas-Triton tiles) or
     ``moe.mosaic.MosaicMoEConfig`` (Mosaic tiles), None for the defaults.
+
+    Bad values (docs/input-policy.md): a concrete non-finite ``hidden``, ``topk_ids`` outside
+    [0, E), input scales not finite and > 0, or inconsistent ``fc1``/``fc2`` raise; traced, they
+    are checked under :func:`nvfp4_jax.checked`, and unchecked the affected tokens' output rows
+    are NaN.
     """
     hidden = jnp.asarray(hidden)
     if activation_scale is None:
@@ -173,6 +179,7 @@ def moe(
     s2 = jnp.asarray(fc2_input_scale)
     e, inter = _check(hidden, fc1, fc2, s1, s2, activation, gate_up_order, mode, backend,
                       activation_scale)
+    validate.check_moe_args(hidden, fc1, fc2, s1, s2, topk_ids)
     s1, s2 = jnp.broadcast_to(s1, (e,)), jnp.broadcast_to(s2, (e,))
     if router_logits is not None:
         if topk_ids is not None or topk_weights is not None:
@@ -196,6 +203,10 @@ def moe(
             raise ValueError(f"topk_weights: expected float [{topk_ids.shape}], got {topk_weights.dtype} {topk_weights.shape}")
         if top_k is not None and top_k != topk_ids.shape[1]:
             raise ValueError(f"top_k: {top_k} does not match topk_ids.shape[1] = {topk_ids.shape[1]}")
+        # ids outside [0, E) (traced, unchecked): NaN output rows, never a silently dropped route
+        valid = (topk_ids >= 0) & (topk_ids < e)
+        topk_ids = jnp.where(valid, topk_ids, 0).astype(topk_ids.dtype)
+        topk_weights = jnp.where(valid, topk_weights, jnp.nan).astype(topk_weights.dtype)
     kw = {"activation": activation, "gate_up_order": gate_up_order, "mode": mode,
           "activation_scale": activation_scale}
     backend = choose_backend(backend, config, routes=topk_ids.size, hidden=hidden.shape[1])

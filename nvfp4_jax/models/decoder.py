@@ -269,12 +269,12 @@ def forward(model: Model, tokens: jax.Array, cache: KVCache, *, backend: str = "
     return logits, KVCache(k_all, v_all, start + t)
 
 
-def _prefill(model, tokens, cache, backend, w4a4, all_logits):
+def _prefill(model, tokens, cache, backend="auto", w4a4=True, all_logits=False):
     logits, cache = forward(model, tokens, cache, backend=backend, w4a4=w4a4)
     return (logits if all_logits else logits[:, -1]), cache
 
 
-def _decode(model, token, cache, backend, w4a4):
+def _decode(model, token, cache, backend="auto", w4a4=True):
     logits, cache = forward(model, token[:, None], cache, backend=backend, w4a4=w4a4)
     return logits[:, 0], cache
 

@@ -1,0 +1,176 @@
+"""nvfp4_jax.models against HF transformers on tiny checkpoints that ModelOpt itself exports.
+
+Reference: ``tests/hf_reference.py`` runs the export in transformers (float32, and bfloat16 for
+the noise scale below) with every NVFP4 weight dequantized exactly and, for W4A4, each
+quantized linear's input quantized as TensorRT-LLM does (trtllm recipe, ``G = 1/input_scale``;
+experts with one activation scale per layer).
+
+Bound. Our model computes in bf16 (activations, q/k/v, attention probabilities, MLP
+intermediates, logits stored in bf16; fp32 accumulation). Relative to the float32 reference,
+its logits error is a sum of per-rounding contributions (unit roundoff 2^-8 each), plus, for
+W4A4, the FP4 codes that those small differences flip at E2M1 midpoints. HF's own bf16
+execution of the same model has the same rounding points (and rounds the weights as well), so
+``delta16 = max |HF_bf16 - HF_fp32|`` over the B*T*V logits measures the size of such errors on
+this model. With at least as many independent contributions of the same size, HF bf16's
+per-logit error has at least our standard deviation; the maximum of N ~ 6000 such errors
+concentrates (Gaussian: ~3.8 sigma +- 0.35), so ours stays below 2 * delta16 unless either
+maximum is 3 standard deviations off. W4A4's flips make the error heavier-tailed (a few large
+contributions), so there the factor is 3. Bound: ``max |ours - HF_fp32| <= c * delta16`` with
+c = 2 (W4A16) or 3 (W4A4).
+
+Greedy: a generated token either equals the float32 reference's argmax, or the reference's
+margin between its argmax and our token is within the same bound (a tie the bound cannot
+resolve; random tiny models have top-2 margins down to 1e-4, and W4A4 errors of ~0.05).
+Our KV-cache decode reproduces our own full-sequence argmax exactly.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+pytest.importorskip("modelopt.torch.quantization")
+
+import jax.numpy as jnp  # noqa: E402
+
+import oracle  # noqa: E402
+from nvfp4_jax import NVFP4Array, models, nn  # noqa: E402
+
+from hf_reference import HFReference, make_checkpoint  # noqa: E402
+
+CASES = [("moe", True), ("dense", True), ("dense", False)]
+PROMPT = np.random.default_rng(0).integers(0, 256, (2, 12))
+N_NEW = 32
+
+
+@pytest.fixture(scope="session")
+def checkpoint_dir(tmp_path_factory):
+    made = {}
+
+    def get(kind):
+        if kind not in made:
+            made[kind] = make_checkpoint(kind, str(tmp_path_factory.mktemp(f"nvfp4-{kind}")))
+        return made[kind]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def loaded(checkpoint_dir):
+    cache = {}
+
+    def get(kind):
+        if kind not in cache:
+            cache[kind] = models.load_model(checkpoint_dir(kind))
+        return cache[kind]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def reference(checkpoint_dir):
+    cache = {}
+
+    def get(kind, w4a4, dtype="float32"):
+        key = (kind, w4a4, dtype)
+        if key not in cache:
+            cache[key] = HFReference(checkpoint_dir(kind), dtype, w4a4)
+        return cache[key]
+
+    return get
+
+
+def _bound(reference, kind, w4a4, ids):
+    r32 = reference(kind, w4a4).logits(ids)
+    r16 = reference(kind, w4a4, "bfloat16").logits(ids)
+    return r32, (3.0 if w4a4 else 2.0) * float(np.abs(r16 - r32).max())
+
+
+def _ours(model, ids, w4a4):
+    cache = models.init_cache(model.config, ids.shape[0], ids.shape[1])
+    logits, _ = models.prefill(model, jnp.asarray(ids, jnp.int32), cache, all_logits=True, w4a4=w4a4)
+    return np.asarray(logits, np.float64)
+
+
+@pytest.mark.parametrize("kind,w4a4", CASES)
+def test_logits_match_hf_within_bound(loaded, reference, kind, w4a4):
+    r32, bound = _bound(reference, kind, w4a4, PROMPT)
+    ours = _ours(loaded(kind), PROMPT, w4a4)
+    err = float(np.abs(ours - r32).max())
+    assert 0 < bound < 0.5 * float(np.abs(r32).max())  # the bound is informative
+    assert err <= bound, f"{kind} w4a4={w4a4}: max |ours - HF fp32| = {err:.4g} > bound {bound:.4g}"
+
+
+@pytest.mark.parametrize("kind,w4a4", CASES)
+def test_greedy_32_tokens_match_hf(loaded, reference, kind, w4a4):
+    model = loaded(kind)
+    prompt = PROMPT[:1]
+    gen = models.generate(model, prompt, N_NEW, w4a4=w4a4, warmup=False)
+    assert gen.tokens.shape == (1, N_NEW)
+    seq = np.concatenate([prompt, gen.tokens], axis=1)
+    t = prompt.shape[1]
+    # our KV-cache decode == our full-sequence forward, token for token
+    assert (np.argmax(_ours(model, seq, w4a4)[0, t - 1:-1], -1) == gen.tokens[0]).all()
+    r32, bound = _bound(reference, kind, w4a4, seq)
+    ref = r32[0, t - 1:-1]
+    best = ref.max(-1)
+    ours_logit = ref[np.arange(N_NEW), gen.tokens[0]]
+    gap = best - ours_logit  # 0 where our token is the reference's argmax
+    same = int((gap == 0).sum())
+    assert (gap <= bound).all(), (f"{kind} w4a4={w4a4}: token differs from HF's argmax by a "
+                                  f"margin {gap.max():.4g} > bound {bound:.4g}")
+    assert same >= N_NEW // 2, f"only {same}/{N_NEW} tokens equal HF's argmax"
+
+
+def test_loader_keeps_weights_nvfp4(loaded, checkpoint_dir):
+    from nvfp4_jax import checkpoint as ckpt
+
+    model = loaded("moe")
+    ck = ckpt.load(checkpoint_dir("moe"))
+    layer = model.groups[0]
+    q = layer["self_attn"]["q_proj"]
+    assert isinstance(q, nn.Linear) and isinstance(q.w, NVFP4Array)
+    assert q.w.codes.dtype == jnp.uint8 and q.w.scales.dtype == jnp.float8_e4m3fn
+    # the bytes on the device are the checkpoint's (layer 1 of the stacked group)
+    raw = ck.get("model.layers.1.self_attn.q_proj.weight")
+    np.testing.assert_array_equal(np.asarray(q.w.codes[1]), raw)
+    moe = layer["moe"]
+    assert moe.fc1.shape == (4, 64, 64) and moe.fc1.decode_scale.shape == (2, 4)
+    up = ck.get("model.layers.0.mlp.experts.2.up_proj.weight")
+    np.testing.assert_array_equal(np.asarray(moe.fc1.codes[0, 2, :32]), up)  # rows [up; gate]
+
+
+def test_sampling(loaded):
+    model = loaded("dense")
+    greedy = models.generate(model, PROMPT[:1], 4, warmup=False).tokens
+    cold = models.generate(model, PROMPT[:1], 4, temperature=1e-6, seed=3, warmup=False).tokens
+    np.testing.assert_array_equal(cold, greedy)
+    a = models.generate(model, PROMPT[:1], 6, temperature=5.0, seed=1, warmup=False).tokens
+    b = models.generate(model, PROMPT[:1], 6, temperature=5.0, seed=1, warmup=False).tokens
+    c = models.generate(model, PROMPT[:1], 6, temperature=5.0, seed=2, warmup=False).tokens
+    np.testing.assert_array_equal(a, b)
+    assert (a != c).any()
+    with pytest.raises(ValueError, match="prompt"):
+        models.generate(model, np.array([[1, 999]]), 2)
+    with pytest.raises(ValueError, match="temperature"):
+        models.sample(jnp.zeros((1, 4)), None, -1.0)
+
+
+def test_linear_and_quantize_experts_match_oracle():
+    rng = np.random.default_rng(5)
+    w = rng.standard_normal((3, 32, 64)).astype(np.float32)
+    stack = nn.quantize_experts(jnp.asarray(w), "modelopt")
+    assert stack.shape == (3, 32, 64) and stack.decode_scale.shape == (3,)
+    for e in range(3):
+        want = oracle.quantize(w[e], "modelopt")
+        np.testing.assert_array_equal(np.asarray(stack.codes[e]), want.codes)
+        assert float(stack.decode_scale[e]) == float(np.float32(want.decode_scale))
+    t = oracle.quantize(w[0], "trtllm")
+    lin = nn.Linear(NVFP4Array.from_parts(jnp.asarray(t.codes), jnp.asarray(t.scales).view(jnp.float8_e4m3fn),
+                                          jnp.float32(t.decode_scale)))
+    x = rng.standard_normal((5, 64)).astype(jnp.bfloat16)
+    got = np.asarray(nn.linear(lin, jnp.asarray(x), backend="xla"), np.float64)
+    want = np.asarray(x, np.float64) @ oracle.dequantize(t).T
+    np.testing.assert_allclose(got, want, rtol=2.0**-8, atol=1e-6)

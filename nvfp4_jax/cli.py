@@ -11,6 +11,9 @@ against the oracle on the same inputs (``nvfp4_jax.crosscheck``); exit code 1 wh
 ``nvfp4 explain FILE.npz [--out-key KEY] [--out-dtype DTYPE] [--splits S] [--json FILE]`` or
 ``nvfp4 explain --demo FAULT [--save FILE.npz]``: where a GEMM output is wrong and which known
 fault reproduces it (``nvfp4_jax.explain``); exit code 1 when the output is wrong.
+
+``nvfp4 generate --checkpoint DIR (--prompt TEXT | --prompt-ids 1,2,3) [--max-new-tokens N]
+[--json FILE]``: generate with a ModelOpt NVFP4 export (``nvfp4_jax.models.command``).
 """
 
 from __future__ import annotations
@@ -91,6 +94,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"explain the XLA backend's output with one fault injected: {', '.join(DEMO_FAULTS)}")
     e.add_argument("--save", metavar="FILE.npz", help="with --demo: also write the demo call and output")
     e.add_argument("--json", metavar="FILE", help="write the explanation as JSON")
+
+    from .models import command as generate_command
+
+    generate_command.add_parser(sub)
     return p
 
 
@@ -180,6 +187,10 @@ def main(argv: list[str] | None = None) -> int:
         return _crosscheck(args)
     if args.command == "explain":
         return _explain(args)
+    if args.command == "generate":
+        from .models import command as generate_command
+
+        return generate_command.run(args)
     return 2  # pragma: no cover
 
 

@@ -57,7 +57,8 @@ def linear(p: Linear | jax.Array, x: jax.Array, *, backend: str = "auto",
     if not isinstance(p, Linear):
         w = jnp.asarray(p)
         if w.ndim != 2 or w.shape[1] != x.shape[-1]:
-            raise ValueError(f"p: expected a Linear or a weight [N, K={x.shape[-1]}], got {w.shape}")
+            raise ValueError(f"p: expected a Linear or a weight [N, K={x.shape[-1]}], "
+                             f"got {w.shape}")
         y = jax.lax.dot_general(x, w.astype(x.dtype), (((x.ndim - 1,), (1,)), ((), ())),
                                 preferred_element_type=jnp.float32)
         return y.astype(jnp.bfloat16)

@@ -105,7 +105,8 @@ class HFReference:
                     e_n = prm.shape[0]
                     if name.endswith("gate_up_proj"):  # HF rows [gate; up]
                         w = torch.stack([torch.cat([deq(f"{base}.{e}.gate_proj"),
-                                                    deq(f"{base}.{e}.up_proj")]) for e in range(e_n)])
+                                                    deq(f"{base}.{e}.up_proj")])
+                                         for e in range(e_n)])
                     else:
                         w = torch.stack([deq(f"{base}.{e}.down_proj") for e in range(e_n)])
                 elif name.endswith(".weight") and f"{name[:-7]}.weight_scale_2" in names:
@@ -113,7 +114,8 @@ class HFReference:
                 else:
                     w = plain(name)
                 if tuple(w.shape) != tuple(prm.shape):
-                    raise ValueError(f"{name}: checkpoint shape {tuple(w.shape)} != {tuple(prm.shape)}")
+                    raise ValueError(f"{name}: checkpoint shape {tuple(w.shape)} != "
+                                     f"{tuple(prm.shape)}")
                 prm.copy_(w)
         if not w4a4:
             return
@@ -124,10 +126,12 @@ class HFReference:
                     lambda m, args, s=s: (fake_quant(args[0], s),) + tuple(args[1:])))
             if type(mod).__name__.endswith("Experts") and hasattr(mod, "gate_up_proj"):
                 e_n = mod.gate_up_proj.shape[0]
-                s1 = max(float(np.asarray(ck.get(f"{mname}.{e}.{p}.input_scale")).reshape(-1)[0])
+                def scale(name):
+                    return float(np.asarray(ck.get(name)).reshape(-1)[0])
+
+                s1 = max(scale(f"{mname}.{e}.{p}.input_scale")
                          for e in range(e_n) for p in ("gate_proj", "up_proj"))
-                s2 = max(float(np.asarray(ck.get(f"{mname}.{e}.down_proj.input_scale")).reshape(-1)[0])
-                         for e in range(e_n))
+                s2 = max(scale(f"{mname}.{e}.down_proj.input_scale") for e in range(e_n))
                 mod.forward = self._experts_forward(mod, s1, s2)
 
     def _experts_forward(self, mod, s1: float, s2: float):

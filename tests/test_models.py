@@ -90,7 +90,8 @@ def _bound(reference, kind, w4a4, ids):
 
 def _ours(model, ids, w4a4):
     cache = models.init_cache(model.config, ids.shape[0], ids.shape[1])
-    logits, _ = models.prefill(model, jnp.asarray(ids, jnp.int32), cache, all_logits=True, w4a4=w4a4)
+    logits, _ = models.prefill(model, jnp.asarray(ids, jnp.int32), cache, all_logits=True,
+                               w4a4=w4a4)
     return np.asarray(logits, np.float64)
 
 
@@ -168,9 +169,57 @@ def test_linear_and_quantize_experts_match_oracle():
         np.testing.assert_array_equal(np.asarray(stack.codes[e]), want.codes)
         assert float(stack.decode_scale[e]) == float(np.float32(want.decode_scale))
     t = oracle.quantize(w[0], "trtllm")
-    lin = nn.Linear(NVFP4Array.from_parts(jnp.asarray(t.codes), jnp.asarray(t.scales).view(jnp.float8_e4m3fn),
-                                          jnp.float32(t.decode_scale)))
+    scales = jnp.asarray(t.scales).view(jnp.float8_e4m3fn)
+    lin = nn.Linear(NVFP4Array.from_parts(jnp.asarray(t.codes), scales, jnp.float32(t.decode_scale)))
     x = rng.standard_normal((5, 64)).astype(jnp.bfloat16)
     got = np.asarray(nn.linear(lin, jnp.asarray(x), backend="xla"), np.float64)
     want = np.asarray(x, np.float64) @ oracle.dequantize(t).T
     np.testing.assert_allclose(got, want, rtol=2.0**-8, atol=1e-6)
+
+
+def _save_char_tokenizer(path: str) -> None:
+    """A character-level tokenizer over the checkpoint's 256 ids (built offline)."""
+    from tokenizers import Tokenizer, pre_tokenizers
+    from tokenizers.models import WordLevel
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {chr(0x100 + i): i for i in range(255)}
+    vocab["<unk>"] = 255
+    tk = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>").save_pretrained(path)
+
+
+def test_cli_generate(checkpoint_dir, loaded, tmp_path, capsys):
+    import json
+    import shutil
+
+    from nvfp4_jax.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["generate", "--help"])
+    assert exc.value.code == 0 and "usage: nvfp4 generate" in capsys.readouterr().out
+    src = checkpoint_dir("dense")
+    ids = [int(i) for i in PROMPT[0]]
+    out = tmp_path / "gen.json"
+    assert main(["generate", "--checkpoint", src, "--prompt-ids", ",".join(map(str, ids)),
+                 "--max-new-tokens", "5", "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    want = models.generate(loaded("dense"), PROMPT[:1], 5, warmup=False).tokens[0]
+    assert res["new_ids"] == [int(t) for t in want] and res["text"] is None
+    cap = capsys.readouterr()
+    assert ",".join(map(str, want)) in cap.out
+    assert "loaded layer 2/2" in cap.err and "decode: 5 tokens" in cap.err
+    assert main(["generate", "--checkpoint", src, "--prompt", "hi"]) == 2
+    assert "--prompt needs a tokenizer" in capsys.readouterr().err
+    # with a tokenizer: text in, text out
+    ck = tmp_path / "with-tok"
+    shutil.copytree(src, ck)
+    _save_char_tokenizer(str(ck))
+    text = "".join(chr(0x100 + i) for i in ids)
+    assert main(["generate", "--checkpoint", str(ck), "--prompt", text, "--max-new-tokens", "5",
+                 "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["prompt_ids"] == ids and res["new_ids"] == [int(t) for t in want]
+    assert res["text"].replace(" ", "") == "".join(chr(0x100 + int(i)) for i in want)
+    assert main(["generate", "--checkpoint", str(tmp_path / "nope"), "--prompt-ids", "1"]) == 2

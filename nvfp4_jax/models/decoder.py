@@ -171,7 +171,9 @@ def stack_layers(layers: list[dict]) -> list[tuple[str, Any]]:
     """
     groups: list[list[dict]] = []
     for p in layers:
-        if groups and jax.tree_util.tree_structure(groups[-1][0]) == jax.tree_util.tree_structure(p):
+        same = groups and (jax.tree_util.tree_structure(groups[-1][0])
+                           == jax.tree_util.tree_structure(p))
+        if same:
             groups[-1].append(p)
         else:
             groups.append([p])

@@ -121,7 +121,8 @@ def _moe(r: _Reader, prefix: str, cfg: DecoderConfig) -> nn.MoE:
                              "runs W4A4 experts only (TensorRT-LLM semantics)")
 
     def stack(ls):
-        return _nvfp4(np.stack([lin.weight for lin in ls]), np.stack([lin.weight_scale for lin in ls]),
+        return _nvfp4(np.stack([lin.weight for lin in ls]),
+                      np.stack([lin.weight_scale for lin in ls]),
                       np.array([lin.weight_scale_2 for lin in ls], np.float32))
 
     return nn.MoE(router=r.bf16(f"{prefix}.gate.weight"), fc1=stack(fc1), fc2=stack(fc2),
@@ -144,7 +145,8 @@ def load_model(path: str, *, progress: Callable[[str], None] | None = None) -> M
     layers = []
     for i in range(cfg.num_layers):
         pre = f"model.layers.{i}"
-        attn = {n: r.linear(f"{pre}.self_attn.{n}") for n in ("q_proj", "k_proj", "v_proj", "o_proj")}
+        attn = {n: r.linear(f"{pre}.self_attn.{n}")
+                for n in ("q_proj", "k_proj", "v_proj", "o_proj")}
         if cfg.qk_norm:
             attn["q_norm"] = r.bf16(f"{pre}.self_attn.q_norm.weight")
             attn["k_norm"] = r.bf16(f"{pre}.self_attn.k_norm.weight")
@@ -154,7 +156,8 @@ def load_model(path: str, *, progress: Callable[[str], None] | None = None) -> M
         if i in cfg.moe_layers:
             layer["moe"] = _moe(r, f"{pre}.mlp", cfg)
         else:
-            layer["mlp"] = {n: r.linear(f"{pre}.mlp.{n}") for n in ("gate_proj", "up_proj", "down_proj")}
+            layer["mlp"] = {n: r.linear(f"{pre}.mlp.{n}")
+                            for n in ("gate_proj", "up_proj", "down_proj")}
         layers.append(layer)
         say(f"loaded layer {i + 1}/{cfg.num_layers}")
     norm = r.bf16("model.norm.weight")
@@ -163,7 +166,8 @@ def load_model(path: str, *, progress: Callable[[str], None] | None = None) -> M
     elif cfg.tie_word_embeddings:
         head = embed
     else:
-        raise ValueError(f"checkpoint: no lm_head.weight in {path!r} and tie_word_embeddings is false")
+        raise ValueError(f"checkpoint: no lm_head.weight in {path!r} and tie_word_embeddings "
+                         "is false")
     say("stacking layers")
     return Model.build(cfg, embed, layers, norm, head)
 

@@ -103,7 +103,7 @@ class MoE:
     activation: str = dataclasses.field(default="swiglu", metadata={"static": True})
 
 
-def router_logits(p: MoE, x: jax.Array) -> jax.Array:
+def router_logits(p: MoE | MoEBF16, x: jax.Array) -> jax.Array:
     """bf16 router ``x [T, H] @ router^T`` -> float32 [T, E] (fp32 accumulation, rounded to bf16
     as a bf16 ``nn.Linear`` rounds it)."""
     y = jax.lax.dot_general(x, p.router, (((1,), (1,)), ((), ())),
@@ -111,14 +111,56 @@ def router_logits(p: MoE, x: jax.Array) -> jax.Array:
     return y.astype(jnp.bfloat16).astype(jnp.float32)
 
 
-def moe_block(p: MoE, x: jax.Array, *, backend: str = "auto") -> jax.Array:
-    """``x [T, H]`` bf16 -> bf16 [T, H]: route, then ``nvfp4_jax.moe`` (mode trtllm_cutlass).
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class MoEBF16:
+    """The bf16 counterpart of :class:`MoE` (a baseline): router bf16 [E, H], fc1 bf16
+    [E, 2I, H] (rows [up; gate]), fc2 bf16 [E, H, I]; softmax top-k routing; SwiGLU."""
+
+    router: jax.Array
+    fc1: jax.Array
+    fc2: jax.Array
+    top_k: int = dataclasses.field(default=2, metadata={"static": True})
+    renormalize: bool = dataclasses.field(default=True, metadata={"static": True})
+
+
+def moe_block_bf16(p: MoEBF16, x: jax.Array) -> jax.Array:
+    """``x [T, H]`` bf16 -> bf16 [T, H] with bf16 weights: routes sorted by expert,
+    ``lax.ragged_dot`` for both GEMMs (fp32 accumulation), SwiGLU, weighted top-k sum."""
+    t = x.shape[0]
+    e = p.fc1.shape[0]
+    logits = router_logits(p, x)
+    probs = jax.nn.softmax(logits, axis=-1)
+    w, ids = jax.lax.top_k(probs, p.top_k)
+    if p.renormalize:
+        w = w / jnp.sum(w, axis=-1, keepdims=True)
+    flat = ids.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    xs = x[order // p.top_k]
+    sizes = jnp.zeros((e,), jnp.int32).at[flat].add(1)
+    u = jax.lax.ragged_dot(xs, jnp.swapaxes(p.fc1, 1, 2), sizes,
+                           preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+    i = u.shape[-1] // 2
+    up, gate = u[:, :i].astype(jnp.float32), u[:, i:].astype(jnp.float32)
+    h = (jax.nn.silu(gate) * up).astype(jnp.bfloat16)
+    d = jax.lax.ragged_dot(h, jnp.swapaxes(p.fc2, 1, 2), sizes,
+                           preferred_element_type=jnp.float32)
+    d = d * w.reshape(-1)[order][:, None]
+    out = jnp.zeros((t * p.top_k, d.shape[-1]), jnp.float32).at[order].set(d)
+    return out.reshape(t, p.top_k, -1).sum(axis=1).astype(jnp.bfloat16)
+
+
+def moe_block(p: MoE | MoEBF16, x: jax.Array, *, backend: str = "auto") -> jax.Array:
+    """``x [T, H]`` bf16 -> bf16 [T, H]: route, then ``nvfp4_jax.moe`` (mode trtllm_cutlass),
+    or :func:`moe_block_bf16` for a :class:`MoEBF16`.
 
     ``backend``: "auto" | "pallas" | "xla" (what ``nvfp4_jax.moe`` accepts; "mosaic" is taken as
     "auto", which picks the Mosaic kernels on sm_90 where they apply).
     """
     if x.ndim != 2:
         raise ValueError(f"x: expected [T, H], got shape {x.shape}")
+    if isinstance(p, MoEBF16):
+        return moe_block_bf16(p, x)
     logits = router_logits(p, x)
     if backend not in moe_pkg.BACKENDS:  # "mosaic": the MoE's own "auto" picks it on sm_90
         backend = "auto"

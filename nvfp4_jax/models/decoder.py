@@ -107,20 +107,24 @@ def apply_rope(x: jax.Array, pos: jax.Array, inv_freq: jax.Array) -> jax.Array:
 
 def _attention(cfg: DecoderConfig, p: dict, x: jax.Array, pos: jax.Array, k_all: jax.Array,
                v_all: jax.Array, li, start: jax.Array, inv_freq: jax.Array, backend: str,
-               w4a4: bool):
+               w4a4: bool, ablate: frozenset = frozenset()):
     """x bf16 [B, T, H] at positions start..start+T-1; caches bf16 [L, B, S, KVH, D], this
     layer's index ``li``. Returns (out bf16 [B, T, H], k_all, v_all), the caches updated in
     place."""
     b, t, _ = x.shape
     nh, kvh, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    q = nn.linear(p["q_proj"], x, backend=backend, w4a4=w4a4).reshape(b, t, nh, d)
-    k = nn.linear(p["k_proj"], x, backend=backend, w4a4=w4a4).reshape(b, t, kvh, d)
-    v = nn.linear(p["v_proj"], x, backend=backend, w4a4=w4a4).reshape(b, t, kvh, d)
+    lin = _linear_or_stub(ablate, backend, w4a4)
+    q = lin(p["q_proj"], x).reshape(b, t, nh, d)
+    k = lin(p["k_proj"], x).reshape(b, t, kvh, d)
+    v = lin(p["v_proj"], x).reshape(b, t, kvh, d)
     if cfg.qk_norm:
         q = nn.rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
         k = nn.rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
     q = apply_rope(q, pos, inv_freq)
     k = apply_rope(k, pos, inv_freq)
+    if "attention" in ablate:  # no RoPE, cache or attention core: q + k + v stand in
+        o = (q + jnp.repeat(k + v, nh // kvh, axis=2)).reshape(b, t, nh * d)
+        return lin(p["o_proj"], o), k_all, v_all
     zero = jnp.zeros((), jnp.int32)
     at = (jnp.asarray(li, jnp.int32), zero, start, zero, zero)
     k_all = jax.lax.dynamic_update_slice(k_all, k[None], at)
@@ -138,28 +142,47 @@ def _attention(cfg: DecoderConfig, p: dict, x: jax.Array, pos: jax.Array, k_all:
     probs = jax.nn.softmax(scores, axis=-1).astype(jnp.bfloat16)
     o = jnp.einsum("bkgts,bskd->btkgd", probs, vc, preferred_element_type=jnp.float32)
     o = o.astype(jnp.bfloat16).reshape(b, t, nh * d)
-    return nn.linear(p["o_proj"], o, backend=backend, w4a4=w4a4), k_all, v_all
+    return lin(p["o_proj"], o), k_all, v_all
 
 
-def _mlp(p: dict, x: jax.Array, backend: str, w4a4: bool) -> jax.Array:
+def _linear_or_stub(ablate: frozenset, backend: str, w4a4: bool):
+    """``nn.linear``, or with "dense" in ``ablate`` a stand-in of the same output shape that
+    reads no weight (x tiled to N columns), for time breakdowns."""
+    if "dense" not in ablate:
+        return lambda p, x: nn.linear(p, x, backend=backend, w4a4=w4a4)
+
+    def stub(p, x):
+        n = p.shape[0] if isinstance(p, nn.Linear) else p.shape[-2]
+        reps = -(-n // x.shape[-1])
+        return jnp.tile(x, (1,) * (x.ndim - 1) + (reps,))[..., :n]
+
+    return stub
+
+
+def _mlp(p: dict, x: jax.Array, backend: str, w4a4: bool,
+         ablate: frozenset = frozenset()) -> jax.Array:
     """SwiGLU MLP on three NVFP4 linears: x bf16 [..., H] -> bf16 [..., H]."""
-    gate = nn.linear(p["gate_proj"], x, backend=backend, w4a4=w4a4).astype(jnp.float32)
-    up = nn.linear(p["up_proj"], x, backend=backend, w4a4=w4a4).astype(jnp.float32)
+    lin = _linear_or_stub(ablate, backend, w4a4)
+    gate = lin(p["gate_proj"], x).astype(jnp.float32)
+    up = lin(p["up_proj"], x).astype(jnp.float32)
     h = (jax.nn.silu(gate).astype(jnp.bfloat16).astype(jnp.float32) * up).astype(jnp.bfloat16)
-    return nn.linear(p["down_proj"], h, backend=backend, w4a4=w4a4)
+    return lin(p["down_proj"], h)
 
 
-def _layer(cfg, p, x, pos, k_all, v_all, li, start, inv_freq, backend, w4a4):
+def _layer(cfg, p, x, pos, k_all, v_all, li, start, inv_freq, backend, w4a4, ablate):
     h = nn.rms_norm(x, p["input_layernorm"], cfg.rms_norm_eps)
     a, k_all, v_all = _attention(cfg, p["self_attn"], h, pos, k_all, v_all, li, start, inv_freq,
-                                 backend, w4a4)
+                                 backend, w4a4, ablate)
     x = x + a
     h = nn.rms_norm(x, p["post_attention_layernorm"], cfg.rms_norm_eps)
     if "moe" in p:
-        b, t, hd = h.shape
-        m = nn.moe_block(p["moe"], h.reshape(b * t, hd), backend=backend).reshape(b, t, hd)
+        if "moe" in ablate:
+            m = h
+        else:
+            b, t, hd = h.shape
+            m = nn.moe_block(p["moe"], h.reshape(b * t, hd), backend=backend).reshape(b, t, hd)
     else:
-        m = _mlp(p["mlp"], h, backend, w4a4)
+        m = _mlp(p["mlp"], h, backend, w4a4, ablate)
     return x + m, k_all, v_all
 
 
@@ -205,10 +228,25 @@ class Model:
     group_kinds: tuple = dataclasses.field(default=(), metadata={"static": True})
 
     @staticmethod
-    def build(config: DecoderConfig, embed, layers: list[dict], norm, lm_head) -> Model:
-        groups = stack_layers(layers)
+    def build(config: DecoderConfig, embed, layers: list[dict], norm, lm_head, *,
+              stack: bool = True) -> Model:
+        """A Model from per-layer dicts: stacked for ``lax.scan`` where consecutive layers
+        share a structure (``stack``), else one unrolled layer each (separate weight buffers,
+        longer compiles)."""
+        groups = stack_layers(layers) if stack else [("one", p) for p in layers]
         return Model(embed, [g for _, g in groups], norm, lm_head, config,
                      tuple(k for k, _ in groups))
+
+    def unstacked(self) -> Model:
+        """The same model with every layer unrolled (stacked groups sliced apart)."""
+        layers = []
+        for kind, g in zip(self.group_kinds, self.groups):
+            if kind == "one":
+                layers.append(g)
+            else:
+                n = jax.tree_util.tree_leaves(g)[0].shape[0]
+                layers += [jax.tree_util.tree_map(lambda a, i=i: a[i], g) for i in range(n)]
+        return Model.build(self.config, self.embed, layers, self.norm, self.lm_head, stack=False)
 
 
 @jax.tree_util.register_dataclass
@@ -229,12 +267,18 @@ def init_cache(cfg: DecoderConfig, batch: int, max_len: int) -> KVCache:
 
 
 def forward(model: Model, tokens: jax.Array, cache: KVCache, *, backend: str = "auto",
-            w4a4: bool = True) -> tuple[jax.Array, KVCache]:
+            w4a4: bool = True, ablate: frozenset = frozenset()) -> tuple[jax.Array, KVCache]:
     """tokens int32 [B, T] at positions ``cache.length ..`` -> (fp32 logits [B, T, V], cache).
 
     ``w4a4=False`` runs every dense linear W4A16 even where the checkpoint has an
-    ``input_scale`` (the MoE experts always quantize their activations).
+    ``input_scale`` (the MoE experts always quantize their activations). ``ablate`` (for time
+    breakdowns only; the output is then meaningless): parts left out, any of "attention" (RoPE,
+    KV cache and attention core), "moe" (router and experts), "dense" (the NVFP4 linears of
+    attention and dense MLPs, replaced by weight-free stand-ins of the same shapes).
     """
+    bad = set(ablate) - {"attention", "moe", "dense"}
+    if bad:
+        raise ValueError(f"ablate: unknown parts {sorted(bad)}; expected attention, moe, dense")
     cfg = model.config
     b, t = tokens.shape
     start = cache.length
@@ -246,7 +290,7 @@ def forward(model: Model, tokens: jax.Array, cache: KVCache, *, backend: str = "
     for kind, g in zip(model.group_kinds, model.groups):
         if kind == "one":
             x, k_all, v_all = _layer(cfg, g, x, pos, k_all, v_all, li, start, inv_freq,
-                                     backend, w4a4)
+                                     backend, w4a4, ablate)
             li += 1
         else:
             n = jax.tree_util.tree_leaves(g)[0].shape[0]
@@ -255,7 +299,7 @@ def forward(model: Model, tokens: jax.Array, cache: KVCache, *, backend: str = "
                 x, k_all, v_all = carry
                 p, i = xs
                 x, k_all, v_all = _layer(cfg, p, x, pos, k_all, v_all, i, start, inv_freq,
-                                         backend, w4a4)
+                                         backend, w4a4, ablate)
                 return (x, k_all, v_all), None
 
             idx = jnp.arange(li, li + n, dtype=jnp.int32)
@@ -271,21 +315,24 @@ def forward(model: Model, tokens: jax.Array, cache: KVCache, *, backend: str = "
     return logits, KVCache(k_all, v_all, start + t)
 
 
-def _prefill(model, tokens, cache, backend="auto", w4a4=True, all_logits=False):
-    logits, cache = forward(model, tokens, cache, backend=backend, w4a4=w4a4)
+def _prefill(model, tokens, cache, backend="auto", w4a4=True, all_logits=False,
+             ablate=frozenset()):
+    logits, cache = forward(model, tokens, cache, backend=backend, w4a4=w4a4, ablate=ablate)
     return (logits if all_logits else logits[:, -1]), cache
 
 
-def _decode(model, token, cache, backend="auto", w4a4=True):
-    logits, cache = forward(model, token[:, None], cache, backend=backend, w4a4=w4a4)
+def _decode(model, token, cache, backend="auto", w4a4=True, ablate=frozenset()):
+    logits, cache = forward(model, token[:, None], cache, backend=backend, w4a4=w4a4,
+                            ablate=ablate)
     return logits[:, 0], cache
 
 
 #: jitted ``(model, tokens [B, T], cache) -> (logits [B, V] or [B, T, V], cache)``
-prefill = jax.jit(_prefill, static_argnames=("backend", "w4a4", "all_logits"),
+prefill = jax.jit(_prefill, static_argnames=("backend", "w4a4", "all_logits", "ablate"),
                   donate_argnames=("cache",))
 #: jitted ``(model, token [B], cache) -> (logits [B, V], cache)``
-decode_step = jax.jit(_decode, static_argnames=("backend", "w4a4"), donate_argnames=("cache",))
+decode_step = jax.jit(_decode, static_argnames=("backend", "w4a4", "ablate"),
+                      donate_argnames=("cache",))
 
 
 def sample(logits: jax.Array, key: jax.Array | None, temperature: float = 0.0) -> jax.Array:

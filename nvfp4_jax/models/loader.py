@@ -132,10 +132,13 @@ def _moe(r: _Reader, prefix: str, cfg: DecoderConfig) -> nn.MoE:
                   renormalize=cfg.norm_topk_prob, activation="swiglu")
 
 
-def load_model(path: str, *, progress: Callable[[str], None] | None = None) -> Model:
+def load_model(path: str, *, progress: Callable[[str], None] | None = None,
+               stack: bool = True) -> Model:
     """Read a ModelOpt NVFP4 export (see module docstring) into a Model on the default device.
 
     ``progress``: called with one line per loaded layer (e.g. ``print``); None for silence.
+    ``stack``: stack layers of one structure for ``lax.scan`` (``Model.build``); stacking
+    holds the layers twice on the device for a moment.
     """
     ck = ckpt.load(path)
     cfg = config_from_hf(ck.config)
@@ -168,8 +171,9 @@ def load_model(path: str, *, progress: Callable[[str], None] | None = None) -> M
     else:
         raise ValueError(f"checkpoint: no lm_head.weight in {path!r} and tie_word_embeddings "
                          "is false")
-    say("stacking layers")
-    return Model.build(cfg, embed, layers, norm, head)
+    if stack:
+        say("stacking layers")
+    return Model.build(cfg, embed, layers, norm, head, stack=stack)
 
 
 def stderr_progress(msg: str) -> None:

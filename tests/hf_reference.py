@@ -8,9 +8,9 @@ calibration, ``export_hf_checkpoint`` (all on the CPU).
 ``HFReference(path, dtype, w4a4)``: the same architecture in transformers with every NVFP4
 weight replaced by its exact dequantization (``oracle.dequantize``, float64, then cast to
 ``dtype``) and, with ``w4a4``, each quantized linear's input quantized as TensorRT-LLM does it
-(``oracle.quantize(x, "trtllm", encode_scale=fp32(1/input_scale))``, dequantized exactly) and
-the experts run with TensorRT-LLM CUTLASS's activation scales (one per layer: the max of the
-experts' input_scale).
+(``oracle.quantize(x, "trtllm", encode_scale=fp32(1/input_scale))``, dequantized exactly). The
+experts always quantize their activations (as ``nvfp4_jax.moe`` does), with TensorRT-LLM
+CUTLASS's activation scales (one per layer: the max of the experts' input_scale).
 """
 
 from __future__ import annotations
@@ -27,8 +27,9 @@ TINY = {"vocab_size": 256, "hidden_size": 64, "num_hidden_layers": 2, "num_atten
         "tie_word_embeddings": False, "rms_norm_eps": 1e-6}
 
 
-def make_checkpoint(kind: str, path: str, seed: int = 0) -> str:
-    """Export a tiny random ``kind`` ("moe" | "dense") model with ModelOpt NVFP4 into ``path``."""
+def make_checkpoint(kind: str, path: str, seed: int = 0, init: float = 0.02) -> str:
+    """Export a tiny random ``kind`` ("moe" | "dense") model with ModelOpt NVFP4 into ``path``
+    (weights ~ N(0, init^2), norms ones)."""
     import modelopt.torch.quantization as mtq
     import torch
     from modelopt.torch.export import export_hf_checkpoint
@@ -38,9 +39,11 @@ def make_checkpoint(kind: str, path: str, seed: int = 0) -> str:
     if kind == "moe":
         cfg = Qwen3MoeConfig(**TINY, intermediate_size=128, moe_intermediate_size=32,
                              num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1,
-                             norm_topk_prob=True, architectures=["Qwen3MoeForCausalLM"])
+                             norm_topk_prob=True, architectures=["Qwen3MoeForCausalLM"],
+                             initializer_range=init)
     elif kind == "dense":
-        cfg = LlamaConfig(**TINY, intermediate_size=128, architectures=["LlamaForCausalLM"])
+        cfg = LlamaConfig(**TINY, intermediate_size=128, architectures=["LlamaForCausalLM"],
+                          initializer_range=init)
     else:
         raise ValueError(f"kind: expected 'moe' or 'dense', got {kind!r}")
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
@@ -117,10 +120,8 @@ class HFReference:
                     raise ValueError(f"{name}: checkpoint shape {tuple(w.shape)} != "
                                      f"{tuple(prm.shape)}")
                 prm.copy_(w)
-        if not w4a4:
-            return
         for mname, mod in self.model.named_modules():
-            if isinstance(mod, torch.nn.Linear) and f"{mname}.input_scale" in names:
+            if w4a4 and isinstance(mod, torch.nn.Linear) and f"{mname}.input_scale" in names:
                 s = float(np.asarray(ck.get(f"{mname}.input_scale")).reshape(-1)[0])
                 self.hooks.append(mod.register_forward_pre_hook(
                     lambda m, args, s=s: (fake_quant(args[0], s),) + tuple(args[1:])))

@@ -24,6 +24,11 @@ are 0.4 to 1.0. A second Llama checkpoint ("dense-wide") has weights ~ N(0, 0.1^
 W4A16 bound 40-fold. (Its W4A4 logits move by a third of their range between bf16 and fp32
 execution, too chaotic to bound usefully, so W4A4 is checked on the 0.02 checkpoints.)
 
+What the model-level W4A4 bound cannot see: on these random models the bf16 execution's code
+flips are as large as the activation quantization itself (leaving the activations unquantized
+stays within the bound), and SwiGLU is nearly symmetric in gate and up at their small
+magnitudes. ``test_linear_w4a4_and_moe_block_match_oracle`` checks both against the oracle.
+
 Greedy: a generated token either equals the float32 reference's argmax, or the reference's
 margin between its argmax and our token is within the same bound (a tie the bound cannot
 resolve; random tiny models have top-2 margins down to 1e-4, and W4A4 errors of ~0.05).
@@ -237,3 +242,50 @@ def test_cli_generate(checkpoint_dir, loaded, tmp_path, capsys):
     assert res["prompt_ids"] == ids and res["new_ids"] == [int(t) for t in want]
     assert res["text"].replace(" ", "") == "".join(chr(0x100 + int(i)) for i in want)
     assert main(["generate", "--checkpoint", str(tmp_path / "nope"), "--prompt-ids", "1"]) == 2
+
+
+def test_linear_w4a4_and_moe_block_match_oracle():
+    """nn.linear with an input_scale is W4A4 (TensorRT-LLM), and nn.moe_block routes softmax
+    top-k (renormalized) and applies silu(gate) * up to fc1 rows [up; gate] - against the
+    oracle, at magnitudes where SwiGLU is far from linear."""
+    rng = np.random.default_rng(7)
+    x = (rng.standard_normal((6, 64)) * 2).astype(jnp.bfloat16)
+    xf = np.asarray(x, np.float64)
+    w = rng.standard_normal((32, 64)).astype(np.float32)
+    t = oracle.quantize(w, "trtllm")
+    s_in = np.float32(np.abs(xf).max() / 2688)
+    lin = nn.Linear(NVFP4Array.from_parts(jnp.asarray(t.codes),
+                                          jnp.asarray(t.scales).view(jnp.float8_e4m3fn),
+                                          jnp.float32(t.decode_scale)), jnp.float32(s_in))
+    xq = oracle.dequantize(oracle.quantize(xf, "trtllm", encode_scale=float(np.float32(1) / s_in)),
+                           include_decode_scale=False) * float(s_in)
+    want = xq @ oracle.dequantize(t).T
+    got = np.asarray(nn.linear(lin, jnp.asarray(x), backend="xla"), np.float64)
+    np.testing.assert_allclose(got, want, rtol=2.0**-8, atol=1e-3 * np.abs(want).max())
+    assert np.abs(got - xf @ oracle.dequantize(t).T).max() > 10 * np.abs(got - want).max()
+
+    e, i, k = 4, 32, 2
+    gate = rng.standard_normal((e, i, 64)).astype(np.float32) * 0.3
+    up = rng.standard_normal((e, i, 64)).astype(np.float32) * 0.3
+    down = rng.standard_normal((e, 64, i)).astype(np.float32) * 0.3
+    fc1 = nn.quantize_experts(jnp.asarray(np.concatenate([up, gate], axis=1)), "trtllm")
+    fc2 = nn.quantize_experts(jnp.asarray(down), "trtllm")
+    router = rng.standard_normal((e, 64)).astype(jnp.bfloat16)
+    s1 = np.full(e, np.abs(xf).max() / 2688, np.float32)
+    s2 = np.full(e, 40.0 / 2688, np.float32)
+    p = nn.MoE(jnp.asarray(router), fc1, fc2, jnp.asarray(s1), jnp.asarray(s2), top_k=k)
+    got = np.asarray(nn.moe_block(p, jnp.asarray(x), backend="xla"), np.float64)
+    logits = np.asarray((xf @ np.asarray(router, np.float64).T).astype(jnp.bfloat16), np.float64)
+    prob = np.exp(logits - logits.max(-1, keepdims=True))
+    prob /= prob.sum(-1, keepdims=True)
+    ids = np.argsort(-prob, axis=-1)[:, :k]
+    wts = np.take_along_axis(prob, ids, -1)
+    wts = (wts / wts.sum(-1, keepdims=True)).astype(np.float32)
+
+    def stack(a):
+        return oracle.NVFP4(np.asarray(a.codes), np.asarray(a.scales).view(np.uint8),
+                            np.asarray(a.decode_scale, np.float64))
+
+    want = oracle.moe(xf, ids, wts, stack(fc1), stack(fc2), s1.astype(np.float64),
+                      s2.astype(np.float64), activation="swiglu", gate_up_order="up_gate")
+    np.testing.assert_allclose(got, want, rtol=2.0**-7, atol=2.0**-7 * np.abs(want).max())

@@ -88,6 +88,9 @@ def run(args) -> int:
         print(f"nvfp4 generate: {exc}", file=sys.stderr)
         return 2
     new = [int(t) for t in gen.tokens[0]]
+    eos = getattr(tok, "eos_token_id", None)
+    if eos is not None and eos in new:
+        new = new[:new.index(eos) + 1]
     text = tok.decode(new, skip_special_tokens=True) if tok is not None else None
     print(text if text is not None else ",".join(map(str, new)))
     print(f"prefill: {gen.prompt_tokens} tokens, {gen.prefill_tokens_per_s:.1f} tokens/s; "

@@ -19,7 +19,7 @@ measured in the same run.
 
 Usage (H200, under ~8 minutes):  python bench/e2e_bench.py --out "$OUT"
 CPU smoke test with tiny shapes:   python bench/e2e_bench.py --tiny --out /tmp/x
-Writes OUT/e2e-h200.json (``--tiny``: OUT/e2e-tiny.json). ``--budget-s`` (default 460) skips
+Writes OUT/e2e-h200.json (``--tiny``: OUT/e2e-tiny.json). ``--budget-s`` (default 420) skips
 what would start after that many seconds (listed under "skipped").
 """
 
@@ -246,7 +246,7 @@ def main(argv=None) -> int:
     ap.add_argument("--breakdown-bf16", action="store_true", help="also break down bf16 steps")
     ap.add_argument("--no-unrolled", action="store_true",
                     help="skip the NVFP4 batch-1 decode with unrolled (unstacked) layers")
-    ap.add_argument("--budget-s", type=float, default=460.0)
+    ap.add_argument("--budget-s", type=float, default=420.0)
     args = ap.parse_args(argv)
     t_start = time.perf_counter()
     shapes = TINY if args.tiny else SHAPES

@@ -18,6 +18,9 @@ code 2: no option is silently replaced, no traceback is shown.
 
 ``nvfp4 selftest [--json FILE] [--out-dir DIR] [--only LIST] [--seed S]``: every kernel this
 device runs against the oracle (``nvfp4_jax.selftest``); exit code 1 when one fails.
+
+``nvfp4 generate --checkpoint DIR (--prompt TEXT | --prompt-ids 1,2,3) [--max-new-tokens N]
+[--json FILE]``: generate with a ModelOpt NVFP4 export (``nvfp4_jax.models.command``).
 """
 
 from __future__ import annotations
@@ -167,6 +170,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--only", default="", metavar="LIST",
                    help="comma-separated kernel name prefixes, e.g. quantize,matmul/pallas (default: all)")
     t.add_argument("--seed", type=int, default=0)
+
+    from .models import command as generate_command
+
+    generate_command.add_parser(sub)
     return p
 
 
@@ -306,6 +313,10 @@ def main(argv: list[str] | None = None) -> int:
         return _explain(args)
     if args.command == "selftest":
         return _selftest(args)
+    if args.command == "generate":
+        from .models import command as generate_command
+
+        return generate_command.run(args)
     return 2  # pragma: no cover
 
 

@@ -1,0 +1,363 @@
+"""End-to-end decoder benchmark: NVFP4 models (``nvfp4_jax.models``) against the same models
+in bf16 JAX (``jnp.dot`` linears, ``lax.ragged_dot`` experts), in one run.
+
+Models (random weights built on the device, no checkpoint): a Qwen3-30B-A3B shape (48 layers,
+hidden 2048, 32 q / 4 kv heads of 128, 128 experts of 768, top-8, vocab 151936) and a
+Llama-3-8B shape (32 layers, hidden 4096, 32 q / 8 kv heads of 128, MLP 14336, vocab 128256).
+NVFP4 weights are random codes and E4M3 block scales with W4A4 input scales (as a ModelOpt
+NVFP4 export has them); embeddings, norms, router and LM head are bf16 in both precisions.
+
+Per model and precision: decode tokens/s at each batch (default 1, 8, 32) with a KV cache
+holding ``--context`` tokens (one jitted decode step per token, argmax sampling, timed over
+``--steps`` steps after a warm-up); prefill tokens/s for one ``--prefill``-token prompt;
+device memory in use and weight bytes; at batch 1 the per-token time breakdown (attention,
+MoE, dense, other) from steps with one part left out (``models.forward``'s ``ablate``:
+attention core, MoE, NVFP4 linears; other = the rest: embedding, norms, LM head, sampling,
+launch overhead); the bytes a batch-1 decode step must read (weights used: dense + the top-k
+experts of each layer, plus the KV cache) and that read's rate against the HBM copy rate
+measured in the same run.
+
+Usage (H200, under ~8 minutes):  python bench/e2e_bench.py --out "$OUT"
+CPU smoke test with tiny shapes:   python bench/e2e_bench.py --tiny --out /tmp/x
+Writes OUT/e2e-h200.json (``--tiny``: OUT/e2e-tiny.json). ``--budget-s`` (default 420) skips
+what would start after that many seconds (listed under "skipped").
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from run_meta import run_metadata  # noqa: E402
+
+from nvfp4_jax import NVFP4Array, models, nn  # noqa: E402
+from nvfp4_jax.models import DecoderConfig, Model  # noqa: E402
+
+SHAPES = {
+    "qwen3-30b-a3b": dict(vocab_size=151936, hidden_size=2048, num_layers=48, num_heads=32,
+                          num_kv_heads=4, head_dim=128, rope_theta=1e6, qk_norm=True,
+                          num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+                          norm_topk_prob=True),
+    "llama-3-8b": dict(vocab_size=128256, hidden_size=4096, num_layers=32, num_heads=32,
+                       num_kv_heads=8, head_dim=128, intermediate_size=14336, rope_theta=5e5),
+}
+TINY = {
+    "qwen3-30b-a3b": dict(vocab_size=512, hidden_size=128, num_layers=2, num_heads=4,
+                          num_kv_heads=2, head_dim=32, rope_theta=1e6, qk_norm=True,
+                          num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
+                          norm_topk_prob=True),
+    "llama-3-8b": dict(vocab_size=512, hidden_size=128, num_layers=2, num_heads=4,
+                       num_kv_heads=2, head_dim=32, intermediate_size=256, rope_theta=5e5),
+}
+PRECISIONS = ("nvfp4", "bf16")
+#: NVFP4 decode scale and activation input scale of the random weights (weights ~ 1e-2)
+DECODE_SCALE = 1.5e-3
+INPUT_SCALE = 5.0 / 2688
+
+
+def config_of(shape: dict) -> DecoderConfig:
+    kw = dict(shape)
+    if kw.get("num_experts"):
+        kw["moe_layers"] = tuple(range(kw["num_layers"]))
+    return DecoderConfig(**kw)
+
+
+# ------------------------------------------------------------------------------------------
+# random weights, built on the device one layer at a time (lax.map), never via the host
+# ------------------------------------------------------------------------------------------
+
+def _bf16(key, shape, exponent=0x3C00):
+    """bf16 values of random sign and mantissa and one binade (2^-7 for the default)."""
+    bits = jax.random.bits(key, shape, jnp.uint16)
+    return jax.lax.bitcast_convert_type((bits & 0x807F) | exponent, jnp.bfloat16)
+
+
+def _nvfp4(key, shape):
+    """Random NVFP4 [..., N, K]: any E2M1 codes, E4M3 block scales in [0.5, 16)."""
+    k1, k2 = jax.random.split(key)
+    codes = jax.random.bits(k1, shape[:-1] + (shape[-1] // 2,), jnp.uint8)
+    sbytes = jax.random.randint(k2, shape[:-1] + (shape[-1] // 16,), 0x30, 0x60).astype(jnp.uint8)
+    scales = jax.lax.bitcast_convert_type(sbytes, jnp.float8_e4m3fn)
+    ds = jnp.full(shape[:-2], DECODE_SCALE, jnp.float32)
+    return NVFP4Array(codes, scales, ds, tuple(shape), "linear")
+
+
+def _linear(key, n, k, precision):
+    if precision == "bf16":
+        return _bf16(key, (n, k))
+    return nn.Linear(_nvfp4(key, (n, k)), jnp.float32(INPUT_SCALE))
+
+
+def _layer(key, cfg: DecoderConfig, precision: str) -> dict:
+    ks = jax.random.split(key, 8)
+    h, d = cfg.hidden_size, cfg.head_dim
+    attn = {"q_proj": _linear(ks[0], cfg.num_heads * d, h, precision),
+            "k_proj": _linear(ks[1], cfg.num_kv_heads * d, h, precision),
+            "v_proj": _linear(ks[2], cfg.num_kv_heads * d, h, precision),
+            "o_proj": _linear(ks[3], h, cfg.num_heads * d, precision)}
+    if cfg.qk_norm:
+        attn["q_norm"] = jnp.ones((d,), jnp.bfloat16)
+        attn["k_norm"] = jnp.ones((d,), jnp.bfloat16)
+    layer = {"input_layernorm": jnp.ones((h,), jnp.bfloat16),
+             "post_attention_layernorm": jnp.ones((h,), jnp.bfloat16), "self_attn": attn}
+    if cfg.moe_layers:
+        e, i = cfg.num_experts, cfg.moe_intermediate_size
+        router = _bf16(ks[4], (e, h), exponent=0x3E00)  # ~ 2^-3: routing varies by token
+        if precision == "bf16":
+            layer["moe"] = nn.MoEBF16(router, _bf16(ks[5], (e, 2 * i, h)), _bf16(ks[6], (e, h, i)),
+                                      top_k=cfg.num_experts_per_tok, renormalize=cfg.norm_topk_prob)
+        else:
+            s = jnp.full((e,), INPUT_SCALE, jnp.float32)
+            layer["moe"] = nn.MoE(router, _nvfp4(ks[5], (e, 2 * i, h)), _nvfp4(ks[6], (e, h, i)),
+                                  s, s, top_k=cfg.num_experts_per_tok, routing="softmax",
+                                  renormalize=cfg.norm_topk_prob, activation="swiglu")
+    else:
+        m = cfg.intermediate_size
+        layer["mlp"] = {"gate_proj": _linear(ks[4], m, h, precision),
+                        "up_proj": _linear(ks[5], m, h, precision),
+                        "down_proj": _linear(ks[6], h, m, precision)}
+    return layer
+
+
+def build_model(cfg: DecoderConfig, precision: str, seed: int = 0) -> Model:
+    """A random model of ``cfg`` with all layers stacked for ``lax.scan``."""
+    key = jax.random.key(seed)
+    kl, ke, kh = jax.random.split(key, 3)
+    layer_keys = jax.random.split(kl, cfg.num_layers)
+    stacked = jax.jit(lambda ks: jax.lax.map(lambda k: _layer(k, cfg, precision), ks))(layer_keys)
+    embed = _bf16(ke, (cfg.vocab_size, cfg.hidden_size), exponent=0x3F00)
+    head = _bf16(kh, (cfg.vocab_size, cfg.hidden_size))
+    model = Model(embed, [stacked], jnp.ones((cfg.hidden_size,), jnp.bfloat16), head, cfg,
+                  ("scan",))
+    jax.block_until_ready(model)
+    return model
+
+
+# ------------------------------------------------------------------------------------------
+# measurements
+# ------------------------------------------------------------------------------------------
+
+def _nbytes(tree) -> int:
+    return int(sum(x.nbytes for x in jax.tree_util.tree_leaves(tree)))
+
+
+def _memory() -> dict:
+    stats = jax.devices()[0].memory_stats() or {}
+    return {k: int(stats[k]) for k in ("bytes_in_use", "peak_bytes_in_use", "bytes_limit")
+            if k in stats}
+
+
+def _cache(cfg, batch, context, steps):
+    c = models.init_cache(cfg, batch, context + steps + 4)
+    return dataclasses.replace(c, length=jnp.asarray(context, jnp.int32))
+
+
+def time_decode(model, batch, context, steps, ablate=frozenset()):
+    """Seconds per decode step (median of 3 runs of ``steps`` steps, after a warm-up)."""
+    cfg = model.config
+    tok = jnp.arange(batch, dtype=jnp.int32) % cfg.vocab_size
+    runs = []
+    for r in range(4):
+        cache = _cache(cfg, batch, context, steps)
+        jax.block_until_ready(cache)
+        t0 = time.perf_counter()
+        t = tok
+        for _ in range(steps if r else 2):
+            logits, cache = models.decode_step(model, t, cache, ablate=ablate)
+            t = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        t.block_until_ready()
+        if r:
+            runs.append((time.perf_counter() - t0) / steps)
+        del cache
+    return float(np.median(runs))
+
+
+def time_prefill(model, tokens):
+    cfg = model.config
+    ids = (jnp.arange(tokens, dtype=jnp.int32) * 7919 % cfg.vocab_size)[None]
+    runs = []
+    for r in range(3):
+        cache = models.init_cache(cfg, 1, tokens)
+        jax.block_until_ready(cache)
+        t0 = time.perf_counter()
+        logits, cache = models.prefill(model, ids, cache)
+        logits.block_until_ready()
+        if r:
+            runs.append(time.perf_counter() - t0)
+        del cache
+    return float(np.median(runs))
+
+
+def hbm_copy_tbps(nbytes: int) -> float:
+    """Device copy rate (read + write bytes per second, TB/s) of an ``nbytes`` buffer."""
+    x = jnp.zeros((nbytes // 4,), jnp.float32)
+    f = jax.jit(lambda a: a + 1.0)
+    f(x).block_until_ready()
+    runs = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        f(x).block_until_ready()
+        runs.append(time.perf_counter() - t0)
+    return 2 * x.nbytes / float(np.median(runs)) / 1e12
+
+
+def decode_read_bytes(model: Model, batch: int, context: int) -> int:
+    """Bytes one decode step must read: every weight except the experts, the experts a step
+    touches (at most ``batch * top_k`` per layer, all of them assumed distinct), the KV cache
+    up to ``context`` and the embedding rows."""
+    cfg = model.config
+    total = 0
+    for path, leaf in jax.tree_util.tree_leaves_with_path(model.groups):
+        keys = jax.tree_util.keystr(path)
+        if ".fc1" in keys or ".fc2" in keys:
+            share = min(batch * cfg.num_experts_per_tok, cfg.num_experts) / cfg.num_experts
+            total += int(leaf.nbytes * share)
+        else:
+            total += leaf.nbytes
+    total += _nbytes(model.norm) + _nbytes(model.lm_head)
+    total += batch * cfg.hidden_size * 2
+    total += 2 * cfg.num_layers * batch * context * cfg.num_kv_heads * cfg.head_dim * 2
+    return total
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=os.environ.get("OUT", "."), help="output folder ($OUT)")
+    ap.add_argument("--tiny", action="store_true", help="tiny shapes (CPU smoke test)")
+    ap.add_argument("--models", default=",".join(SHAPES), help="comma-separated subset")
+    ap.add_argument("--precisions", default=",".join(PRECISIONS))
+    ap.add_argument("--batches", default=None, help="decode batches (default 1,8,32; tiny 1,2)")
+    ap.add_argument("--prefill", type=int, default=None, help="prompt tokens (default 2048)")
+    ap.add_argument("--context", type=int, default=None, help="KV tokens at decode (1024)")
+    ap.add_argument("--steps", type=int, default=None, help="timed decode steps (default 32)")
+    ap.add_argument("--no-breakdown", action="store_true")
+    ap.add_argument("--breakdown-bf16", action="store_true", help="also break down bf16 steps")
+    ap.add_argument("--no-unrolled", action="store_true",
+                    help="skip the NVFP4 batch-1 decode with unrolled (unstacked) layers")
+    ap.add_argument("--budget-s", type=float, default=420.0)
+    args = ap.parse_args(argv)
+    t_start = time.perf_counter()
+    shapes = TINY if args.tiny else SHAPES
+    names = [m for m in args.models.split(",") if m]
+    bad = [m for m in names if m not in shapes]
+    precs = [p for p in args.precisions.split(",") if p]
+    if bad or not names or set(precs) - set(PRECISIONS) or not precs:
+        ap.error(f"--models: expected some of {list(shapes)}; --precisions: some of {PRECISIONS}")
+    batches = [int(b) for b in (args.batches or ("1,2" if args.tiny else "1,8,32")).split(",")]
+    prefill_n = args.prefill or (16 if args.tiny else 2048)
+    context = args.context or (8 if args.tiny else 1024)
+    steps = args.steps or (3 if args.tiny else 32)
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, "e2e-tiny.json" if args.tiny else "e2e-h200.json")
+    out = {**run_metadata(), "tiny": args.tiny, "backend": jax.default_backend(),
+           "settings": {"batches": batches, "prefill": prefill_n, "context": context,
+                        "steps": steps},
+           "records": [], "skipped": []}
+    out["hbm_copy_tbps"] = hbm_copy_tbps(1 << (20 if args.tiny else 31))
+
+    def over(what):
+        if time.perf_counter() - t_start > args.budget_s:
+            out["skipped"].append(what)
+            return True
+        return False
+
+    def log(msg):
+        print(f"[{time.perf_counter() - t_start:7.1f} s] {msg}", file=sys.stderr, flush=True)
+
+    def save():
+        with open(path, "w") as f:
+            json.dump(out, f, indent=2)
+
+    for name in names:
+        cfg = config_of(shapes[name])
+        for prec in precs:
+            if over(f"{name}/{prec}"):
+                continue
+            log(f"{name} {prec}: building random weights")
+            model = build_model(cfg, prec)
+            base = {"model": name, "precision": prec}
+            mem = {**base, "kind": "memory", "weight_bytes": _nbytes(model), **_memory()}
+            out["records"].append(mem)
+            for b in batches:
+                if over(f"{name}/{prec}/decode b={b}"):
+                    continue
+                dt = time_decode(model, b, context, steps)
+                rec = {**base, "kind": "decode", "batch": b, "context": context,
+                       "ms_per_step": dt * 1e3, "tokens_per_s": b / dt,
+                       "read_bytes": decode_read_bytes(model, b, context)}
+                rec["read_tbps"] = rec["read_bytes"] / dt / 1e12
+                rec["read_fraction_of_copy"] = rec["read_tbps"] / out["hbm_copy_tbps"]
+                out["records"].append(rec)
+                log(f"{name} {prec} decode b={b}: {rec['tokens_per_s']:.1f} tokens/s, "
+                    f"{rec['read_tbps']:.2f} TB/s")
+                save()
+            if not over(f"{name}/{prec}/prefill"):
+                dt = time_prefill(model, prefill_n)
+                out["records"].append({**base, "kind": "prefill", "tokens": prefill_n,
+                                       "ms": dt * 1e3, "tokens_per_s": prefill_n / dt})
+                log(f"{name} {prec} prefill {prefill_n}: {prefill_n / dt:.0f} tokens/s")
+            want_bd = not args.no_breakdown and (prec == "nvfp4" or args.breakdown_bf16)
+            if want_bd and not over(f"{name}/{prec}/breakdown"):
+                full = time_decode(model, 1, context, steps)
+                parts = {"attention": "attention", "dense": "dense"}
+                if cfg.moe_layers:
+                    parts["moe"] = "moe"
+                ms = {}
+                for label, part in parts.items():
+                    ms[label] = (full - time_decode(model, 1, context, steps,
+                                                    frozenset({part}))) * 1e3
+                ms["other"] = full * 1e3 - sum(ms.values())
+                out["records"].append({**base, "kind": "breakdown", "batch": 1,
+                                       "ms_per_step": full * 1e3, "ms": ms})
+                log(f"{name} {prec} breakdown (ms): {ms}")
+            mem["after_runs"] = _memory()  # peak_bytes_in_use: weights + caches + activations
+            save()
+            del model
+            gc.collect()
+    for name in names:  # last, as the least needed: unrolled layers compile longest
+        if "nvfp4" not in precs or args.no_unrolled or over(f"{name}/nvfp4/unrolled"):
+            continue
+        # lax.scan hands each layer a slice of the stacked weights; unrolled layers read their
+        # own buffers: the difference shows what the scan costs (e.g. a copy per layer)
+        model = build_model(config_of(shapes[name]), "nvfp4").unstacked()
+        dt = time_decode(model, 1, context, steps)
+        out["records"].append({"model": name, "precision": "nvfp4", "kind": "decode_unrolled",
+                               "batch": 1, "context": context, "ms_per_step": dt * 1e3,
+                               "tokens_per_s": 1 / dt})
+        log(f"{name} nvfp4 decode b=1, unrolled layers: {1 / dt:.1f} tokens/s")
+        save()
+        del model
+        gc.collect()
+    summary = {}
+    for name in names:
+        rec = {(r["precision"], r.get("batch")): r for r in out["records"]
+               if r["model"] == name and r["kind"] == "decode"}
+        s = {}
+        for b in batches:
+            if ("nvfp4", b) in rec and ("bf16", b) in rec:
+                s[f"decode_speedup_b{b}"] = (rec[("nvfp4", b)]["tokens_per_s"]
+                                             / rec[("bf16", b)]["tokens_per_s"])
+        if ("nvfp4", 1) in rec:
+            s["nvfp4_b1_read_fraction_of_copy"] = rec[("nvfp4", 1)]["read_fraction_of_copy"]
+        summary[name] = s
+    out["summary"] = summary
+    out["wall_s"] = time.perf_counter() - t_start
+    save()
+    log(f"wrote {path}: {json.dumps(summary)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,23 @@
+"""Compact NVFP4 decoders: Llama-style dense and Qwen3-MoE, loaded from ModelOpt HF exports.
+
+``load_model(dir)`` -> :class:`Model`; ``generate(model, prompt_ids, n)``; ``prefill`` and
+``decode_step`` (jitted) with a :class:`KVCache`; see ``decoder`` and ``loader``.
+"""
+
+from .decoder import (
+    DecoderConfig,
+    Generation,
+    KVCache,
+    Model,
+    decode_step,
+    forward,
+    generate,
+    init_cache,
+    prefill,
+    sample,
+)
+from .loader import ARCHITECTURES, config_from_hf, load_model, stderr_progress
+
+__all__ = ["ARCHITECTURES", "DecoderConfig", "Generation", "KVCache", "Model", "config_from_hf",
+           "decode_step", "forward", "generate", "init_cache", "load_model", "prefill", "sample",
+           "stderr_progress"]

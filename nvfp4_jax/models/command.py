@@ -1,0 +1,105 @@
+"""``nvfp4 generate``: run a ModelOpt NVFP4 export with :mod:`nvfp4_jax.models`.
+
+``nvfp4 generate --checkpoint DIR (--prompt TEXT | --prompt-ids 1,2,3) [--max-new-tokens N]
+[--temperature T] [--seed S] [--backend B] [--json FILE]``: loads the checkpoint (progress on
+stderr), generates, prints the text (with the checkpoint's tokenizer, through transformers,
+imported only here) or the token ids, and the prefill and decode tokens/s (compilation
+excluded).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+
+def _ids(s: str) -> list[int]:
+    try:
+        ids = [int(v) for v in s.split(",") if v.strip()]
+    except ValueError as exc:
+        msg = f"--prompt-ids: expected comma-separated ints, got {s!r}"
+        raise argparse.ArgumentTypeError(msg) from exc
+    if not ids or min(ids) < 0:
+        raise argparse.ArgumentTypeError(f"--prompt-ids: expected non-negative ints, got {s!r}")
+    return ids
+
+
+def add_parser(sub) -> None:
+    """Add the ``generate`` subcommand to an argparse subparsers object."""
+    g = sub.add_parser(
+        "generate", help="generate with a ModelOpt NVFP4 checkpoint (Llama, Qwen3, Qwen3-MoE)",
+        description="Load a ModelOpt NVFP4 HF export (weights stay NVFP4), run a jitted prefill "
+                    "and decode loop, print the generated text or ids and prefill/decode tokens "
+                    "per second.")
+    g.add_argument("--checkpoint", metavar="DIR", required=True,
+                   help="ModelOpt NVFP4 export directory")
+    src = g.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", metavar="TEXT",
+                     help="prompt text (needs the checkpoint's tokenizer)")
+    src.add_argument("--prompt-ids", type=_ids, metavar="IDS", help="prompt token ids, e.g. 1,2,3")
+    g.add_argument("--max-new-tokens", type=int, default=32, metavar="N", help="default 32")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 for greedy (default)")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--backend", default="auto", choices=("auto", "mosaic", "pallas", "xla"),
+                   help="GEMM/MoE implementation (default auto)")
+    g.add_argument("--json", metavar="FILE", help="write ids, text and timings as JSON")
+
+
+def _tokenizer(path: str):
+    try:
+        from transformers import AutoTokenizer
+    except ImportError:
+        return None
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError):
+        return None
+
+
+def run(args) -> int:
+    """Execute ``nvfp4 generate``; returns the exit code (2 for bad input)."""
+    from . import generate, load_model, stderr_progress
+
+    if args.max_new_tokens < 1:
+        print("nvfp4 generate: --max-new-tokens must be >= 1", file=sys.stderr)
+        return 2
+    if args.temperature < 0:
+        print("nvfp4 generate: --temperature must be >= 0", file=sys.stderr)
+        return 2
+    tok = _tokenizer(args.checkpoint)
+    if args.prompt is not None:
+        if tok is None:
+            print(f"nvfp4 generate: --prompt needs a tokenizer in {args.checkpoint!r} (and "
+                  "transformers installed); pass --prompt-ids instead", file=sys.stderr)
+            return 2
+        ids = tok(args.prompt)["input_ids"]
+    else:
+        ids = args.prompt_ids
+    t0 = time.perf_counter()
+    try:
+        model = load_model(args.checkpoint, progress=stderr_progress)
+        stderr_progress(f"loaded in {time.perf_counter() - t0:.1f} s; compiling and generating")
+        gen = generate(model, [ids], args.max_new_tokens, temperature=args.temperature,
+                       seed=args.seed, backend=args.backend,
+                       eos_id=getattr(tok, "eos_token_id", None))
+    except (FileNotFoundError, KeyError, ValueError) as exc:
+        print(f"nvfp4 generate: {exc}", file=sys.stderr)
+        return 2
+    new = [int(t) for t in gen.tokens[0]]
+    eos = getattr(tok, "eos_token_id", None)
+    if eos is not None and eos in new:
+        new = new[:new.index(eos) + 1]
+    text = tok.decode(new, skip_special_tokens=True) if tok is not None else None
+    print(text if text is not None else ",".join(map(str, new)))
+    print(f"prefill: {gen.prompt_tokens} tokens, {gen.prefill_tokens_per_s:.1f} tokens/s; "
+          f"decode: {gen.new_tokens} tokens, {gen.decode_tokens_per_s:.1f} tokens/s",
+          file=sys.stderr)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"prompt_ids": list(ids), "new_ids": new, "text": text,
+                       "prefill_tokens_per_s": gen.prefill_tokens_per_s,
+                       "decode_tokens_per_s": gen.decode_tokens_per_s,
+                       "prefill_s": gen.prefill_s, "decode_s": gen.decode_s}, f, indent=2)
+    return 0

@@ -1,0 +1,420 @@
+"""A compact decoder-only transformer over NVFP4 linears: Llama-style dense and Qwen3-MoE.
+
+One forward covers both families (:class:`DecoderConfig` says which parts a layer has):
+token embedding (bf16) -> per layer [RMSNorm -> GQA attention (q/k RMSNorm for Qwen3, RoPE,
+bf16 q/k/v with fp32 scores and softmax) -> residual -> RMSNorm -> MLP (SwiGLU on three NVFP4
+linears) or MoE (``nvfp4_jax.nn.moe_block``) -> residual] -> RMSNorm -> LM head (bf16, or NVFP4
+when the checkpoint quantized it) -> fp32 logits.
+
+Weights stay NVFP4 (``nvfp4_jax.nn.Linear``, ``nvfp4_jax.nn.MoE``); embeddings, norms and
+attention are bf16. The KV cache is bf16 ``[L, B, S_max, KVH, D]``. Layers of one structure
+are stacked and run under ``lax.scan`` (one compiled layer body for all 48 layers of a
+Qwen3-30B-A3B), otherwise unrolled.
+
+Entry points: :func:`prefill` (prompt [B, T] -> logits, cache), :func:`decode_step` (one token
+per sequence), :func:`sample`, :func:`generate` (jitted prefill and decode step, greedy or
+temperature sampling, timings).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .. import nn
+
+
+@dataclasses.dataclass(frozen=True)
+class DecoderConfig:
+    """Architecture of a Llama-style or Qwen3(-MoE) decoder (HF config.json names in brackets).
+
+    ``moe_layers``: indices of the layers whose MLP is a routed MoE (empty for dense models).
+    ``rope_scaling``: None or a dict with ``rope_type`` "default" or "llama3" (HF semantics).
+    """
+
+    vocab_size: int
+    hidden_size: int
+    num_layers: int                # [num_hidden_layers]
+    num_heads: int                 # [num_attention_heads]
+    num_kv_heads: int              # [num_key_value_heads]
+    head_dim: int
+    intermediate_size: int = 0     # dense MLP width
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: Any = None
+    qk_norm: bool = False          # Qwen3: RMSNorm over head_dim on q and k before RoPE
+    moe_layers: tuple[int, ...] = ()
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 4096
+
+    def __post_init__(self):
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
+                             f"({self.num_kv_heads})")
+        if self.moe_layers and not (self.num_experts and self.num_experts_per_tok):
+            raise ValueError("moe_layers: a MoE layer needs num_experts and num_experts_per_tok")
+
+
+# --------------------------------------------------------------------------------------
+# RoPE
+# --------------------------------------------------------------------------------------
+
+def rope_inv_freq(cfg: DecoderConfig) -> np.ndarray:
+    """float32 [head_dim/2] inverse frequencies (HF ``default`` or ``llama3`` rope)."""
+    d = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (np.arange(0, d, 2, dtype=np.int64).astype(np.float32) / d))
+    rs = cfg.rope_scaling or {}
+    kind = rs.get("rope_type", rs.get("type", "default"))
+    if kind == "default":
+        return inv.astype(np.float32)
+    if kind != "llama3":
+        raise ValueError(f"rope_scaling: rope_type {kind!r} is not supported (default, llama3)")
+    factor, lo, hi = rs["factor"], rs["low_freq_factor"], rs["high_freq_factor"]
+    old = rs["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv
+    scaled = np.where(wavelen > old / lo, inv / factor, inv)
+    smooth = (old / wavelen - lo) / (hi - lo)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old / hi) & (wavelen <= old / lo)
+    return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def apply_rope(x: jax.Array, pos: jax.Array, inv_freq: jax.Array) -> jax.Array:
+    """Rotate-half RoPE: x bf16 [B, T, heads, D], pos int32 [B, T] -> bf16 (fp32 arithmetic)."""
+    ang = pos.astype(jnp.float32)[..., None] * inv_freq  # [B, T, D/2]
+    emb = jnp.concatenate([ang, ang], axis=-1)[:, :, None, :]
+    cos = jnp.cos(emb).astype(x.dtype).astype(jnp.float32)
+    sin = jnp.sin(emb).astype(x.dtype).astype(jnp.float32)
+    xf = x.astype(jnp.float32)
+    h = x.shape[-1] // 2
+    rot = jnp.concatenate([-xf[..., h:], xf[..., :h]], axis=-1)
+    return (xf * cos + rot * sin).astype(x.dtype)
+
+
+# --------------------------------------------------------------------------------------
+# layers
+# --------------------------------------------------------------------------------------
+
+def _attention(cfg: DecoderConfig, p: dict, x: jax.Array, pos: jax.Array, k_all: jax.Array,
+               v_all: jax.Array, li, start: jax.Array, inv_freq: jax.Array, backend: str,
+               w4a4: bool, ablate: frozenset = frozenset()):
+    """x bf16 [B, T, H] at positions start..start+T-1; caches bf16 [L, B, S, KVH, D], this
+    layer's index ``li``. Returns (out bf16 [B, T, H], k_all, v_all), the caches updated in
+    place."""
+    b, t, _ = x.shape
+    nh, kvh, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    lin = _linear_or_stub(ablate, backend, w4a4)
+    q = lin(p["q_proj"], x).reshape(b, t, nh, d)
+    k = lin(p["k_proj"], x).reshape(b, t, kvh, d)
+    v = lin(p["v_proj"], x).reshape(b, t, kvh, d)
+    if cfg.qk_norm:
+        q = nn.rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
+        k = nn.rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
+    q = apply_rope(q, pos, inv_freq)
+    k = apply_rope(k, pos, inv_freq)
+    if "attention" in ablate:  # no RoPE, cache or attention core: q + k + v stand in
+        o = (q + jnp.repeat(k + v, nh // kvh, axis=2)).reshape(b, t, nh * d)
+        return lin(p["o_proj"], o), k_all, v_all
+    zero = jnp.zeros((), jnp.int32)
+    at = (jnp.asarray(li, jnp.int32), zero, start, zero, zero)
+    k_all = jax.lax.dynamic_update_slice(k_all, k[None], at)
+    v_all = jax.lax.dynamic_update_slice(v_all, v[None], at)
+    kc = jax.lax.dynamic_index_in_dim(k_all, li, axis=0, keepdims=False)
+    vc = jax.lax.dynamic_index_in_dim(v_all, li, axis=0, keepdims=False)
+    s = kc.shape[1]
+    g = nh // kvh
+    qg = q.reshape(b, t, kvh, g, d)
+    scores = jnp.einsum("btkgd,bskd->bkgts", qg, kc, preferred_element_type=jnp.float32)
+    scores = scores * jnp.float32(1.0 / math.sqrt(d))
+    key_pos = jnp.arange(s, dtype=jnp.int32)
+    mask = key_pos[None, None, :] <= pos[:, :, None]  # [B, T, S] causal, and unwritten slots
+    scores = jnp.where(mask[:, None, None, :, :], scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1).astype(jnp.bfloat16)
+    o = jnp.einsum("bkgts,bskd->btkgd", probs, vc, preferred_element_type=jnp.float32)
+    o = o.astype(jnp.bfloat16).reshape(b, t, nh * d)
+    return lin(p["o_proj"], o), k_all, v_all
+
+
+def _linear_or_stub(ablate: frozenset, backend: str, w4a4: bool):
+    """``nn.linear``, or with "dense" in ``ablate`` a stand-in of the same output shape that
+    reads no weight (x tiled to N columns), for time breakdowns."""
+    if "dense" not in ablate:
+        return lambda p, x: nn.linear(p, x, backend=backend, w4a4=w4a4)
+
+    def stub(p, x):
+        n = p.shape[0] if isinstance(p, nn.Linear) else p.shape[-2]
+        reps = -(-n // x.shape[-1])
+        return jnp.tile(x, (1,) * (x.ndim - 1) + (reps,))[..., :n]
+
+    return stub
+
+
+def _mlp(p: dict, x: jax.Array, backend: str, w4a4: bool,
+         ablate: frozenset = frozenset()) -> jax.Array:
+    """SwiGLU MLP on three NVFP4 linears: x bf16 [..., H] -> bf16 [..., H]."""
+    lin = _linear_or_stub(ablate, backend, w4a4)
+    gate = lin(p["gate_proj"], x).astype(jnp.float32)
+    up = lin(p["up_proj"], x).astype(jnp.float32)
+    h = (jax.nn.silu(gate).astype(jnp.bfloat16).astype(jnp.float32) * up).astype(jnp.bfloat16)
+    return lin(p["down_proj"], h)
+
+
+def _layer(cfg, p, x, pos, k_all, v_all, li, start, inv_freq, backend, w4a4, ablate):
+    h = nn.rms_norm(x, p["input_layernorm"], cfg.rms_norm_eps)
+    a, k_all, v_all = _attention(cfg, p["self_attn"], h, pos, k_all, v_all, li, start, inv_freq,
+                                 backend, w4a4, ablate)
+    x = x + a
+    h = nn.rms_norm(x, p["post_attention_layernorm"], cfg.rms_norm_eps)
+    if "moe" in p:
+        if "moe" in ablate:
+            m = h
+        else:
+            b, t, hd = h.shape
+            m = nn.moe_block(p["moe"], h.reshape(b * t, hd), backend=backend).reshape(b, t, hd)
+    else:
+        m = _mlp(p["mlp"], h, backend, w4a4, ablate)
+    return x + m, k_all, v_all
+
+
+def stack_layers(layers: list[dict]) -> list[tuple[str, Any]]:
+    """Group consecutive layers of one pytree structure: ``[("scan", stacked) | ("one", p)]``.
+
+    Stacked leaves gain a leading layer axis; NVFP4Array metadata (logical shape) stays that of
+    one layer, so ``lax.scan`` hands each step a valid per-layer array.
+    """
+    groups: list[list[dict]] = []
+    for p in layers:
+        same = groups and (jax.tree_util.tree_structure(groups[-1][0])
+                           == jax.tree_util.tree_structure(p))
+        if same:
+            groups[-1].append(p)
+        else:
+            groups.append([p])
+    out = []
+    for g in groups:
+        if len(g) == 1:
+            out.append(("one", g[0]))
+        else:
+            out.append(("scan", jax.tree_util.tree_map(lambda *a: jnp.stack(a), *g)))
+    return out
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Model:
+    """Parameters (a pytree) and static configuration of a decoder.
+
+    embed: bf16 [V, H]; groups: ``stack_layers`` output (layer dicts: ``input_layernorm``,
+    ``post_attention_layernorm`` bf16 [H]; ``self_attn`` {q,k,v,o}_proj ``nn.Linear`` and, for
+    qk_norm, ``q_norm``/``k_norm`` bf16 [D]; ``mlp`` {gate,up,down}_proj ``nn.Linear`` or ``moe``
+    ``nn.MoE``); norm: bf16 [H]; lm_head: bf16 [V, H] or ``nn.Linear``.
+    """
+
+    embed: jax.Array
+    groups: list
+    norm: jax.Array
+    lm_head: Any
+    config: DecoderConfig = dataclasses.field(metadata={"static": True})
+    group_kinds: tuple = dataclasses.field(default=(), metadata={"static": True})
+
+    @staticmethod
+    def build(config: DecoderConfig, embed, layers: list[dict], norm, lm_head, *,
+              stack: bool = True) -> Model:
+        """A Model from per-layer dicts: stacked for ``lax.scan`` where consecutive layers
+        share a structure (``stack``), else one unrolled layer each (separate weight buffers,
+        longer compiles)."""
+        groups = stack_layers(layers) if stack else [("one", p) for p in layers]
+        return Model(embed, [g for _, g in groups], norm, lm_head, config,
+                     tuple(k for k, _ in groups))
+
+    def unstacked(self) -> Model:
+        """The same model with every layer unrolled (stacked groups sliced apart)."""
+        layers = []
+        for kind, g in zip(self.group_kinds, self.groups):
+            if kind == "one":
+                layers.append(g)
+            else:
+                n = jax.tree_util.tree_leaves(g)[0].shape[0]
+                layers += [jax.tree_util.tree_map(lambda a, i=i: a[i], g) for i in range(n)]
+        return Model.build(self.config, self.embed, layers, self.norm, self.lm_head, stack=False)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KVCache:
+    """bf16 ``k``, ``v`` [L, B, S_max, KVH, D] and ``length`` int32 [] (tokens written)."""
+
+    k: jax.Array
+    v: jax.Array
+    length: jax.Array
+
+
+def init_cache(cfg: DecoderConfig, batch: int, max_len: int) -> KVCache:
+    """An empty cache for ``batch`` sequences of up to ``max_len`` tokens."""
+    shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+    return KVCache(jnp.zeros(shape, jnp.bfloat16), jnp.zeros(shape, jnp.bfloat16),
+                   jnp.zeros((), jnp.int32))
+
+
+def forward(model: Model, tokens: jax.Array, cache: KVCache, *, backend: str = "auto",
+            w4a4: bool = True, ablate: frozenset = frozenset()) -> tuple[jax.Array, KVCache]:
+    """tokens int32 [B, T] at positions ``cache.length ..`` -> (fp32 logits [B, T, V], cache).
+
+    ``w4a4=False`` runs every dense linear W4A16 even where the checkpoint has an
+    ``input_scale`` (the MoE experts always quantize their activations). ``ablate`` (for time
+    breakdowns only; the output is then meaningless): parts left out, any of "attention" (RoPE,
+    KV cache and attention core), "moe" (router and experts), "dense" (the NVFP4 linears of
+    attention and dense MLPs, replaced by weight-free stand-ins of the same shapes).
+    """
+    bad = set(ablate) - {"attention", "moe", "dense"}
+    if bad:
+        raise ValueError(f"ablate: unknown parts {sorted(bad)}; expected attention, moe, dense")
+    cfg = model.config
+    b, t = tokens.shape
+    start = cache.length
+    pos = jnp.broadcast_to(start + jnp.arange(t, dtype=jnp.int32), (b, t))
+    inv_freq = jnp.asarray(rope_inv_freq(cfg))
+    x = model.embed[tokens]
+    k_all, v_all = cache.k, cache.v
+    li = 0
+    for kind, g in zip(model.group_kinds, model.groups):
+        if kind == "one":
+            x, k_all, v_all = _layer(cfg, g, x, pos, k_all, v_all, li, start, inv_freq,
+                                     backend, w4a4, ablate)
+            li += 1
+        else:
+            n = jax.tree_util.tree_leaves(g)[0].shape[0]
+
+            def body(carry, xs):
+                x, k_all, v_all = carry
+                p, i = xs
+                x, k_all, v_all = _layer(cfg, p, x, pos, k_all, v_all, i, start, inv_freq,
+                                         backend, w4a4, ablate)
+                return (x, k_all, v_all), None
+
+            idx = jnp.arange(li, li + n, dtype=jnp.int32)
+            (x, k_all, v_all), _ = jax.lax.scan(body, (x, k_all, v_all), (g, idx))
+            li += n
+    x = nn.rms_norm(x, model.norm, cfg.rms_norm_eps)
+    if isinstance(model.lm_head, nn.Linear):
+        logits = nn.linear(model.lm_head, x, backend=backend, w4a4=w4a4).astype(jnp.float32)
+    else:
+        logits = jax.lax.dot_general(x, model.lm_head, (((2,), (1,)), ((), ())),
+                                     preferred_element_type=jnp.float32)
+        logits = logits.astype(jnp.bfloat16).astype(jnp.float32)
+    return logits, KVCache(k_all, v_all, start + t)
+
+
+def _prefill(model, tokens, cache, backend="auto", w4a4=True, all_logits=False,
+             ablate=frozenset()):
+    logits, cache = forward(model, tokens, cache, backend=backend, w4a4=w4a4, ablate=ablate)
+    return (logits if all_logits else logits[:, -1]), cache
+
+
+def _decode(model, token, cache, backend="auto", w4a4=True, ablate=frozenset()):
+    logits, cache = forward(model, token[:, None], cache, backend=backend, w4a4=w4a4,
+                            ablate=ablate)
+    return logits[:, 0], cache
+
+
+#: jitted ``(model, tokens [B, T], cache) -> (logits [B, V] or [B, T, V], cache)``
+prefill = jax.jit(_prefill, static_argnames=("backend", "w4a4", "all_logits", "ablate"),
+                  donate_argnames=("cache",))
+#: jitted ``(model, token [B], cache) -> (logits [B, V], cache)``
+decode_step = jax.jit(_decode, static_argnames=("backend", "w4a4", "ablate"),
+                      donate_argnames=("cache",))
+
+
+def sample(logits: jax.Array, key: jax.Array | None, temperature: float = 0.0) -> jax.Array:
+    """fp32 logits [B, V] -> int32 token ids [B]: argmax for ``temperature == 0``, else a draw
+    from ``softmax(logits / temperature)``."""
+    if temperature < 0:
+        raise ValueError(f"temperature: expected >= 0, got {temperature}")
+    if temperature == 0:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    if key is None:
+        raise ValueError("key: temperature sampling needs a jax.random key")
+    return jax.random.categorical(key, logits / temperature, axis=-1).astype(jnp.int32)
+
+
+_sample = jax.jit(sample, static_argnames=("temperature",))
+
+
+@dataclasses.dataclass
+class Generation:
+    """Output of :func:`generate`: ``tokens`` int32 [B, N] (new tokens only), prefill and decode
+    wall times in seconds (compilation excluded when ``warmup``), and token rates."""
+
+    tokens: np.ndarray
+    prefill_s: float
+    decode_s: float
+    prompt_tokens: int
+    new_tokens: int
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return self.prompt_tokens / self.prefill_s if self.prefill_s > 0 else float("nan")
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        n = self.tokens.shape[0] * max(self.new_tokens - 1, 0)
+        return n / self.decode_s if self.decode_s > 0 else float("nan")
+
+
+def generate(model: Model, prompt: np.ndarray | jax.Array, max_new_tokens: int, *,
+             temperature: float = 0.0, seed: int = 0, backend: str = "auto",
+             w4a4: bool = True, warmup: bool = True, eos_id: int | None = None) -> Generation:
+    """Greedy (``temperature=0``) or sampled generation from ``prompt`` int [B, T].
+
+    The cache holds ``T + max_new_tokens`` positions. With ``warmup``, prefill and the decode
+    step are compiled on a throwaway cache first, so the timings are steady-state. Generation
+    stops early (checked every 8 tokens) once every sequence has produced ``eos_id``; tokens
+    after a sequence's first ``eos_id`` are whatever the model produced next.
+    """
+    prompt = jnp.asarray(prompt, jnp.int32)
+    if prompt.ndim != 2 or prompt.shape[1] < 1:
+        raise ValueError(f"prompt: expected int token ids [B, T] with T >= 1, got {prompt.shape}")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens: expected >= 1, got {max_new_tokens}")
+    cfg = model.config
+    if int(jnp.max(prompt)) >= cfg.vocab_size or int(jnp.min(prompt)) < 0:
+        raise ValueError(f"prompt: token ids must lie in [0, {cfg.vocab_size})")
+    b, t = prompt.shape
+    max_len = t + max_new_tokens
+    key = jax.random.key(seed)
+    kw = {"backend": backend, "w4a4": w4a4}
+    if warmup:
+        logits, c = prefill(model, prompt, init_cache(cfg, b, max_len), all_logits=False, **kw)
+        _, c = decode_step(model, _sample(logits, key, temperature), c, **kw)
+        jax.block_until_ready(c)
+    cache = init_cache(cfg, b, max_len)
+    jax.block_until_ready(cache)
+    t0 = time.perf_counter()
+    logits, cache = prefill(model, prompt, cache, all_logits=False, **kw)
+    key, sub = jax.random.split(key)
+    tok = _sample(logits, sub, temperature)
+    tok.block_until_ready()
+    t1 = time.perf_counter()
+    out = [tok]
+    for step in range(max_new_tokens - 1):
+        # the end-of-sequence test syncs with the host, so it runs every 8 steps only
+        if eos_id is not None and step % 8 == 7 and bool(
+                jnp.all(jnp.any(jnp.stack(out, 1) == eos_id, axis=1))):
+            break
+        logits, cache = decode_step(model, tok, cache, **kw)
+        key, sub = jax.random.split(key)
+        tok = _sample(logits, sub, temperature)
+        out.append(tok)
+    tokens = np.asarray(jnp.stack(out, axis=1))
+    t2 = time.perf_counter()
+    return Generation(tokens, t1 - t0, t2 - t1, b * t, tokens.shape[1])

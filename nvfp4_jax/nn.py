@@ -1,0 +1,180 @@
+"""Building blocks for NVFP4 models in JAX: plain functions over parameter pytrees.
+
+* :class:`Linear` + :func:`linear`: one NVFP4 linear, W4A16 (bf16 activations) or W4A4 when
+  it holds an ``input_scale`` (TensorRT-LLM semantics: the activation is quantized with the
+  ``trtllm`` recipe and encode scale ``1/input_scale``; ``nvfp4_jax.matmul``).
+* :class:`MoE` + :func:`moe_block`: a routed mixture of experts: a bf16 router, softmax (or
+  sigmoid-and-bias) top-k, and the experts on ``nvfp4_jax.moe`` (W4A4, TensorRT-LLM CUTLASS
+  arithmetic: one activation scale per layer, the max of the experts' ``input_scale``).
+* :func:`rms_norm`, :func:`quantize_experts`.
+
+The parameter classes are registered pytrees (arrays are leaves, configuration is static), so
+they pass through ``jax.jit``, ``jax.lax.scan`` over stacked layers, and ``jax.device_put``
+with shardings.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from .gemm.api import matmul
+from . import moe as moe_pkg
+from .quantize import NVFP4Array, quantize
+
+BACKENDS = ("auto", "mosaic", "pallas", "xla")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Linear:
+    """An NVFP4 linear ``y = x @ W^T``.
+
+    w: NVFP4Array [N, K] (linear scale layout; decode_scale = ModelOpt ``weight_scale_2``).
+    input_scale: float32 scalar (ModelOpt ``input_scale``, decode form amax/2688) for W4A4, or
+    None for W4A16.
+    """
+
+    w: NVFP4Array
+    input_scale: jax.Array | None = None
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """Logical ``(N, K)``."""
+        return self.w.shape[-2], self.w.shape[-1]
+
+
+def linear(p: Linear | jax.Array, x: jax.Array, *, backend: str = "auto",
+           w4a4: bool = True) -> jax.Array:
+    """``x [..., K]`` (bf16) -> bf16 ``[..., N]`` with fp32 accumulation.
+
+    ``p``: a :class:`Linear` (NVFP4: W4A4 when ``p.input_scale`` is set and ``w4a4`` is True,
+    else W4A16; ``backend`` as in ``nvfp4_jax.matmul``), or a bf16 weight array [N, K] (a layer
+    the checkpoint left unquantized: ``jnp.dot`` with fp32 accumulation).
+    """
+    if not isinstance(p, Linear):
+        w = jnp.asarray(p)
+        if w.ndim != 2 or w.shape[1] != x.shape[-1]:
+            raise ValueError(f"p: expected a Linear or a weight [N, K={x.shape[-1]}], "
+                             f"got {w.shape}")
+        y = jax.lax.dot_general(x, w.astype(x.dtype), (((x.ndim - 1,), (1,)), ((), ())),
+                                preferred_element_type=jnp.float32)
+        return y.astype(jnp.bfloat16)
+    s = p.input_scale if w4a4 else None
+    return matmul(x, p.w, input_scale=s, backend=backend)
+
+
+def quantize_experts(w: jax.Array, recipe: str = "modelopt") -> NVFP4Array:
+    """Quantize an expert stack ``w [E, N, K]`` with one decode scale per expert -> NVFP4Array
+    [E, N, K] with ``decode_scale`` float32 [E] (what ``nvfp4_jax.moe`` takes). Jittable."""
+    # TODO(lead): use nvfp4_jax.quantize_experts
+    w = jnp.asarray(w)
+    if w.ndim != 3:
+        raise ValueError(f"w: expected an expert stack [E, N, K], got shape {w.shape}")
+    q = jax.vmap(lambda a: quantize(a, recipe))(w)
+    return NVFP4Array(q.codes, q.scales, q.decode_scale, tuple(w.shape), q.layout)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class MoE:
+    """A routed NVFP4 MoE layer (SwiGLU or relu2 experts).
+
+    router: bf16 [E, H] (kept in bf16, as ModelOpt exports it); fc1: NVFP4Array [E, R, H]
+    (R = 2I rows [up; gate] for swiglu, I for relu2), decode_scale [E]; fc2: NVFP4Array
+    [E, H, I]; fc1_input_scale, fc2_input_scale: float32 [E] (ModelOpt ``input_scale``).
+    correction_bias: float32 [E] for ``routing="sigmoid_bias"``, else None. Static: top_k,
+    routing ("softmax" | "sigmoid_bias"), renormalize (Qwen3's ``norm_topk_prob``),
+    routed_scaling_factor, activation ("swiglu" | "relu2").
+    """
+
+    router: jax.Array
+    fc1: NVFP4Array
+    fc2: NVFP4Array
+    fc1_input_scale: jax.Array
+    fc2_input_scale: jax.Array
+    correction_bias: jax.Array | None = None
+    top_k: int = dataclasses.field(default=2, metadata={"static": True})
+    routing: str = dataclasses.field(default="softmax", metadata={"static": True})
+    renormalize: bool = dataclasses.field(default=True, metadata={"static": True})
+    routed_scaling_factor: float = dataclasses.field(default=1.0, metadata={"static": True})
+    activation: str = dataclasses.field(default="swiglu", metadata={"static": True})
+
+
+def router_logits(p: MoE | MoEBF16, x: jax.Array) -> jax.Array:
+    """bf16 router ``x [T, H] @ router^T`` -> float32 [T, E] (fp32 accumulation, rounded to bf16
+    as a bf16 ``nn.Linear`` rounds it)."""
+    y = jax.lax.dot_general(x, p.router, (((1,), (1,)), ((), ())),
+                            preferred_element_type=jnp.float32)
+    return y.astype(jnp.bfloat16).astype(jnp.float32)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class MoEBF16:
+    """The bf16 counterpart of :class:`MoE` (a baseline): router bf16 [E, H], fc1 bf16
+    [E, 2I, H] (rows [up; gate]), fc2 bf16 [E, H, I]; softmax top-k routing; SwiGLU."""
+
+    router: jax.Array
+    fc1: jax.Array
+    fc2: jax.Array
+    top_k: int = dataclasses.field(default=2, metadata={"static": True})
+    renormalize: bool = dataclasses.field(default=True, metadata={"static": True})
+
+
+def moe_block_bf16(p: MoEBF16, x: jax.Array) -> jax.Array:
+    """``x [T, H]`` bf16 -> bf16 [T, H] with bf16 weights: routes sorted by expert,
+    ``lax.ragged_dot`` for both GEMMs (fp32 accumulation), SwiGLU, weighted top-k sum."""
+    t = x.shape[0]
+    e = p.fc1.shape[0]
+    logits = router_logits(p, x)
+    probs = jax.nn.softmax(logits, axis=-1)
+    w, ids = jax.lax.top_k(probs, p.top_k)
+    if p.renormalize:
+        w = w / jnp.sum(w, axis=-1, keepdims=True)
+    flat = ids.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    xs = x[order // p.top_k]
+    sizes = jnp.zeros((e,), jnp.int32).at[flat].add(1)
+    u = jax.lax.ragged_dot(xs, jnp.swapaxes(p.fc1, 1, 2), sizes,
+                           preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+    i = u.shape[-1] // 2
+    up, gate = u[:, :i].astype(jnp.float32), u[:, i:].astype(jnp.float32)
+    h = (jax.nn.silu(gate) * up).astype(jnp.bfloat16)
+    d = jax.lax.ragged_dot(h, jnp.swapaxes(p.fc2, 1, 2), sizes,
+                           preferred_element_type=jnp.float32)
+    d = d * w.reshape(-1)[order][:, None]
+    out = jnp.zeros((t * p.top_k, d.shape[-1]), jnp.float32).at[order].set(d)
+    return out.reshape(t, p.top_k, -1).sum(axis=1).astype(jnp.bfloat16)
+
+
+def moe_block(p: MoE | MoEBF16, x: jax.Array, *, backend: str = "auto") -> jax.Array:
+    """``x [T, H]`` bf16 -> bf16 [T, H]: route, then ``nvfp4_jax.moe`` (mode trtllm_cutlass),
+    or :func:`moe_block_bf16` for a :class:`MoEBF16`.
+
+    ``backend``: "auto" | "pallas" | "xla" (what ``nvfp4_jax.moe`` accepts; "mosaic" is taken as
+    "auto", which picks the Mosaic kernels on sm_90 where they apply).
+    """
+    if x.ndim != 2:
+        raise ValueError(f"x: expected [T, H], got shape {x.shape}")
+    if isinstance(p, MoEBF16):
+        return moe_block_bf16(p, x)
+    logits = router_logits(p, x)
+    if backend not in moe_pkg.BACKENDS:  # "mosaic": the MoE's own "auto" picks it on sm_90
+        backend = "auto"
+    return moe_pkg.moe(x, fc1=p.fc1, fc2=p.fc2, fc1_input_scale=p.fc1_input_scale,
+                   fc2_input_scale=p.fc2_input_scale, router_logits=logits, top_k=p.top_k,
+                   routing=p.routing, renormalize=p.renormalize,
+                   correction_bias=p.correction_bias,
+                   routed_scaling_factor=p.routed_scaling_factor, activation=p.activation,
+                   gate_up_order="up_gate", mode="trtllm_cutlass", backend=backend)
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm over the last axis in fp32, as HF's Llama/Qwen3 RMSNorm: ``x [..., D]`` ->
+    ``weight * (x / rms(x))`` in x's dtype (weight bf16 [D])."""
+    xf = x.astype(jnp.float32)
+    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (weight.astype(jnp.float32) * y.astype(x.dtype).astype(jnp.float32)).astype(x.dtype)

@@ -1,0 +1,34 @@
+"""bench/e2e_bench.py runs end to end on the CPU with tiny shapes and writes its JSON."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_e2e_bench_tiny(tmp_path):
+    path = os.path.join(ROOT, "bench", "e2e_bench.py")
+    spec = importlib.util.spec_from_file_location("e2e_bench", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main(["--tiny", "--out", str(tmp_path), "--models", "qwen3-30b-a3b",
+                       "--batches", "1", "--steps", "2", "--prefill", "16"]) == 0
+    res = json.loads((tmp_path / "e2e-tiny.json").read_text())
+    assert res["tiny"] and res["commit"] and res["jax"] and not res["skipped"]
+    kinds = {(r["precision"], r["kind"]) for r in res["records"]}
+    for prec in ("nvfp4", "bf16"):
+        assert {(prec, "memory"), (prec, "decode"), (prec, "prefill")} <= kinds
+    assert ("nvfp4", "breakdown") in kinds and ("nvfp4", "decode_unrolled") in kinds
+    dec = {r["precision"]: r for r in res["records"] if r["kind"] == "decode"}
+    # NVFP4 weights take about 0.56 B per weight against bf16's 2 (experts dominate)
+    mem = {r["precision"]: r["weight_bytes"] for r in res["records"] if r["kind"] == "memory"}
+    assert mem["nvfp4"] < 0.6 * mem["bf16"]
+    assert dec["nvfp4"]["read_bytes"] < dec["bf16"]["read_bytes"]
+    assert all(r["tokens_per_s"] > 0 for r in dec.values())
+    bd = next(r for r in res["records"] if r["kind"] == "breakdown")
+    assert set(bd["ms"]) == {"attention", "dense", "moe", "other"}
+    assert abs(sum(bd["ms"].values()) - bd["ms_per_step"]) < 1e-6 * max(1.0, bd["ms_per_step"])
+    assert "decode_speedup_b1" in res["summary"]["qwen3-30b-a3b"]

@@ -1,0 +1,291 @@
+"""nvfp4_jax.models against HF transformers on tiny checkpoints that ModelOpt itself exports.
+
+Reference: ``tests/hf_reference.py`` runs the export in transformers (float32, and bfloat16 for
+the noise scale below) with every NVFP4 weight dequantized exactly and, for W4A4, each
+quantized linear's input quantized as TensorRT-LLM does (trtllm recipe, ``G = 1/input_scale``;
+experts with one activation scale per layer).
+
+Bound. Our model computes in bf16 (activations, q/k/v, attention probabilities, MLP
+intermediates, logits stored in bf16; fp32 accumulation). Relative to the float32 reference,
+its logits error is a sum of per-rounding contributions (unit roundoff 2^-8 each), plus, for
+W4A4, the FP4 codes that those small differences flip at E2M1 midpoints. HF's own bf16
+execution of the same model has the same rounding points (and rounds the weights as well), so
+``d16 = HF_bf16 - HF_fp32`` over the B*T*V logits measures the size of such errors on this
+model. With at least as many independent contributions of the same size, HF bf16's per-logit
+error has at least our standard deviation; the maximum of N ~ 6000 such errors concentrates
+(Gaussian: ~3.8 sigma +- 0.35), so ours stays below 2 * max|d16| unless either maximum is 3
+standard deviations off; W4A4's flips make the error heavier-tailed (a few large
+contributions), so there the factor is 3. The RMS over all logits fluctuates less (errors of
+one position are correlated across the vocabulary, so about B*T = 24 independent samples:
++-20 %), so it gets 1.5 * rms(d16) in every case. Bound: ``max|ours - HF_fp32| <= c * max|d16|``
+(c = 2 for W4A16, 3 for W4A4) and ``rms(ours - HF_fp32) <= 1.5 * rms(d16)``. Measured ratios
+are 0.4 to 1.0. A second Llama checkpoint ("dense-wide") has weights ~ N(0, 0.1^2) (not
+0.02) so that its attention is far from uniform: a RoPE with the wrong sense then exceeds the
+W4A16 bound 40-fold. (Its W4A4 logits move by a third of their range between bf16 and fp32
+execution, too chaotic to bound usefully, so W4A4 is checked on the 0.02 checkpoints.)
+
+What the model-level W4A4 bound cannot see: on these random models the bf16 execution's code
+flips are as large as the activation quantization itself (leaving the activations unquantized
+stays within the bound), and SwiGLU is nearly symmetric in gate and up at their small
+magnitudes. ``test_linear_w4a4_and_moe_block_match_oracle`` checks both against the oracle.
+
+Greedy: a generated token either equals the float32 reference's argmax, or the reference's
+margin between its argmax and our token is within the same bound (a tie the bound cannot
+resolve; random tiny models have top-2 margins down to 1e-4, and W4A4 errors of ~0.05).
+Our KV-cache decode reproduces our own full-sequence argmax exactly.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+pytest.importorskip("modelopt.torch.quantization")
+
+import jax.numpy as jnp  # noqa: E402
+
+import oracle  # noqa: E402
+from nvfp4_jax import NVFP4Array, models, nn  # noqa: E402
+
+from hf_reference import HFReference, make_checkpoint  # noqa: E402
+
+#: (checkpoint, W4A4): "dense-wide" is the Llama with weights ~ N(0, 0.1^2) (see above)
+CASES = [("moe", True), ("moe", False), ("dense", True), ("dense-wide", False)]
+PROMPT = np.random.default_rng(0).integers(0, 256, (2, 12))
+N_NEW = 32
+
+
+@pytest.fixture(scope="session")
+def checkpoint_dir(tmp_path_factory):
+    made = {}
+
+    def get(kind):
+        if kind not in made:
+            made[kind] = make_checkpoint(kind.split("-")[0],
+                                         str(tmp_path_factory.mktemp(f"nvfp4-{kind}")),
+                                         init=0.1 if kind.endswith("-wide") else 0.02)
+        return made[kind]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def loaded(checkpoint_dir):
+    cache = {}
+
+    def get(kind):
+        if kind not in cache:
+            cache[kind] = models.load_model(checkpoint_dir(kind))
+        return cache[kind]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def reference(checkpoint_dir):
+    cache = {}
+
+    def get(kind, w4a4, dtype="float32"):
+        key = (kind, w4a4, dtype)
+        if key not in cache:
+            cache[key] = HFReference(checkpoint_dir(kind), dtype, w4a4)
+        return cache[key]
+
+    return get
+
+
+def _bound(reference, kind, w4a4, ids):
+    """(HF fp32 logits, max-abs bound, rms bound) for ``ids`` (see the module docstring)."""
+    r32 = reference(kind, w4a4).logits(ids)
+    d16 = reference(kind, w4a4, "bfloat16").logits(ids) - r32
+    c = 3.0 if w4a4 else 2.0
+    return r32, c * float(np.abs(d16).max()), 1.5 * float(np.sqrt(np.mean(d16 ** 2)))
+
+
+def _ours(model, ids, w4a4):
+    cache = models.init_cache(model.config, ids.shape[0], ids.shape[1])
+    logits, _ = models.prefill(model, jnp.asarray(ids, jnp.int32), cache, all_logits=True,
+                               w4a4=w4a4)
+    return np.asarray(logits, np.float64)
+
+
+@pytest.mark.parametrize("kind,w4a4", CASES)
+def test_logits_match_hf_within_bound(loaded, reference, kind, w4a4):
+    r32, bound, rms_bound = _bound(reference, kind, w4a4, PROMPT)
+    ours = _ours(loaded(kind), PROMPT, w4a4)
+    err = float(np.abs(ours - r32).max())
+    rms = float(np.sqrt(np.mean((ours - r32) ** 2)))
+    assert 0 < bound < 0.5 * float(np.abs(r32).max())  # the bound is informative
+    assert err <= bound, f"{kind} w4a4={w4a4}: max |ours - HF fp32| = {err:.4g} > {bound:.4g}"
+    assert rms <= rms_bound, f"{kind} w4a4={w4a4}: rms {rms:.4g} > bound {rms_bound:.4g}"
+
+
+@pytest.mark.parametrize("kind,w4a4", CASES)
+def test_greedy_32_tokens_match_hf(loaded, reference, kind, w4a4):
+    model = loaded(kind)
+    prompt = PROMPT[:1]
+    gen = models.generate(model, prompt, N_NEW, w4a4=w4a4, warmup=False)
+    assert gen.tokens.shape == (1, N_NEW)
+    seq = np.concatenate([prompt, gen.tokens], axis=1)
+    t = prompt.shape[1]
+    # our KV-cache decode == our full-sequence forward, token for token
+    assert (np.argmax(_ours(model, seq, w4a4)[0, t - 1:-1], -1) == gen.tokens[0]).all()
+    r32, bound, _ = _bound(reference, kind, w4a4, seq)
+    ref = r32[0, t - 1:-1]
+    best = ref.max(-1)
+    ours_logit = ref[np.arange(N_NEW), gen.tokens[0]]
+    gap = best - ours_logit  # 0 where our token is the reference's argmax
+    same = int((gap == 0).sum())
+    assert (gap <= bound).all(), (f"{kind} w4a4={w4a4}: token differs from HF's argmax by a "
+                                  f"margin {gap.max():.4g} > bound {bound:.4g}")
+    assert same >= N_NEW // 2, f"only {same}/{N_NEW} tokens equal HF's argmax"
+
+
+def test_loader_keeps_weights_nvfp4(loaded, checkpoint_dir):
+    from nvfp4_jax import checkpoint as ckpt
+
+    model = loaded("moe")
+    ck = ckpt.load(checkpoint_dir("moe"))
+    layer = model.groups[0]
+    q = layer["self_attn"]["q_proj"]
+    assert isinstance(q, nn.Linear) and isinstance(q.w, NVFP4Array)
+    assert q.w.codes.dtype == jnp.uint8 and q.w.scales.dtype == jnp.float8_e4m3fn
+    # the bytes on the device are the checkpoint's (layer 1 of the stacked group)
+    raw = ck.get("model.layers.1.self_attn.q_proj.weight")
+    np.testing.assert_array_equal(np.asarray(q.w.codes[1]), raw)
+    moe = layer["moe"]
+    assert moe.fc1.shape == (4, 64, 64) and moe.fc1.decode_scale.shape == (2, 4)
+    up = ck.get("model.layers.0.mlp.experts.2.up_proj.weight")
+    np.testing.assert_array_equal(np.asarray(moe.fc1.codes[0, 2, :32]), up)  # rows [up; gate]
+
+
+def test_sampling(loaded):
+    model = loaded("dense")
+    greedy = models.generate(model, PROMPT[:1], 4, warmup=False).tokens
+    cold = models.generate(model, PROMPT[:1], 4, temperature=1e-6, seed=3, warmup=False).tokens
+    np.testing.assert_array_equal(cold, greedy)
+    a = models.generate(model, PROMPT[:1], 6, temperature=5.0, seed=1, warmup=False).tokens
+    b = models.generate(model, PROMPT[:1], 6, temperature=5.0, seed=1, warmup=False).tokens
+    c = models.generate(model, PROMPT[:1], 6, temperature=5.0, seed=2, warmup=False).tokens
+    np.testing.assert_array_equal(a, b)
+    assert (a != c).any()
+    with pytest.raises(ValueError, match="prompt"):
+        models.generate(model, np.array([[1, 999]]), 2)
+    with pytest.raises(ValueError, match="temperature"):
+        models.sample(jnp.zeros((1, 4)), None, -1.0)
+
+
+def test_linear_and_quantize_experts_match_oracle():
+    rng = np.random.default_rng(5)
+    w = rng.standard_normal((3, 32, 64)).astype(np.float32)
+    stack = nn.quantize_experts(jnp.asarray(w), "modelopt")
+    assert stack.shape == (3, 32, 64) and stack.decode_scale.shape == (3,)
+    for e in range(3):
+        want = oracle.quantize(w[e], "modelopt")
+        np.testing.assert_array_equal(np.asarray(stack.codes[e]), want.codes)
+        assert float(stack.decode_scale[e]) == float(np.float32(want.decode_scale))
+    t = oracle.quantize(w[0], "trtllm")
+    scales = jnp.asarray(t.scales).view(jnp.float8_e4m3fn)
+    lin = nn.Linear(NVFP4Array.from_parts(jnp.asarray(t.codes), scales,
+                                          jnp.float32(t.decode_scale)))
+    x = rng.standard_normal((5, 64)).astype(jnp.bfloat16)
+    got = np.asarray(nn.linear(lin, jnp.asarray(x), backend="xla"), np.float64)
+    want = np.asarray(x, np.float64) @ oracle.dequantize(t).T
+    np.testing.assert_allclose(got, want, rtol=2.0**-8, atol=1e-6)
+
+
+def _save_char_tokenizer(path: str) -> None:
+    """A character-level tokenizer over the checkpoint's 256 ids (built offline)."""
+    from tokenizers import Tokenizer, pre_tokenizers
+    from tokenizers.models import WordLevel
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {chr(0x100 + i): i for i in range(255)}
+    vocab["<unk>"] = 255
+    tk = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>").save_pretrained(path)
+
+
+def test_cli_generate(checkpoint_dir, loaded, tmp_path, capsys):
+    import json
+    import shutil
+
+    from nvfp4_jax.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["generate", "--help"])
+    assert exc.value.code == 0 and "usage: nvfp4 generate" in capsys.readouterr().out
+    src = checkpoint_dir("dense")
+    ids = [int(i) for i in PROMPT[0]]
+    out = tmp_path / "gen.json"
+    assert main(["generate", "--checkpoint", src, "--prompt-ids", ",".join(map(str, ids)),
+                 "--max-new-tokens", "5", "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    want = models.generate(loaded("dense"), PROMPT[:1], 5, warmup=False).tokens[0]
+    assert res["new_ids"] == [int(t) for t in want] and res["text"] is None
+    cap = capsys.readouterr()
+    assert ",".join(map(str, want)) in cap.out
+    assert "loaded layer 2/2" in cap.err and "decode: 5 tokens" in cap.err
+    assert main(["generate", "--checkpoint", src, "--prompt", "hi"]) == 2
+    assert "--prompt needs a tokenizer" in capsys.readouterr().err
+    # with a tokenizer: text in, text out
+    ck = tmp_path / "with-tok"
+    shutil.copytree(src, ck)
+    _save_char_tokenizer(str(ck))
+    text = "".join(chr(0x100 + i) for i in ids)
+    assert main(["generate", "--checkpoint", str(ck), "--prompt", text, "--max-new-tokens", "5",
+                 "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["prompt_ids"] == ids and res["new_ids"] == [int(t) for t in want]
+    assert res["text"].replace(" ", "") == "".join(chr(0x100 + int(i)) for i in want)
+    assert main(["generate", "--checkpoint", str(tmp_path / "nope"), "--prompt-ids", "1"]) == 2
+
+
+def test_linear_w4a4_and_moe_block_match_oracle():
+    """nn.linear with an input_scale is W4A4 (TensorRT-LLM), and nn.moe_block routes softmax
+    top-k (renormalized) and applies silu(gate) * up to fc1 rows [up; gate] - against the
+    oracle, at magnitudes where SwiGLU is far from linear."""
+    rng = np.random.default_rng(7)
+    x = (rng.standard_normal((6, 64)) * 2).astype(jnp.bfloat16)
+    xf = np.asarray(x, np.float64)
+    w = rng.standard_normal((32, 64)).astype(np.float32)
+    t = oracle.quantize(w, "trtllm")
+    s_in = np.float32(np.abs(xf).max() / 2688)
+    lin = nn.Linear(NVFP4Array.from_parts(jnp.asarray(t.codes),
+                                          jnp.asarray(t.scales).view(jnp.float8_e4m3fn),
+                                          jnp.float32(t.decode_scale)), jnp.float32(s_in))
+    xq = oracle.dequantize(oracle.quantize(xf, "trtllm", encode_scale=float(np.float32(1) / s_in)),
+                           include_decode_scale=False) * float(s_in)
+    want = xq @ oracle.dequantize(t).T
+    got = np.asarray(nn.linear(lin, jnp.asarray(x), backend="xla"), np.float64)
+    np.testing.assert_allclose(got, want, rtol=2.0**-8, atol=1e-3 * np.abs(want).max())
+    assert np.abs(got - xf @ oracle.dequantize(t).T).max() > 10 * np.abs(got - want).max()
+
+    e, i, k = 4, 32, 2
+    gate = rng.standard_normal((e, i, 64)).astype(np.float32) * 0.3
+    up = rng.standard_normal((e, i, 64)).astype(np.float32) * 0.3
+    down = rng.standard_normal((e, 64, i)).astype(np.float32) * 0.3
+    fc1 = nn.quantize_experts(jnp.asarray(np.concatenate([up, gate], axis=1)), "trtllm")
+    fc2 = nn.quantize_experts(jnp.asarray(down), "trtllm")
+    router = rng.standard_normal((e, 64)).astype(jnp.bfloat16)
+    s1 = np.full(e, np.abs(xf).max() / 2688, np.float32)
+    s2 = np.full(e, 40.0 / 2688, np.float32)
+    p = nn.MoE(jnp.asarray(router), fc1, fc2, jnp.asarray(s1), jnp.asarray(s2), top_k=k)
+    got = np.asarray(nn.moe_block(p, jnp.asarray(x), backend="xla"), np.float64)
+    logits = np.asarray((xf @ np.asarray(router, np.float64).T).astype(jnp.bfloat16), np.float64)
+    prob = np.exp(logits - logits.max(-1, keepdims=True))
+    prob /= prob.sum(-1, keepdims=True)
+    ids = np.argsort(-prob, axis=-1)[:, :k]
+    wts = np.take_along_axis(prob, ids, -1)
+    wts = (wts / wts.sum(-1, keepdims=True)).astype(np.float32)
+
+    def stack(a):
+        return oracle.NVFP4(np.asarray(a.codes), np.asarray(a.scales).view(np.uint8),
+                            np.asarray(a.decode_scale, np.float64))
+
+    want = oracle.moe(xf, ids, wts, stack(fc1), stack(fc2), s1.astype(np.float64),
+                      s2.astype(np.float64), activation="swiglu", gate_up_order="up_gate")
+    np.testing.assert_allclose(got, want, rtol=2.0**-7, atol=2.0**-7 * np.abs(want).max())

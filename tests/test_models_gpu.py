@@ -1,0 +1,82 @@
+"""nvfp4_jax.models on the GPU: the kernels (backend "auto": Pallas-Triton / Mosaic GEMMs and
+MoE) inside the scanned decoder against the XLA reference path, at Qwen3-30B-A3B layer widths
+(2 layers, 16 experts) and a Llama-3-8B-like dense layer width.
+
+Bound: the kernel and XLA paths sum in different orders, so bf16 outputs differ by an ulp here
+and there, and W4A4 activation quantization turns some of those into flipped FP4 codes, which
+move logits by up to a quantization step. On the CPU checkpoints of test_models.py the whole
+bf16-vs-fp32 execution difference is ~10 % of the logits' RMS; an order-of-summation
+difference is smaller, so the RMS of the difference must stay below 10 % of the logits' RMS
+(a wrong layer slice, scale or kernel gives O(1)).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from nvfp4_jax import models
+
+pytestmark = pytest.mark.gpu
+
+if jax.default_backend() != "gpu":
+    pytest.skip("needs an NVIDIA GPU (Pallas kernels compiled for real)", allow_module_level=True)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _bench():
+    path = os.path.join(ROOT, "bench", "e2e_bench.py")
+    spec = importlib.util.spec_from_file_location("e2e_bench", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+SHAPES = {
+    "qwen3-moe": dict(vocab_size=1024, hidden_size=2048, num_layers=2, num_heads=32,
+                      num_kv_heads=4, head_dim=128, rope_theta=1e6, qk_norm=True, num_experts=16,
+                      num_experts_per_tok=8, moe_intermediate_size=768),
+    "llama": dict(vocab_size=1024, hidden_size=4096, num_layers=2, num_heads=32, num_kv_heads=8,
+                  head_dim=128, intermediate_size=14336, rope_theta=5e5),
+}
+
+
+@pytest.mark.parametrize("name", list(SHAPES))
+@pytest.mark.parametrize("batch", [1, 8])
+def test_kernels_in_decoder_match_xla(name, batch):
+    bench = _bench()
+    model = bench.build_model(bench.config_of(SHAPES[name]), "nvfp4")
+    ids = (jnp.arange(batch * 16, dtype=jnp.int32).reshape(batch, 16) * 37) % 1024
+    outs = {}
+    for backend in ("auto", "xla"):
+        cache = models.init_cache(model.config, batch, 20)
+        logits, cache = models.prefill(model, ids, cache, backend=backend, all_logits=True)
+        step, _ = models.decode_step(model, jnp.argmax(logits[:, -1], -1).astype(jnp.int32),
+                                     cache, backend=backend)
+        outs[backend] = np.concatenate([np.asarray(logits, np.float64).reshape(-1),
+                                        np.asarray(step, np.float64).reshape(-1)])
+    ref = outs["xla"]
+    assert np.isfinite(outs["auto"]).all()
+    rel = np.sqrt(np.mean((outs["auto"] - ref) ** 2) / np.mean(ref ** 2))
+    assert rel < 0.1, f"{name} batch {batch}: rms(kernels - xla) / rms(xla) = {rel:.3g}"
+    # unrolled layers run the same kernels on their own weight buffers
+    flat = model.unstacked()
+    cache = models.init_cache(model.config, batch, 20)
+    logits, _ = models.prefill(flat, ids, cache, all_logits=True)
+    got = np.asarray(logits, np.float64).reshape(-1)
+    n = got.size
+    rel = np.sqrt(np.mean((got - outs["auto"][:n]) ** 2) / np.mean(outs["auto"][:n] ** 2))
+    assert rel < 0.1, f"{name} batch {batch}: unrolled vs scanned layers differ by {rel:.3g}"
+
+
+def test_generate_on_gpu():
+    bench = _bench()
+    model = bench.build_model(bench.config_of(SHAPES["qwen3-moe"]), "nvfp4")
+    gen = models.generate(model, np.arange(8)[None], 8)
+    assert gen.tokens.shape == (1, 8) and gen.decode_tokens_per_s > 0

@@ -119,7 +119,8 @@ def shard_experts(w: NVFP4Array, mesh: Mesh, axis: str = "ep") -> NVFP4Array:
     if w.shape[0] % d:
         raise ValueError(f"w: E = {w.shape[0]} experts do not split over {d} devices of {axis!r}")
     if tuple(jnp.shape(w.decode_scale)) != (w.shape[0],):
-        raise ValueError(f"w: expected decode_scale [E={w.shape[0]}], got {jnp.shape(w.decode_scale)}")
+        raise ValueError(f"w: expected decode_scale [E={w.shape[0]}], got "
+                         f"{jnp.shape(w.decode_scale)}")
     specs = _expert_specs(w, axis)
     return jax.tree_util.tree_map(lambda a, s: jax.device_put(a, NamedSharding(mesh, s)), w, specs)
 
@@ -200,7 +201,8 @@ def moe_ep(
     n_routes = t * k
     cap = n_routes if capacity is None else int(capacity)
     if not 0 < cap <= n_routes:
-        raise ValueError(f"capacity: expected an int in [1, T*k = {n_routes}] or None, got {capacity}")
+        raise ValueError(f"capacity: expected an int in [1, T*k = {n_routes}] or None, "
+                         f"got {capacity}")
     s1 = jnp.broadcast_to(jnp.asarray(fc1_input_scale, jnp.float32), (e,))
     s2 = jnp.broadcast_to(jnp.asarray(fc2_input_scale, jnp.float32), (e,))
     e_loc = e // d
@@ -254,7 +256,8 @@ def _check_tp_weight(w, d: int, mode: str) -> None:
         raise ValueError(f"w: tensor parallelism splits linear block scales; got layout "
                          f"{w.layout!r}: pass w.with_layout('linear')")
     if jnp.ndim(w.decode_scale) != 0:
-        raise ValueError(f"w: expected a scalar decode_scale, got shape {jnp.shape(w.decode_scale)}")
+        raise ValueError(f"w: expected a scalar decode_scale, got shape "
+                         f"{jnp.shape(w.decode_scale)}")
     n, k = w.shape
     if mode == "column" and n % d:
         raise ValueError(f"w: N = {n} does not split over {d} devices (column-parallel)")
@@ -323,7 +326,7 @@ def linear_tp(
         return out.reshape(lead + (n,))
 
     def row(xs, ws, si):
-        if si is not None:  # the W4A4 operand: the trtllm recipe at G = 1/input_scale, exact in bf16
+        if si is not None:  # W4A4 operand: trtllm recipe at G = 1/input_scale, exact in bf16
             xq = quantize(xs, "trtllm", encode_scale=jnp.float32(1.0) / si)
             xs = dequantize(xq, jnp.bfloat16, include_decode_scale=False)
             alpha = si * ws.decode_scale

@@ -124,7 +124,8 @@ def bench_shape(name, s, tokens, devices, args) -> list[dict]:
             out = jax.jit(ep)(x)
             nan_rows = int(jnp.sum(jnp.any(jnp.isnan(out.astype(jnp.float32)), axis=1)))
             t_ep = time_layer(ep, x, args.reps)
-            b = par.ep_bytes(t, s["hidden"], k, e, d)
+            limited = cap is not None and cap < t * k
+            b = par.ep_bytes(t, s["hidden"], k, e, d, capacity_limited=limited)
             sent = b["all_gather"] + b["routing"]
             link_us = sent / (args.link_gbps * 1e9) * 1e6
             row = {"shape": name, "T": t, "devices": d, "capacity": cap,

@@ -77,12 +77,15 @@ __all__ = ["EP_SCHEMES", "ep_bytes", "ep_capacity", "linear_tp", "mesh_1d", "moe
 EP_SCHEMES = ("all_gather",)
 
 
-def ep_bytes(tokens: int, hidden: int, top_k: int, experts: int, devices: int) -> dict:
+def ep_bytes(tokens: int, hidden: int, top_k: int, experts: int, devices: int, *,
+             capacity_limited: bool = False) -> dict:
     """Bytes one device sends per MoE layer for each dispatch/combine scheme (module
     docstring): ``all_gather`` (implemented, per-route combine), ``all_to_all_static``,
     ``all_to_all_ragged`` (expected, uniform routing) and ``all_gather_partial_fp32`` (not
-    bit-exact), plus the routing's all-gather (``routing``: int32 ids + fp32 weights),
-    which ``all_gather`` also moves. ``experts`` only checks that it splits over ``devices``."""
+    bit-exact), plus ``routing``, which the implemented scheme also moves: the all-gather of
+    the int32 expert ids [T, k] and, with a ``capacity`` below T*k (``capacity_limited``), the
+    reduce-scatter of int32 per-route "computed" flags [T*k] (the router weights stay on their
+    tokens' devices). ``experts`` only checks that it splits over ``devices``."""
     t, h, k, d = tokens, hidden, top_k, devices
     if d < 1 or experts % d:
         raise ValueError(f"devices: expected a divisor of experts = {experts}, got {d}")
@@ -92,7 +95,7 @@ def ep_bytes(tokens: int, hidden: int, top_k: int, experts: int, devices: int) -
         "all_to_all_static": 2 * f * t * k * h * 2,
         "all_to_all_ragged": 2 * f / d * t * k * h * 2,
         "all_gather_partial_fp32": f * t * h * 6,
-        "routing": f * t * k * 8,
+        "routing": f * t * k * 4 * (2 if capacity_limited else 1),
     }
 
 
@@ -233,11 +236,13 @@ def moe_ep(
         dest = jnp.where(valid, sel, n_routes)
         buf = jnp.full((n_routes, h), -0.0, y.dtype).at[dest].set(y, mode="drop")
         mine = lax.psum_scatter(buf, axis, scatter_dimension=0, tiled=True)  # [T/D*k, H]
-        done = lax.psum_scatter(jnp.zeros((n_routes,), jnp.int32).at[dest].set(1, mode="drop"),
-                                axis, scatter_dimension=0, tiled=True)
         tl = h_loc.shape[0]
         contrib = mine.astype(jnp.float32).reshape(tl, k, h) * w_loc.astype(jnp.float32)[:, :, None]
         out = contrib.sum(axis=1).astype(jnp.bfloat16)
+        if cap == n_routes:  # every route is computed
+            return out
+        done = lax.psum_scatter(jnp.zeros((n_routes,), jnp.int32).at[dest].set(1, mode="drop"),
+                                axis, scatter_dimension=0, tiled=True)
         dropped = jnp.any(done.reshape(tl, k) == 0, axis=1)
         return jnp.where(dropped[:, None], jnp.asarray(jnp.nan, out.dtype), out)
 

@@ -40,7 +40,7 @@ def check_names() -> list[str]:
         names += [f"linear_{m}_{a}_{v}_d{d}" for m in ("column", "row") for a in ("w4a16", "w4a4")
                   for d in DEVICES]
     names += [f"moe_ep_swiglu_logits_d{d}" for d in (2, 8)]
-    names += ["moe_ep_capacity_nan", "errors"]
+    names += ["moe_ep_capacity_nan", "moe_ep_collectives_d4", "errors"]
     return names
 
 
@@ -224,6 +224,34 @@ def run_checks() -> dict:
         return ok_nan and same, f"NaN rows {np.flatnonzero(nan_rows).tolist()}; kept rows: {detail}"
 
     record("moe_ep_capacity_nan", capacity)
+
+    def collectives():
+        """The compiled program's all-gathers and reduce-scatters move the elements that
+        ep_bytes counts (XLA:CPU widens bf16 collectives to f32, so elements, not bytes)."""
+        import re
+
+        d = 4
+        mesh = par.mesh_1d(d, "ep")
+        found = {}
+        for cap in (None, 2 * T * K_TOP // d):
+            txt = jax.jit(lambda x, a, b, cap=cap: par.moe_ep(
+                x, fc1=a, fc2=b, fc1_input_scale=s1, fc2_input_scale=s2, mesh=mesh,
+                topk_ids=ids, topk_weights=wts, backend="xla", capacity=cap)).lower(
+                hidden, fc1_n, fc2_n).compile().as_text()
+            sent = 0.0
+            for m in re.finditer(r"= \w+\[([\d,]*)\]\S* (all-gather|reduce-scatter)\(", txt):
+                n = int(np.prod([int(v) for v in m.group(1).split(",") if v]))
+                full = n if m.group(2) == "all-gather" else n * d
+                sent += (d - 1) / d * full
+            b = par.ep_bytes(T, H, K_TOP, E, d, capacity_limited=cap is not None)
+            # elements: hidden [T, H] and per-route outputs [T*k, H] (2 bytes each), ids and
+            # flags (4 bytes each)
+            want = b["all_gather"] / 2 + b["routing"] / 4
+            found[str(cap)] = (sent, want)
+        ok = all(s == w for s, w in found.values())
+        return ok, f"(elements sent per device, ep_bytes) by capacity: {found}"
+
+    record("moe_ep_collectives_d4", collectives)
 
     def errors():
         mesh3 = par.mesh_1d(3, "ep")

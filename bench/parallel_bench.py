@@ -78,17 +78,18 @@ from nvfp4_jax import parallel as par  # noqa: E402
 LAYERS = 8
 
 
-def time_layer(layer, x, reps: int) -> float:
-    """Seconds per layer: a jitted loop of LAYERS chained layers, median of ``reps`` calls."""
+def time_layer(layer, x, params, reps: int) -> float:
+    """Seconds per layer: a jitted loop of LAYERS chained layers ``layer(y, params)``, median
+    of ``reps`` calls (weights and routing travel as jit arguments, not as constants)."""
     @jax.jit
-    def run(x):
-        return jax.lax.fori_loop(0, LAYERS, lambda i, y: chain(y, layer(y)), x)
+    def run(x, params):
+        return jax.lax.fori_loop(0, LAYERS, lambda i, y: chain(y, layer(y, params)), x)
 
-    out = run(x).block_until_ready()  # compile + warm
+    out = run(x, params).block_until_ready()  # compile + warm
     ts = []
     for _ in range(reps):
         t0 = time.perf_counter()
-        out = run(x).block_until_ready()
+        out = run(x, params).block_until_ready()
         ts.append(time.perf_counter() - t0)
     del out
     return float(np.median(ts)) / LAYERS
@@ -104,10 +105,11 @@ def bench_shape(name, s, tokens, devices, args) -> list[dict]:
         ids, wts = make_routing(rng, t, e, k, "random")
         ids, wts = jnp.asarray(ids[0]), jnp.asarray(wts[0])
         x = make_hidden(t, s["hidden"])
-        single = lambda y: nj.moe(y, fc1=q1, fc2=q2, fc1_input_scale=s1, fc2_input_scale=s2,
-                                  topk_ids=ids, topk_weights=wts, activation=act,
-                                  backend=args.backend)
-        t_single = time_layer(single, x, args.reps)
+        def single(y, p):
+            return nj.moe(y, fc1=p[0], fc2=p[1], fc1_input_scale=p[2], fc2_input_scale=p[3],
+                          topk_ids=p[4], topk_weights=p[5], activation=act, backend=args.backend)
+
+        t_single = time_layer(single, x, (q1, q2, s1, s2, ids, wts), args.reps)
         for d in devices:
             if d > len(jax.devices()) or e % d or t % d:
                 rows.append({"shape": name, "T": t, "devices": d,
@@ -117,13 +119,15 @@ def bench_shape(name, s, tokens, devices, args) -> list[dict]:
             f1, f2 = par.shard_experts(q1, mesh), par.shard_experts(q2, mesh)
             cf = args.capacity_factor
             cap = None if cf <= 0 else par.ep_capacity(t, k, d, cf)
-            ep = lambda y, mesh=mesh, f1=f1, f2=f2, cap=cap: par.moe_ep(
-                y, fc1=f1, fc2=f2, fc1_input_scale=s1, fc2_input_scale=s2, mesh=mesh,
-                topk_ids=ids, topk_weights=wts, activation=act, backend=args.backend,
-                capacity=cap)
-            out = jax.jit(ep)(x)
+            def ep(y, p, mesh=mesh, cap=cap):
+                return par.moe_ep(y, fc1=p[0], fc2=p[1], fc1_input_scale=p[2],
+                                  fc2_input_scale=p[3], topk_ids=p[4], topk_weights=p[5],
+                                  mesh=mesh, activation=act, backend=args.backend, capacity=cap)
+
+            params = (f1, f2, s1, s2, ids, wts)
+            out = jax.jit(ep)(x, params)
             nan_rows = int(jnp.sum(jnp.any(jnp.isnan(out.astype(jnp.float32)), axis=1)))
-            t_ep = time_layer(ep, x, args.reps)
+            t_ep = time_layer(ep, x, params, args.reps)
             limited = cap is not None and cap < t * k
             b = par.ep_bytes(t, s["hidden"], k, e, d, capacity_limited=limited)
             sent = b["all_gather"] + b["routing"]
@@ -136,7 +140,7 @@ def bench_shape(name, s, tokens, devices, args) -> list[dict]:
             rows.append(row)
             print(f"{name:10s} T={t:5d} D={d}: moe {t_single * 1e6:9.1f} us, moe_ep "
                   f"{t_ep * 1e6:9.1f} us, eff {row['scaling_efficiency']:.2f}, "
-                  f"{sent / 1e6:.2f} MB sent ({link_us:.1f} us at {args.link_gbps:g} GB/s), "
+                  f"{sent / 1e6:.3f} MB sent ({link_us:.1f} us at {args.link_gbps:g} GB/s), "
                   f"nan rows {nan_rows}", flush=True)
     return rows
 

@@ -63,6 +63,7 @@ from typing import Literal
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -162,7 +163,8 @@ def moe_ep(
     fp32 [E] (ModelOpt decode form; the layer's one activation scale is their max over all
     experts, taken with ``pmax``). ``scheme``: "all_gather" (module docstring, bytes in
     :func:`ep_bytes`). ``capacity``: route rows each device computes, None for T*k (exact
-    for any routing); a route past it leaves its token's output NaN. ``mode``:
+    for any routing); a route past it leaves its token's output NaN, as does an expert id
+    outside [0, E) under jit (outside jit: ValueError). ``mode``:
     "trtllm_cutlass" only (module docstring). Jittable.
     """
     d = _axis_size(mesh, axis)
@@ -195,11 +197,17 @@ def moe_ep(
             correction_bias=correction_bias, routed_scaling_factor=routed_scaling_factor)
     elif topk_ids is None or topk_weights is None:
         raise ValueError("topk_ids: pass topk_ids and topk_weights, or router_logits with top_k")
+    ids_in = topk_ids  # concrete (checked below) unless traced
     topk_ids = jnp.asarray(topk_ids).astype(jnp.int32)
     topk_weights = jnp.asarray(topk_weights)
     if topk_ids.ndim != 2 or topk_ids.shape[0] != t or topk_weights.shape != topk_ids.shape:
         raise ValueError(f"topk_ids: expected int [T={t}, k] with topk_weights of the same shape, "
                          f"got {topk_ids.shape} and {topk_weights.shape}")
+    if not isinstance(ids_in, jax.core.Tracer) and np.size(ids_in):
+        lo, hi = int(np.min(np.asarray(ids_in))), int(np.max(np.asarray(ids_in)))
+        if lo < 0 or hi >= e:
+            raise ValueError(f"topk_ids: expected expert ids in [0, {e}), got values in "
+                             f"[{lo}, {hi}]")
     k = topk_ids.shape[1]
     n_routes = t * k
     cap = n_routes if capacity is None else int(capacity)
@@ -239,12 +247,12 @@ def moe_ep(
         tl = h_loc.shape[0]
         contrib = mine.astype(jnp.float32).reshape(tl, k, h) * w_loc.astype(jnp.float32)[:, :, None]
         out = contrib.sum(axis=1).astype(jnp.bfloat16)
-        if cap == n_routes:  # every route is computed
-            return out
-        done = lax.psum_scatter(jnp.zeros((n_routes,), jnp.int32).at[dest].set(1, mode="drop"),
-                                axis, scatter_dimension=0, tiled=True)
-        dropped = jnp.any(done.reshape(tl, k) == 0, axis=1)
-        return jnp.where(dropped[:, None], jnp.asarray(jnp.nan, out.dtype), out)
+        bad = jnp.any((ids_loc < 0) | (ids_loc >= e), axis=1)  # a route to no expert
+        if cap < n_routes:  # routes past the capacity
+            done = lax.psum_scatter(jnp.zeros((n_routes,), jnp.int32).at[dest].set(1, mode="drop"),
+                                    axis, scatter_dimension=0, tiled=True)
+            bad = bad | jnp.any(done.reshape(tl, k) == 0, axis=1)
+        return jnp.where(bad[:, None], jnp.asarray(jnp.nan, out.dtype), out)
 
     fn = jax.shard_map(
         body, mesh=mesh,

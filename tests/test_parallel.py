@@ -221,7 +221,15 @@ def run_checks() -> dict:
         nan_rows = np.isnan(out).all(axis=1)
         ok_nan = nan_rows.tolist() == [False] * 10 + [True] * (T - 10)
         same, detail = _bits_equal(out[:10], np.asarray(full, np.float32)[:10])
-        return ok_nan and same, f"NaN rows {np.flatnonzero(nan_rows).tolist()}; kept rows: {detail}"
+        # an expert id out of range under jit (no check possible): that token's row is NaN
+        oob = jax.jit(lambda x, a, b, i: par.moe_ep(
+            x, fc1=a, fc2=b, fc1_input_scale=s1, fc2_input_scale=s2, mesh=mesh,
+            topk_ids=i, topk_weights=wts, backend="xla"))(hidden, fc1_n, fc2_n,
+                                                          ids.at[5, 2].set(-1))
+        oob_rows = np.flatnonzero(np.isnan(np.asarray(oob, np.float32)).all(axis=1)).tolist()
+        return ok_nan and same and oob_rows == [5], (
+            f"NaN rows {np.flatnonzero(nan_rows).tolist()}; kept rows: {detail}; NaN rows with "
+            f"an id of -1 in token 5: {oob_rows}")
 
     record("moe_ep_capacity_nan", capacity)
 
@@ -266,6 +274,9 @@ def run_checks() -> dict:
             ("axis: expected one of", lambda: par.moe_ep(
                 hidden, fc1=fc1_n, fc2=fc2_n, fc1_input_scale=s1, fc2_input_scale=s2,
                 mesh=par.mesh_1d(2), axis="tp", topk_ids=ids, topk_weights=wts)),
+            ("topk_ids: expected expert ids in [0, 8)", lambda: par.moe_ep(
+                hidden, fc1=fc1_n, fc2=fc2_n, fc1_input_scale=s1, fc2_input_scale=s2,
+                mesh=par.mesh_1d(2), topk_ids=ids.at[3, 1].set(E), topk_weights=wts)),
             ("whole 16-value blocks", lambda: par.linear_tp(
                 hidden, nj.quantize(jnp.ones((32, 64), jnp.float32)), mesh=par.mesh_1d(8, "tp"),
                 mode="row")),

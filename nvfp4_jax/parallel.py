@@ -15,7 +15,8 @@ Tokens are sharded over the axis (T/D per device, e.g. after data-parallel atten
 device and layer, with bf16 hidden states (2 bytes), H the hidden size, k routes per token and
 ring collectives (a device sends (D-1)/D of a gathered or reduced buffer):
 
-* ``all_gather`` (implemented): all-gather the tokens (and the [T, k] routing), every device
+* ``all_gather`` (implemented): all-gather the tokens (and the int32 expert ids [T, k]; the
+  router weights stay on their tokens' devices), every device
   runs its own experts' routes, and a reduce-scatter over the per-route bf16 outputs brings
   each route's result back to its token's device, where the k routes are weighted and summed
   in fp32 exactly as on one device::
@@ -41,8 +42,9 @@ With static shapes the all-gather scheme moves fewer bytes than all-to-all for e
 either static scheme (at k = 8 (Qwen3-30B): 6 vs 18 bytes per T*H at D -> inf), but they
 add each token's k routes in a different order than one device does (per device first, then
 across devices), so the layer is no longer bit for bit the single-device layer; the
-per-route combine keeps it so. ``ragged_all_to_all`` moves the fewest bytes; it needs
-data-dependent send sizes that XLA:CPU does not run, so it is not implemented here.
+per-route combine keeps it so. ``ragged_all_to_all`` moves the fewest bytes; it needs the
+per-destination counts exchanged first (one more all-to-all) and worst-case receive buffers,
+and it is not implemented here (the next step where links are the bottleneck).
 :func:`ep_bytes` evaluates all four.
 
 Each device computes ``capacity`` route rows (default T*k: every route of the layer may pick

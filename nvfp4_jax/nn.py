@@ -6,7 +6,7 @@
 * :class:`MoE` + :func:`moe_block`: a routed mixture of experts: a bf16 router, softmax (or
   sigmoid-and-bias) top-k, and the experts on ``nvfp4_jax.moe`` (W4A4, TensorRT-LLM CUTLASS
   arithmetic: one activation scale per layer, the max of the experts' ``input_scale``).
-* :func:`rms_norm`, :func:`quantize_experts`.
+* :func:`rms_norm`; expert stacks are quantized with :func:`nvfp4_jax.quantize_experts`.
 
 The parameter classes are registered pytrees (arrays are leaves, configuration is static), so
 they pass through ``jax.jit``, ``jax.lax.scan`` over stacked layers, and ``jax.device_put``
@@ -20,9 +20,9 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from .gemm.api import matmul
 from . import moe as moe_pkg
-from .quantize import NVFP4Array, quantize
+from .gemm.api import matmul
+from .quantize import NVFP4Array
 
 BACKENDS = ("auto", "mosaic", "pallas", "xla")
 
@@ -64,17 +64,6 @@ def linear(p: Linear | jax.Array, x: jax.Array, *, backend: str = "auto",
         return y.astype(jnp.bfloat16)
     s = p.input_scale if w4a4 else None
     return matmul(x, p.w, input_scale=s, backend=backend)
-
-
-def quantize_experts(w: jax.Array, recipe: str = "modelopt") -> NVFP4Array:
-    """Quantize an expert stack ``w [E, N, K]`` with one decode scale per expert -> NVFP4Array
-    [E, N, K] with ``decode_scale`` float32 [E] (what ``nvfp4_jax.moe`` takes). Jittable."""
-    # TODO(lead): use nvfp4_jax.quantize_experts
-    w = jnp.asarray(w)
-    if w.ndim != 3:
-        raise ValueError(f"w: expected an expert stack [E, N, K], got shape {w.shape}")
-    q = jax.vmap(lambda a: quantize(a, recipe))(w)
-    return NVFP4Array(q.codes, q.scales, q.decode_scale, tuple(w.shape), q.layout)
 
 
 @jax.tree_util.register_dataclass
@@ -154,16 +143,13 @@ def moe_block(p: MoE | MoEBF16, x: jax.Array, *, backend: str = "auto") -> jax.A
     """``x [T, H]`` bf16 -> bf16 [T, H]: route, then ``nvfp4_jax.moe`` (mode trtllm_cutlass),
     or :func:`moe_block_bf16` for a :class:`MoEBF16`.
 
-    ``backend``: "auto" | "pallas" | "xla" (what ``nvfp4_jax.moe`` accepts; "mosaic" is taken as
-    "auto", which picks the Mosaic kernels on sm_90 where they apply).
+    ``backend``: "auto" | "mosaic" | "pallas" | "xla", as ``nvfp4_jax.moe`` takes it.
     """
     if x.ndim != 2:
         raise ValueError(f"x: expected [T, H], got shape {x.shape}")
     if isinstance(p, MoEBF16):
         return moe_block_bf16(p, x)
     logits = router_logits(p, x)
-    if backend not in moe_pkg.BACKENDS:  # "mosaic": the MoE's own "auto" picks it on sm_90
-        backend = "auto"
     return moe_pkg.moe(x, fc1=p.fc1, fc2=p.fc2, fc1_input_scale=p.fc1_input_scale,
                    fc2_input_scale=p.fc2_input_scale, router_logits=logits, top_k=p.top_k,
                    routing=p.routing, renormalize=p.renormalize,

@@ -27,13 +27,8 @@ DEVICES = [d for d in (2, 4, 8) if d <= len(jax.devices())]
 
 
 def _stack(rng, e, n, k):
-    """Per-expert trtllm quantization of a random [E, N, K] stack, stacked by hand."""
-    # TODO(lead): nvfp4_jax.quantize_experts
-    qs = [nj.quantize(jnp.asarray(rng.standard_normal((n, k)), jnp.float32), "trtllm")
-          for _ in range(e)]
-    return nj.NVFP4Array.from_parts(jnp.stack([q.codes for q in qs]),
-                                    jnp.stack([q.scales for q in qs]),
-                                    jnp.stack([q.decode_scale for q in qs]), shape=(e, n, k))
+    """trtllm quantization of a random [E, N, K] stack, one decode scale per expert."""
+    return nj.quantize_experts(jnp.asarray(rng.standard_normal((e, n, k)), jnp.float32), "trtllm")
 
 
 @pytest.mark.parametrize("d", DEVICES)

@@ -27,7 +27,7 @@ pytestmark = pytest.mark.gpu
 if jax.default_backend() != "gpu":
     pytest.skip("needs an NVIDIA GPU (Pallas kernels compiled for real)", allow_module_level=True)
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _bench():

@@ -25,7 +25,7 @@ import sys
 import numpy as np
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEVICES = (1, 2, 4, 8)
 VARIANTS = ("normal", "subnormal")
 E, H, INTER, T, K_TOP = 8, 64, 32, 16, 3
@@ -48,8 +48,8 @@ def check_names() -> list[str]:
 
 
 def _quantize_experts(w: np.ndarray, decode: np.ndarray):
-    """Per-expert quantization of w [E, N, K] with decode scales [E], stacked."""
-    # TODO(lead): nvfp4_jax.quantize_experts
+    """Per-expert quantization of w [E, N, K] with given decode scales [E] (chosen to put the
+    block scales in E4M3's normal or subnormal range; ``quantize_experts`` derives them)."""
     import jax.numpy as jnp
 
     import nvfp4_jax as nj

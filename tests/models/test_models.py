@@ -45,11 +45,11 @@ pytest.importorskip("transformers")
 pytest.importorskip("modelopt.torch.quantization")
 
 import jax.numpy as jnp  # noqa: E402
+from hf_reference import HFReference, make_checkpoint  # noqa: E402
 
+import nvfp4_jax as nj  # noqa: E402
 import oracle  # noqa: E402
 from nvfp4_jax import NVFP4Array, models, nn  # noqa: E402
-
-from hf_reference import HFReference, make_checkpoint  # noqa: E402
 
 #: (checkpoint, W4A4): "dense-wide" is the Llama with weights ~ N(0, 0.1^2) (see above)
 CASES = [("moe", True), ("moe", False), ("dense", True), ("dense-wide", False)]
@@ -180,7 +180,7 @@ def test_sampling(loaded):
 def test_linear_and_quantize_experts_match_oracle():
     rng = np.random.default_rng(5)
     w = rng.standard_normal((3, 32, 64)).astype(np.float32)
-    stack = nn.quantize_experts(jnp.asarray(w), "modelopt")
+    stack = nj.quantize_experts(jnp.asarray(w), "modelopt")
     assert stack.shape == (3, 32, 64) and stack.decode_scale.shape == (3,)
     for e in range(3):
         want = oracle.quantize(w[e], "modelopt")
@@ -268,8 +268,8 @@ def test_linear_w4a4_and_moe_block_match_oracle():
     gate = rng.standard_normal((e, i, 64)).astype(np.float32) * 0.3
     up = rng.standard_normal((e, i, 64)).astype(np.float32) * 0.3
     down = rng.standard_normal((e, 64, i)).astype(np.float32) * 0.3
-    fc1 = nn.quantize_experts(jnp.asarray(np.concatenate([up, gate], axis=1)), "trtllm")
-    fc2 = nn.quantize_experts(jnp.asarray(down), "trtllm")
+    fc1 = nj.quantize_experts(jnp.asarray(np.concatenate([up, gate], axis=1)), "trtllm")
+    fc2 = nj.quantize_experts(jnp.asarray(down), "trtllm")
     router = rng.standard_normal((e, 64)).astype(jnp.bfloat16)
     s1 = np.full(e, np.abs(xf).max() / 2688, np.float32)
     s2 = np.full(e, 40.0 / 2688, np.float32)

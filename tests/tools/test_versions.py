@@ -60,3 +60,17 @@ def test_import_under_a_supported_or_allowed_jax_works():
     p = _import_with_jax_version("0.12.1", allow=True)
     assert p.returncode == 0 and "imported" in p.stdout, p.stderr[-2000:]
     assert "continuing" in p.stderr
+
+
+def test_pyproject_declares_the_supported_jax_range():
+    """pip resolves only the JAX versions the import accepts (pyproject == versions.py)."""
+    import tomllib
+
+    from packaging.requirements import Requirement
+    from packaging.specifiers import SpecifierSet
+
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        deps = [Requirement(d) for d in tomllib.load(f)["project"]["dependencies"]]
+    specs = {r.name: r.specifier for r in deps}
+    assert specs["jax"] == SpecifierSet(versions.SUPPORTED_JAX)
+    assert specs["jaxlib"] == SpecifierSet(versions.SUPPORTED_JAX)

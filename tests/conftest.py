@@ -144,7 +144,7 @@ def f32_bits(a) -> np.ndarray:
 
 
 # ---------------------------------------------------------------------------------------
-# The versions this run tests (printed in pytest's header; constraints.txt pins them for CI)
+# The versions this run tests (printed first, also under -q; constraints.txt pins them for CI)
 # ---------------------------------------------------------------------------------------
 
 REPORTED_DISTRIBUTIONS = (
@@ -153,7 +153,8 @@ REPORTED_DISTRIBUTIONS = (
 )
 
 
-def pytest_report_header(config):
+def environment_line() -> str:
+    """The Python and package versions of this run, one line."""
     import importlib.metadata
     import platform
 
@@ -164,5 +165,12 @@ def pytest_report_header(config):
             return "not installed"
 
     found = ", ".join(f"{d} {version(d)}" for d in REPORTED_DISTRIBUTIONS)
-    return [f"nvfp4-jax test environment: Python {platform.python_version()}; {found}; "
-            f"HYPOTHESIS_PROFILE={PROFILE}"]
+    return (f"nvfp4-jax test environment: Python {platform.python_version()}; {found}; "
+            f"HYPOTHESIS_PROFILE={PROFILE}")
+
+
+def pytest_sessionstart(session):
+    # written through the terminal reporter so that `pytest -q` (the README's command) shows it
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.write_line(environment_line())

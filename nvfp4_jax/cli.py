@@ -166,10 +166,11 @@ def build_parser() -> argparse.ArgumentParser:
                     "interpreted at small sizes. Exit code 1 when a kernel fails.")
     t.add_argument("--json", metavar="FILE", help="write the device, versions and every check as JSON")
     t.add_argument("--out-dir", default="nvfp4-selftest-failures", metavar="DIR",
-                   help="where each failure's .npz goes (GEMM ones: nvfp4 explain FILE.npz reads them)")
+                   help="where each failure's .npz goes (GEMM ones: nvfp4 explain FILE.npz reads "
+                        "them; default: %(default)s)")
     t.add_argument("--only", default="", metavar="LIST",
                    help="comma-separated kernel name prefixes, e.g. quantize,matmul/pallas (default: all)")
-    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--seed", type=int, default=0, help="the fuzzed inputs' seed (default: %(default)s)")
 
     from .models import command as generate_command
 

@@ -94,7 +94,7 @@ def test_gemm_equals_torch():
 def moe_case():
     """A small layer, top-22 of 24 experts as the default audit layer routes (the fp32 sum over
     22 routes is where a reduction order would show)."""
-    from test_moe_cases import make_case
+    from moe_cases import make_case
 
     return lambda seed, activation, tokens: make_case(
         np.random.default_rng(seed), t=tokens, h=64, inter=32, e=24, k=22, activation=activation)
@@ -134,7 +134,7 @@ def test_audit_path_imports_no_torch():
         for name in ("torch", "hypothesis", "matplotlib"):
             sys.modules[name] = None
         from nvfp4_jax.cli import main
-        rc = main(["audit", "--experts", "1", "--tokens", "1", "--no-progress"])
+        rc = main(["audit", "--experts", "1", "--top-k", "1", "--tokens", "1", "--no-progress"])
         loaded = [m for m in ("torch", "hypothesis", "matplotlib")
                   if sys.modules.get(m) is not None]
         print("RC", rc, "LOADED", loaded)

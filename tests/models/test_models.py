@@ -156,7 +156,8 @@ def test_loader_keeps_weights_nvfp4(loaded, checkpoint_dir):
     raw = ck.get("model.layers.1.self_attn.q_proj.weight")
     np.testing.assert_array_equal(np.asarray(q.w.codes[1]), raw)
     moe = layer["moe"]
-    assert moe.fc1.shape == (4, 64, 64) and moe.fc1.decode_scale.shape == (2, 4)
+    # stacked over the group's 2 layers: [layers, E, R, H], one decode scale per layer and expert
+    assert moe.fc1.shape == (2, 4, 64, 64) and moe.fc1.decode_scale.shape == (2, 4)
     up = ck.get("model.layers.0.mlp.experts.2.up_proj.weight")
     np.testing.assert_array_equal(np.asarray(moe.fc1.codes[0, 2, :32]), up)  # rows [up; gate]
 

@@ -173,7 +173,7 @@ def test_moe_proxy_plan_and_kernel_selection_in_one_place():
                    + ["dequant_ragged_dot"])
     assert not any(r["impl"] == "dequant_ragged_dot" and r["routing"] == "skewed" for r in rows)
     tri = [r for r in rows if r["impl"] == "nvfp4_moe_triton"]
-    assert tri and all(r["select"]["kernel"] == "triton" and r["scale_layout"] == "linear"
+    assert tri and all(r["select"]["backend"] == "pallas" and r["scale_layout"] == "linear"
                        for r in tri)
     assert "nvfp4_moe" in mb.PROXY_IMPLS and "bf16_ragged_dot" in mb.PROXY_IMPLS
 

@@ -2,7 +2,7 @@
 
 Profiles (select with ``HYPOTHESIS_PROFILE``, default ``ci``):
 
-* ``ci``:   10,000 examples per quantization property (``QUANT_EXAMPLES``), fewer for the
+* ``ci``:   2,500 examples per quantization property (``QUANT_EXAMPLES``), fewer for the
             cheaper structural properties; no deadline; derandomized so CI is reproducible.
 * ``deep``: 200,000 examples per quantization property, random seeds (for a nightly run).
 * ``dev``:  500 / 30 examples, for a quick local loop.
@@ -39,7 +39,7 @@ PROFILE = os.environ.get("HYPOTHESIS_PROFILE", "ci")
 settings.load_profile(PROFILE)
 
 #: examples per quantization property (JAX == oracle, byte for byte)
-QUANT_EXAMPLES = {"ci": 10_000, "deep": 200_000, "dev": 500}.get(PROFILE, 10_000)
+QUANT_EXAMPLES = {"ci": 2_500, "deep": 200_000, "dev": 500}.get(PROFILE, 2_500)
 
 # ---------------------------------------------------------------------------------------
 # Data generators

@@ -10,18 +10,12 @@ import numpy as np
 import pytest
 
 import nvfp4_jax as nj
+from nvfp4_jax.device import on_gpu
 
 pytestmark = pytest.mark.gpu
 
 
-def _has_gpu() -> bool:
-    try:
-        return jax.devices()[0].platform == "gpu"
-    except RuntimeError:
-        return False
-
-
-if not _has_gpu():
+if not on_gpu():  # the package's one device probe
     pytest.skip("needs an NVIDIA GPU (jax has no gpu device here)", allow_module_level=True)
 
 M, N, K = 8, 256, 512

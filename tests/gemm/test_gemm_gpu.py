@@ -13,20 +13,14 @@ import pytest
 
 import nvfp4_jax
 import oracle
+from nvfp4_jax.device import on_gpu
 from nvfp4_jax.gemm import Config, configs, dequantize_pallas, matmul, matmul_pallas
 from nvfp4_jax.testing import assert_gemm_close
 
 pytestmark = pytest.mark.gpu
 
 
-def _has_gpu() -> bool:
-    try:
-        return jax.devices()[0].platform == "gpu"
-    except RuntimeError:
-        return False
-
-
-if not _has_gpu():
+if not on_gpu():  # the package's one device probe
     pytest.skip("needs an NVIDIA GPU (jax has no gpu device here)", allow_module_level=True)
 
 def _case(rng, m, n, k):

@@ -16,8 +16,9 @@ fault reproduces it (``nvfp4_jax.explain``); exit code 1 when the output is wron
 checkpoint with nothing to audit) is refused before any work with one line on stderr and exit
 code 2: no option is silently replaced, no traceback is shown.
 
-``nvfp4 selftest [--json FILE] [--out-dir DIR] [--only LIST] [--seed S]``: every kernel this
-device runs against the oracle (``nvfp4_jax.selftest``); exit code 1 when one fails.
+``nvfp4 selftest [--json FILE] [--out-dir DIR] [--only LIST] [--seed S] [--full] [--fuzz N]``:
+every kernel this device runs against the oracle (``nvfp4_jax.selftest``); exit code 1 when one
+fails.
 
 ``nvfp4 generate --checkpoint DIR (--prompt TEXT | --prompt-ids 1,2,3) [--max-new-tokens N]
 [--json FILE]``: generate with a ModelOpt NVFP4 export (``nvfp4_jax.models.command``).
@@ -171,6 +172,11 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--only", default="", metavar="LIST",
                    help="comma-separated kernel name prefixes, e.g. quantize,matmul/pallas (default: all)")
     t.add_argument("--seed", type=int, default=0, help="the fuzzed inputs' seed (default: %(default)s)")
+    t.add_argument("--full", action="store_true",
+                   help="more shapes per kernel on a GPU (the default run: a few shapes chosen for "
+                        "their edges, every kernel; what to run first)")
+    t.add_argument("--fuzz", type=int, default=None, metavar="N",
+                   help="fuzzed inputs per compiled shape (default: 3 on a GPU, 2 on CPU)")
 
     from .models import command as generate_command
 
@@ -182,7 +188,12 @@ def _selftest(args) -> int:
     from . import selftest
 
     only = tuple(o for o in args.only.split(",") if o)
-    info, checks = selftest.run(seed=args.seed, out_dir=args.out_dir, only=only,
+    if args.fuzz is not None and args.fuzz < 1:
+        print(f"nvfp4 selftest: --fuzz expects at least 1 input per shape, got {args.fuzz}",
+              file=sys.stderr)
+        return 2
+    info, checks = selftest.run(seed=args.seed, out_dir=args.out_dir, only=only, full=args.full,
+                                fuzz=args.fuzz,
                                 progress=lambda c: print(selftest.format_check(c), flush=True))
     if not checks:
         print(f"nvfp4 selftest: --only {args.only!r} selects no kernel", file=sys.stderr)
@@ -192,9 +203,13 @@ def _selftest(args) -> int:
           f"{info['driver']}), jax {info['jax']}, jaxlib {info['jaxlib']}")
     for kernel, verdict in v.items():
         print(f"{verdict:4}  {kernel}")
+    t = selftest.summary(checks)
+    print(f"{t['checks']} checks, {t['inputs']} inputs, {t['compiles']} compiles: "
+          f"{t['seconds']:.0f} s ({t['compile_s']:.0f} s compiling)")
     if args.json:
         with open(args.json, "w") as f:
-            f.write(selftest.to_json(info, checks))
+            f.write(selftest.to_json(info, checks, {"full": args.full, "fuzz": args.fuzz,
+                                                    "seed": args.seed, "only": list(only)}))
     return 1 if selftest.FAIL in v.values() else 0
 
 

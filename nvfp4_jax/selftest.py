@@ -16,11 +16,17 @@ powers of two, so that E4M3 block scales reach the subnormals, underflow and sat
 A verdict per kernel; for each failure an ``.npz`` (GEMM failures in the form ``nvfp4 explain
 FILE.npz`` reads; quantize and MoE failures hold their inputs, the output and the oracle's).
 On CPU the Pallas kernels run interpreted at small sizes. Needs no hypothesis.
+
+Each check is one compile of one kernel at one shape with several fuzzed inputs through it (a
+GPU's time here is compile time); the default run covers every kernel at a few shapes chosen
+for their edges, ``full=True`` (``nvfp4 selftest --full``) adds shapes. Each check reports its
+seconds and its backend compiles (``jax.monitoring``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import json
 import os
@@ -43,7 +49,8 @@ PASS, FAIL = "PASS", "FAIL"
 @dataclasses.dataclass
 class Check:
     """One kernel at one shape: ``status`` PASS or FAIL, ``detail`` why, ``npz`` the failure's
-    inputs and output (None when it passed)."""
+    inputs and output (None when it passed), ``inputs`` the fuzzed inputs run through its one
+    compile, ``compiles`` and ``compile_s`` the backend compiles it took and their seconds."""
 
     kernel: str
     shape: str
@@ -51,6 +58,9 @@ class Check:
     detail: str
     seconds: float
     npz: str | None = None
+    inputs: int = 1
+    compiles: int = 0
+    compile_s: float = 0.0
 
 
 # ----------------------------------------------------------------------------- the device
@@ -133,11 +143,29 @@ def _weight(rng, n: int, k: int) -> oracle.NVFP4:
     return oracle.quantize(w, "modelopt", decode_scale=float(f32(np.abs(w).max() / 2688)))
 
 
+# ----------------------------------------------------------------------------- compiles
+
+class CompileCounter:
+    """Backend compiles (XLA's, with the Pallas-Triton and Mosaic kernels they hold) and their
+    seconds, from ``jax.monitoring`` while it is registered (:func:`run` registers one)."""
+
+    EVENT = "/jax/core/compile/backend_compile_duration"
+
+    def __init__(self) -> None:
+        self.count, self.seconds = 0, 0.0
+
+    def __call__(self, event: str, duration: float, **_: object) -> None:
+        if event == self.EVENT:
+            self.count += 1
+            self.seconds += duration
+
+
 # ----------------------------------------------------------------------------- checks
 
 def _timed(kernel: str, shape: str, fn: Callable[[], tuple[str, str, dict | None]],
-           out_dir: str) -> Check:
+           out_dir: str, counter: CompileCounter | None = None) -> Check:
     t0 = time.perf_counter()
+    c0, s0 = (counter.count, counter.seconds) if counter is not None else (0, 0.0)
     try:
         status, detail, dump = fn()
     except Exception as exc:  # noqa: BLE001 - a kernel that cannot run here is a failure, reported
@@ -152,38 +180,69 @@ def _timed(kernel: str, shape: str, fn: Callable[[], tuple[str, str, dict | None
             writer(npz)
         else:
             np.savez(npz, **{k: np.asarray(v) for k, v in dump.items()})
-    return Check(kernel, shape, status, detail, round(time.perf_counter() - t0, 3), npz)
+    inputs = getattr(fn, "inputs", 1)
+    compiles, compile_s = ((counter.count - c0, round(counter.seconds - s0, 3))
+                           if counter is not None else (0, 0.0))
+    return Check(kernel, shape, status, detail, round(time.perf_counter() - t0, 3), npz, inputs,
+                 compiles, compile_s)
 
 
-def _quantize_check(recipe: str, x: np.ndarray, d: float | None):
+def _quant_inputs(seed: int, m: int, k: int, i: int) -> tuple[np.ndarray, float]:
+    """Fuzzed input ``i`` of an [m, k] quantize check: blocks over 2^-40..2^10 and a given
+    global scale around the ModelOpt one (x 2^U(-3, 3))."""
+    rng = np.random.default_rng([seed, 1, m, k, i])
+    x = spread_values(rng, (m, k), -40.0, 10.0)
+    return x, float(f32(np.abs(x).max() / 2688 * np.exp2(rng.uniform(-3, 3))))
+
+
+def _quantize_check(recipe: str, seed: int, m: int, k: int, inputs: int, derived: bool):
+    """One compile of ``nvfp4_jax.quantize`` (given or derived global scale), ``inputs``
+    fuzzed inputs through it, each byte for byte against ``oracle.quantize``."""
     import jax
     import jax.numpy as jnp
 
     import nvfp4_jax as nj
 
-    if d is None:
-        got = jax.jit(lambda v: nj.quantize(v, recipe))(jnp.asarray(x, jnp.bfloat16))
-        want = oracle.quantize(x, recipe)
+    if derived:
+        fn = jax.jit(lambda v: nj.quantize(v, recipe))
     else:
-        got = jax.jit(lambda v, g: nj.quantize(v, recipe, decode_scale=g))(
-            jnp.asarray(x, jnp.float32), jnp.float32(d))
-        want = oracle.quantize(x, recipe, decode_scale=d)
-    got = nj.to_oracle(got)
-    dc = int((got.codes != want.codes).sum())
-    ds = int((got.scales != want.scales).sum())
-    dd = float(got.decode_scale) != float(want.decode_scale)
-    detail = (f"{dc} of {want.codes.size} code bytes, {ds} of {want.scales.size} scale bytes"
-              f"{', the decode scale' if dd else ''} differ from oracle.quantize")
-    if dc or ds or dd:
-        return FAIL, detail, {"x": x, "recipe": np.array(recipe),
-                              "decode_scale": np.float64(d or 0.0), "codes": got.codes,
-                              "scales": got.scales, "oracle_codes": want.codes,
-                              "oracle_scales": want.scales}
-    subnormal = int(((want.scales > 0) & (want.scales < 8)).sum())
-    return PASS, f"byte-exact ({subnormal} E4M3-subnormal block scales)", None
+        fn = jax.jit(lambda v, g: nj.quantize(v, recipe, decode_scale=g))
+    subnormal = 0
+    for i in range(inputs):
+        x, d = _quant_inputs(seed, m, k, i)
+        if derived:
+            got, want = fn(jnp.asarray(x, jnp.bfloat16)), oracle.quantize(x, recipe)
+        else:
+            got = fn(jnp.asarray(x, jnp.float32), jnp.float32(d))
+            want = oracle.quantize(x, recipe, decode_scale=d)
+        got = nj.to_oracle(got)
+        dc = int((got.codes != want.codes).sum())
+        ds = int((got.scales != want.scales).sum())
+        dd = float(got.decode_scale) != float(want.decode_scale)
+        if dc or ds or dd:
+            detail = (f"input {i}: {dc} of {want.codes.size} code bytes, {ds} of "
+                      f"{want.scales.size} scale bytes{', the decode scale' if dd else ''} differ "
+                      "from oracle.quantize")
+            return FAIL, detail, {"x": x, "recipe": np.array(recipe),
+                                  "decode_scale": np.float64(0.0 if derived else d),
+                                  "codes": got.codes, "scales": got.scales,
+                                  "oracle_codes": want.codes, "oracle_scales": want.scales}
+        subnormal += int(((want.scales > 0) & (want.scales < 8)).sum())
+    return PASS, (f"byte-exact ({subnormal} E4M3-subnormal block scales over {inputs} "
+                  "inputs)"), None
 
 
-def _matmul_check(backend: str, w4a4: bool, rng, m: int, n: int, k: int):
+@functools.lru_cache(maxsize=None)
+def _gemm_operands(seed: int, m: int, n: int, k: int, i: int) -> tuple[oracle.NVFP4, np.ndarray]:
+    """Fuzzed input ``i`` of an (m, n, k) GEMM check, shared by every backend and mode (the
+    oracle's quantization of a large weight costs seconds)."""
+    rng = np.random.default_rng([seed, 2, m, n, k, i])
+    return _weight(rng, n, k), spread_values(rng, (m, k), -12.0, 4.0)
+
+
+def _matmul_check(backend: str, w4a4: bool, seed: int, m: int, n: int, k: int, inputs: int):
+    """One compile of ``nvfp4_jax.matmul`` (fp32 output), ``inputs`` fuzzed operand pairs
+    through it, each held to the oracle's bound by ``explain.explain_gemm``."""
     import jax
     import jax.numpy as jnp
 
@@ -191,24 +250,27 @@ def _matmul_check(backend: str, w4a4: bool, rng, m: int, n: int, k: int):
 
     from . import explain
 
-    wo = _weight(rng, n, k)
-    x = spread_values(rng, (m, k), -12.0, 4.0)
-    s = float(f32(np.abs(x).max() / 2688)) if w4a4 else None
-    # fp32 output: no output rounding in the bound, so explain can fit a fault's exact shift
-    case = explain.GemmCase.from_linear(x, wo.codes, wo.scales, float(wo.decode_scale), s,
-                                        out_dtype="float32")
     mm = jax.jit(lambda xx, ww, ss: nj.matmul(xx, ww, input_scale=ss, out_dtype=jnp.float32,
                                               backend=backend))
-    out = mm(jnp.asarray(x, jnp.bfloat16), nj.from_oracle(wo),
-             None if s is None else jnp.float32(s))
-    out = np.asarray(out.astype(jnp.float32), np.float64)
-    e = explain.explain_gemm(case, out)
-    if e.verdict == "correct":
-        return PASS, f"within the oracle's bound (margin {e.margin:.3g})", None
-    best = f"; best match: {e.best.name} ({e.best.meaning})" if e.best is not None else ""
-    detail = (f"{e.bad} of {e.total} outputs outside the oracle's bound: {e.reason}{best} "
-              "(nvfp4 explain FILE.npz --out-dtype float32)")
-    return FAIL, detail, {"_writer": lambda path: explain.save_npz(path, case, out)}
+    worst = 0.0
+    for i in range(inputs):
+        wo, x = _gemm_operands(seed, m, n, k, i)
+        s = float(f32(np.abs(x).max() / 2688)) if w4a4 else None
+        # fp32 output: no output rounding in the bound, so explain can fit a fault's exact shift
+        case = explain.GemmCase.from_linear(x, wo.codes, wo.scales, float(wo.decode_scale), s,
+                                            out_dtype="float32")
+        out = mm(jnp.asarray(x, jnp.bfloat16), nj.from_oracle(wo),
+                 None if s is None else jnp.float32(s))
+        out = np.asarray(out.astype(jnp.float32), np.float64)
+        e = explain.explain_gemm(case, out)
+        if e.verdict != "correct":
+            best = f"; best match: {e.best.name} ({e.best.meaning})" if e.best is not None else ""
+            detail = (f"input {i}: {e.bad} of {e.total} outputs outside the oracle's bound: "
+                      f"{e.reason}{best} (nvfp4 explain FILE.npz --out-dtype float32)")
+            return FAIL, detail, {
+                "_writer": lambda path, c=case, o=out: explain.save_npz(path, c, o)}
+        worst = max(worst, e.margin)
+    return PASS, f"within the oracle's bound on {inputs} inputs (largest margin {worst:.3g})", None
 
 
 def _moe_kwargs(path: str) -> dict:
@@ -239,7 +301,17 @@ def _moe_case(rng, t: int, h: int, inter: int, e: int, k: int, activation: str):
     return hidden, ids, wts, fc1, fc2, s1, s2
 
 
-def _moe_check(path: str, mode: str, activation: str, rng, t, h, inter, e, k):
+@functools.lru_cache(maxsize=None)
+def _moe_inputs(seed: int, t: int, h: int, inter: int, e: int, k: int, activation: str, i: int):
+    """Fuzzed layer ``i`` (weights, routing, scales) of a MoE check, shared by every path."""
+    return _moe_case(np.random.default_rng([seed, 3, t, h, inter, e, k, i]), t, h, inter, e, k,
+                     activation)
+
+
+def _moe_check(path: str, mode: str, activation: str, seed: int, t, h, inter, e, k,
+               inputs: int):
+    """One compile of ``nvfp4_jax.moe``, ``inputs`` fuzzed layers through it, each inside
+    ``moe_bound``'s interval with zero slack in the activation quantization."""
     import jax
     import jax.numpy as jnp
 
@@ -247,105 +319,170 @@ def _moe_check(path: str, mode: str, activation: str, rng, t, h, inter, e, k):
 
     from .testing.assertions import assert_moe_close
 
-    case = _moe_case(rng, t, h, inter, e, k, activation)
-    hidden, ids, wts, fc1, fc2, s1, s2 = case
     kw = {"activation": activation, "mode": mode, **_moe_kwargs(path)}
     layer = jax.jit(lambda x, w1, w2, a, b, i, w: nj.moe(x, fc1=w1, fc2=w2, fc1_input_scale=a,
                                                           fc2_input_scale=b, topk_ids=i,
                                                           topk_weights=w, **kw))
-    out = layer(jnp.asarray(hidden, jnp.bfloat16), nj.from_oracle(fc1), nj.from_oracle(fc2),
-                jnp.asarray(s1), jnp.asarray(s2), jnp.asarray(ids), jnp.asarray(wts))
-    out = np.asarray(out.astype(jnp.float32), np.float64)
-    try:
-        b = assert_moe_close(out, *case, activation=activation, mode=mode, quant_slack=0.0,
-                             label=f"moe {path}")
-    except AssertionError as exc:
-        ref = oracle.moe(*case, activation=activation, mode=mode)
-        dump = {"hidden": hidden, "topk_ids": ids, "topk_weights": wts, "fc1_codes": fc1.codes,
-                "fc1_scales": fc1.scales, "fc1_weight_scale_2": fc1.decode_scale,
-                "fc2_codes": fc2.codes, "fc2_scales": fc2.scales,
-                "fc2_weight_scale_2": fc2.decode_scale, "fc1_input_scale": s1,
-                "fc2_input_scale": s2, "mode": np.array(mode), "activation": np.array(activation),
-                "out": out, "oracle_out": ref}
-        return FAIL, str(exc).splitlines()[0][:400], dump
-    return PASS, (f"inside the oracle's interval; {np.mean(out == b.ref):.1%} of outputs "
-                  "bit-identical to it"), None
+    same = total = 0
+    for j in range(inputs):
+        case = _moe_inputs(seed, t, h, inter, e, k, activation, j)
+        hidden, ids, wts, fc1, fc2, s1, s2 = case
+        out = layer(jnp.asarray(hidden, jnp.bfloat16), nj.from_oracle(fc1), nj.from_oracle(fc2),
+                    jnp.asarray(s1), jnp.asarray(s2), jnp.asarray(ids), jnp.asarray(wts))
+        out = np.asarray(out.astype(jnp.float32), np.float64)
+        try:
+            b = assert_moe_close(out, *case, activation=activation, mode=mode, quant_slack=0.0,
+                                 label=f"moe {path}")
+        except AssertionError as exc:
+            ref = oracle.moe(*case, activation=activation, mode=mode)
+            dump = {"hidden": hidden, "topk_ids": ids, "topk_weights": wts,
+                    "fc1_codes": fc1.codes, "fc1_scales": fc1.scales,
+                    "fc1_weight_scale_2": fc1.decode_scale, "fc2_codes": fc2.codes,
+                    "fc2_scales": fc2.scales, "fc2_weight_scale_2": fc2.decode_scale,
+                    "fc1_input_scale": s1, "fc2_input_scale": s2, "mode": np.array(mode),
+                    "activation": np.array(activation), "out": out, "oracle_out": ref}
+            return FAIL, f"input {j}: " + str(exc).splitlines()[0][:400], dump
+        same, total = same + int(np.sum(out == b.ref)), total + out.size
+    return PASS, (f"inside the oracle's interval on {inputs} inputs; {same / total:.1%} of "
+                  "outputs bit-identical to it"), None
 
 
 # ----------------------------------------------------------------------------- the plan
+# Time on a GPU is compile time: every (kernel, shape, mode, activation) is one compile (XLA's,
+# with the Triton or Mosaic kernels inside), and every further fuzzed input through it costs
+# milliseconds of device time plus the oracle's host time. So the plan is few shapes per kernel,
+# chosen for their edges (decode M = 1, ragged M, K not a multiple of 256, N below one tile,
+# top-k above 2, I not a multiple of 256), and several inputs per compiled shape.
 
-#: (M, N, K) of the GEMM checks, and (T, H, I, E, k, activation, mode) of the MoE checks
-GPU_GEMM = ((1, 4096, 4096), (16, 1024, 2048), (300, 256, 1040), (64, 512, 4096))
-CPU_GEMM = ((3, 128, 256), (17, 64, 272))
-GPU_QUANT = ((1, 16), (33, 4096), (256, 512), (300, 1040))
-CPU_QUANT = ((3, 64), (17, 272))
-GPU_MOE = ((5, 256, 256, 8, 2, "relu2", "trtllm_cutlass"), (5, 256, 256, 8, 2, "relu2", "b12x"),
-           (3, 768, 512, 8, 3, "swiglu", "b12x"),
-           (37, 1024, 2688, 8, 6, "relu2", "trtllm_cutlass"),
-           (9, 512, 1024, 8, 2, "swiglu", "trtllm_cutlass"))
-CPU_MOE = ((3, 256, 128, 4, 2, "relu2", "trtllm_cutlass"), (2, 256, 128, 4, 2, "swiglu", "b12x"))
+def _anywhere(cc: int | None) -> bool:
+    return True
 
 
-def plan(cc: int | None, seed: int = 0) -> list[tuple[str, str, Callable]]:
+def _pallas_triton(cc: int | None) -> bool:
+    """Pallas-Triton: interpreted on CPU; on a GPU its E4M3 converts need sm_89+."""
+    return cc is None or cc >= 89
+
+
+def _sm90(cc: int | None) -> bool:
+    return cc == 90
+
+
+def _any_gemm(m: int, n: int, k: int) -> bool:
+    return True
+
+
+def _mosaic_gemm(m: int, n: int, k: int) -> bool:
+    """Inside the Mosaic kernel's shapes (elsewhere ``matmul`` would fall back)."""
+    return m <= 64 and k % 256 == 0
+
+
+#: matmul kernels: (``backend=`` of ``nvfp4_jax.matmul``, modes, runs on this compute
+#: capability (None: CPU), fits this (M, N, K))
+MATMUL = (
+    ("pallas", ("w4a16", "w4a4"), _pallas_triton, _any_gemm),
+    ("mosaic", ("w4a16", "w4a4"), _sm90, _mosaic_gemm),
+    ("xla", ("w4a16", "w4a4"), _anywhere, _any_gemm),
+)
+#: MoE paths: (path, runs on this compute capability, fits hidden size H)
+MOE_PATHS = (
+    ("pallas-triton", _pallas_triton, lambda h: True),
+    ("mosaic", _sm90, lambda h: h % 256 == 0),
+    ("xla", _anywhere, lambda h: True),
+)
+#: shapes: "cpu" (the Pallas kernels interpreted), "gpu" (the default run on a GPU), "full"
+#: (added to "gpu" by ``--full``). quantize (M, K); matmul (M, N, K); moe (T, H, I, E, k,
+#: activation, mode): the default run has every (activation, mode) pair once per path.
+QUANT_SHAPES = {"cpu": ((3, 64), (17, 272)), "gpu": ((1, 2048), (300, 1040)),
+                "full": ((1, 16), (33, 4096), (256, 512))}
+GEMM_SHAPES = {"cpu": ((3, 128, 256), (17, 64, 272)),
+               "gpu": ((1, 1024, 4096), (33, 512, 2048), (300, 256, 1040)),
+               "full": ((1, 4096, 4096), (16, 1024, 2048), (64, 512, 4096))}
+MOE_SHAPES = {"cpu": ((3, 256, 128, 4, 2, "relu2", "trtllm_cutlass"),
+                      (2, 256, 128, 4, 2, "swiglu", "b12x")),
+              "gpu": ((5, 256, 256, 8, 2, "relu2", "trtllm_cutlass"),
+                      (5, 256, 256, 8, 2, "swiglu", "b12x"),
+                      (37, 512, 640, 8, 6, "relu2", "b12x"),
+                      (9, 256, 384, 8, 2, "swiglu", "trtllm_cutlass")),
+              "full": ((3, 768, 512, 8, 3, "swiglu", "b12x"),
+                       (37, 1024, 2688, 8, 6, "relu2", "trtllm_cutlass"),
+                       (9, 512, 1024, 8, 2, "swiglu", "trtllm_cutlass"))}
+#: fuzzed inputs per compiled shape (``--fuzz`` overrides)
+FUZZ = {"cpu": 2, "gpu": 3}
+
+
+def _shapes(table: dict, gpu: bool, full: bool) -> tuple:
+    return (table["gpu"] + (table["full"] if full else ())) if gpu else table["cpu"]
+
+
+def plan(cc: int | None, seed: int = 0, *, full: bool = False,
+         fuzz: int | None = None) -> list[tuple[str, str, Callable]]:
     """(kernel, shape, check) for every kernel this device runs (``cc``: compute capability,
-    None on CPU)."""
+    None on CPU); ``full``: more shapes on a GPU; ``fuzz``: inputs per compiled shape (default
+    ``FUZZ``). Each check compiles once and carries its input count as ``check.inputs``."""
     import nvfp4_jax as nj
 
     gpu = cc is not None
-    rng = np.random.default_rng(seed)
+    n_in = FUZZ["gpu" if gpu else "cpu"] if fuzz is None else fuzz
+    if n_in < 1:
+        raise ValueError(f"fuzz: expected at least 1 input per compiled shape, got {n_in}")
     out: list[tuple[str, str, Callable]] = []
+
+    def add(kernel: str, shape: str, fn: Callable, *args) -> None:
+        check = functools.partial(fn, *args)
+        check.inputs = n_in  # type: ignore[attr-defined]
+        out.append((kernel, shape, check))
+
     for recipe in nj.JAX_RECIPES:
-        for m, k in GPU_QUANT if gpu else CPU_QUANT:
-            x = spread_values(rng, (m, k), -40.0, 10.0)
-            d = float(f32(np.abs(x).max() / 2688 * np.exp2(rng.uniform(-3, 3))))
-            out.append((f"quantize/{recipe}", f"{m}x{k}",
-                        lambda r=recipe, x=x, d=d: _quantize_check(r, x, d)))
-            out.append((f"quantize/{recipe}", f"{m}x{k} amax",
-                        lambda r=recipe, x=x: _quantize_check(r, x, None)))
-    backends = ["xla"]
-    if not gpu or cc >= 89:  # Pallas-Triton (interpreted on CPU; E4M3 converts need sm_89+)
-        backends.insert(0, "pallas")
-    if cc == 90:
-        backends.insert(1, "mosaic")
-    for backend in backends:
-        for mode in ("w4a16", "w4a4"):
-            for m, n, k in GPU_GEMM if gpu else CPU_GEMM:
-                if backend == "mosaic" and (m > 64 or k % 256):
-                    continue  # outside the Mosaic kernel's shapes (matmul would fall back)
-                out.append((f"matmul/{backend}/{mode}", f"{m}x{n}x{k}",
-                            lambda b=backend, a4=mode == "w4a4", s=int(rng.integers(2**31)),
-                            m=m, n=n, k=k: _matmul_check(b, a4, np.random.default_rng(s), m, n, k)))
-    paths = ["pallas-triton", "xla"] if (not gpu or cc >= 89) else ["xla"]
-    if cc == 90:
-        paths.insert(1, "mosaic")
-    for path in paths:
-        for t, h, i, e, k, act, mode in GPU_MOE if gpu else CPU_MOE:
-            if path == "mosaic" and h % 256:
-                continue
-            out.append((f"moe/{path}/{mode}/{act}", f"T{t} H{h} I{i} E{e} k{k}",
-                        lambda p=path, md=mode, a=act, s=int(rng.integers(2**31)),
-                        sh=(t, h, i, e, k): _moe_check(p, md, a, np.random.default_rng(s), *sh)))
+        for m, k in _shapes(QUANT_SHAPES, gpu, full):
+            add(f"quantize/{recipe}", f"{m}x{k}", _quantize_check, recipe, seed, m, k, n_in, False)
+            add(f"quantize/{recipe}", f"{m}x{k} amax", _quantize_check, recipe, seed, m, k, n_in,
+                True)
+    for backend, modes, runs_on, fits in MATMUL:
+        if not runs_on(cc):
+            continue
+        for mode in modes:
+            for m, n, k in _shapes(GEMM_SHAPES, gpu, full):
+                if fits(m, n, k):
+                    add(f"matmul/{backend}/{mode}", f"{m}x{n}x{k}", _matmul_check, backend,
+                        mode == "w4a4", seed, m, n, k, n_in)
+    for path, runs_on, fits in MOE_PATHS:
+        if not runs_on(cc):
+            continue
+        for t, h, i, e, k, act, mode in _shapes(MOE_SHAPES, gpu, full):
+            if fits(h):
+                add(f"moe/{path}/{mode}/{act}", f"T{t} H{h} I{i} E{e} k{k}", _moe_check, path,
+                    mode, act, seed, t, h, i, e, k, n_in)
     return out
 
 
 def run(*, seed: int = 0, out_dir: str = "nvfp4-selftest-failures", only: tuple[str, ...] = (),
+        full: bool = False, fuzz: int | None = None,
         progress: Callable[[Check], None] | None = None) -> tuple[dict, list[Check]]:
     """Run every check of :func:`plan` (those whose kernel starts with one of ``only``, if
-    given). Returns (device info, checks)."""
+    given). Returns (device info, checks); each check counts its backend compiles."""
+    import jax
+
     info = device_info()
     cc = info["compute_capability"]
     if cc is not None:  # GeForce RTX 50xx is missing from JAX 0.11's Pallas-Triton GPU table
         from .gemm.api import register_sm12x_device_kinds
 
         register_sm12x_device_kinds()
+    counter = CompileCounter()
+    jax.monitoring.register_event_duration_secs_listener(counter)
     checks = []
-    for kernel, shape, fn in plan(cc, seed):
-        if only and not kernel.startswith(only):
-            continue
-        c = _timed(kernel, shape, fn, out_dir)
-        checks.append(c)
-        if progress is not None:
-            progress(c)
+    try:
+        for kernel, shape, fn in plan(cc, seed, full=full, fuzz=fuzz):
+            if only and not kernel.startswith(only):
+                continue
+            c = _timed(kernel, shape, fn, out_dir, counter)
+            checks.append(c)
+            if progress is not None:
+                progress(c)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(counter)
+        _gemm_operands.cache_clear()
+        _moe_inputs.cache_clear()
     return info, checks
 
 
@@ -359,10 +496,23 @@ def verdicts(checks: list[Check]) -> dict[str, str]:
 
 def format_check(c: Check) -> str:
     npz = f"  -> {c.npz}" if c.npz else ""
-    return f"{c.status:4}  {c.kernel:36} {c.shape:22} {c.seconds:7.2f}s  {c.detail}{npz}"
+    return (f"{c.status:4}  {c.kernel:36} {c.shape:22} {c.seconds:7.2f}s ({c.compiles} compiles "
+            f"{c.compile_s:5.1f}s)  {c.detail}{npz}")
 
 
-def to_json(info: dict, checks: list[Check]) -> str:
+def summary(checks: list[Check]) -> dict:
+    """Totals of a run: checks, fuzzed inputs, backend compiles, seconds (all and compiling)."""
+    return {"checks": len(checks), "inputs": sum(c.inputs for c in checks),
+            "compiles": sum(c.compiles for c in checks),
+            "seconds": round(sum(c.seconds for c in checks), 3),
+            "compile_s": round(sum(c.compile_s for c in checks), 3)}
+
+
+def to_json(info: dict, checks: list[Check], options: dict | None = None) -> str:
+    """The run as JSON: device and versions, the verdicts, the totals, every check (with its
+    seconds and compiles); ``options``: how it was run (full, fuzz, seed, only)."""
     v = verdicts(checks)
-    return json.dumps({"device": info, "verdict": FAIL if FAIL in v.values() else PASS,
-                       "kernels": v, "checks": [dataclasses.asdict(c) for c in checks]}, indent=1)
+    return json.dumps({"device": info, "options": options or {},
+                       "verdict": FAIL if FAIL in v.values() else PASS, "kernels": v,
+                       "summary": summary(checks),
+                       "checks": [dataclasses.asdict(c) for c in checks]}, indent=1)

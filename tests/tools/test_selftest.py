@@ -100,3 +100,53 @@ def test_gpu_selftest_passes_for_every_backend_without_xla_flags(tmp_path):
     assert d["verdict"] == "PASS" and d["device"]["compute_capability"] is not None
     families = {k.split("/")[0] + "/" + k.split("/")[1] for k in d["kernels"]}
     assert {"matmul/pallas", "matmul/xla", "moe/pallas-triton", "moe/xla"} <= families
+
+
+def test_the_default_gpu_plan_is_small_covers_every_kernel_and_full_adds_shapes():
+    """Every kernel of the sm_90 device at a few edge shapes, every (mode, activation) pair
+    once per MoE path; --full adds shapes, never kernels; --fuzz sets inputs per compile."""
+    quick, full = selftest.plan(90), selftest.plan(90, full=True)
+    kq = {k for k, _, _ in quick}
+    assert kq == {k for k, _, _ in full}
+    assert len(full) > len(quick)
+    assert {"matmul/pallas/w4a16", "matmul/pallas/w4a4", "matmul/mosaic/w4a16",
+            "matmul/mosaic/w4a4", "matmul/xla/w4a16", "matmul/xla/w4a4"} <= kq
+    for path in ("pallas-triton", "mosaic", "xla"):
+        assert {tuple(k.split("/")[2:]) for k in kq if k.startswith(f"moe/{path}/")} == {
+            (m, a) for m in ("trtllm_cutlass", "b12x") for a in ("relu2", "swiglu")}, path
+    gemm = {tuple(map(int, s.split("x"))) for k, s, _ in quick if k == "matmul/pallas/w4a16"}
+    assert any(m == 1 for m, _, _ in gemm)  # decode
+    assert any(m % 16 and m > 16 for m, _, _ in gemm)  # ragged M beyond one block
+    assert any(k % 256 for _, _, k in gemm)  # K not a multiple of 256
+    assert {s for k, s, _ in quick if k == "matmul/mosaic/w4a16"}  # Mosaic gets its shapes
+    # a GPU run of ~40 compiles (every check compiles once); the old plan had 69 checks
+    assert len(quick) <= 45, len(quick)
+    assert all(fn.inputs == selftest.FUZZ["gpu"] for _, _, fn in quick)
+    assert all(fn.inputs == 5 for _, _, fn in selftest.plan(120, fuzz=5))
+    with pytest.raises(ValueError, match="fuzz"):
+        selftest.plan(None, fuzz=0)
+
+
+def test_fuzzed_inputs_share_one_compile_and_the_json_counts_them(tmp_path, capsys):
+    """More inputs per check, no more compiles: each check compiles its kernel once."""
+    runs = {}
+    for fuzz in (1, 3):  # the fuzz=3 run second: helpers compiled by the first stay compiled
+        path = tmp_path / f"s{fuzz}.json"
+        assert cli.main(["selftest", "--only", "matmul/xla/w4a16", "--fuzz", str(fuzz),
+                         "--json", str(path), "--out-dir", str(tmp_path / "f")]) == 0
+        runs[fuzz] = json.loads(path.read_text())
+    printed = capsys.readouterr().out
+    assert "compiles" in printed and "checks, " in printed
+    one, three = runs[1], runs[3]
+    assert [c["inputs"] for c in three["checks"]] == [3] * len(three["checks"])
+    assert three["summary"]["inputs"] == 3 * one["summary"]["inputs"]
+    assert all(c["compiles"] >= 1 and c["compile_s"] > 0 for c in one["checks"])
+    assert [c["compiles"] for c in three["checks"]] == [1] * len(three["checks"])
+    assert three["options"] == {"full": False, "fuzz": 3, "seed": 0, "only": ["matmul/xla/w4a16"]}
+    assert all(c["detail"].startswith("within the oracle's bound on 3 inputs")
+               for c in three["checks"])
+
+
+def test_selftest_refuses_a_fuzz_below_one(capsys):
+    assert cli.main(["selftest", "--fuzz", "0"]) == 2
+    assert "--fuzz" in capsys.readouterr().err

@@ -408,7 +408,7 @@ ALL_IMPLS = DEFAULT_IMPLS + EXTRA_IMPLS
 #: run) measured on this GPU side by side with bf16 cuBLAS and the Hopper path (``auto``)
 PROXY_IMPLS = ("nvfp4_w4a16_pallas", "nvfp4_w4a4_pallas", "nvfp4_w4a16", "bf16_dot")
 PROXY_SHAPES = [(28672, 8192), (4096, 14336), (14336, 4096)]
-PROXY_MS = [1, 16, 64, 256, 4096]
+PROXY_MS = [1, 16, 64, 256, 1024, 4096]
 #: ``--tiny``: a CPU smoke run of the harness (Pallas in interpret mode; nothing is timed
 #: that means anything)
 TINY_SHAPES = [(256, 256)]
@@ -421,12 +421,15 @@ def impl_backend(name: str) -> str:
     return parts[2] if len(parts) == 3 else "auto"
 
 
-def plan(shapes, ms, impls) -> list[dict]:
-    """The rows ``bench`` measures, in order (``--dry-run`` prints them)."""
+def plan(shapes, ms, impls, skip=frozenset()) -> list[dict]:
+    """The rows ``bench`` measures, in order (``--dry-run`` prints them); ``skip``: (impl, N,
+    K, M) keys already measured (``--resume``)."""
     rows = []
     for n, k in shapes:
         for m in ms:
             for name in impls:
+                if (name, n, k, m) in skip:
+                    continue
                 row = {"impl": name, "N": n, "K": k, "M": m}
                 if name.startswith("nvfp4"):
                     row["backend_requested"] = impl_backend(name)
@@ -434,14 +437,18 @@ def plan(shapes, ms, impls) -> list[dict]:
     return rows
 
 
-def bench(out_dir, shapes, ms, budget_s, extra_impls=(), impls=None, on_record=None):
+def bench(out_dir, shapes, ms, budget_s, extra_impls=(), impls=None, on_record=None,
+          skip=frozenset()):
     """Time ``impls`` (default ``DEFAULT_IMPLS``, then ``extra_impls``) per shape and M;
-    ``on_record(records)`` after each one (to save partial runs)."""
+    ``on_record(records)`` after each one (to save partial runs); ``skip``: (impl, N, K, M)
+    keys already measured (``--resume``: no weights built, nothing compiled for them)."""
     impls_wanted = list(impls if impls is not None else DEFAULT_IMPLS) + [
         v for v in extra_impls if impls is None or v not in impls]
     t_start = time.time()
     records = []
     for n, k in shapes:
+        if not plan([(n, k)], ms, impls_wanted, skip):
+            continue
         if time.time() - t_start > budget_s:
             log("bench: budget exhausted")
             break
@@ -462,10 +469,14 @@ def bench(out_dir, shapes, ms, budget_s, extra_impls=(), impls=None, on_record=N
             if time.time() - t_start > budget_s:
                 log("bench: budget exhausted")
                 break
+            if not plan([(n, k)], [m], impls_wanted, skip):
+                continue
             x = make_x(m, k)
             auto = auto_backend(m, n, k)
             impls = []
             for name in impls_wanted:
+                if (name, n, k, m) in skip:
+                    continue
                 if name.startswith("nvfp4"):  # nvfp4_w4a16 / nvfp4_w4a4 [_backend]
                     make = impl_ours_w4a4 if "_w4a4" in name else impl_ours_w4a16
                     impls.append((name, make(backend=impl_backend(name)), x, ws, nvfp4_bytes(n, k)))
@@ -474,7 +485,7 @@ def bench(out_dir, shapes, ms, budget_s, extra_impls=(), impls=None, on_record=N
                 elif name == "xla_dequant_dot":
                     impls.append((name, impl_xla_dequant_dot, x, ws[: max(2, c4 // 2)],
                                   nvfp4_bytes(n, k)))
-            if has_f4:
+            if has_f4 and ("scaled_matmul", n, k, m) not in skip:
                 xq = nvfp4_jax.quantize(x, "trtllm")
                 xv = nvfp4_jax.dequantize(xq, jnp.float32, include_decode_scale=False)
                 xf4 = (xv / jnp.repeat(xq.scales.astype(jnp.float32), 16, -1)).astype(
@@ -512,6 +523,46 @@ def bench(out_dir, shapes, ms, budget_s, extra_impls=(), impls=None, on_record=N
                     on_record(records)
             del x
         del ws, wb, wsm
+    return records
+
+
+#: ``--quantize-division``: activation sizes (M, K) and recipes (``trtllm``: one division per
+#: 16-value block; ``modelopt``: one per element)
+QDIV_SIZES = [(1, 4096), (16, 8192), (256, 8192), (4096, 8192), (4096, 14336)]
+QDIV_RECIPES = ("trtllm", "modelopt")
+
+
+def plain_divide(a, b):
+    """XLA's own fp32 division (``div.full.f32`` on an NVIDIA GPU without the IEEE flag: not
+    correctly rounded), for ``quantize_division`` only."""
+    return jnp.asarray(a, jnp.float32) / jnp.asarray(b, jnp.float32)
+
+
+def quantize_division(sizes, recipes) -> list[dict]:
+    """Per-call time of ``nvfp4_jax.quantize`` with its exact division (``division.divide``,
+    integer long division on a GPU) against the same recipe traced with XLA's plain division
+    (``plain_divide`` in place of ``division.divide``): what exactness costs."""
+    from nvfp4_jax import division
+
+    exact = division.divide
+    records = []
+    for m, k in sizes:
+        copies = n_copies(2 * m * k)
+        xs = [make_x(m, k, seed=10 + c) for c in range(copies)]
+        for recipe in recipes:
+            for impl, div in (("quantize_exact_div", exact), ("quantize_xla_div", plain_divide)):
+                division.divide = div  # read at trace time by nvfp4_jax.quantize
+                try:
+                    t = time_per_call(lambda xd, xc, r=recipe: nvfp4_jax.quantize(
+                        xc + xd[:1, :1] * 0, r).codes, xs[0], xs)
+                    rec = {"impl": impl, "recipe": recipe, "M": m, "K": k, "median_us": t * 1e6,
+                           "gbps": (2 * m * k + m * k * 9 / 16) / t / 1e9}
+                except Exception as e:  # noqa: BLE001 - record and keep going
+                    rec = {"impl": impl, "recipe": recipe, "M": m, "K": k, "error": repr(e)[:300]}
+                finally:
+                    division.divide = exact
+                records.append(rec)
+                log(json.dumps(rec))
     return records
 
 
@@ -595,6 +646,14 @@ def main():
     )
     p.add_argument("--tiny", action="store_true",
                    help="CPU smoke run: a 256x256 weight, M = 1, 16 (times mean nothing)")
+    p.add_argument("--quantize-division", action="store_true",
+                   help="time nvfp4_jax.quantize with its exact division vs XLA's plain one "
+                        f"({','.join(QDIV_RECIPES)}; M x K = "
+                        + ",".join(f"{m}x{k}" for m, k in QDIV_SIZES)
+                        + ") -> OUT/quantize-division-<gpu>.json")
+    p.add_argument("--resume", default="", metavar="PATH",
+                   help="skip the rows this results JSON (a directory: its file of this run's "
+                        "name, e.g. bench/results) already measured; merge_results.py merges")
     p.add_argument("--dry-run", action="store_true",
                    help="print the rows that would be measured (JSON lines) and exit")
     p.add_argument("--inner-calls", type=int, default=INNER_CALLS,
@@ -617,8 +676,16 @@ def main():
     impls = None  # DEFAULT_IMPLS + extra
     if a.proxy or a.only:
         impls, extra = (extra or list(PROXY_IMPLS)), []
+    skip = frozenset()
+    if a.resume:
+        from merge_results import measured
+
+        tag = gpu_tag(jax.devices()[0].device_kind)
+        stem = f"gemm-proxy-{tag}" if a.proxy else "gemm-h200"
+        skip = frozenset(measured("gemm", a.resume, stem))
     if a.dry_run:
-        for row in plan(shapes, ms, list(impls if impls is not None else DEFAULT_IMPLS) + extra):
+        for row in plan(shapes, ms, list(impls if impls is not None else DEFAULT_IMPLS) + extra,
+                        skip):
             log(json.dumps(row))
         return
     os.makedirs(a.out, exist_ok=True)
@@ -626,6 +693,16 @@ def main():
     log("device:", dev.device_kind, "jax", jax.__version__)
     if a.check:
         check(a.out)
+    if a.quantize_division:
+        meta = run_metadata()
+        sizes = [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",") if s]
+        doc = {**meta, "timing": "in-graph fori_loop as the GEMM rows; codes returned",
+               "records": quantize_division(sizes or QDIV_SIZES, QDIV_RECIPES)}
+        path = os.path.join(a.out, f"quantize-division-{gpu_tag(meta['gpu'])}.json")
+        with open(path, "w") as f:
+            json.dump(doc, f, indent=1)
+        log("wrote", path)
+        return
     if a.tune:
         if a.plan:
             t0 = time.time()
@@ -672,7 +749,7 @@ def main():
             json.dump(doc, f, indent=1)
         return doc
 
-    records = bench(a.out, shapes, ms, a.budget_s, extra, impls, on_record=save)
+    records = bench(a.out, shapes, ms, a.budget_s, extra, impls, on_record=save, skip=skip)
     doc = save(records)
     log("wrote", os.path.join(a.out, stem + ".json"))
     if a.proxy or a.tiny:

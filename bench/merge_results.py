@@ -1,9 +1,11 @@
 """Merge a new benchmark JSON into the committed one: new records replace old ones with the same
 key, old records without a new counterpart are kept (each record keeps its own commit and date).
 
-Usage: python bench/merge_results.py {gemm|moe} OLD.json NEW.json OUT.json [--note TEXT]
-Top-level metadata (date, commit, gpu, versions, timing) comes from NEW; the PNG next to OUT is
-redrawn from the merged records.
+Usage: python bench/merge_results.py {gemm|moe} OLD.json NEW.json OUT.json [--note T] [--no-plot]
+Top-level metadata (date, commit, gpu, versions, timing) comes from NEW; the PNG named after OUT
+(gemm-h200.json -> gemm-h200.png) is redrawn from the merged records unless --no-plot (the
+proxy files have no PNG). ``measured`` gives the rows a resumed run (``--resume`` of
+gemm_bench.py and moe_bench.py) skips.
 """
 
 from __future__ import annotations
@@ -16,6 +18,19 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 KEYS = {"gemm": ("impl", "N", "K", "M"), "moe": ("impl", "shape", "routing", "T")}
+
+
+def measured(kind: str, path: str, stem: str) -> set[tuple]:
+    """Keys (``KEYS[kind]``) of the records in the JSON at ``path`` (a directory: its
+    ``<stem>.json``) that hold a measurement (``median_us``): the rows a resumed run skips."""
+    if os.path.isdir(path):
+        path = os.path.join(path, stem + ".json")
+    if not os.path.isfile(path):
+        raise SystemExit(f"--resume: expected a results JSON (or a directory holding {stem}.json), "
+                         f"found no file {path}")
+    with open(path) as f:
+        records = json.load(f)["records"]
+    return {tuple(r.get(k) for k in KEYS[kind]) for r in records if "median_us" in r}
 
 
 def merge(kind: str, old: dict, new: dict) -> dict:
@@ -51,6 +66,8 @@ def main() -> None:
     p.add_argument("new")
     p.add_argument("out")
     p.add_argument("--note", default="")
+    p.add_argument("--no-plot", action="store_true",
+                   help="write no PNG (the proxy runs draw none); else OUT's name with .png")
     a = p.parse_args()
     with open(a.old) as f:
         old = json.load(f)
@@ -61,15 +78,13 @@ def main() -> None:
         doc["note"] = a.note
     with open(a.out, "w") as f:
         json.dump(doc, f, indent=1)
-    if a.kind == "gemm":
-        import gemm_bench as bench_mod
+    if not a.no_plot:  # named after OUT: gemm-h200.json -> gemm-h200.png
+        if a.kind == "gemm":
+            import gemm_bench as bench_mod
+        else:
+            import moe_bench as bench_mod
 
-        png = "gemm-h200.png"
-    else:
-        import moe_bench as bench_mod
-
-        png = "moe-h200.png"
-    bench_mod.plot(doc["records"], os.path.join(os.path.dirname(os.path.abspath(a.out)), png))
+        bench_mod.plot(doc["records"], os.path.splitext(os.path.abspath(a.out))[0] + ".png")
     print(f"{a.out}: {len(doc['records'])} records ({len(new['records'])} new)")
 
 

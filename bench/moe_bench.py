@@ -312,6 +312,9 @@ def main():
                     help="the SM12x-proxy rows: " + ",".join(PROXY_IMPLS) + " (unless --impls is "
                          "given), random routing, each NVFP4 impl on the scale layout it reads "
                          "natively -> OUT/moe-proxy-<gpu>.json")
+    ap.add_argument("--resume", default="", metavar="PATH",
+                    help="skip the rows this results JSON (a directory: its file of this run's "
+                         "name, e.g. bench/results) already measured; merge_results.py merges")
     ap.add_argument("--dry-run", action="store_true",
                     help="print the rows that would be measured (JSON lines) and exit")
     args = ap.parse_args()
@@ -327,19 +330,28 @@ def main():
     for kind in args.routings.split(","):
         if kind not in ROUTINGS:
             ap.error(f"--routings: expected names from {ROUTINGS}, got {kind!r}")
+    stem = f"moe-proxy-{gpu_tag(jax.devices()[0].device_kind)}" if args.proxy else "moe-h200"
+    skip = frozenset()
+    if args.resume:
+        from merge_results import measured
+
+        skip = frozenset(measured("moe", args.resume, stem))
     if args.dry_run:
         for row in plan(args.shapes.split(","), [int(t) for t in args.tokens.split(",")],
-                        args.routings.split(","), args.impls.split(",")):
+                        args.routings.split(","), args.impls.split(","), skip):
             print(json.dumps(row), flush=True)
         return
     os.makedirs(args.out, exist_ok=True)
-    stem = f"moe-proxy-{gpu_tag(jax.devices()[0].device_kind)}" if args.proxy else "moe-h200"
     t_start = time.time()
     records = [{"impl": "hbm_copy", "tbps": hbm_copy_tbps()}]
     print(f"hbm_copy {records[0]['tbps']:.2f} TB/s", flush=True)
     rng = np.random.default_rng(0)
     impls = args.impls.split(",")
     for sname in args.shapes.split(","):
+        if not plan([sname], [int(t) for t in args.tokens.split(",")], args.routings.split(","),
+                    impls, skip):
+            print(f"{sname}: every row already measured (--resume)", flush=True)
+            continue
         s = {**SHAPES, **SMOKE}[sname]
         e, h, i, k, act = s["experts"], s["hidden"], s["inter"], s["top_k"], s["activation"]
         r = 2 * i if act == "swiglu" else i
@@ -367,12 +379,16 @@ def main():
                 for name, (fn, _) in layers.items() if name in impls}
         for t in map(int, args.tokens.split(",")):
             for kind in args.routings.split(","):
+                if not plan([sname], [t], [kind], impls, skip):
+                    continue
                 ids, wts = make_routing(rng, t, e, k, kind)
                 touched = np.mean([len(np.unique(ids[j])) for j in range(NROT)])
                 hidden = make_hidden(t, h)
                 ids_d, wts_d = device_routings(ids, wts)
                 flops = 2.0 * t * k * (r * h + h * i)
                 for impl in impls:
+                    if (impl, sname, kind, t) in skip:
+                        continue
                     if (args.budget_s and impl not in MOE_IMPLS
                             and time.time() - t_start > args.budget_s):
                         print(f"{sname} T={t} {kind} {impl}: skipped (bench budget)", flush=True)
@@ -423,14 +439,17 @@ def main():
     summary(records)
 
 
-def plan(shapes, tokens, routings, impls) -> list[dict]:
-    """The rows ``main`` measures, in order (``--dry-run``); the skip rules are main's."""
+def plan(shapes, tokens, routings, impls, skip=frozenset()) -> list[dict]:
+    """The rows ``main`` measures, in order (``--dry-run``); the skip rules are main's;
+    ``skip``: (impl, shape, routing, T) keys already measured (``--resume``)."""
     rows = []
     for sname in shapes:
         for t in tokens:
             for kind in routings:
                 for impl in impls:
                     if impl == "dequant_ragged_dot" and kind == "skewed":
+                        continue
+                    if (impl, sname, kind, t) in skip:
                         continue
                     row = {"impl": impl, "shape": sname, "routing": kind, "T": t}
                     if impl in MOE_IMPLS:

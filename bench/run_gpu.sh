@@ -2,7 +2,7 @@
 # GPU tests and both benchmarks on a GPU machine, each step under its own timeout; everything
 # lands under $OUT (run.log plus each tool's JSON/PNG/text).
 # Usage: NVFP4_COMMIT=<hash> STEPS="tests gemm moe" bash bench/run_gpu.sh
-# Steps: tests tests_ieee gemm moe proxy profile ncu mncu (default "tests gemm moe").
+# Steps: tests tests_ieee gemm moe proxy qdiv profile ncu mncu (default "tests gemm moe").
 #   tests:   every test marked gpu (TEST_FILES: module names or paths,
 #            split at spaces; TEST_K: a pytest -k expression), without XLA flags as a user runs
 #            them; tests_ieee: the same with XLA's IEEE fp32 division flag; T_TESTS seconds.
@@ -14,7 +14,10 @@
 #            M = 1..4096; PROXY_SHAPES, PROXY_MS narrow it) then moe_bench --proxy (the Triton MoE
 #            vs the Hopper path and bf16 ragged_dot, T = PROXY_TOKENS; PROXY_MOE_SHAPES), then
 #            the README table (bench/tables.py proxy); T_PROXY_GEMM + T_PROXY_MOE seconds
-#            (180 + 140 by default).
+#            (180 + 140 by default). PROXY_RESUME=bench/results: skip the rows the committed
+#            proxy JSONs already hold (merge the new ones with bench/merge_results.py).
+#   qdiv:    nvfp4_jax.quantize with its exact division vs XLA's plain one (gemm_bench.py
+#            --quantize-division; QDIV_SIZES: M x K list); T_QDIV seconds (120).
 #   profile: bench/moe_profile.py, per-kernel device time of one MoE layer (PROFILE_CASES).
 #   ncu:     Nsight Compute on the Mosaic GEMM (bench/mosaic_ncu.py, NCU_SHAPES).
 #   mncu:    Nsight Compute on one MoE layer's kernels (bench/moe_ncu.py, MNCU_CASES).
@@ -59,14 +62,18 @@ for s in $STEPS; do
       step "SM12x proxy: GEMM (pallas vs bf16 and the Hopper path; XLA_FLAGS='${XLA_FLAGS:-}')"
       timeout "${T_PROXY_GEMM:-180}" python3 bench/gemm_bench.py --proxy --out "$OUT" \
         --budget-s $((${T_PROXY_GEMM:-180} - 35)) --shapes "${PROXY_SHAPES:-}" \
-        --ms "${PROXY_MS:-}" 2>&1 \
+        --ms "${PROXY_MS:-}" ${PROXY_RESUME:+--resume "$PROXY_RESUME"} 2>&1 \
         | grep -v Warning | tail -70 | tee -a "$OUT/run.log"
       step "SM12x proxy: MoE (the Triton MoE vs the Hopper path and bf16 ragged_dot)"
       timeout "${T_PROXY_MOE:-140}" python3 bench/moe_bench.py --proxy --quick --out "$OUT" \
         --budget-s $((${T_PROXY_MOE:-140} - 60)) --tokens "${PROXY_TOKENS:-1,8,64,512,4096}" \
-        --shapes "${PROXY_MOE_SHAPES:-nemotron,qwen3_30b}" 2>&1 \
+        --shapes "${PROXY_MOE_SHAPES:-nemotron,qwen3_30b}" ${PROXY_RESUME:+--resume "$PROXY_RESUME"} 2>&1 \
         | grep -v Warning | tail -40 | tee -a "$OUT/run.log"
       python3 bench/tables.py proxy --results "$OUT" 2>&1 | tee -a "$OUT/run.log" ;;
+    qdiv)
+      step "quantize: exact division vs XLA's plain division (XLA_FLAGS='${XLA_FLAGS:-}')"
+      timeout "${T_QDIV:-120}" python3 bench/gemm_bench.py --quantize-division --out "$OUT" \
+        --shapes "${QDIV_SIZES:-}" 2>&1 | grep -v Warning | tail -30 | tee -a "$OUT/run.log" ;;
     profile)
       step "moe profile"
       timeout "$T_PROFILE" python3 bench/moe_profile.py --out "$OUT" --reps 2 ${PROFILE_HLO:+--hlo} \

@@ -248,3 +248,67 @@ def test_model_takes_the_moe_kernels_own_counts():
     other = {**cfg, "block_n": 32, "block_k": 64}
     ipw, how = sm.ipw_for(sass, other)
     assert ipw == 0.3 and how.startswith("upper bound")
+
+
+# --------------------------------------------------------------------------- resumed proxy runs
+
+
+def _results(path, records):
+    import json
+
+    path.write_text(json.dumps({"commit": "abc", "records": records}))
+    return str(path)
+
+
+def test_gemm_resume_skips_exactly_the_measured_rows(tmp_path):
+    gb, mr = _load("gemm_bench"), _load("merge_results")
+    assert {256, 1024, 4096} <= set(gb.PROXY_MS)
+    old = [{"impl": i, "N": 28672, "K": 8192, "M": m, "median_us": 1.0}
+           for i in gb.PROXY_IMPLS for m in (1, 16, 64)]
+    old.append({"impl": "bf16_dot", "N": 28672, "K": 8192, "M": 256, "error": "oom"})
+    path = _results(tmp_path / "gemm-proxy-h200.json", old)
+    skip = mr.measured("gemm", path, "unused")
+    assert skip == mr.measured("gemm", str(tmp_path), "gemm-proxy-h200")  # directory form
+    rows = gb.plan(gb.PROXY_SHAPES, gb.PROXY_MS, gb.PROXY_IMPLS, skip)
+    keys = {(r["impl"], r["N"], r["K"], r["M"]) for r in rows}
+    assert len(rows) == len(gb.PROXY_SHAPES) * len(gb.PROXY_MS) * len(gb.PROXY_IMPLS) - 12
+    assert not keys & skip
+    assert ("bf16_dot", 28672, 8192, 256) in keys  # an error is no measurement: run again
+    assert {r["M"] for r in rows if r["N"] == 28672} == {256, 1024, 4096}
+    with pytest.raises(SystemExit, match="--resume"):
+        mr.measured("gemm", str(tmp_path / "missing.json"), "x")
+
+
+def test_moe_resume_skips_measured_rows_and_whole_shapes(tmp_path):
+    mb, mr = _load("moe_bench"), _load("merge_results")
+    impls = list(mb.PROXY_IMPLS)
+    old = [{"impl": "hbm_copy", "tbps": 3.8}]
+    old += [{"impl": i, "shape": "qwen3_30b", "routing": "random", "T": t, "median_us": 9.0}
+            for i in impls for t in (1, 8, 64)]
+    skip = mr.measured("moe", _results(tmp_path / "m.json", old), "x")
+    rows = mb.plan(["nemotron", "qwen3_30b"], [1, 8, 64, 512, 4096], ["random"], impls, skip)
+    got = {(r["shape"], r["T"]) for r in rows}
+    assert got == {("nemotron", t) for t in (1, 8, 64, 512, 4096)} | {
+        ("qwen3_30b", 512), ("qwen3_30b", 4096)}
+    assert mb.plan(["qwen3_30b"], [1, 8, 64], ["random"], impls, skip) == []
+
+
+def test_merge_of_a_resumed_run_keeps_old_rows_and_adds_new(tmp_path):
+    import json
+    import subprocess
+
+    old = {"commit": "a", "date": "d0", "timing": "t", "records": [
+        {"impl": "bf16_dot", "N": 8, "K": 16, "M": 1, "median_us": 5.0},
+        {"impl": "bf16_dot", "N": 8, "K": 16, "M": 256, "error": "budget"}]}
+    new = {"commit": "b", "date": "d1", "timing": "t", "records": [
+        {"impl": "bf16_dot", "N": 8, "K": 16, "M": 256, "median_us": 7.0}]}
+    paths = [tmp_path / f for f in ("old.json", "new.json", "gemm-proxy-h200.json")]
+    for p, d in zip(paths, (old, new)):
+        p.write_text(json.dumps(d))
+    subprocess.run([sys.executable, os.path.join(ROOT, "bench", "merge_results.py"), "gemm",
+                    *map(str, paths), "--no-plot"], check=True, capture_output=True, text=True)
+    out = json.loads(paths[2].read_text())
+    by = {r["M"]: r for r in out["records"]}
+    assert by[1]["median_us"] == 5.0 and by[256]["median_us"] == 7.0
+    assert by[256]["commit"] == "b" and by[1].get("commit") is None
+    assert not list(tmp_path.glob("*.png"))

@@ -308,6 +308,17 @@ def _moe_inputs(seed: int, t: int, h: int, inter: int, e: int, k: int, activatio
                      activation)
 
 
+@functools.lru_cache(maxsize=None)
+def _moe_bound(seed: int, t: int, h: int, inter: int, e: int, k: int, activation: str,
+               mode: str, i: int):
+    """``moe_bound`` of fuzzed layer ``i`` with zero quantization slack, shared by every path
+    (the interval arithmetic costs seconds of host time at top-6)."""
+    from .testing.assertions import moe_bound
+
+    return moe_bound(*_moe_inputs(seed, t, h, inter, e, k, activation, i), activation=activation,
+                     mode=mode, quant_slack=0.0)
+
+
 def _moe_check(path: str, mode: str, activation: str, seed: int, t, h, inter, e, k,
                inputs: int):
     """One compile of ``nvfp4_jax.moe``, ``inputs`` fuzzed layers through it, each inside
@@ -331,10 +342,10 @@ def _moe_check(path: str, mode: str, activation: str, seed: int, t, h, inter, e,
                     jnp.asarray(s1), jnp.asarray(s2), jnp.asarray(ids), jnp.asarray(wts))
         out = np.asarray(out.astype(jnp.float32), np.float64)
         try:
-            b = assert_moe_close(out, *case, activation=activation, mode=mode, quant_slack=0.0,
-                                 label=f"moe {path}")
+            b = assert_moe_close(out, *case, label=f"moe {path}",
+                                 bound=_moe_bound(seed, t, h, inter, e, k, activation, mode, j))
         except AssertionError as exc:
-            ref = oracle.moe(*case, activation=activation, mode=mode)
+            ref = _moe_bound(seed, t, h, inter, e, k, activation, mode, j).ref
             dump = {"hidden": hidden, "topk_ids": ids, "topk_weights": wts,
                     "fc1_codes": fc1.codes, "fc1_scales": fc1.scales,
                     "fc1_weight_scale_2": fc1.decode_scale, "fc2_codes": fc2.codes,
@@ -392,8 +403,8 @@ MOE_PATHS = (
 #: shapes: "cpu" (the Pallas kernels interpreted), "gpu" (the default run on a GPU), "full"
 #: (added to "gpu" by ``--full``). quantize (M, K); matmul (M, N, K); moe (T, H, I, E, k,
 #: activation, mode): the default run has every (activation, mode) pair once per path.
-QUANT_SHAPES = {"cpu": ((3, 64), (17, 272)), "gpu": ((1, 2048), (300, 1040)),
-                "full": ((1, 16), (33, 4096), (256, 512))}
+QUANT_SHAPES = {"cpu": ((3, 64), (17, 272)), "gpu": ((300, 1040),),
+                "full": ((1, 16), (1, 2048), (33, 4096), (256, 512))}
 GEMM_SHAPES = {"cpu": ((3, 128, 256), (17, 64, 272)),
                "gpu": ((1, 1024, 4096), (33, 512, 2048), (300, 256, 1040)),
                "full": ((1, 4096, 4096), (16, 1024, 2048), (64, 512, 4096))}
@@ -401,7 +412,7 @@ MOE_SHAPES = {"cpu": ((3, 256, 128, 4, 2, "relu2", "trtllm_cutlass"),
                       (2, 256, 128, 4, 2, "swiglu", "b12x")),
               "gpu": ((5, 256, 256, 8, 2, "relu2", "trtllm_cutlass"),
                       (5, 256, 256, 8, 2, "swiglu", "b12x"),
-                      (37, 512, 640, 8, 6, "relu2", "b12x"),
+                      (19, 512, 640, 8, 6, "relu2", "b12x"),
                       (9, 256, 384, 8, 2, "swiglu", "trtllm_cutlass")),
               "full": ((3, 768, 512, 8, 3, "swiglu", "b12x"),
                        (37, 1024, 2688, 8, 6, "relu2", "trtllm_cutlass"),
@@ -483,6 +494,7 @@ def run(*, seed: int = 0, out_dir: str = "nvfp4-selftest-failures", only: tuple[
         jax.monitoring.unregister_event_duration_listener(counter)
         _gemm_operands.cache_clear()
         _moe_inputs.cache_clear()
+        _moe_bound.cache_clear()
     return info, checks
 
 

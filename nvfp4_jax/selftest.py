@@ -240,9 +240,9 @@ def _gemm_operands(seed: int, m: int, n: int, k: int, i: int) -> tuple[oracle.NV
     return _weight(rng, n, k), spread_values(rng, (m, k), -12.0, 4.0)
 
 
-def _matmul_check(backend: str, w4a4: bool, seed: int, m: int, n: int, k: int, inputs: int):
-    """One compile of ``nvfp4_jax.matmul`` (fp32 output), ``inputs`` fuzzed operand pairs
-    through it, each held to the oracle's bound by ``explain.explain_gemm``."""
+def _matmul_check(select: dict, w4a4: bool, seed: int, m: int, n: int, k: int, inputs: int):
+    """One compile of ``nvfp4_jax.matmul(..., **select)`` (fp32 output), ``inputs`` fuzzed
+    operand pairs through it, each held to the oracle's bound by ``explain.explain_gemm``."""
     import jax
     import jax.numpy as jnp
 
@@ -251,7 +251,7 @@ def _matmul_check(backend: str, w4a4: bool, seed: int, m: int, n: int, k: int, i
     from . import explain
 
     mm = jax.jit(lambda xx, ww, ss: nj.matmul(xx, ww, input_scale=ss, out_dtype=jnp.float32,
-                                              backend=backend))
+                                              **select))
     worst = 0.0
     for i in range(inputs):
         wo, x = _gemm_operands(seed, m, n, k, i)
@@ -387,12 +387,12 @@ def _mosaic_gemm(m: int, n: int, k: int) -> bool:
     return m <= 64 and k % 256 == 0
 
 
-#: matmul kernels: (``backend=`` of ``nvfp4_jax.matmul``, modes, runs on this compute
-#: capability (None: CPU), fits this (M, N, K))
+#: matmul kernels, one row each: (name in ``matmul/<name>/<mode>``, the ``nvfp4_jax.matmul``
+#: arguments that select it, modes, runs on this compute capability (None: CPU), fits (M, N, K))
 MATMUL = (
-    ("pallas", ("w4a16", "w4a4"), _pallas_triton, _any_gemm),
-    ("mosaic", ("w4a16", "w4a4"), _sm90, _mosaic_gemm),
-    ("xla", ("w4a16", "w4a4"), _anywhere, _any_gemm),
+    ("pallas", {"backend": "pallas"}, ("w4a16", "w4a4"), _pallas_triton, _any_gemm),
+    ("mosaic", {"backend": "mosaic"}, ("w4a16", "w4a4"), _sm90, _mosaic_gemm),
+    ("xla", {"backend": "xla"}, ("w4a16", "w4a4"), _anywhere, _any_gemm),
 )
 #: MoE paths: (path, runs on this compute capability, fits hidden size H)
 MOE_PATHS = (
@@ -448,13 +448,13 @@ def plan(cc: int | None, seed: int = 0, *, full: bool = False,
             add(f"quantize/{recipe}", f"{m}x{k}", _quantize_check, recipe, seed, m, k, n_in, False)
             add(f"quantize/{recipe}", f"{m}x{k} amax", _quantize_check, recipe, seed, m, k, n_in,
                 True)
-    for backend, modes, runs_on, fits in MATMUL:
+    for name, select, modes, runs_on, fits in MATMUL:
         if not runs_on(cc):
             continue
         for mode in modes:
             for m, n, k in _shapes(GEMM_SHAPES, gpu, full):
                 if fits(m, n, k):
-                    add(f"matmul/{backend}/{mode}", f"{m}x{n}x{k}", _matmul_check, backend,
+                    add(f"matmul/{name}/{mode}", f"{m}x{n}x{k}", _matmul_check, select,
                         mode == "w4a4", seed, m, n, k, n_in)
     for path, runs_on, fits in MOE_PATHS:
         if not runs_on(cc):

@@ -25,6 +25,7 @@ seconds and its backend compiles (``jax.monitoring``).
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import importlib
@@ -33,6 +34,7 @@ import os
 import platform
 import shutil
 import subprocess
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -146,18 +148,34 @@ def _weight(rng, n: int, k: int) -> oracle.NVFP4:
 # ----------------------------------------------------------------------------- compiles
 
 class CompileCounter:
-    """Backend compiles (XLA's, with the Pallas-Triton and Mosaic kernels they hold) and their
-    seconds, from ``jax.monitoring`` while it is registered (:func:`run` registers one)."""
+    """Backend compiles (XLA's, with the Pallas-Triton kernels they hold) and their seconds,
+    from ``jax.monitoring`` while it is registered (:func:`run` registers one), per thread:
+    ``count`` and ``seconds`` are those of the calling thread (JAX records the event in the
+    thread that compiles), so concurrent checks each count their own."""
 
     EVENT = "/jax/core/compile/backend_compile_duration"
 
     def __init__(self) -> None:
-        self.count, self.seconds = 0, 0.0
+        self._local = threading.local()
+
+    def _mine(self):
+        if not hasattr(self._local, "count"):
+            self._local.count, self._local.seconds = 0, 0.0
+        return self._local
+
+    @property
+    def count(self) -> int:
+        return self._mine().count
+
+    @property
+    def seconds(self) -> float:
+        return self._mine().seconds
 
     def __call__(self, event: str, duration: float, **_: object) -> None:
         if event == self.EVENT:
-            self.count += 1
-            self.seconds += duration
+            mine = self._mine()
+            mine.count += 1
+            mine.seconds += duration
 
 
 # ----------------------------------------------------------------------------- checks
@@ -467,11 +485,19 @@ def plan(cc: int | None, seed: int = 0, *, full: bool = False,
 
 
 def run(*, seed: int = 0, out_dir: str = "nvfp4-selftest-failures", only: tuple[str, ...] = (),
-        full: bool = False, fuzz: int | None = None,
+        full: bool = False, fuzz: int | None = None, jobs: int = 1,
         progress: Callable[[Check], None] | None = None) -> tuple[dict, list[Check]]:
     """Run every check of :func:`plan` (those whose kernel starts with one of ``only``, if
-    given). Returns (device info, checks); each check counts its backend compiles."""
+    given). Returns (device info, checks); each check counts its backend compiles.
+
+    ``jobs`` > 1: that many checks at once on a thread pool (XLA's compiles, Triton's
+    inside them, and numpy's oracle release the GIL, so compiles overlap); ``progress`` still
+    sees the checks in plan order, and a check's seconds then include time shared with others.
+    """
     import jax
+
+    if jobs < 1:
+        raise ValueError(f"jobs: expected at least 1 check at a time, got {jobs}")
 
     info = device_info()
     cc = info["compute_capability"]
@@ -482,15 +508,22 @@ def run(*, seed: int = 0, out_dir: str = "nvfp4-selftest-failures", only: tuple[
     counter = CompileCounter()
     jax.monitoring.register_event_duration_secs_listener(counter)
     checks = []
+    todo = [(k, s, fn) for k, s, fn in plan(cc, seed, full=full, fuzz=fuzz)
+            if not only or k.startswith(only)]
     try:
-        for kernel, shape, fn in plan(cc, seed, full=full, fuzz=fuzz):
-            if only and not kernel.startswith(only):
-                continue
-            c = _timed(kernel, shape, fn, out_dir, counter)
+        if jobs == 1:
+            results = (_timed(k, s, fn, out_dir, counter) for k, s, fn in todo)
+        else:
+            pool = concurrent.futures.ThreadPoolExecutor(jobs, thread_name_prefix="selftest")
+            futures = [pool.submit(_timed, k, s, fn, out_dir, counter) for k, s, fn in todo]
+            results = (f.result() for f in futures)
+        for c in results:
             checks.append(c)
             if progress is not None:
                 progress(c)
     finally:
+        if jobs > 1:
+            pool.shutdown(wait=True, cancel_futures=True)
         jax.monitoring.unregister_event_duration_listener(counter)
         _gemm_operands.cache_clear()
         _moe_inputs.cache_clear()
@@ -512,19 +545,22 @@ def format_check(c: Check) -> str:
             f"{c.compile_s:5.1f}s)  {c.detail}{npz}")
 
 
-def summary(checks: list[Check]) -> dict:
-    """Totals of a run: checks, fuzzed inputs, backend compiles, seconds (all and compiling)."""
+def summary(checks: list[Check], wall_s: float | None = None) -> dict:
+    """Totals of a run: checks, fuzzed inputs, backend compiles, seconds (the checks' sum and
+    their compiling part; ``wall_s``: the run's wall time, less than the sum with ``jobs``)."""
     return {"checks": len(checks), "inputs": sum(c.inputs for c in checks),
             "compiles": sum(c.compiles for c in checks),
             "seconds": round(sum(c.seconds for c in checks), 3),
-            "compile_s": round(sum(c.compile_s for c in checks), 3)}
+            "compile_s": round(sum(c.compile_s for c in checks), 3),
+            "wall_s": None if wall_s is None else round(wall_s, 3)}
 
 
-def to_json(info: dict, checks: list[Check], options: dict | None = None) -> str:
+def to_json(info: dict, checks: list[Check], options: dict | None = None,
+            wall_s: float | None = None) -> str:
     """The run as JSON: device and versions, the verdicts, the totals, every check (with its
-    seconds and compiles); ``options``: how it was run (full, fuzz, seed, only)."""
+    seconds and compiles); ``options``: how it was run (full, fuzz, seed, only, jobs)."""
     v = verdicts(checks)
     return json.dumps({"device": info, "options": options or {},
                        "verdict": FAIL if FAIL in v.values() else PASS, "kernels": v,
-                       "summary": summary(checks),
+                       "summary": summary(checks, wall_s),
                        "checks": [dataclasses.asdict(c) for c in checks]}, indent=1)

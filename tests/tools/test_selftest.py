@@ -142,7 +142,8 @@ def test_fuzzed_inputs_share_one_compile_and_the_json_counts_them(tmp_path, caps
     assert three["summary"]["inputs"] == 3 * one["summary"]["inputs"]
     assert all(c["compiles"] >= 1 and c["compile_s"] > 0 for c in one["checks"])
     assert [c["compiles"] for c in three["checks"]] == [1] * len(three["checks"])
-    assert three["options"] == {"full": False, "fuzz": 3, "seed": 0, "only": ["matmul/xla/w4a16"]}
+    assert three["options"] == {"full": False, "fuzz": 3, "seed": 0, "only": ["matmul/xla/w4a16"],
+                                "jobs": 1}
     assert all(c["detail"].startswith("within the oracle's bound on 3 inputs")
                for c in three["checks"])
 
@@ -169,3 +170,20 @@ def test_a_broken_moe_path_fails_against_the_shared_bound_with_an_npz(tmp_path, 
     d = np.load(c["npz"])
     assert {"hidden", "topk_ids", "fc1_codes", "fc2_scales", "out", "oracle_out"} <= set(d.files)
     assert np.allclose(d["out"], d["oracle_out"] * (1 + 2.0**-6), rtol=2.0**-7)
+
+
+def test_jobs_run_checks_at_once_and_report_them_in_plan_order(tmp_path, capsys):
+    only = ["--only", "quantize/jax,matmul/xla/w4a4"]
+    docs = {}
+    for jobs in (1, 3):
+        path = tmp_path / f"j{jobs}.json"
+        assert cli.main(["selftest", *only, "--jobs", str(jobs), "--json", str(path),
+                         "--out-dir", str(tmp_path / "f")]) == 0
+        docs[jobs] = json.loads(path.read_text())
+    order = [[(c["kernel"], c["shape"]) for c in docs[j]["checks"]] for j in (1, 3)]
+    assert order[0] == order[1] and len(order[0]) == 6
+    # each thread counts its own compiles: every check sees the one of its kernel
+    assert all(c["compiles"] >= 1 for c in docs[3]["checks"])
+    assert docs[3]["options"]["jobs"] == 3 and docs[3]["summary"]["wall_s"] > 0
+    assert cli.main(["selftest", "--jobs", "0"]) == 2
+    assert "--jobs" in capsys.readouterr().err

@@ -2,10 +2,12 @@
 # GPU tests and both benchmarks on a GPU machine, each step under its own timeout; everything
 # lands under $OUT (run.log plus each tool's JSON/PNG/text).
 # Usage: NVFP4_COMMIT=<hash> STEPS="tests gemm moe" bash bench/run_gpu.sh
-# Steps: tests tests_ieee gemm moe proxy qdiv profile ncu mncu (default "tests gemm moe").
+# Steps: tests tests_ieee selftest gemm moe proxy qdiv profile ncu mncu (default "tests gemm moe").
 #   tests:   every test marked gpu (TEST_FILES: module names or paths,
 #            split at spaces; TEST_K: a pytest -k expression), without XLA flags as a user runs
 #            them; tests_ieee: the same with XLA's IEEE fp32 division flag; T_TESTS seconds.
+#   selftest: nvfp4 selftest without XLA flags (SELFTEST_ARGS, e.g. "--jobs 4" or "--full";
+#            OUT/selftest$SELFTEST_TAG.json and OUT/selftest-failures/); T_SELFTEST seconds (330).
 #   gemm:    bench/gemm_bench.py (GEMM_SHAPES, GEMM_MS narrow it); T_GEMM.
 #   moe:     bench/moe_bench.py (MOE_TOKENS, MOE_IMPLS; MOE_PAD_FC2=1: ours on FC2 weights padded
 #            by moe.pad_fc2; MOE_SCALE_LAYOUT=linear: ours on linear weight scales); T_MOE.
@@ -47,6 +49,11 @@ for s in $STEPS; do
       env -u XLA_FLAGS ${flags:+XLA_FLAGS="$flags"} timeout "$T_TESTS" \
         python3 -m pytest -m gpu -q -p no:cacheprovider -rs ${TEST_K:+-k "$TEST_K"} $files 2>&1 \
         | tee "$OUT/$s.log" | tail -40 | tee -a "$OUT/run.log" ;;
+    selftest)
+      step "nvfp4 selftest (no XLA flags; SELFTEST_ARGS='${SELFTEST_ARGS:-}')"
+      env -u XLA_FLAGS timeout "${T_SELFTEST:-330}" python3 -m nvfp4_jax.cli selftest \
+        --json "$OUT/selftest${SELFTEST_TAG:-}.json" --out-dir "$OUT/selftest-failures" \
+        ${SELFTEST_ARGS:-} 2>&1 | grep -v Warning | tail -80 | tee -a "$OUT/run.log" ;;
     gemm)
       step "gemm bench"
       timeout "$T_GEMM" python3 bench/gemm_bench.py --out "$OUT" --budget-s $((T_GEMM - 40)) \

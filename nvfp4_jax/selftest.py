@@ -19,8 +19,9 @@ On CPU the Pallas kernels run interpreted at small sizes. Needs no hypothesis.
 
 Each check is one compile of one kernel at one shape with several fuzzed inputs through it (a
 GPU's time here is compile time); the default run covers every kernel at a few shapes chosen
-for their edges, ``full=True`` (``nvfp4 selftest --full``) adds shapes. Each check reports its
-seconds and its backend compiles (``jax.monitoring``).
+for their edges, ``full=True`` (``nvfp4 selftest --full``) adds shapes, ``jobs=N`` (``--jobs``)
+runs N checks at once so that their compiles overlap. Each check reports its seconds and its
+backend compiles (``jax.monitoring``).
 """
 
 from __future__ import annotations

@@ -40,7 +40,7 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from run_meta import run_metadata  # noqa: E402
+from run_meta import hbm_copy_tbps, run_metadata  # noqa: E402
 
 from nvfp4_jax import NVFP4Array, models, nn  # noqa: E402
 from nvfp4_jax.models import DecoderConfig, Model  # noqa: E402
@@ -200,19 +200,6 @@ def time_prefill(model, tokens):
     return float(np.median(runs))
 
 
-def hbm_copy_tbps(nbytes: int) -> float:
-    """Device copy rate (read + write bytes per second, TB/s) of an ``nbytes`` buffer."""
-    x = jnp.zeros((nbytes // 4,), jnp.float32)
-    f = jax.jit(lambda a: a + 1.0)
-    f(x).block_until_ready()
-    runs = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        f(x).block_until_ready()
-        runs.append(time.perf_counter() - t0)
-    return 2 * x.nbytes / float(np.median(runs)) / 1e12
-
-
 def decode_read_bytes(model: Model, batch: int, context: int) -> int:
     """Bytes one decode step must read: every weight except the experts, the experts a step
     touches (at most ``batch * top_k`` per layer, all of them assumed distinct), the KV cache
@@ -265,7 +252,7 @@ def main(argv=None) -> int:
            "settings": {"batches": batches, "prefill": prefill_n, "context": context,
                         "steps": steps},
            "records": [], "skipped": []}
-    out["hbm_copy_tbps"] = hbm_copy_tbps(1 << (20 if args.tiny else 31))
+    out["hbm_copy_tbps"] = hbm_copy_tbps()
 
     def over(what):
         if time.perf_counter() - t_start > args.budget_s:

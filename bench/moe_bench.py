@@ -39,7 +39,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from run_meta import gpu_tag, run_metadata
+from run_meta import gpu_tag, hbm_copy_tbps, run_metadata
 
 import nvfp4_jax
 from nvfp4_jax.moe import pad_fc2
@@ -271,22 +271,6 @@ def measure(run, hidden, ids, wts, params, budget_s=1.0, reps=3):
     n = int(max(2, min(100, budget_s / reps / max(t1, 1e-6))))
     t2 = t_of(1 + n, reps)
     return max(t2 - t1, 1e-9) / (per_iter * n) * 1e6, per_iter * n
-
-
-def hbm_copy_tbps():
-    x = jnp.arange(256 * 1024 * 1024 if jax.default_backend() == "gpu" else 1 << 20, dtype=jnp.uint32)
-
-    @jax.jit
-    def run(x):
-        return jax.lax.fori_loop(0, 20, lambda i, y: y ^ jnp.uint32(1), x)
-
-    run(x).block_until_ready()
-    ts = []
-    for _ in range(3):
-        t0 = time.perf_counter()
-        run(x).block_until_ready()
-        ts.append((time.perf_counter() - t0) / 20)
-    return 2 * x.nbytes / float(np.median(ts)) / 1e12
 
 
 def main():

@@ -5,8 +5,11 @@ from __future__ import annotations
 import datetime
 import os
 import subprocess
+import time
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
 
 def tree_commit() -> str:
@@ -79,3 +82,24 @@ def run_metadata() -> dict:
         "python": platform.python_version(),
         "xla_flags": os.environ.get("XLA_FLAGS") or None,
     }
+
+
+def hbm_copy_tbps(nbytes: int | None = None, passes: int = 20) -> float:
+    """Device copy rate in TB/s (bytes read + written per second): ``passes`` in-graph XOR passes
+    over an ``nbytes`` uint32 buffer (default 1 GiB on a GPU, 4 MiB elsewhere) in one jitted
+    loop, median of 3 calls divided by ``passes``, so dispatch and allocation drop out."""
+    if nbytes is None:
+        nbytes = (1 << 30) if jax.default_backend() == "gpu" else (1 << 22)
+    x = jnp.arange(nbytes // 4, dtype=jnp.uint32)
+
+    @jax.jit
+    def run(x):
+        return jax.lax.fori_loop(0, passes, lambda i, y: y ^ jnp.uint32(1), x)
+
+    run(x).block_until_ready()
+    ts = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        run(x).block_until_ready()
+        ts.append((time.perf_counter() - t0) / passes)
+    return 2 * x.nbytes / float(np.median(ts)) / 1e12

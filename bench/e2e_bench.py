@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import gc
 import json
 import os
@@ -100,13 +101,20 @@ def _linear(key, n, k, precision):
     return nn.Linear(_nvfp4(key, (n, k)), jnp.float32(INPUT_SCALE))
 
 
-def _layer(key, cfg: DecoderConfig, precision: str) -> dict:
+def _layer(key, cfg: DecoderConfig, precision: str, fuse: bool = True) -> dict:
+    """One layer's random weights; ``fuse``: q/k/v and gate/up as one linear each (the layout
+    ``models.fuse_projections`` gives a ModelOpt export, whose fused projections share their
+    scales, as these random ones do)."""
     ks = jax.random.split(key, 8)
     h, d = cfg.hidden_size, cfg.head_dim
-    attn = {"q_proj": _linear(ks[0], cfg.num_heads * d, h, precision),
-            "k_proj": _linear(ks[1], cfg.num_kv_heads * d, h, precision),
-            "v_proj": _linear(ks[2], cfg.num_kv_heads * d, h, precision),
-            "o_proj": _linear(ks[3], h, cfg.num_heads * d, precision)}
+    nh, kvh = cfg.num_heads, cfg.num_kv_heads
+    if fuse:
+        attn = {"qkv_proj": _linear(ks[0], (nh + 2 * kvh) * d, h, precision)}
+    else:
+        attn = {"q_proj": _linear(ks[0], nh * d, h, precision),
+                "k_proj": _linear(ks[1], kvh * d, h, precision),
+                "v_proj": _linear(ks[2], kvh * d, h, precision)}
+    attn["o_proj"] = _linear(ks[3], h, nh * d, precision)
     if cfg.qk_norm:
         attn["q_norm"] = jnp.ones((d,), jnp.bfloat16)
         attn["k_norm"] = jnp.ones((d,), jnp.bfloat16)
@@ -125,18 +133,23 @@ def _layer(key, cfg: DecoderConfig, precision: str) -> dict:
                                   renormalize=cfg.norm_topk_prob, activation="swiglu")
     else:
         m = cfg.intermediate_size
-        layer["mlp"] = {"gate_proj": _linear(ks[4], m, h, precision),
-                        "up_proj": _linear(ks[5], m, h, precision),
-                        "down_proj": _linear(ks[6], h, m, precision)}
+        if fuse:
+            layer["mlp"] = {"gate_up_proj": _linear(ks[4], 2 * m, h, precision)}
+        else:
+            layer["mlp"] = {"gate_proj": _linear(ks[4], m, h, precision),
+                            "up_proj": _linear(ks[5], m, h, precision)}
+        layer["mlp"]["down_proj"] = _linear(ks[6], h, m, precision)
     return layer
 
 
-def build_model(cfg: DecoderConfig, precision: str, seed: int = 0) -> Model:
-    """A random model of ``cfg`` with all layers stacked for ``lax.scan``."""
+def build_model(cfg: DecoderConfig, precision: str, seed: int = 0, fuse: bool = True) -> Model:
+    """A random model of ``cfg`` with all layers stacked for ``lax.scan`` (``fuse``: see
+    ``_layer``)."""
     key = jax.random.key(seed)
     kl, ke, kh = jax.random.split(key, 3)
     layer_keys = jax.random.split(kl, cfg.num_layers)
-    stacked = jax.jit(lambda ks: jax.lax.map(lambda k: _layer(k, cfg, precision), ks))(layer_keys)
+    one = functools.partial(_layer, cfg=cfg, precision=precision, fuse=fuse)
+    stacked = jax.jit(lambda ks: jax.lax.map(one, ks))(layer_keys)
     embed = _bf16(ke, (cfg.vocab_size, cfg.hidden_size), exponent=0x3F00)
     head = _bf16(kh, (cfg.vocab_size, cfg.hidden_size))
     model = Model(embed, [stacked], jnp.ones((cfg.hidden_size,), jnp.bfloat16), head, cfg,
@@ -233,6 +246,8 @@ def main(argv=None) -> int:
     ap.add_argument("--breakdown-bf16", action="store_true", help="also break down bf16 steps")
     ap.add_argument("--no-unrolled", action="store_true",
                     help="skip the NVFP4 batch-1 decode with unrolled (unstacked) layers")
+    ap.add_argument("--unfused", action="store_true",
+                    help="q/k/v and gate/up as separate linears (default: one fused GEMM each)")
     ap.add_argument("--budget-s", type=float, default=420.0)
     args = ap.parse_args(argv)
     t_start = time.perf_counter()
@@ -250,7 +265,7 @@ def main(argv=None) -> int:
     path = os.path.join(args.out, "e2e-tiny.json" if args.tiny else "e2e-h200.json")
     out = {**run_metadata(), "tiny": args.tiny, "backend": jax.default_backend(),
            "settings": {"batches": batches, "prefill": prefill_n, "context": context,
-                        "steps": steps},
+                        "steps": steps, "fused_projections": not args.unfused},
            "records": [], "skipped": []}
     out["hbm_copy_tbps"] = hbm_copy_tbps()
 
@@ -273,7 +288,7 @@ def main(argv=None) -> int:
             if over(f"{name}/{prec}"):
                 continue
             log(f"{name} {prec}: building random weights")
-            model = build_model(cfg, prec)
+            model = build_model(cfg, prec, fuse=not args.unfused)
             base = {"model": name, "precision": prec}
             mem = {**base, "kind": "memory", "weight_bytes": _nbytes(model), **_memory()}
             out["records"].append(mem)
@@ -318,7 +333,7 @@ def main(argv=None) -> int:
             continue
         # lax.scan hands each layer a slice of the stacked weights; unrolled layers read their
         # own buffers: the difference shows what the scan costs (e.g. a copy per layer)
-        model = build_model(config_of(shapes[name]), "nvfp4").unstacked()
+        model = build_model(config_of(shapes[name]), "nvfp4", fuse=not args.unfused).unstacked()
         dt = time_decode(model, 1, context, steps)
         out["records"].append({"model": name, "precision": "nvfp4", "kind": "decode_unrolled",
                                "batch": 1, "context": context, "ms_per_step": dt * 1e3,

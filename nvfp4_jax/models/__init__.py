@@ -9,8 +9,10 @@ from .decoder import (
     Generation,
     KVCache,
     Model,
+    concat_linears,
     decode_step,
     forward,
+    fuse_projections,
     generate,
     init_cache,
     prefill,
@@ -18,6 +20,6 @@ from .decoder import (
 )
 from .loader import ARCHITECTURES, config_from_hf, load_model, stderr_progress
 
-__all__ = ["ARCHITECTURES", "DecoderConfig", "Generation", "KVCache", "Model", "config_from_hf",
-           "decode_step", "forward", "generate", "init_cache", "load_model", "prefill", "sample",
-           "stderr_progress"]
+__all__ = ["ARCHITECTURES", "DecoderConfig", "Generation", "KVCache", "Model", "concat_linears",
+           "config_from_hf", "decode_step", "forward", "fuse_projections", "generate",
+           "init_cache", "load_model", "prefill", "sample", "stderr_progress"]

@@ -114,9 +114,13 @@ def _attention(cfg: DecoderConfig, p: dict, x: jax.Array, pos: jax.Array, k_all:
     b, t, _ = x.shape
     nh, kvh, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     lin = _linear_or_stub(ablate, backend, w4a4)
-    q = lin(p["q_proj"], x).reshape(b, t, nh, d)
-    k = lin(p["k_proj"], x).reshape(b, t, kvh, d)
-    v = lin(p["v_proj"], x).reshape(b, t, kvh, d)
+    if "qkv_proj" in p:  # one GEMM (fuse_projections)
+        q, k, v = jnp.split(lin(p["qkv_proj"], x), [nh * d, (nh + kvh) * d], axis=-1)
+    else:
+        q, k, v = (lin(p[n], x) for n in ("q_proj", "k_proj", "v_proj"))
+    q = q.reshape(b, t, nh, d)
+    k = k.reshape(b, t, kvh, d)
+    v = v.reshape(b, t, kvh, d)
     if cfg.qk_norm:
         q = nn.rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
         k = nn.rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
@@ -163,8 +167,11 @@ def _mlp(p: dict, x: jax.Array, backend: str, w4a4: bool,
          ablate: frozenset = frozenset()) -> jax.Array:
     """SwiGLU MLP on three NVFP4 linears: x bf16 [..., H] -> bf16 [..., H]."""
     lin = _linear_or_stub(ablate, backend, w4a4)
-    gate = lin(p["gate_proj"], x).astype(jnp.float32)
-    up = lin(p["up_proj"], x).astype(jnp.float32)
+    if "gate_up_proj" in p:  # one GEMM (fuse_projections)
+        gate, up = jnp.split(lin(p["gate_up_proj"], x).astype(jnp.float32), 2, axis=-1)
+    else:
+        gate = lin(p["gate_proj"], x).astype(jnp.float32)
+        up = lin(p["up_proj"], x).astype(jnp.float32)
     h = (jax.nn.silu(gate).astype(jnp.bfloat16).astype(jnp.float32) * up).astype(jnp.bfloat16)
     return lin(p["down_proj"], h)
 
@@ -184,6 +191,72 @@ def _layer(cfg, p, x, pos, k_all, v_all, li, start, inv_freq, backend, w4a4, abl
     else:
         m = _mlp(p["mlp"], h, backend, w4a4, ablate)
     return x + m, k_all, v_all
+
+
+#: (block, fused name, projections) that read the same input and can run as one GEMM
+FUSIBLE = (("self_attn", "qkv_proj", ("q_proj", "k_proj", "v_proj")),
+           ("mlp", "gate_up_proj", ("gate_proj", "up_proj")))
+
+
+def _concrete(a) -> np.ndarray | None:
+    return None if isinstance(a, jax.core.Tracer) else np.asarray(a)
+
+
+def _same_scalar(values) -> bool:
+    arrs = [_concrete(v) for v in values]
+    return all(a is not None for a in arrs) and all(np.array_equal(a, arrs[0]) for a in arrs)
+
+
+def concat_linears(parts: list) -> nn.Linear | jax.Array | None:
+    """Linears [N_i, K] on the same input as one linear [sum N_i, K], or None where that would
+    change the numerics.
+
+    NVFP4 ``nn.Linear``\ s concatenate (codes and block scales along N) only when their
+    ``decode_scale`` (weight_scale_2) and ``input_scale`` agree: then every output column is
+    computed with the same operands, block scales and alpha as by its own GEMM (the fp32
+    summation order may differ where the kernel's split-K differs with N; both are within
+    ``oracle.gemm_error_bound``). ModelOpt's HF export gives q/k/v and gate/up one shared
+    weight_scale_2 and input_scale for exactly this fusion. bf16 weights always concatenate.
+    """
+    if all(isinstance(p, nn.Linear) for p in parts):
+        ws = [p.w for p in parts]
+        if any(w.layout != "linear" or len(w.shape) != 2 for w in ws):
+            return None
+        if not _same_scalar([w.decode_scale for w in ws]):
+            return None
+        scales = [p.input_scale for p in parts]
+        if any(s is None for s in scales) and not all(s is None for s in scales):
+            return None
+        if scales[0] is not None and not _same_scalar(scales):
+            return None
+        k = ws[0].shape[1]
+        if any(w.shape[1] != k for w in ws):
+            return None
+        from ..quantize import NVFP4Array
+
+        w = NVFP4Array.from_parts(jnp.concatenate([w.codes for w in ws]),
+                                  jnp.concatenate([w.scales for w in ws]), ws[0].decode_scale,
+                                  layout="linear", shape=(sum(w.shape[0] for w in ws), k))
+        return nn.Linear(w, parts[0].input_scale)
+    if all(isinstance(p, jax.Array) and p.ndim == 2 for p in parts):
+        return jnp.concatenate(parts)
+    return None
+
+
+def fuse_projections(layer: dict) -> dict:
+    """A layer dict with q/k/v (and gate/up) replaced by one ``qkv_proj`` (``gate_up_proj``)
+    where :func:`concat_linears` allows it; otherwise the layer unchanged. One GEMM launch
+    instead of three (two) per token: at decode the calls are launch-bound, not byte-bound."""
+    out = dict(layer)
+    for block, fused, names in FUSIBLE:
+        p = layer.get(block)
+        if not isinstance(p, dict) or not all(n in p for n in names):
+            continue
+        w = concat_linears([p[n] for n in names])
+        if w is None:
+            continue
+        out[block] = {**{k: v for k, v in p.items() if k not in names}, fused: w}
+    return out
 
 
 def stack_layers(layers: list[dict]) -> list[tuple[str, Any]]:
@@ -215,9 +288,11 @@ class Model:
     """Parameters (a pytree) and static configuration of a decoder.
 
     embed: bf16 [V, H]; groups: ``stack_layers`` output (layer dicts: ``input_layernorm``,
-    ``post_attention_layernorm`` bf16 [H]; ``self_attn`` {q,k,v,o}_proj ``nn.Linear`` and, for
-    qk_norm, ``q_norm``/``k_norm`` bf16 [D]; ``mlp`` {gate,up,down}_proj ``nn.Linear`` or ``moe``
-    ``nn.MoE``); norm: bf16 [H]; lm_head: bf16 [V, H] or ``nn.Linear``.
+    ``post_attention_layernorm`` bf16 [H]; ``self_attn`` {q,k,v,o}_proj ``nn.Linear`` (or
+    ``qkv_proj`` [(NH + 2 KVH) * D, H] and o_proj, :func:`fuse_projections`) and, for qk_norm,
+    ``q_norm``/``k_norm`` bf16 [D]; ``mlp`` {gate,up,down}_proj ``nn.Linear`` (or
+    ``gate_up_proj`` [2I, H] and down_proj) or ``moe`` ``nn.MoE``); norm: bf16 [H]; lm_head:
+    bf16 [V, H] or ``nn.Linear``.
     """
 
     embed: jax.Array
@@ -229,10 +304,13 @@ class Model:
 
     @staticmethod
     def build(config: DecoderConfig, embed, layers: list[dict], norm, lm_head, *,
-              stack: bool = True) -> Model:
+              stack: bool = True, fuse: bool = True) -> Model:
         """A Model from per-layer dicts: stacked for ``lax.scan`` where consecutive layers
         share a structure (``stack``), else one unrolled layer each (separate weight buffers,
-        longer compiles)."""
+        longer compiles). ``fuse``: q/k/v and gate/up as one linear each where their scales
+        agree (:func:`fuse_projections`)."""
+        if fuse:
+            layers = [fuse_projections(p) for p in layers]
         groups = stack_layers(layers) if stack else [("one", p) for p in layers]
         return Model(embed, [g for _, g in groups], norm, lm_head, config,
                      tuple(k for k, _ in groups))
@@ -246,7 +324,8 @@ class Model:
             else:
                 n = jax.tree_util.tree_leaves(g)[0].shape[0]
                 layers += [jax.tree_util.tree_map(lambda a, i=i: a[i], g) for i in range(n)]
-        return Model.build(self.config, self.embed, layers, self.norm, self.lm_head, stack=False)
+        return Model.build(self.config, self.embed, layers, self.norm, self.lm_head, stack=False,
+                           fuse=False)
 
 
 @jax.tree_util.register_dataclass

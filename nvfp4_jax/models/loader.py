@@ -133,12 +133,14 @@ def _moe(r: _Reader, prefix: str, cfg: DecoderConfig) -> nn.MoE:
 
 
 def load_model(path: str, *, progress: Callable[[str], None] | None = None,
-               stack: bool = True) -> Model:
+               stack: bool = True, fuse: bool = True) -> Model:
     """Read a ModelOpt NVFP4 export (see module docstring) into a Model on the default device.
 
     ``progress``: called with one line per loaded layer (e.g. ``print``); None for silence.
     ``stack``: stack layers of one structure for ``lax.scan`` (``Model.build``); stacking
-    holds the layers twice on the device for a moment.
+    holds the layers twice on the device for a moment. ``fuse``: q/k/v and gate/up as one
+    linear each where their scales agree (``decoder.fuse_projections``; ModelOpt exports make
+    them agree).
     """
     ck = ckpt.load(path)
     cfg = config_from_hf(ck.config)
@@ -173,7 +175,7 @@ def load_model(path: str, *, progress: Callable[[str], None] | None = None,
                          "is false")
     if stack:
         say("stacking layers")
-    return Model.build(cfg, embed, layers, norm, head, stack=stack)
+    return Model.build(cfg, embed, layers, norm, head, stack=stack, fuse=fuse)
 
 
 def stderr_progress(msg: str) -> None:

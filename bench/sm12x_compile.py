@@ -447,18 +447,20 @@ LIBRARY_MS = (1, 16, 64, 256)
 
 def library_configs() -> list:
     """[(name, Config, (M, N, K))]: each distinct config ``configs.get_config`` picks for the
-    Pallas-Triton GEMM at ``LIBRARY_SHAPES`` x ``LIBRARY_MS`` (what an SM12x user runs)."""
+    Pallas-Triton GEMM at ``LIBRARY_SHAPES`` x ``LIBRARY_MS``, for the SM12x family (what an
+    SM12x user runs) and the sm90 family (what the H200 proxy runs measured)."""
     from nvfp4_jax.gemm import configs
 
     seen, out = set(), []
-    for n, k in LIBRARY_SHAPES:
-        for m in LIBRARY_MS:
-            c = configs.get_config(m, n, k)
-            key = tuple(sorted(c.__dict__.items()))
-            if key in seen:
-                continue
-            seen.add(key)
-            out.append((f"library_m{m}_{n}x{k}", c, (m, n, k)))
+    for fam in ("sm12x", "sm90"):
+        for n, k in LIBRARY_SHAPES:
+            for m in LIBRARY_MS:
+                c = configs.get_config(m, n, k, family=fam)
+                key = tuple(sorted(c.__dict__.items()))
+                if key in seen:
+                    continue
+                seen.add(key)
+                out.append((f"library_{fam}_m{m}_{n}x{k}", c, (m, n, k)))
     return out
 
 

@@ -186,7 +186,8 @@ def nibbles_to_f16(codes: jax.Array, mode: str) -> tuple[jax.Array, jax.Array]:
 
 def post_scale(mode: str, dtype) -> float:
     """Power of two by which a kernel multiplies its fp32 accumulator for this decode."""
-    return BF16_POST_SCALE if (mode in ("asm", "asm2") and jnp.dtype(dtype) == jnp.bfloat16) else 1.0
+    bf16_asm = mode in ("asm", "asm2") and jnp.dtype(dtype) == jnp.bfloat16
+    return BF16_POST_SCALE if bf16_asm else 1.0
 
 
 def decode_block(

@@ -103,3 +103,32 @@ def test_sm12x_table_fits_sm120_shared_memory():
             continue
         stage = c.block_n * c.block_k // 2 + c.block_n * c.block_k // 16 + c.block_m * c.block_k * 2
         assert (c.num_stages - 1) * stage <= 99 * 1024, key
+
+
+def test_model_issue_calibration_by_h200_efficiency(tmp_path):
+    """The H200's achieved issue efficiency (its kernel's sm_90a warp-instructions over the
+    measured time x 132 SMs x 4 x 1.98 GHz) scales the SM12x kernel's issue ceiling, worked by
+    hand for 4096 x 4096, M = 1 on the RTX 5060 Ti (36 SMs x 4 x 2.572 GHz)."""
+    from nvfp4_jax.gemm import configs
+
+    sm = _load("sm12x_model")
+    kernels = []
+    for fam, ipw, arch in (("sm90", 0.2, 90), ("sm12x", 0.1, 120)):
+        cfg = configs.get_config(1, 4096, 4096, family=fam).__dict__
+        kernels.append({"kernel": fam, "config": cfg, f"pip_sm{arch}": {
+            "per_weight": {"warp_instructions_per_weight": ipw},
+            "main_loop": {"n_instructions": 1}}})
+    (tmp_path / "gemm-sm12x-compile.json").write_text(json.dumps({"kernels": kernels}))
+    rec = {"impl": "nvfp4_w4a16_pallas", "N": 4096, "K": 4096, "M": 1, "median_us": 40.0}
+    (tmp_path / "gemm-proxy-h200.json").write_text(json.dumps({"records": [rec]}))
+    doc = sm.build(str(tmp_path))
+    rows = {(r["gpu"], r["N"], r["K"], r["M"]): r for r in doc["gemm"]}
+    r = rows[("rtx_5060_ti", 4096, 4096, 1)]
+    eff = 4096 * 4096 * 0.2 / (40e-6 * 132 * 4 * 1.98e9)
+    assert r["h200_issue_efficiency"] == pytest.approx(eff)
+    assert r["warp_instructions_per_weight"] == 0.1
+    issue_us = 4096 * 4096 * 0.1 / (36 * 4 * 2.572e9) / eff * 1e6  # 56.5 us > DRAM's 23.4
+    assert r["issue_calibrated_us"] == pytest.approx(issue_us)
+    assert r["issue_budget_per_weight_at_85pct_dram"] == pytest.approx(
+        36 * 4 * 2.572e9 / (448e9 * 0.85 / 0.5625))
+    assert rows[("rtx_5060_ti", 4096, 4096, 16)]["issue_calibrated_us"] is None  # not measured

@@ -260,7 +260,7 @@ def check(out_dir):
     scales = np.resize(sb, (128, 32)).astype(np.uint8)
     t = oracle.NVFP4(codes, scales, np.float64(1.0))
     ref = oracle.dequantize(t, include_decode_scale=False)
-    for mode in ("asm", "asm16", "bits"):
+    for mode in ("asm", "asm2", "asm16", "bits"):
         wd = dequantize_pallas(jnp.asarray(codes), jnp.asarray(scales), config=Config(decode=mode))
         res[f"dequant_exhaustive_{mode}"] = bool(np.array_equal(np.asarray(wd, np.float64), ref))
     for m, n, k in [(1, 200, 528), (37, 130, 4112), (300, 333, 1040)]:
@@ -282,6 +282,7 @@ def check(out_dir):
             Config(block_m=32, block_n=128, block_k=128, load2d=True),
             Config(block_m=64, block_n=64, block_k=64, decode="bits", split_k=2),
             Config(block_m=16, block_n=64, block_k=256, decode="asm16", load2d=True),
+            Config(block_m=16, block_n=128, block_k=128, decode="asm2", load2d=True),
         ]:
             out = matmul_pallas(
                 xb,

@@ -260,7 +260,7 @@ def check(out_dir):
     scales = np.resize(sb, (128, 32)).astype(np.uint8)
     t = oracle.NVFP4(codes, scales, np.float64(1.0))
     ref = oracle.dequantize(t, include_decode_scale=False)
-    for mode in ("asm", "asm16", "bits"):
+    for mode in ("asm", "asm2", "asm16", "bits"):
         wd = dequantize_pallas(jnp.asarray(codes), jnp.asarray(scales), config=Config(decode=mode))
         res[f"dequant_exhaustive_{mode}"] = bool(np.array_equal(np.asarray(wd, np.float64), ref))
     for m, n, k in [(1, 200, 528), (37, 130, 4112), (300, 333, 1040)]:
@@ -282,6 +282,7 @@ def check(out_dir):
             Config(block_m=32, block_n=128, block_k=128, load2d=True),
             Config(block_m=64, block_n=64, block_k=64, decode="bits", split_k=2),
             Config(block_m=16, block_n=64, block_k=256, decode="asm16", load2d=True),
+            Config(block_m=16, block_n=128, block_k=128, decode="asm2", load2d=True),
         ]:
             out = matmul_pallas(
                 xb,
@@ -391,6 +392,109 @@ def tune(out_dir, shapes, ms, budget_s, prev_rows=()):
             del x
         del ws
     return rows[n_prev:]
+
+
+# --------------------------------------------------------------------------- candidates
+
+#: ``--candidates``: the issue-31 shapes and token counts (M <= 16 and M = 64 buckets)
+CAND_SHAPES = [(28672, 8192), (4096, 14336), (14336, 4096)]
+CAND_MS = [1, 16, 64]
+
+
+def sweep_candidates(m, n, k) -> list[tuple[str, Config]]:
+    """(label, Config) timed by ``--candidates`` at one shape: the library's sm_90 and sm_12x
+    table entries, the sm_90 entry with the 2-byte decode (``asm2``) and tiles with more
+    resident warps (bench/results/gemm-decode-variants.md), ``asm2`` as on sm_90."""
+    import dataclasses
+
+    lib = configs.get_config(m, n, k, family="sm90")
+    out = [("sm90_table", lib), ("sm12x_table", configs.get_config(m, n, k, family="sm12x"))]
+    if lib.algo == "fused":
+        out.append(("sm90_table_asm2", dataclasses.replace(lib, decode="asm2", measured="")))
+    if m <= 16:
+        tiles = [(128, 128, 4, 3), (64, 256, 4, 3), (128, 128, 8, 3), (256, 128, 8, 3)]
+        # split-K up to 8 (the XLA sum of [split_k, M, N] fp32 partials grows with it)
+        out += [(f"m16_n{bn}_k{bk}_w{w}_st{st}_asm2",
+                 Config(16, bn, bk, min(8, split_for(n, k, bn, bk)), w, st, decode="asm2",
+                        load2d=True))
+                for bn, bk, w, st in tiles]
+    elif m <= 64:
+        tiles = [(128, 128, 8, 3), (64, 128, 4, 3), (64, 256, 4, 3)]
+        out += [(f"m64_n{bn}_k{bk}_w{w}_st{st}_asm2",
+                 Config(64, bn, bk, 1, w, st, decode="asm2", load2d=True))
+                for bn, bk, w, st in tiles]
+    return out
+
+
+def all_sweep_candidates() -> list[tuple[str, Config]]:
+    """Every (label, Config) ``--candidates`` times, over CAND_SHAPES x CAND_MS."""
+    return [(f"{label}@{m}x{n}x{k}", c) for n, k in CAND_SHAPES for m in CAND_MS
+            for label, c in sweep_candidates(m, n, k)]
+
+
+def candidates_sweep(out_path, shapes, ms, budget_s, repeats=3, target_s=0.01):
+    """Time ``sweep_candidates`` and bf16 ``jnp.dot`` per shape and M, interleaved: every
+    timer is compiled first, then ``repeats`` rounds run each timer once in turn (the GPU's
+    drift hits all alike); records the median and every round. Compiles stop when
+    ``budget_s`` is spent (the compiled ones still run). Writes ``out_path`` after each M."""
+    t0 = time.time()
+    meta = run_metadata()
+    doc = {**meta, "timing": "in-graph, interleaved rounds (make_timer)", "repeats": repeats,
+           "records": []}
+    for n, k in shapes:
+        ws = make_weights(n, k, n_copies(nvfp4_bytes(n, k)))
+        cb = n_copies(2 * n * k)
+        wb = [nvfp4_jax.dequantize(w, jnp.bfloat16) for w in ws[:cb]]
+        wb += [wb[i % len(wb)] * jnp.bfloat16(1 + i) for i in range(len(wb), cb)]
+        for m in ms:
+            x = make_x(m, k)
+            timers = [("bf16_dot", None, make_timer(impl_bf16_dot, x, wb, target_s=target_s))]
+            for label, cfg in sweep_candidates(m, n, k):
+                if time.time() - t0 > budget_s:
+                    log(f"candidates: budget spent, {label} at {m}x{n}x{k} not compiled")
+                    doc["records"].append({"N": n, "K": k, "M": m, "label": label,
+                                           "skipped": "budget"})
+                    continue
+                try:
+                    timers.append((label, cfg, make_timer(impl_ours_w4a16(cfg), x, ws,
+                                                          target_s=target_s)))
+                except Exception as e:  # noqa: BLE001 - record and go on with the others
+                    doc["records"].append({"N": n, "K": k, "M": m, "label": label,
+                                           "config": cfg.__dict__, "error": repr(e)[:300]})
+            samples = {label: [] for label, _, _ in timers}
+            for _ in range(repeats):
+                for label, _, timer in timers:
+                    samples[label].append(timer() * 1e6)
+            bf16_us = float(np.median(samples["bf16_dot"]))
+            for label, cfg, _ in timers:
+                us = float(np.median(samples[label]))
+                rec = {"N": n, "K": k, "M": m, "label": label, "median_us": us,
+                       "rounds_us": samples[label], "x_bf16": bf16_us / us,
+                       "weight_tbps": (2 * n * k if cfg is None else nvfp4_bytes(n, k)) / us
+                       / 1e6}
+                if cfg is not None:
+                    rec["config"] = cfg.__dict__
+                doc["records"].append(rec)
+                log(json.dumps({kk: v for kk, v in rec.items() if kk != "config"}))
+            with open(out_path, "w") as f:
+                json.dump(doc, f, indent=1)
+            del x
+        del ws, wb
+    return doc
+
+
+def candidates_table(doc) -> str:
+    """Per shape and M: each candidate's median us and x bf16, best first."""
+    lines = ["N K M | label | us | x bf16"]
+    by = {}
+    for r in doc["records"]:
+        if "median_us" in r:
+            by.setdefault((r["N"], r["K"], r["M"]), []).append(r)
+    for key, rs in by.items():
+        for r in sorted(rs, key=lambda r: r["median_us"]):
+            lines.append(f"{key[0]} {key[1]} {key[2]} | {r['label']} | {r['median_us']:.1f} | "
+                         f"{r['x_bf16']:.2f}")
+    return "\n".join(lines)
 
 
 # --------------------------------------------------------------------------- benchmark
@@ -644,6 +748,15 @@ def main():
         + ",".join(f"{n}x{k}" for n, k in PROXY_SHAPES)
         + f", M = {','.join(map(str, PROXY_MS))} -> OUT/gemm-proxy-<gpu>.json",
     )
+    p.add_argument(
+        "--candidates",
+        action="store_true",
+        help="time sweep_candidates (decode/tile candidates, both GPU families' tables) against "
+        "bf16 jnp.dot, interleaved, on " + ",".join(f"{n}x{k}" for n, k in CAND_SHAPES)
+        + f", M = {','.join(map(str, CAND_MS))} (--budget-s caps compiles) -> "
+        "OUT/gemm-candidates-<gpu>.json",
+    )
+    p.add_argument("--repeats", type=int, default=3, help="--candidates: interleaved rounds")
     p.add_argument("--tiny", action="store_true",
                    help="CPU smoke run: a 256x256 weight, M = 1, 16 (times mean nothing)")
     p.add_argument("--quantize-division", action="store_true",
@@ -676,6 +789,26 @@ def main():
     impls = None  # DEFAULT_IMPLS + extra
     if a.proxy or a.only:
         impls, extra = (extra or list(PROXY_IMPLS)), []
+    if a.candidates:
+        shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",") if s]
+        ms = [int(v) for v in a.ms.split(",") if v]
+        if a.tiny:
+            shapes, ms = shapes or TINY_SHAPES, ms or TINY_MS
+        shapes, ms = shapes or CAND_SHAPES, ms or CAND_MS
+        if a.dry_run:
+            for n, k in shapes:
+                for m in ms:
+                    for label, c in sweep_candidates(m, n, k):
+                        log(json.dumps({"N": n, "K": k, "M": m, "label": label,
+                                        "config": c.__dict__}))
+            return
+        os.makedirs(a.out, exist_ok=True)
+        path = os.path.join(a.out, f"gemm-candidates-{gpu_tag(run_metadata()['gpu'])}.json")
+        doc = candidates_sweep(path, shapes, ms, a.budget_s, repeats=a.repeats,
+                               target_s=0.001 if a.tiny else 0.01)
+        log("wrote", path)
+        log(candidates_table(doc))
+        return
     skip = frozenset()
     if a.resume:
         from merge_results import measured

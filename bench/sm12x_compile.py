@@ -171,6 +171,71 @@ def per_weight(loop: dict | None, config, weight_tiles: int = 1) -> dict | None:
     }
 
 
+#: per-SM limits that set how many CTAs of a kernel are resident at once (CUDA C++ Programming
+#: Guide, technical specifications per compute capability: 9.0 has 228 KB of shared memory per
+#: SM, 227 KB per block and 2048 threads per SM; 12.x has 100 KB per SM, 99 KB per block and
+#: 1536 threads per SM; both 64 K registers and 32 blocks per SM). Not measured here.
+SM_LIMITS = {
+    90: {"regs": 65536, "smem_sm": 228 * 1024, "smem_block": 227 * 1024, "threads": 2048,
+         "ctas": 32},
+    120: {"regs": 65536, "smem_sm": 100 * 1024, "smem_block": 99 * 1024, "threads": 1536,
+          "ctas": 32},
+}
+#: shared memory the CUDA runtime reserves per resident CTA (compute capability >= 8.0)
+SMEM_RESERVED_PER_CTA = 1024
+
+
+def occupancy(regs: int | None, smem: int | None, num_warps: int, cc: int) -> dict | None:
+    """Resident CTAs per SM and warps per scheduler (4 per SM) of a kernel with ``regs``
+    registers per thread and ``smem`` bytes of shared memory per CTA on compute capability
+    ``cc`` (90, 120, 121). ``fits``: False where the CTA's shared memory exceeds the per-block
+    limit (the launch fails). Registers are allocated per warp in units of 256."""
+    if regs is None or smem is None:
+        return None
+    lim = SM_LIMITS[90 if cc < 100 else 120]
+    per_warp = -(-regs * 32 // 256) * 256
+    by = {
+        "registers": lim["regs"] // (per_warp * num_warps),
+        "shared memory": lim["smem_sm"] // (smem + SMEM_RESERVED_PER_CTA),
+        "threads": lim["threads"] // (num_warps * 32),
+        "CTAs": lim["ctas"],
+    }
+    ctas = min(by.values())
+    return {"fits": smem <= lim["smem_block"], "ctas_per_sm": ctas,
+            "warps_per_scheduler": ctas * num_warps / 4,
+            "limited_by": min(by, key=by.get)}
+
+
+#: main-loop opcodes by what they do in the decode GEMM (the rest: "other")
+OPCODE_GROUPS = {
+    "bit ops (LOP3, SHF, PRMT)": ("LOP3", "SHF", "PRMT"),
+    "bf16x2 scale multiply (HMUL2, HFMA2)": ("HMUL2", "HFMA2"),
+    "scale conversion (F2FP, HADD2, FMUL)": ("F2FP", "HADD2", "FMUL"),
+    "integer (IMAD, IADD, LEA, ...)": ("IMAD", "IADD", "IADD3", "VIADD", "LEA", "UIADD3", "ULEA",
+                                       "ISETP", "UISETP", "SEL", "USEL", "UMOV", "USHF",
+                                       "USGXT", "PLOP3"),
+    "register moves (MOV)": ("MOV",),
+    "loads (LDS, LDSM, LDGSTS, LDG)": ("LDS", "LDSM", "LDGSTS", "LDG"),
+    "MMA (HMMA, HGMMA, WARPGROUP)": ("HMMA", "HGMMA", "WARPGROUP"),
+    "accumulate (FADD)": ("FADD",),
+}
+
+
+def budget_by_source(loop: dict | None, config) -> dict | None:
+    """Main-loop instructions per weight per lane (one thread's share of a ``block_n x
+    block_k`` step: ``block_n * block_k / (32 * num_warps)`` weights), total and by
+    ``OPCODE_GROUPS``."""
+    if not loop:
+        return None
+    per_lane = config.block_n * config.block_k / (32 * config.num_warps)
+    groups = dict.fromkeys([*OPCODE_GROUPS, "other"], 0)
+    for op, n in loop["opcodes"].items():
+        g = next((g for g, ops in OPCODE_GROUPS.items() if op in ops), "other")
+        groups[g] += n
+    return {"total": loop["n_instructions"] / per_lane,
+            **{g: n / per_lane for g, n in groups.items()}}
+
+
 def sass_stats(cubin: bytes, workdir: str, tag: str) -> dict:
     path = os.path.join(workdir, f"{tag}.cubin")
     with open(path, "wb") as f:
@@ -187,6 +252,9 @@ def sass_stats(cubin: bytes, workdir: str, tag: str) -> dict:
     )
     count = lambda pfx: sum(1 for o in ops if o == pfx)
     arch = re.search(r"arch = (sm_\w+)", sass)
+    res = subprocess.run([cuobjdump, "-res-usage", path], check=False, capture_output=True,
+                         text=True).stdout
+    regs = re.search(r"REG:(\d+)", res)
     return {
         "arch": arch.group(1) if arch else None,
         "n_instructions": len(ops),
@@ -196,6 +264,7 @@ def sass_stats(cubin: bytes, workdir: str, tag: str) -> dict:
         "OMMA": count("OMMA"),
         "PRMT": count("PRMT"),
         "LOP3": count("LOP3"),
+        "regs_per_thread": int(regs.group(1)) if regs else None,
         "main_loop": main_loop_stats(sass),
     }
 
@@ -273,6 +342,7 @@ def compile_pip(ttir_text, num_warps, num_stages, cc, workdir) -> dict:
         ptx_mma_sync=ptx.count("mma.sync"),
         ptx_wgmma=ptx.count("wgmma.mma_async"),
     )
+    out["smem_bytes"] = ck.metadata.shared
     out.update(sass_stats(ck.asm["cubin"], workdir, f"pip_sm{cc}"))
     return out
 
@@ -377,19 +447,100 @@ LIBRARY_MS = (1, 16, 64, 256)
 
 def library_configs() -> list:
     """[(name, Config, (M, N, K))]: each distinct config ``configs.get_config`` picks for the
-    Pallas-Triton GEMM at ``LIBRARY_SHAPES`` x ``LIBRARY_MS`` (what an SM12x user runs)."""
+    Pallas-Triton GEMM at ``LIBRARY_SHAPES`` x ``LIBRARY_MS``, for the SM12x family (what an
+    SM12x user runs) and the sm90 family (what the H200 proxy runs measured)."""
     from nvfp4_jax.gemm import configs
 
     seen, out = set(), []
-    for n, k in LIBRARY_SHAPES:
-        for m in LIBRARY_MS:
-            c = configs.get_config(m, n, k)
-            key = tuple(sorted(c.__dict__.items()))
-            if key in seen:
+    for fam in ("sm12x", "sm90"):
+        for n, k in LIBRARY_SHAPES:
+            for m in LIBRARY_MS:
+                c = configs.get_config(m, n, k, family=fam)
+                key = tuple(sorted(c.__dict__.items()))
+                if key in seen:
+                    continue
+                seen.add(key)
+                out.append((f"library_{fam}_m{m}_{n}x{k}", c, (m, n, k)))
+    return out
+
+
+VARIANT_ARCHS = (90, 120)
+
+
+def variant_entry(label: str, c, workdir: str, shape=(16, 4096, 4096)) -> dict:
+    """One GEMM config compiled by pip Triton for sm_90a and sm_120a: main-loop instructions,
+    per weight per lane by source, registers, shared memory and occupancy per arch."""
+    [(ttir, _, nw, ns)] = capture_ttir(*shape, config=c)
+    entry = {"label": label, "config": {k: v for k, v in c.__dict__.items() if k != "measured"}}
+    for cc in VARIANT_ARCHS:
+        r = compile_pip(ttir, nw, ns, cc, workdir)
+        loop = r.get("main_loop")
+        entry[f"sm{cc}"] = {
+            "error": r.get("error"),
+            "main_loop_instructions": loop and loop["n_instructions"],
+            "per_weight_per_lane": budget_by_source(loop, c),
+            "opcodes": loop and loop["opcodes"],
+            "regs_per_thread": r.get("regs_per_thread"),
+            "smem_bytes": r.get("smem_bytes"),
+            "occupancy": occupancy(r.get("regs_per_thread"), r.get("smem_bytes"), nw, cc),
+        }
+    return entry
+
+
+def variants_table(entries: list[dict]) -> str:
+    """Markdown: one row per config, sm_90a and sm_120a side by side."""
+    head = ("| config | decode | sm_90a instr/step | per weight/lane | regs | smem KB | CTAs/SM "
+            "(warps/sched) | sm_120a instr/step | per weight/lane | regs | smem KB | CTAs/SM "
+            "(warps/sched) |")
+    rows = [head, "|" + "---|" * 12]
+    for e in entries:
+        c = e["config"]
+        cells = [f"{e['label']}: m{c['block_m']} n{c['block_n']} k{c['block_k']} "
+                 f"s{c['split_k']} w{c['num_warps']} st{c['num_stages']}", c["decode"]]
+        for cc in VARIANT_ARCHS:
+            a = e[f"sm{cc}"]
+            occ, pw = a["occupancy"], a["per_weight_per_lane"]
+            if a["error"] or not pw:
+                cells += [f"error: {(a['error'] or 'no loop')[:60]}", "", "", "", ""]
+                continue
+            fit = "" if occ["fits"] else " DOES NOT FIT"
+            cells += [str(a["main_loop_instructions"]), f"{pw['total']:.2f}",
+                      str(a["regs_per_thread"]), f"{a['smem_bytes'] / 1024:.0f}{fit}",
+                      f"{occ['ctas_per_sm']} ({occ['warps_per_scheduler']:g}, "
+                      f"{occ['limited_by']})"]
+        rows.append("| " + " | ".join(cells) + " |")
+    return "\n".join(rows) + "\n"
+
+
+def run_variants(out_dir: str, candidates: list) -> dict:
+    """``--variants``: compile each (label, Config) of ``candidates`` -> OUT/
+    gemm-decode-variants.json and .md (sm_90a and sm_120a main loops side by side)."""
+    from run_meta import run_metadata
+
+    os.makedirs(out_dir, exist_ok=True)
+    doc = {**run_metadata(), "sm_limits": SM_LIMITS, "entries": []}
+    seen = set()
+    with tempfile.TemporaryDirectory() as wd:
+        for label, c in candidates:
+            key = tuple(sorted((k, v) for k, v in c.__dict__.items() if k != "measured"))
+            if key in seen or c.algo != "fused":
                 continue
             seen.add(key)
-            out.append((f"library_m{m}_{n}x{k}", c, (m, n, k)))
-    return out
+            doc["entries"].append(variant_entry(label, c, wd))
+            e = doc["entries"][-1]
+            print(label, {cc: (e[f"sm{cc}"]["main_loop_instructions"],
+                               e[f"sm{cc}"]["regs_per_thread"], e[f"sm{cc}"]["smem_bytes"],
+                               e[f"sm{cc}"]["occupancy"]) for cc in VARIANT_ARCHS}, flush=True)
+    with open(os.path.join(out_dir, "gemm-decode-variants.json"), "w") as f:
+        json.dump(doc, f, indent=1)
+    with open(os.path.join(out_dir, "gemm-decode-variants.md"), "w") as f:
+        f.write("Main loop of the Pallas-Triton GEMM per config, compiled (not run) by pip "
+                f"Triton {doc.get('pip_triton', '')} from the CPU (bench/sm12x_compile.py "
+                "--variants). instr/step: warp-instructions per warp per K step; per "
+                "weight/lane: that over the weights one thread decodes per step; CTAs/SM "
+                "from registers, shared memory and threads (SM_LIMITS).\n\n")
+        f.write(variants_table(doc["entries"]))
+    return doc
 
 
 def run(out_dir: str) -> dict:
@@ -458,6 +609,14 @@ def run(out_dir: str) -> dict:
 if __name__ == "__main__":
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="bench/results")
+    p.add_argument("--variants", action="store_true",
+                   help="compile gemm_bench's candidate configs (sweep_candidates) for sm_90a "
+                   "and sm_120a -> OUT/gemm-decode-variants.{json,md}")
     a = p.parse_args()
+    if a.variants:
+        from gemm_bench import all_sweep_candidates
+
+        run_variants(a.out, all_sweep_candidates())
+        sys.exit(0)
     s = run(a.out)
     print("sm12x_hmma_ok", s["sm12x_hmma_ok"])

@@ -101,6 +101,9 @@ BF16_FP32ACC_FLOP_PER_SM_CLK = 512
 DRAM_EFFICIENCY = 0.9
 #: warp-instructions issued per SM per clock (4 sub-partitions, one warp scheduler each)
 ISSUE_PER_SM_CLK = 4
+#: issue 31's goal: the decode GEMM streams weights at 85 % of DRAM bandwidth; the per-weight
+#: instruction budget at that rate is the number a kernel's main loop must stay under
+ISSUE_GOAL_DRAM_FRACTION = 0.85
 
 ASSUMPTIONS = [
     {"name": "DRAM_EFFICIENCY", "value": DRAM_EFFICIENCY,
@@ -158,10 +161,12 @@ def issue_per_s(gpu: dict) -> float:
     return gpu["sms"] * ISSUE_PER_SM_CLK * gpu["boost_ghz"] * 1e9
 
 
-def issue_budget_per_weight(gpu: dict) -> float:
+def issue_budget_per_weight(gpu: dict, dram_fraction: float | None = None) -> float:
     """Warp-instructions per NVFP4 weight the GPU can issue while streaming weights at
-    ``stream_bps``: above it a kernel is issue-bound before it is bandwidth-bound."""
-    return issue_per_s(gpu) / (stream_bps(gpu) / BYTES_PER_WEIGHT)
+    ``stream_bps`` (or at ``dram_fraction`` of the datasheet bandwidth): above it a kernel is
+    issue-bound before it is bandwidth-bound."""
+    bps = stream_bps(gpu) if dram_fraction is None else gpu["dram_gbs"] * 1e9 * dram_fraction
+    return issue_per_s(gpu) / (bps / BYTES_PER_WEIGHT)
 
 
 def fused_gemm(gpu: dict, m: int, n: int, k: int, *, block_m: int, ipw: float | None,
@@ -202,16 +207,16 @@ def dequant_then_bf16(gpu: dict, m: int, n: int, k: int) -> float:
 # --------------------------------------------------------------------------- SASS counts
 
 
-def load_sass(path: str) -> list[dict]:
+def load_sass(path: str, arch: int = 120) -> list[dict]:
     """[{config, per_weight (warp-instructions per weight), n_main_loop, kernel}] from
-    gemm-sm12x-compile.json's sm_120a builds (pip Triton, else jaxlib)."""
+    gemm-sm12x-compile.json's sm_<arch>a builds (pip Triton, else jaxlib)."""
     if not os.path.exists(path):
         return []
     with open(path) as f:
         doc = json.load(f)
     out = []
     for e in doc.get("kernels", []):
-        for side in ("pip_sm120", "jaxlib_sm120"):
+        for side in (f"pip_sm{arch}", f"jaxlib_sm{arch}"):
             pw = (e.get(side) or {}).get("per_weight")
             if pw:
                 out.append({"kernel": e["kernel"], "config": e["config"], "side": side,
@@ -238,7 +243,8 @@ def ipw_for(sass: list[dict], config: dict, moe: dict | None = None) -> tuple[fl
         pools = [[s for s in moes if s["moe"]["layer"] == moe["layer"]
                   and s["moe"]["gemm"] == moe["gemm"]], moes, sass]
     for pool in pools:
-        for keys, how in ((tuple(config), "this config"), (_TILE_KEYS, "same tiles"),
+        exact = tuple(kk for kk in config if kk != "measured")  # provenance, not the kernel
+        for keys, how in ((exact, "this config"), (_TILE_KEYS, "same tiles"),
                           (("block_n", "block_k", "num_warps"), "same BN/BK/warps")):
             same = [s for s in pool if all(s["config"].get(kk) == config.get(kk) for kk in keys)]
             if same:
@@ -250,16 +256,40 @@ def ipw_for(sass: list[dict], config: dict, moe: dict | None = None) -> tuple[fl
 # --------------------------------------------------------------------------- rows
 
 
-def gemm_rows(gpus: dict, sass: list[dict], measured: dict | None = None) -> list[dict]:
+def h200_issue_efficiency(sass90: list[dict], measured: dict | None, m: int, n: int,
+                          k: int) -> tuple[float | None, float | None]:
+    """(achieved issue efficiency, sm_90a warp-instructions per weight) of the kernel the H200
+    proxy run timed at this shape (the sm90 table's config): its main loop's warp-instructions
+    over (measured time x the H200's issue rate). None where it was not measured or counted."""
+    from nvfp4_jax.gemm import configs
+
+    cfg = configs.get_config(m, n, k, family="sm90").__dict__
+    if not measured or (n, k, m) not in measured or cfg.get("algo") != "fused" or not sass90:
+        return None, None
+    ipw, how = ipw_for(sass90, cfg)
+    if not how.startswith("this config"):
+        return None, None
+    instr = math.ceil(m / cfg["block_m"]) * n * k * ipw
+    return instr / (measured[(n, k, m)] * 1e-6 * issue_per_s(GPUS["h200"])), ipw
+
+
+def gemm_rows(gpus: dict, sass: list[dict], measured: dict | None = None,
+              sass90: list[dict] | None = None) -> list[dict]:
+    """Per GEMM shape, M and SM12x GPU: the roofline of the SM12x table's config
+    (``configs.get_config(..., family="sm12x")``) with its sm_120a count; with an H200 proxy
+    run, ``calibrated_us`` (the prediction times the H200's measured / modelled ratio) and
+    ``issue_calibrated_us`` (the issue ceiling at the H200 kernel's achieved issue efficiency,
+    ``h200_issue_efficiency``, against DRAM and MMA)."""
     from nvfp4_jax.gemm import configs
 
     rows = []
     for n, k in GEMM_SHAPES:
         for m in GEMM_MS:
-            cfg = configs.get_config(m, n, k).__dict__
+            cfg = configs.get_config(m, n, k, family="sm12x").__dict__
             ipw, ipw_from = ipw_for(sass, cfg)
             if cfg.get("algo") == "dequant_dot":  # no fused kernel: XLA dequantizes, cuBLAS
                 ipw, ipw_from = None, "algo dequant_dot (no fused kernel)"
+            eff, ipw90 = h200_issue_efficiency(sass90 or [], measured, m, n, k)
             calib = None
             if measured and (n, k, m) in measured:
                 h = GPUS["h200"]
@@ -294,7 +324,15 @@ def gemm_rows(gpus: dict, sass: list[dict], measured: dict | None = None) -> lis
                     "predicted_fp4_mma_us": t4 * 1e6, "fp4_mma_limiter": lim4,
                     "calibrated_us": (t * 1e6 * calib) if calib else None,
                     "h200_measured_over_model": calib,
+                    "issue_budget_per_weight_at_85pct_dram": issue_budget_per_weight(
+                        gpu, ISSUE_GOAL_DRAM_FRACTION),
+                    "h200_issue_efficiency": eff,
+                    "h200_sm90_warp_instructions_per_weight": ipw90,
+                    "issue_calibrated_us": None,
                 }
+                if eff and ipw is not None and "t_issue" in parts:
+                    row["issue_calibrated_us"] = 1e6 * max(
+                        parts["t_mem"], parts["t_mma"], parts["t_issue"] / eff)
                 if "t_mem" in parts:
                     row.update({f"predicted_{kk}_us": parts[kk] * 1e6
                                 for kk in ("t_mem", "t_mma", "t_issue")})
@@ -403,12 +441,39 @@ def table(doc: dict) -> str:
     by = {}
     for r in doc["gemm"]:
         by.setdefault((r["N"], r["K"], r["M"]), {})[r["gpu"]] = r
+    by_gemm = by
     for (n, k, m), rs in by.items():
         first = rs[gnames[0]]
         ipw = first["warp_instructions_per_weight"]
         out.append(f"| {n}x{k} | {m} | " + (f"{ipw:.3f}" if ipw is not None else "-") + " | "
                    + " | ".join(cell(rs[g]) for g in gnames)
                    + f" | {first['predicted_fp4_mma_us']:.0f} |")
+    out += ["", "Issue budget (issue 31 goal 1): main-loop warp-instructions per weight of the "
+            "SM12x table's kernel (sm_120a SASS) against each GPU's budget at 85 % of DRAM "
+            "bandwidth; H200 efficiency = the sm90 kernel's sm_90a warp-instructions / (its "
+            "time measured on the H200 x the H200's issue rate); calibrated = the issue ceiling "
+            "at that efficiency against DRAM and MMA: us (x ideal bf16 GEMM)", "",
+            "| N x K | M | SM12x instr/weight | H200 sm_90a instr/weight | H200 issue efficiency "
+            "| " + " | ".join(f"{doc['gpus'][g]['name']} budget at 85 % | calibrated"
+                              for g in gnames) + " |",
+            "|---|---|---|---|---|" + "---|---|" * len(gnames)]
+    for (n, k, m), rs in by_gemm.items():
+        first = rs[gnames[0]]
+        if first["warp_instructions_per_weight"] is None:
+            continue
+
+        def num(v, fmt):
+            return format(v, fmt) if v is not None else "-"
+
+        cells = []
+        for g in gnames:
+            r = rs[g]
+            cal = r["issue_calibrated_us"]
+            cells += [f"{r['issue_budget_per_weight_at_85pct_dram']:.2f}",
+                      f"{cal:.0f} ({r['predicted_bf16_us'] / cal:.1f}x)" if cal else "-"]
+        out.append(f"| {n}x{k} | {m} | {first['warp_instructions_per_weight']:.3f} | "
+                   f"{num(first['h200_sm90_warp_instructions_per_weight'], '.3f')} | "
+                   f"{num(first['h200_issue_efficiency'], '.0%')} | " + " | ".join(cells) + " |")
     out += ["", "Routed MoE layer (FC1 + FC2, Triton MoE path; x ideal bf16 grouped GEMM)", "",
             f"| MoE | T | touched experts | {head} |", "|---|---|---|" + "---|" * len(gnames)]
     by = {}
@@ -423,6 +488,7 @@ def table(doc: dict) -> str:
 def build(results: str) -> dict:
     sass_path = os.path.join(results, "gemm-sm12x-compile.json")
     sass = load_sass(sass_path)
+    sass90 = load_sass(sass_path, 90)
     measured, measured_from = load_measured(results)
     gpus = {g: v for g, v in GPUS.items()}
     derived = {g: {"bf16_fp32acc_dense_tflops": bf16_tflops(v), "fp4_dense_tflops": fp4_tflops(v),
@@ -437,7 +503,7 @@ def build(results: str) -> dict:
         "sass_source": os.path.relpath(sass_path, os.path.dirname(results) or "."),
         "sass_kernels": sass,
         "calibration_source": measured_from,
-        "gemm": gemm_rows(gpus, sass, measured),
+        "gemm": gemm_rows(gpus, sass, measured, sass90),
         "moe": moe_rows(gpus, sass),
     }
 

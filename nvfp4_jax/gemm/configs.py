@@ -1,14 +1,24 @@
-"""Tile configurations of the NVFP4 GEMM, per shape bucket: data, autotuned on one H200.
+"""Tile configurations of the NVFP4 GEMM, per GPU family and shape bucket: data.
+
+Two families, two tables: ``"sm90"`` (``TUNED``: autotuned on one H200) and ``"sm12x"``
+(``TUNED_SM12X``: RTX 50xx / RTX PRO Blackwell, DGX Spark). The families differ in what a
+config costs: sm_120 has 100 KB of shared memory per SM (99 KB per CTA) against the H200's
+228 KB, 1536 resident threads per SM against 2048, and Triton lays the decoded operand out for
+``mma.sync`` (4 consecutive bytes per thread) instead of ``wgmma`` (2), so the decode grouping
+differs too (decode.py: ``asm`` vs ``asm2``). An H200-tuned tile can fail to launch on SM12x
+(shared memory) or leave one warp per scheduler there.
 
 Key: (M bucket, N, K). M is rounded up to the next bucket (16, 64, 256, 1024, 4096; M <= 16
 share one: the MMA pads tokens to 16 anyway). Lookup falls back to the nearest tuned (N, K) by
 weight size in the same bucket, then to the nearest tuned bucket, then to ``heuristic``.
 Each entry's ``measured`` field holds the numbers that justify it (in-graph medians on the
-H200, against bf16 ``jnp.dot`` and the other configs swept).
+H200, against bf16 ``jnp.dot`` and the other configs swept), or for the SM12x table the
+compile-time figures it was chosen by (no SM12x GPU has timed it).
 """
 
 from __future__ import annotations
 
+from ..device import is_sm12x
 from .pallas_triton import Config
 
 M_BUCKETS = (16, 64, 256, 1024, 4096)
@@ -39,6 +49,42 @@ TUNED: dict[tuple[int, int, int], Config] = {
         measured="M=1024: 833 us vs fused 1381; M=4096: 2.88 ms vs bf16 2.93, fused 5.5 "
                  "(h200, 2026-11-29)"),
 }
+
+
+# SM12x: every entry fits 99 KB of shared memory with >= 2 resident CTAs per SM where the
+# sm_120a compile allows it (pip Triton 3.6, bench/sm12x_compile.py --variants: registers,
+# shared memory, main-loop instructions; bench/results/gemm-decode-variants.md). Predicted,
+# not measured: no SM12x GPU has run them.
+_SM12X_SMALL_M = {"block_m": 16, "num_warps": 4, "num_stages": 3, "load2d": True}
+TUNED_SM12X: dict[tuple[int, int, int], Config] = {
+    # split-K 2: 448 CTAs keep the RTX 5090's 170 SMs x 3 resident CTAs busy
+    (16, 28672, 8192): Config(
+        block_n=128, block_k=128, split_k=2, **_SM12X_SMALL_M,
+        measured="predicted: sm_120a 597 instr/step (4.66 per weight per lane), 123 regs, "
+                 "26 KB, 3 CTAs/SM (the sm90 entry: 78 KB, 1 CTA/SM)"),
+    (16, 4096, 4096): Config(
+        block_n=64, block_k=128, split_k=8, **_SM12X_SMALL_M,
+        measured="predicted: sm_120a 5.22 per weight per lane, 80 regs, 17 KB, 5 CTAs/SM"),
+    (64, 28672, 8192): Config(
+        block_m=64, block_n=64, block_k=128, split_k=1, num_warps=4, num_stages=3, load2d=True,
+        measured="predicted: sm_120a 9.28 per weight per lane, 168 regs, 41 KB, 2 CTAs/SM "
+                 "(the sm90 entry needs 100 KB: over the 99 KB per CTA, it cannot launch)"),
+    (64, 4096, 4096): Config(
+        block_m=64, block_n=64, block_k=128, split_k=8, num_warps=4, num_stages=3, load2d=True,
+        measured="predicted: sm_120a 9.09 per weight per lane, 160 regs, 41 KB, 2 CTAs/SM "
+                 "(the sm90 entry: 62 KB, 1 CTA/SM)"),
+    (256, 28672, 8192): TUNED[(256, 28672, 8192)],
+    (1024, 28672, 8192): TUNED[(1024, 28672, 8192)],
+}
+
+#: the tables by GPU family (``device_family()``)
+TUNED_BY_FAMILY = {"sm90": TUNED, "sm12x": TUNED_SM12X}
+
+
+def device_family() -> str:
+    """The config family of the default device: ``"sm12x"`` on SM 12.x, else ``"sm90"`` (the
+    H200-tuned table also serves CPU interpret mode and other GPUs)."""
+    return "sm12x" if is_sm12x() else "sm90"
 
 
 def m_bucket(m: int) -> int:
@@ -72,14 +118,21 @@ def heuristic(m: int, n: int, k: int) -> Config:
     )
 
 
-def get_config(m: int, n: int, k: int) -> Config:
-    """The tuned Config for this shape, else the nearest tuned (N, K) in the same M bucket."""
+def get_config(m: int, n: int, k: int, family: str | None = None) -> Config:
+    """The tuned Config for this shape, else the nearest tuned (N, K) in the same M bucket.
+
+    family: ``"sm90"`` or ``"sm12x"`` (``TUNED_BY_FAMILY``); None: the default device's
+    (``device_family()``)."""
+    fam = device_family() if family is None else family
+    if fam not in TUNED_BY_FAMILY:
+        raise ValueError(f"family: expected one of {sorted(TUNED_BY_FAMILY)}, got {fam!r}")
+    table = TUNED_BY_FAMILY[fam]
     b = m_bucket(m)
-    if (b, n, k) in TUNED:
-        return TUNED[(b, n, k)]
-    if not TUNED:
+    if (b, n, k) in table:
+        return table[(b, n, k)]
+    if not table:
         return heuristic(m, n, k)
     i = M_BUCKETS.index(b)
-    nearest_b = min({bb for (bb, _, _) in TUNED}, key=lambda bb: abs(M_BUCKETS.index(bb) - i))
-    same_m = [(abs(nn * kk - n * k), (bb, nn, kk)) for (bb, nn, kk) in TUNED if bb == nearest_b]
-    return TUNED[min(same_m)[1]]
+    nearest_b = min({bb for (bb, _, _) in table}, key=lambda bb: abs(M_BUCKETS.index(bb) - i))
+    same_m = [(abs(nn * kk - n * k), (bb, nn, kk)) for (bb, nn, kk) in table if bb == nearest_b]
+    return table[min(same_m)[1]]

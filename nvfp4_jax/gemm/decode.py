@@ -21,7 +21,14 @@ Implementations (all give the same operand values):
   (NVIDIA GPUs only); scaling as above in fp32;
 * ``"asm"`` (bf16 operands): the same spreading but straight into bf16x2 lanes, with the block
   scale applied inside the asm by one ``fma.rn.bf16x2`` per two weights (no fp32 round trip),
-  about 1.2 instructions per weight; fp16 operands fall back to ``"asm16"``.
+  about 1.2 instructions per weight; fp16 operands fall back to ``"asm16"``. One block per 4
+  bytes: the right grouping where each thread holds 4 consecutive bytes of a row (the
+  ``mma.sync`` operand layout Triton picks on sm_120a/sm_80+, ``kWidth = 4``);
+* ``"asm2"`` (bf16 operands): the same arithmetic, one block per 2 bytes: the right grouping
+  where each thread holds 2 consecutive bytes (the ``wgmma`` register operand on sm_90a,
+  ``kWidth = 2``): a 4-byte pack there mixes two rows, which costs a byte unpack and repack per
+  pack (sm_90a main loop, M <= 16 tile of 28672x8192: 1445 -> 1221 instructions per warp and
+  step). On sm_120a the 2-byte grouping costs more than it saves (1104 -> 1347).
 """
 
 from __future__ import annotations
@@ -30,7 +37,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-DECODE_MODES = ("asm", "asm16", "bits")
+DECODE_MODES = ("asm", "asm2", "asm16", "bits")
 
 
 def check_tile_config(cfg, power_of_two: tuple[str, ...]) -> None:
@@ -125,13 +132,37 @@ _ASM_BF16_HI = (
     .replace("SHIFTS01", _HI_SHIFTS)
     .replace("SHIFTS23", _HI_SHIFTS)
 )
+# ``"asm2"``: one block per 2 bytes (a 16-bit register: the two bytes a thread holds next to
+# each other in the MMA operand layout), one bf16x2 result (low or high nibbles of both bytes),
+# so Triton hands the loaded 16-bit pair straight in and the result is already the operand's
+# register pair (no byte unpack/repack around a 4-byte pack).
+_ASM2_BF16 = """
+{
+.reg .b32 w, t, a, b, z;
+mov.b32 z, 0x80008000;
+cvt.u32.u16 w, $1;
+prmt.b32 t, w, 0, 0x1404;
+SHIFTS
+and.b32 a, a, 0x80008000;
+and.b32 b, b, 0x01C001C0;
+or.b32 a, a, b;
+fma.rn.bf16x2 $0, a, $2, z;
+}
+"""
+_ASM2_BF16_LO = _ASM2_BF16.replace("SHIFTS", _LO_SHIFTS)
+_ASM2_BF16_HI = _ASM2_BF16.replace("SHIFTS", _HI_SHIFTS)
+#: the bf16 decode blocks by mode and nibble ({"lo": even elements, "hi": odd elements})
+BF16_ASM = {
+    "asm": {"lo": _ASM_BF16_LO, "hi": _ASM_BF16_HI},
+    "asm2": {"lo": _ASM2_BF16_LO, "hi": _ASM2_BF16_HI},
+}
 BF16_SCALE_BIAS = 2.0**119
 BF16_POST_SCALE = 2.0**7
 
 
 def nibbles_to_f16(codes: jax.Array, mode: str) -> tuple[jax.Array, jax.Array]:
     """uint8 codes [...] -> (even, odd) fp16 [...] holding ``e2m1 * 2^-14`` exactly."""
-    if mode in ("asm", "asm16"):
+    if mode in ("asm", "asm2", "asm16"):
         from jax.experimental.pallas import triton as plgpu
 
         out = [jax.ShapeDtypeStruct(codes.shape, jnp.float16)]
@@ -155,7 +186,8 @@ def nibbles_to_f16(codes: jax.Array, mode: str) -> tuple[jax.Array, jax.Array]:
 
 def post_scale(mode: str, dtype) -> float:
     """Power of two by which a kernel multiplies its fp32 accumulator for this decode."""
-    return BF16_POST_SCALE if (mode == "asm" and jnp.dtype(dtype) == jnp.bfloat16) else 1.0
+    bf16_asm = mode in ("asm", "asm2") and jnp.dtype(dtype) == jnp.bfloat16
+    return BF16_POST_SCALE if bf16_asm else 1.0
 
 
 def decode_block(
@@ -180,6 +212,14 @@ def decode_block(
         if not per_elem:
             sb = jnp.broadcast_to(sb[..., None], codes.shape)
         out = [jax.ShapeDtypeStruct(codes.shape, jnp.bfloat16)]
+        if mode == "asm2":
+            (lo,) = plgpu.elementwise_inline_asm(
+                _ASM2_BF16_LO, args=[codes, sb], constraints="=r,h,r", pack=2,
+                result_shape_dtypes=out)
+            (hi,) = plgpu.elementwise_inline_asm(
+                _ASM2_BF16_HI, args=[codes, sb], constraints="=r,h,r", pack=2,
+                result_shape_dtypes=out)
+            return lo, hi, BF16_POST_SCALE
         (lo,) = plgpu.elementwise_inline_asm(
             _ASM_BF16_LO,
             args=[codes, sb],

@@ -1,0 +1,134 @@
+"""The decode/tile candidate sweep of bench/gemm_bench.py (``--candidates``, run on the GPU in
+one call) and the compile-time occupancy of bench/sm12x_compile.py: a CPU smoke run of the
+sweep, the candidate lists, and the per-SM resource arithmetic."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _load(name):
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "bench", f"{name}.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_candidates_cover_both_families_and_the_issue_shapes():
+    gb = _load("gemm_bench")
+    from nvfp4_jax.gemm import configs
+
+    assert set(gb.CAND_SHAPES) == {(28672, 8192), (4096, 14336), (14336, 4096)}
+    for n, k in gb.CAND_SHAPES:
+        for m in gb.CAND_MS:
+            cands = dict(gb.sweep_candidates(m, n, k))
+            assert cands["sm90_table"] == configs.get_config(m, n, k, family="sm90")
+            assert cands["sm12x_table"] == configs.get_config(m, n, k, family="sm12x")
+            assert len(cands) >= 4
+            for c in cands.values():
+                assert c.block_m >= min(m, 16) and c.algo == "fused"
+    labels = [label for label, _ in gb.all_sweep_candidates()]
+    assert len(labels) == len(set(labels))
+
+
+def test_candidates_smoke_run_writes_records(tmp_path, monkeypatch):
+    """The --candidates path end to end on CPU (Pallas interpreted, times meaningless): a
+    budget that runs out mid-list records the skipped candidates and still times the rest."""
+    gb = _load("gemm_bench")
+    argv = ["gemm_bench.py", "--candidates", "--tiny", "--ms", "1", "--repeats", "1",
+            "--inner-calls", "1", "--budget-s", "0", "--out", str(tmp_path)]
+    monkeypatch.setattr(sys, "argv", argv)
+    gb.main()
+    [path] = list(tmp_path.glob("gemm-candidates-*.json"))
+    doc = json.loads(path.read_text())
+    timed = [r for r in doc["records"] if "median_us" in r]
+    assert [r["label"] for r in timed] == ["bf16_dot"]
+    assert timed[0]["rounds_us"] and timed[0]["x_bf16"] == 1.0
+    skipped = [r["label"] for r in doc["records"] if r.get("skipped") == "budget"]
+    assert skipped == [label for label, _ in gb.sweep_candidates(1, 256, 256)]
+
+
+def test_candidates_smoke_run_times_a_kernel(tmp_path, monkeypatch):
+    gb = _load("gemm_bench")
+    first = gb.sweep_candidates(16, 256, 256)[:1]
+    monkeypatch.setattr(gb, "sweep_candidates", lambda m, n, k: first)
+    monkeypatch.setattr(gb, "INNER_CALLS", 1)
+    doc = gb.candidates_sweep(str(tmp_path / "c.json"), [(256, 256)], [16], budget_s=600,
+                              repeats=2, target_s=0.001)
+    rec = {r["label"]: r for r in doc["records"]}
+    assert set(rec) == {"bf16_dot", first[0][0]}
+    assert len(rec[first[0][0]]["rounds_us"]) == 2 and rec[first[0][0]]["median_us"] > 0
+    assert json.loads((tmp_path / "c.json").read_text())["records"] == doc["records"]
+
+
+@pytest.mark.parametrize(
+    "regs,smem,warps,cc,ctas,limit",
+    [
+        (255, 88064, 4, 90, 2, "registers"),  # 255 -> 256 per thread: 32768 per CTA
+        (168, 79872, 4, 120, 1, "shared memory"),  # 80 KB of 100 KB per SM
+        (77, 30208, 4, 90, 6, "registers"),  # 80 regs x 128 = 10240 -> 6
+        (80, 26112, 4, 120, 3, "shared memory"),  # (26112 + 1024) x 3 <= 102400
+        (24, 1024, 8, 120, 6, "threads"),  # 1536 / 256
+    ],
+)
+def test_occupancy_arithmetic(regs, smem, warps, cc, ctas, limit):
+    sc = _load("sm12x_compile")
+    occ = sc.occupancy(regs, smem, warps, cc)
+    assert (occ["ctas_per_sm"], occ["limited_by"]) == (ctas, limit)
+    assert occ["warps_per_scheduler"] == ctas * warps / 4 and occ["fits"]
+
+
+def test_occupancy_flags_a_cta_over_the_sm120_limit():
+    sc = _load("sm12x_compile")
+    assert not sc.occupancy(202, 102400, 8, 120)["fits"]  # 100 KB > 99 KB per CTA
+    assert sc.occupancy(202, 102400, 8, 90)["fits"]
+
+
+def test_sm12x_table_fits_sm120_shared_memory():
+    """Every fused SM12x entry's pipeline buffers fit 99 KB per CTA: (num_stages - 1) stages of
+    codes, scales and both activation halves (the sm_120a compile's own figure:
+    bench/results/gemm-decode-variants.md)."""
+    from nvfp4_jax.gemm import configs
+
+    for key, c in configs.TUNED_SM12X.items():
+        if c.algo != "fused":
+            continue
+        stage = c.block_n * c.block_k // 2 + c.block_n * c.block_k // 16 + c.block_m * c.block_k * 2
+        assert (c.num_stages - 1) * stage <= 99 * 1024, key
+
+
+def test_model_issue_calibration_by_h200_efficiency(tmp_path):
+    """The H200's achieved issue efficiency (its kernel's sm_90a warp-instructions over the
+    measured time x 132 SMs x 4 x 1.98 GHz) scales the SM12x kernel's issue ceiling, worked by
+    hand for 4096 x 4096, M = 1 on the RTX 5060 Ti (36 SMs x 4 x 2.572 GHz)."""
+    from nvfp4_jax.gemm import configs
+
+    sm = _load("sm12x_model")
+    kernels = []
+    for fam, ipw, arch in (("sm90", 0.2, 90), ("sm12x", 0.1, 120)):
+        cfg = configs.get_config(1, 4096, 4096, family=fam).__dict__
+        kernels.append({"kernel": fam, "config": cfg, f"pip_sm{arch}": {
+            "per_weight": {"warp_instructions_per_weight": ipw},
+            "main_loop": {"n_instructions": 1}}})
+    (tmp_path / "gemm-sm12x-compile.json").write_text(json.dumps({"kernels": kernels}))
+    rec = {"impl": "nvfp4_w4a16_pallas", "N": 4096, "K": 4096, "M": 1, "median_us": 40.0}
+    (tmp_path / "gemm-proxy-h200.json").write_text(json.dumps({"records": [rec]}))
+    doc = sm.build(str(tmp_path))
+    rows = {(r["gpu"], r["N"], r["K"], r["M"]): r for r in doc["gemm"]}
+    r = rows[("rtx_5060_ti", 4096, 4096, 1)]
+    eff = 4096 * 4096 * 0.2 / (40e-6 * 132 * 4 * 1.98e9)
+    assert r["h200_issue_efficiency"] == pytest.approx(eff)
+    assert r["warp_instructions_per_weight"] == 0.1
+    issue_us = 4096 * 4096 * 0.1 / (36 * 4 * 2.572e9) / eff * 1e6  # 56.5 us > DRAM's 23.4
+    assert r["issue_calibrated_us"] == pytest.approx(issue_us)
+    assert r["issue_budget_per_weight_at_85pct_dram"] == pytest.approx(
+        36 * 4 * 2.572e9 / (448e9 * 0.85 / 0.5625))
+    assert rows[("rtx_5060_ti", 4096, 4096, 16)]["issue_calibrated_us"] is None  # not measured

@@ -2,7 +2,8 @@
 # GPU tests and both benchmarks on a GPU machine, each step under its own timeout; everything
 # lands under $OUT (run.log plus each tool's JSON/PNG/text).
 # Usage: NVFP4_COMMIT=<hash> STEPS="tests gemm moe" bash bench/run_gpu.sh
-# Steps: tests tests_ieee selftest gemm moe proxy qdiv profile ncu mncu (default "tests gemm moe").
+# Steps: tests tests_ieee selftest gemm moe proxy qdiv e2e candidates profile ncu mncu
+# (default "tests gemm moe").
 #   tests:   every test marked gpu (TEST_FILES: module names or paths,
 #            split at spaces; TEST_K: a pytest -k expression), without XLA flags as a user runs
 #            them; tests_ieee: the same with XLA's IEEE fp32 division flag; T_TESTS seconds.
@@ -18,6 +19,10 @@
 #            the README table (bench/tables.py proxy); T_PROXY_GEMM + T_PROXY_MOE seconds
 #            (180 + 140 by default). PROXY_RESUME=bench/results: skip the rows the committed
 #            proxy JSONs already hold (merge the new ones with bench/merge_results.py).
+#   e2e:     bench/e2e_bench.py without XLA flags (E2E_ARGS, e.g. "--models llama-3-8b
+#            --precisions nvfp4 --batches 1"); OUT/e2e-h200.json; T_E2E seconds (420).
+#   candidates: bench/gemm_bench.py --candidates, the decode/tile candidates against bf16
+#            (CAND_SHAPES, CAND_MS narrow it); T_CAND seconds (300).
 #   qdiv:    nvfp4_jax.quantize with its exact division vs XLA's plain one (gemm_bench.py
 #            --quantize-division; QDIV_SIZES: M x K list); T_QDIV seconds (120).
 #   profile: bench/moe_profile.py, per-kernel device time of one MoE layer (PROFILE_CASES).
@@ -77,6 +82,16 @@ for s in $STEPS; do
         --shapes "${PROXY_MOE_SHAPES:-nemotron,qwen3_30b}" ${PROXY_RESUME:+--resume "$PROXY_RESUME"} 2>&1 \
         | grep -v Warning | tail -40 | tee -a "$OUT/run.log"
       python3 bench/tables.py proxy --results "$OUT" 2>&1 | tee -a "$OUT/run.log" ;;
+    e2e)
+      step "end-to-end decoders (no XLA flags; E2E_ARGS='${E2E_ARGS:-}')"
+      env -u XLA_FLAGS timeout "${T_E2E:-420}" python3 bench/e2e_bench.py --out "$OUT" \
+        --budget-s $((${T_E2E:-420} - 60)) ${E2E_ARGS:-} 2>&1 | grep -v Warning | tail -40 \
+        | tee -a "$OUT/run.log" ;;
+    candidates)
+      step "GEMM decode/tile candidates vs bf16 (no XLA flags)"
+      env -u XLA_FLAGS timeout "${T_CAND:-300}" python3 bench/gemm_bench.py --candidates \
+        --out "$OUT" --budget-s $((${T_CAND:-300} - 60)) --shapes "${CAND_SHAPES:-}" \
+        --ms "${CAND_MS:-}" 2>&1 | grep -v Warning | tail -60 | tee -a "$OUT/run.log" ;;
     qdiv)
       step "quantize: exact division vs XLA's plain division (XLA_FLAGS='${XLA_FLAGS:-}')"
       timeout "${T_QDIV:-120}" python3 bench/gemm_bench.py --quantize-division --out "$OUT" \

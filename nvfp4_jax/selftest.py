@@ -7,7 +7,8 @@ powers of two, so that E4M3 block scales reach the subnormals, underflow and sat
 * ``quantize/<recipe>`` (every JAX recipe; given and derived global scale): codes, scale
   bytes and decode scale byte for byte equal to ``oracle.quantize``;
 * ``matmul/<backend>/<w4a16|w4a4>`` (``pallas``: Pallas-Triton, interpreted on CPU; ``mosaic``
-  on sm_90; ``xla``), fp32 output: within the oracle's fp32-accumulation bound
+  on sm_90; ``xla``; ``fp4mma``: W4A4 on the FP4-MMA kernel, native on SM 12.x), fp32 output:
+  within the oracle's fp32-accumulation bound
   (``explain.explain_gemm``: its verdict and margin, the largest ``|out - oracle| / bound``);
 * ``moe/<path>/<mode>/<activation>`` (``pallas-triton``, ``mosaic`` on sm_90, ``xla``): inside
   ``testing.assertions.moe_bound``'s interval with zero slack in the activation quantization
@@ -197,8 +198,9 @@ def _matmul_check(backend: str, w4a4: bool, rng, m: int, n: int, k: int):
     # fp32 output: no output rounding in the bound, so explain can fit a fault's exact shift
     case = explain.GemmCase.from_linear(x, wo.codes, wo.scales, float(wo.decode_scale), s,
                                         out_dtype="float32")
+    kw = {"backend": "pallas", "mma": "fp4"} if backend == "fp4mma" else {"backend": backend}
     mm = jax.jit(lambda xx, ww, ss: nj.matmul(xx, ww, input_scale=ss, out_dtype=jnp.float32,
-                                              backend=backend))
+                                              **kw))
     out = mm(jnp.asarray(x, jnp.bfloat16), nj.from_oracle(wo),
              None if s is None else jnp.float32(s))
     out = np.asarray(out.astype(jnp.float32), np.float64)
@@ -307,8 +309,10 @@ def plan(cc: int | None, seed: int = 0) -> list[tuple[str, str, Callable]]:
         backends.insert(0, "pallas")
     if cc == 90:
         backends.insert(1, "mosaic")
+    if not gpu or cc >= 90:  # tt.dot_scaled: FP4 MMA on SM 12.x, Triton's decomposition elsewhere
+        backends.insert(-1, "fp4mma")
     for backend in backends:
-        for mode in ("w4a16", "w4a4"):
+        for mode in ("w4a4",) if backend == "fp4mma" else ("w4a16", "w4a4"):
             for m, n, k in GPU_GEMM if gpu else CPU_GEMM:
                 if backend == "mosaic" and (m > 64 or k % 256):
                     continue  # outside the Mosaic kernel's shapes (matmul would fall back)

@@ -150,8 +150,9 @@ def quantize_codes(hb, g, rg, recipe: str, exact_asm: bool):
     else:
         neg = ((y < 0) & (code != 0)).astype(jnp.int32)
     code = code | (neg << 3)
-    lo, hi = jnp.split(code.reshape(*code.shape[:-1], 8, 2), 2, axis=-1)
-    packed = (lo | (hi << 4)).reshape(*code.shape[:-1], 8)
+    bm, nb = code.shape[:2]
+    lo, hi = jnp.split(code.reshape(bm, nb * 8, 2), 2, axis=-1)  # rank 3, as Triton reshapes
+    packed = (lo | (hi << 4)).reshape(bm, nb, 8)
     return packed.astype(jnp.uint8), e4m3_byte(s).astype(jnp.uint8)
 
 

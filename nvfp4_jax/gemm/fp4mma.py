@@ -224,13 +224,15 @@ def _kernel(xc_ref, xs_ref, wc_ref, ws_ref, alpha_ref, o_ref, *, cfg: Fp4MmaConf
         xs = plgpu.load(xs_ref.at[pl.ds(m0, BM), pl.ds(i * BKS, BKS)],
                         mask=m_mask[:, None] & ks_live[None, :], other=0)
         # an activation block scale byte 0x7F/0xFF (NaN: a block that held NaN/Inf) makes its
-        # row NaN whatever the tensor core makes of it (ue4m3 has no NaN)
-        nan_rows = jnp.maximum(nan_rows, jnp.max(((xs & 0x7F) == 0x7F).astype(jnp.int32), axis=1))
+        # row NaN whatever the tensor core makes of it (ue4m3 has no NaN): the loop keeps the
+        # elementwise max of the bytes' low 7 bits (no reduction per step), 0x7F iff a NaN
+        nan_rows = jnp.maximum(nan_rows, xs.astype(jnp.int32) & 0x7F)
         return dot_scaled(acc, wc, ws, xc, xs), nan_rows
 
-    acc, nan_rows = lax.fori_loop(0, pl.cdiv(K, BK), body, (jnp.zeros((BN, BM), jnp.float32),
-                                                            jnp.zeros((BM,), jnp.int32)))
-    acc = jnp.where(nan_rows[None, :] > 0, jnp.nan, acc * alpha_ref[0])
+    acc, smax = lax.fori_loop(0, pl.cdiv(K, BK), body, (jnp.zeros((BN, BM), jnp.float32),
+                                                        jnp.zeros((BM, BKS), jnp.int32)))
+    nan_rows = jnp.max(smax, axis=1) == 0x7F
+    acc = jnp.where(nan_rows[None, :], jnp.nan, acc * alpha_ref[0])
     out = acc.astype(o_ref.dtype)
     plgpu.store(o_ref.at[pl.ds(m0, BM), pl.ds(n0, BN)], out.T,
                 mask=m_mask[:, None] & n_mask[None, :])

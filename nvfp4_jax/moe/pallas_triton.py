@@ -118,7 +118,7 @@ def _grouped_tiles_fp4(xc_ref, xs_ref, c_ref, s_ref, e, m0, row0s, n_valid, K: i
                         other=0)
         xs = plgpu.load(xs_ref.at[pl.ds(m0, BM), pl.ds(i * BKS, BKS)], mask=ks_live[None, :],
                         other=0)
-        nan_rows = jnp.maximum(nan_rows, jnp.max(((xs & 0x7F) == 0x7F).astype(jnp.int32), axis=1))
+        nan_rows = jnp.maximum(nan_rows, xs.astype(jnp.int32) & 0x7F)  # 0x7F iff a NaN byte
         out = []
         for acc, row0 in zip(accs, row0s):
             wc = plgpu.load(c_ref.at[e, pl.ds(row0, BN), pl.ds(i * BK2, BK2)],
@@ -129,8 +129,9 @@ def _grouped_tiles_fp4(xc_ref, xs_ref, c_ref, s_ref, e, m0, row0s, n_valid, K: i
         return tuple(out), nan_rows
 
     zero = tuple(jnp.zeros((BN, BM), jnp.float32) for _ in row0s)
-    accs, nan_rows = lax.fori_loop(0, cdiv(K, BK), body, (zero, jnp.zeros((BM,), jnp.int32)))
-    return tuple(jnp.where(nan_rows[None, :] > 0, jnp.nan, a) for a in accs)
+    accs, smax = lax.fori_loop(0, cdiv(K, BK), body, (zero, jnp.zeros((BM, BKS), jnp.int32)))
+    nan_rows = jnp.max(smax, axis=1) == 0x7F
+    return tuple(jnp.where(nan_rows[None, :], jnp.nan, a) for a in accs)
 
 
 def _post_scale(decode: str) -> float:

@@ -261,7 +261,8 @@ def gemm_fp4mma(
 
     x_codes: uint8 [M, K/2]; x_scales: E4M3 [M, K/16] (float8_e4m3fn or its uint8 bytes);
     w_codes: uint8 [N, K/2]; w_scales: E4M3 [N, K/16]; alpha: fp32 scalar (x.decode_scale *
-    w.decode_scale). K: a multiple of 16. Returns out_dtype (bf16, fp16 or fp32) [M, N].
+    w.decode_scale). K: a multiple of 16. Returns out_dtype (bf16, fp16 or fp32) [M, N]; a row
+    of x with a NaN scale byte (0x7F/0xFF: a block that held NaN/Inf) gives a NaN output row.
     config: tile (default :func:`default_config` of M). interpret: Pallas interpret mode (CPU
     tests; the MMA is then the exact reference dot).
     """

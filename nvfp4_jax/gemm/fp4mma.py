@@ -51,7 +51,7 @@ from ..quantize import NVFP4Array
 
 BLOCK = 16
 #: The tensor-core instruction a Pallas-Triton W4A4 kernel multiplies with (``matmul(mma=)``
-#: and ``moe.configs.Config.mma``, one vocabulary): "bf16" (the activation's exact ``e2m1 *
+#: and ``moe.configs.MoEConfig.mma``, one vocabulary): "bf16" (the activation's exact ``e2m1 *
 #: e4m3`` bf16 values against the weights decoded in registers, bf16 MMA) or "fp4" (both
 #: operands NVFP4 into ``tt.dot_scaled``: the block-scaled FP4 MMA on SM12x, decomposed to bf16
 #: MMAs by Triton elsewhere). The numbers are the same (exact products, fp32 accumulation).

@@ -11,7 +11,9 @@ from TensorRT-LLM's exact quantizer, and 15-20 % of the W4A4 outputs leave the o
 bound). :func:`w4a4_operand` computes the operand in one kernel with ``div.rn.f32`` (inline
 PTX): byte-identical to ``oracle.quantize(x, "trtllm", encode_scale=fp32(1/s))`` by default,
 and with ``permute`` already in the Mosaic kernel's K order and padded to its token tile (no
-XLA pass over x before the GEMM).
+XLA pass over x before the GEMM). :func:`w4a4_codes` is the same kernel writing the NVFP4
+operand itself (codes and E4M3 scale bytes) for the FP4-MMA GEMM (``fp4mma.gemm_fp4mma``, the
+W4A4 default on SM 12.x GPUs).
 """
 
 from __future__ import annotations

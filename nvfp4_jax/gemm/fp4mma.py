@@ -54,7 +54,7 @@ BLOCK = 16
 #: and ``moe.configs.MoEConfig.mma``, one vocabulary): "bf16" (the activation's exact ``e2m1 *
 #: e4m3`` bf16 values against the weights decoded in registers, bf16 MMA) or "fp4" (both
 #: operands NVFP4 into ``tt.dot_scaled``: the block-scaled FP4 MMA on SM12x, decomposed to bf16
-#: MMAs by Triton elsewhere). The numbers are the same (exact products, fp32 accumulation).
+#: MMAs by Triton elsewhere). Both meet the oracle's bound (exact products, fp32 accumulation).
 MMAS = ("bf16", "fp4")
 
 

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from moe_cases import make_case
+from moe_cases import check_against_oracle, make_case
 
 import nvfp4_jax
 import oracle
@@ -80,6 +80,23 @@ def test_fp4_moe_meets_the_oracle(spy, mode, activation, order, act_scale, shape
                          activation_scale=act_scale, quant_slack=0.0,
                          label=f"moe fp4 {mode} {activation}")
     assert np.isfinite(out).all() and np.mean(out == b.ref) > 0.5
+
+
+@pytest.mark.parametrize("mode,activation", [("trtllm_cutlass", "swiglu"), ("b12x", "relu2")])
+def test_fp4_intermediate_h_meets_the_stagewise_bounds(mode, activation):
+    """``return_intermediates``: the per-route ``h`` and the output, stage by stage."""
+    case = make_case(np.random.default_rng(11), t=7, h=64, inter=32, e=3, k=2,
+                     activation=activation)
+    hidden, ids, wts, fc1, fc2, s1, s2 = case
+    act_scale = "scalar" if mode == "trtllm_cutlass" else "per_expert"
+    fn = lambda *a: pallas_triton.moe_pallas(
+        *a, activation=activation, gate_up_order="up_gate", mode=mode,
+        activation_scale=act_scale, config=FP4, interpret=True, return_intermediates=True)
+    out, inter = jax.jit(fn)(jnp.asarray(hidden, jnp.bfloat16), jnp.asarray(ids, jnp.int32),
+                             jnp.asarray(wts, jnp.float32), nvfp4_jax.from_oracle(fc1),
+                             nvfp4_jax.from_oracle(fc2), jnp.asarray(s1), jnp.asarray(s2))
+    f = lambda a: np.asarray(a.astype(jnp.float32), np.float64)
+    check_against_oracle(case, f(out), f(inter["h"]), mode=mode, activation=activation)
 
 
 def test_fc1_operand_codes_are_the_oracles_quantization():

@@ -12,8 +12,11 @@ architecture-neutral), then compiled, not run, by each Triton compiler found her
 SASS comes from ``cuobjdump -sass`` (the one shipped with pip triton when there is one: it
 decodes sm_121a from Triton 3.7 on). Counted: ``OMMA`` with ``E2M1.E2M1.UE4M3.4X`` (NVFP4
 block-scaled MMA, ``mma.sync ... kind::mxf4nvf4.block_scale.scale_vec::4X``), ``HMMA``
-(bf16/fp16 mma.sync), ``HGMMA`` (wgmma). Usage: ``python bench/sm12x_fp4mma_compile.py --out
-DIR`` -> ``DIR/gemm-fp4mma-sm12x-compile.json``.
+(bf16/fp16 mma.sync), ``HGMMA`` (wgmma), in the whole kernel and in its main loop
+(``sm12x_compile.main_loop_stats``). Usage: ``python bench/sm12x_fp4mma_compile.py --out DIR``
+-> ``DIR/gemm-fp4mma-sm12x-compile.json``; ``--moe``: the routed MoE's grouped FC1/FC2 kernels
+on the FP4 MMA (``MoEConfig.mma="fp4"``, default tiles) for sm_120a and sm_121a at
+``sm12x_compile.MOE_LAYERS`` x ``MOE_TOKENS`` -> ``DIR/moe-fp4mma-sm12x-compile.json``.
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import jax
 import jax.numpy as jnp
+from run_meta import run_metadata
+from sm12x_compile import MOE_LAYERS, MOE_TOKENS, main_loop_stats
 
 ARCHS = (120, 121, 90)
 #: shared memory one block may use on SM 12.x (99 KiB; sm_90 allows 227 KiB)
@@ -120,6 +125,7 @@ def sass_counts(cubin: bytes, workdir: str, tag: str) -> dict:
         "HMMA": sum(1 for o in ops if head(o) == "HMMA"),
         "HGMMA": sum(1 for o in ops if head(o) == "HGMMA"),
         "mma_forms": sorted({o for o in ops if "MMA" in head(o)}),
+        "main_loop": main_loop_stats(sass),
     }
 
 
@@ -281,10 +287,166 @@ def run(out_dir: str | None = None, shapes=((16, 256, 512),)) -> dict:
     return summary
 
 
+def capture_moe_ttir(layer: dict, t: int, config) -> dict:
+    """{kernel name: (TTIR text, bytecode)} of one ``nvfp4_jax.moe`` layer on the Pallas-Triton
+    kernels with ``config`` (a ``MoEConfig``), lowered for CUDA (from the CPU too: the kernels
+    are traced for Triton, not for interpret mode)."""
+    from jax._src.pallas.triton import lowering
+
+    import nvfp4_jax
+    from nvfp4_jax.moe import api as moe_api
+
+    e, h, i, k = layer["experts"], layer["hidden"], layer["inter"], layer["top_k"]
+    r = 2 * i if layer["gated"] else i
+    stack = lambda n, kk: nvfp4_jax.NVFP4Array(
+        jnp.zeros((e, n, kk // 2), jnp.uint8), jnp.zeros((e, n, kk // 16), jnp.float8_e4m3fn),
+        jnp.ones((e,), jnp.float32), (e, n, kk), "linear")
+    fc1, fc2 = stack(r, h), stack(h, i)
+    s = jnp.ones((e,), jnp.float32)
+    got = {}
+    orig = lowering.lower_jaxpr_to_triton_module
+
+    def spy(*a, **kw):
+        res = orig(*a, **kw)
+        text = res.module.operation.get_asm()
+        buf = io.BytesIO()
+        res.module.operation.write_bytecode(buf)
+        name = re.search(r"tt\.func (?:public )?@(\w+)", text)
+        got[name.group(1) if name else f"kernel{len(got)}"] = (text, buf.getvalue())
+        return res
+
+    def layer_fn(x, ids, w, fc1, fc2):
+        return nvfp4_jax.moe(x, fc1=fc1, fc2=fc2, fc1_input_scale=s, fc2_input_scale=s,
+                             topk_ids=ids, topk_weights=w,
+                             activation="swiglu" if layer["gated"] else "relu2",
+                             backend="pallas", config=config)
+
+    args = (jnp.zeros((t, h), jnp.bfloat16), jnp.zeros((t, k), jnp.int32),
+            jnp.full((t, k), 1.0 / k, jnp.float32), fc1, fc2)
+    lowering.lower_jaxpr_to_triton_module = spy
+    interpret = moe_api.pallas_interpret
+    moe_api.pallas_interpret = lambda: False
+    try:
+        jax.jit(layer_fn).trace(*args).lower(lowering_platforms=("cuda",))
+    finally:
+        lowering.lower_jaxpr_to_triton_module = orig
+        moe_api.pallas_interpret = interpret
+    return got
+
+
+def check_moe(entries: list[dict]) -> tuple[int, list[str]]:
+    """(builds checked, problems): every sm_120a/sm_121a build of an FP4 MoE kernel holds only
+    the FP4 OMMA (no HMMA/QMMA), and its K loop holds ``omma_per_warp_iteration`` of them per
+    iteration: in the SASS main loop, or, where the compiler unrolled the whole K loop (a
+    static trip count: pip Triton 3.8 at a few steps), ``k_steps`` times that in the kernel.
+    Sets each build's ``k_loop`` ("loop" or "unrolled"). pip Triton < 3.8 builds only sm_120a
+    (no sm_121 native path before PR #10010): its sm_121a failure is not counted."""
+    pip = pip_triton_version()
+    problems, checked = [], 0
+    for entry in entries:
+        for prefix in ("xla", "pip"):
+            for cc in (120, 121):
+                r = entry.get(f"{prefix}_sm{cc}")
+                if r is None or (prefix == "pip" and cc == 121 and (pip or (0,)) < (3, 8)):
+                    continue
+                tag = f"{entry['kernel']} {prefix} sm_{cc}a"
+                checked += 1
+                if "error" in r:
+                    problems.append(f"{tag}: {r['error']}")
+                    continue
+                per_step = entry["omma_per_warp_iteration"]
+                in_loop = ((r.get("main_loop") or {}).get("opcodes") or {}).get("OMMA", 0)
+                unrolled = in_loop == 0 and r["FP4_MMA"] == per_step * entry["k_steps"]
+                r["k_loop"] = "loop" if in_loop else "unrolled" if unrolled else None
+                if not (r["FP4_MMA"] > 0 and r["FP4_MMA"] == r["OMMA"]
+                        and r["HMMA"] == r["HGMMA"] == r["QMMA"] == 0):
+                    problems.append(f"{tag}: MMAs {r['mma_forms']}, want only the FP4 OMMA")
+                elif in_loop != per_step and not unrolled:
+                    problems.append(f"{tag}: {in_loop} OMMA in the main loop, {r['FP4_MMA']} in "
+                                    f"all; want {per_step} per K step ({entry['k_steps']} steps)")
+                elif (r.get("smem_bytes") or 0) > SM12X_SMEM:
+                    problems.append(f"{tag}: {r['smem_bytes']} B shared memory > {SM12X_SMEM}")
+    return checked, problems
+
+
+def moe_run(out_dir: str | None = None, layers=None, tokens=MOE_TOKENS) -> dict:
+    """Compile the FP4 MoE's grouped FC1/FC2 kernels (default tiles with ``mma="fp4"``) for
+    sm_120a and sm_121a with every Triton compiler found; count OMMA in each kernel and in its
+    main loop (per warp and iteration: one ``dot_scaled`` of a BN x BM x BK tile is
+    (BN/16)(BM/8)(BK/64) m16n8k64 MMAs over the CTA's warps). Writes
+    ``moe-fp4mma-sm12x-compile.json`` (run_meta header) to ``out_dir`` when given."""
+    from nvfp4_jax.moe.configs import default_config
+
+    summary = {**run_metadata(), "pip_triton": None, "kernels": []}
+    try:
+        import triton
+
+        summary["pip_triton"] = triton.__version__
+    except ImportError:
+        pass
+    jt, why = xla_compiler()
+    summary["xla_triton"] = "available" if jt is not None else why
+    with tempfile.TemporaryDirectory() as wd:
+        for lname, layer in (layers or MOE_LAYERS).items():
+            for t in tokens:
+                cfg = default_config(t * layer["top_k"], layer["experts"], inter=layer["inter"],
+                                     hidden=layer["hidden"], gated=layer["gated"], mma="fp4")
+                mods = capture_moe_ttir(layer, t, cfg)
+                for gemm, c, tiles in (("fc1", cfg.fc1, 2 if layer["gated"] else 1),
+                                       ("fc2", cfg.fc2, 1)):
+                    k_dim = layer["hidden"] if gemm == "fc1" else layer["inter"]
+                    entry = {"kernel": f"moe_fp4_{gemm}_{lname}_T{t}",
+                             "config": dataclasses.asdict(c), "weight_tiles": tiles,
+                             "k_steps": -(-k_dim // c.block_k),
+                             "omma_per_warp_iteration": tiles * (c.block_n // 16)
+                             * (c.block_m // 8) * (c.block_k // 64) // c.num_warps}
+                    mod = mods.get(f"nvfp4_moe_{gemm}")
+                    if mod is None:
+                        entry["error"] = f"no nvfp4_moe_{gemm} kernel lowered (got {sorted(mods)})"
+                        summary["kernels"].append(entry)
+                        continue
+                    text, bc = mod
+                    entry["ttir_dot_scaled"] = sum("tt.dot_scaled" in ln for ln in text.splitlines())
+                    for cc in (120, 121):
+                        if jt is not None:
+                            entry[f"xla_sm{cc}"] = compile_xla(jt, bc, c.num_warps, c.num_stages,
+                                                               cc, wd)
+                        if summary["pip_triton"] is not None:
+                            entry[f"pip_sm{cc}"] = compile_pip(text, c.num_warps, c.num_stages,
+                                                               cc, wd)
+                    summary["kernels"].append(entry)
+                    print(json.dumps({k: v for k, v in entry.items() if k != "config"})[:600],
+                          flush=True)
+    checked, problems = check_moe(summary["kernels"])
+    summary["checked_builds"], summary["problems"] = checked, problems
+    summary["fp4_mma_ok"] = checked > 0 and not problems
+    if out_dir:
+        os.makedirs(out_dir, exist_ok=True)
+        with open(os.path.join(out_dir, "moe-fp4mma-sm12x-compile.json"), "w") as f:
+            json.dump(summary, f, indent=1)
+    return summary
+
+
 if __name__ == "__main__":
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="bench/results")
+    p.add_argument("--moe", action="store_true",
+                   help="compile the FP4 MoE kernels instead (moe-fp4mma-sm12x-compile.json)")
     a = p.parse_args()
+    if a.moe:
+        s = moe_run(a.out)
+        for e in s["kernels"]:
+            for key in sorted(k for k in e if k.startswith(("xla_", "pip_"))):
+                v = e[key]
+                loop = v.get("main_loop") or {}
+                print(e["kernel"], key, v.get("error") or {
+                    "FP4_MMA": v.get("FP4_MMA"), "HMMA": v.get("HMMA"), "k_loop": v.get("k_loop"),
+                    "loop_OMMA": loop.get("opcodes", {}).get("OMMA"),
+                    "loop_instructions": loop.get("n_instructions")})
+        print(f"fp4_mma_ok {s['fp4_mma_ok']} ({s['checked_builds']} builds checked)")
+        for line in s["problems"]:
+            print("problem:", line)
+        sys.exit(0)
     s = run(a.out, shapes=((16, 256, 512), (1, 4096, 4096), (64, 4096, 4096), (512, 4096, 4096)))
     for e in s["kernels"]:
         for key in sorted(k for k in e if k.startswith(("xla_", "pip_"))):

@@ -7,7 +7,8 @@ powers of two, so that E4M3 block scales reach the subnormals, underflow and sat
 * ``quantize/<recipe>`` (every JAX recipe; given and derived global scale): codes, scale
   bytes and decode scale byte for byte equal to ``oracle.quantize``;
 * ``matmul/<backend>/<w4a16|w4a4>`` (``pallas``: Pallas-Triton, interpreted on CPU; ``mosaic``
-  on sm_90; ``xla``), fp32 output: within the oracle's fp32-accumulation bound
+  on sm_90; ``xla``; ``fp4mma``: W4A4 on the FP4-MMA kernel, native on SM 12.x), fp32 output:
+  within the oracle's fp32-accumulation bound
   (``explain.explain_gemm``: its verdict and margin, the largest ``|out - oracle| / bound``);
 * ``moe/<path>/<mode>/<activation>`` (``pallas-triton``, ``mosaic`` on sm_90, ``xla``): inside
   ``testing.assertions.moe_bound``'s interval with zero slack in the activation quantization
@@ -296,6 +297,8 @@ def _moe_kwargs(path: str) -> dict:
     """``nvfp4_jax.moe`` keyword arguments selecting ``path`` (pallas-triton, mosaic, xla)."""
     if path == "xla":
         return {"backend": "xla"}
+    if path == "pallas-triton-fp4":  # the FP4-MMA grouped GEMMs, whatever the device's default
+        return {"backend": "pallas", "mma": "fp4"}
     return {"backend": "pallas" if path == "pallas-triton" else "mosaic"}
 
 
@@ -350,6 +353,11 @@ def _moe_check(path: str, mode: str, activation: str, seed: int, t, h, inter, e,
     from .testing.assertions import assert_moe_close
 
     kw = {"activation": activation, "mode": mode, **_moe_kwargs(path)}
+    if "mma" in kw:  # the default tiles of this layer on the named MMA
+        from .moe.configs import default_config
+
+        kw["config"] = default_config(t * k, e, inter=inter, hidden=h,
+                                      gated=activation == "swiglu", mma=kw.pop("mma"))
     layer = jax.jit(lambda x, w1, w2, a, b, i, w: nj.moe(x, fc1=w1, fc2=w2, fc1_input_scale=a,
                                                           fc2_input_scale=b, topk_ids=i,
                                                           topk_weights=w, **kw))
@@ -393,6 +401,12 @@ def _pallas_triton(cc: int | None) -> bool:
     return cc is None or cc >= 89
 
 
+def _dot_scaled(cc: int | None) -> bool:
+    """Triton's scaled dot (gemm/fp4mma.py): interpreted on CPU; native FP4 MMA on SM 12.x,
+    decomposed to a bf16 MMA on sm_90 (the Triton that jaxlib ships); not on older GPUs."""
+    return cc is None or cc >= 90
+
+
 def _sm90(cc: int | None) -> bool:
     return cc == 90
 
@@ -412,10 +426,13 @@ MATMUL = (
     ("pallas", {"backend": "pallas"}, ("w4a16", "w4a4"), _pallas_triton, _any_gemm),
     ("mosaic", {"backend": "mosaic"}, ("w4a16", "w4a4"), _sm90, _mosaic_gemm),
     ("xla", {"backend": "xla"}, ("w4a16", "w4a4"), _anywhere, _any_gemm),
+    # tt.dot_scaled: the FP4 MMA on SM 12.x, Triton's decomposition on sm_90
+    ("fp4mma", {"backend": "pallas", "mma": "fp4"}, ("w4a4",), _dot_scaled, _any_gemm),
 )
 #: MoE paths: (path, runs on this compute capability, fits hidden size H)
 MOE_PATHS = (
     ("pallas-triton", _pallas_triton, lambda h: True),
+    ("pallas-triton-fp4", _dot_scaled, lambda h: True),
     ("mosaic", _sm90, lambda h: h % 256 == 0),
     ("xla", _anywhere, lambda h: True),
 )

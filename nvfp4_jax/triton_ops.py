@@ -86,14 +86,27 @@ def e2m1_magnitude(a):
     return 0.5 * half + f(a > 2.5) + f(a >= 3.5) + 2.0 * f(a > 5.0)
 
 
-def requantize(hb, g, rg, recipe: str, exact_asm: bool):
-    """hb fp32 [BM, nb, 16] (bf16 values), encode scale g, rg = IEEE 1/g -> q*sf fp32
-    [BM, nb, 16].
+def e2m1_code(a):
+    """|y| -> E2M1 magnitude code 0..7 (int32) of :func:`e2m1_magnitude`'s value: the number
+    of its rounding thresholds that |y| passes."""
+    f = lambda c: c.astype(jnp.int32)
+    return (f(a > 0.25) + f(a >= 0.75) + f(a > 1.25) + f(a >= 1.75) + f(a > 2.5) + f(a >= 3.5)
+            + f(a > 5.0))
 
-    The recipes' fp32 op order (oracle.quantize): trtllm ``sf = vmax*(G*fp32(1/6))``,
-    ``y = x * min(1/(sf8*(1/G)), FLT_MAX)``; b12x ``sf = (vmax*G)/6``,
-    ``y = x / max(sf8/G, 1e-30)``.
-    """
+
+def e4m3_byte(s):
+    """fp32 s, an E4M3 value in [0, 448] (``e4m3_round``'s output) or NaN -> its E4M3 byte
+    (int32; NaN -> 0x7F). Exact: integer ops on the fp32 bits."""
+    bits = lax.bitcast_convert_type(s, jnp.uint32)
+    e = ((bits >> 23) & 0xFF).astype(jnp.int32)
+    normal = ((e - 120) << 3) | ((bits >> 20) & 7).astype(jnp.int32)
+    sub = (s * 512.0).astype(jnp.int32)  # m * 2^-9, m in 0..7
+    return jnp.where(jnp.isnan(s), 0x7F, jnp.where(e >= 121, normal, sub))
+
+
+def _quantize_blocks(hb, g, rg, recipe: str, exact_asm: bool):
+    """The recipes' arithmetic: (y, block scale s as its E4M3 value, NaN where the block is
+    not finite) for :func:`requantize` and :func:`quantize_codes`."""
     vmax = jnp.max(jnp.abs(hb), axis=-1)
     if recipe == "trtllm":
         sf = jnp.where(vmax == 0, 0.0, vmax * (g * jnp.float32(1.0 / 6.0)))
@@ -104,12 +117,43 @@ def requantize(hb, g, rg, recipe: str, exact_asm: bool):
         s = e4m3_round(jnp.minimum(div_rn(vmax * g, 6.0, exact_asm), 448.0))
         den = jnp.maximum(div_rn(s, g, exact_asm), 1e-30)
         y = div_rn(hb, jnp.broadcast_to(den[..., None], hb.shape), exact_asm)
-    mag = e2m1_magnitude(jnp.abs(y))
     # a block holding NaN/Inf dequantizes to NaN (docs/input-policy.md); the flag is reduced
     # from 0/1 values because a GPU max reduction may drop NaN
     nonfinite = jnp.max(jnp.where(jnp.abs(hb) <= FLT_MAX, 0.0, 1.0), axis=-1)
-    s = jnp.where(nonfinite > 0, jnp.nan, s)
+    return y, jnp.where(nonfinite > 0, jnp.nan, s)
+
+
+def requantize(hb, g, rg, recipe: str, exact_asm: bool):
+    """hb fp32 [BM, nb, 16] (bf16 values), encode scale g, rg = IEEE 1/g -> q*sf fp32
+    [BM, nb, 16].
+
+    The recipes' fp32 op order (oracle.quantize): trtllm ``sf = vmax*(G*fp32(1/6))``,
+    ``y = x * min(1/(sf8*(1/G)), FLT_MAX)``; b12x ``sf = (vmax*G)/6``,
+    ``y = x / max(sf8/G, 1e-30)``.
+    """
+    y, s = _quantize_blocks(hb, g, rg, recipe, exact_asm)
+    mag = e2m1_magnitude(jnp.abs(y))
     return jnp.where(y < 0, -mag, mag) * s[..., None]
+
+
+def quantize_codes(hb, g, rg, recipe: str, exact_asm: bool):
+    """:func:`requantize`'s quantization as the NVFP4 operand itself: hb fp32 [BM, nb, 16] ->
+    (codes uint8 [BM, nb, 8], element 2j in the low nibble; E4M3 scale bytes uint8 [BM, nb]).
+
+    The sign bit as ``oracle.quantize``: trtllm from the fp32 sign of y (hardware cvt: -0.0
+    and negatives rounding to 0 give code 8), b12x only on non-zero codes. A block holding
+    NaN/Inf gets scale byte 0x7F (NaN)."""
+    y, s = _quantize_blocks(hb, g, rg, recipe, exact_asm)
+    code = e2m1_code(jnp.abs(y))
+    if recipe == "trtllm":
+        neg = (lax.bitcast_convert_type(y, jnp.uint32) >> 31).astype(jnp.int32)
+    else:
+        neg = ((y < 0) & (code != 0)).astype(jnp.int32)
+    code = code | (neg << 3)
+    bm, nb = code.shape[:2]
+    lo, hi = jnp.split(code.reshape(bm, nb * 8, 2), 2, axis=-1)  # rank 3, as Triton reshapes
+    packed = (lo | (hi << 4)).reshape(bm, nb, 8)
+    return packed.astype(jnp.uint8), e4m3_byte(s).astype(jnp.uint8)
 
 
 def bf16_rne(v, exact_asm: bool):

@@ -12,6 +12,15 @@ Backends (``backend=``):
   buckets listed in ``mosaic.AUTO_SM90`` (measured faster there) use ``"mosaic"``. The choice
   is logged.
 
+W4A4 on the Pallas backend multiplies on one of two MMAs (``mma=``, ``fp4mma.MMAS``):
+``"fp4"``, the block-scaled FP4 MMA (``fp4mma.gemm_fp4mma`` on the codes and E4M3 scale bytes
+that ``operand.w4a4_codes`` writes), the default on SM 12.x GPUs (RTX 50xx, DGX Spark), where
+it runs at 8x the bf16 MMA rate at every M (bench/sm12x_model.py); or ``"bf16"``, the
+default everywhere else (the H200 keeps Mosaic / the bf16-MMA Pallas kernel). So
+``backend="pallas"`` on SM 12.x means the FP4 MMA; ``mma="bf16"`` (or a Pallas-Triton
+``Config``) forces the bf16 MMA there, ``mma="fp4"`` (or an ``Fp4MmaConfig``) forces the FP4
+kernel anywhere (Triton decomposes it into bf16 MMAs on sm_90; interpret mode on CPU).
+
 W4A4 numerics (TensorRT-LLM ``nvfp4_gemm``): x is quantized with the ``trtllm`` recipe and
 encode scale ``G = fp32(1/input_scale)``; ``alpha = fp32(input_scale * weight_scale_2)``. The
 dequantized activation ``e2m1 * e4m3`` is exact in bf16, so feeding it to the W4A16 kernel with
@@ -28,13 +37,15 @@ import logging
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from .. import validate
-from ..device import gpu_compute_capability, pallas_interpret
+from ..device import gpu_compute_capability, is_sm12x, pallas_interpret
 from ..division import divide
 from ..quantize import NVFP4Array, dequantize, quantize
 from . import configs, mosaic
-from .operand import w4a4_operand
+from .fp4mma import MMAS, Fp4MmaConfig, gemm_fp4mma
+from .operand import w4a4_codes, w4a4_operand
 from .pallas_triton import Config, matmul_pallas
 from .xla import matmul_xla
 
@@ -142,6 +153,41 @@ def _pick_mosaic(backend: str, impl: str, m: int, n: int, k: int, x_dtype) -> st
     return "mosaic"
 
 
+def _pick_mma(backend: str, impl: str, w4a4: bool, mma: str | None, config) -> str:
+    """"fp4" (``fp4mma.gemm_fp4mma``) or "bf16" (the other kernels) for this call.
+
+    Explicit: ``mma``, else the type of ``config`` (an ``Fp4MmaConfig`` means "fp4", a
+    Pallas-Triton ``Config`` "bf16"); "fp4" then runs wherever asked (interpret mode off the
+    GPU, Triton's decomposition on sm_90). Default: "fp4" for W4A4 on the Pallas backend
+    (``backend`` "auto" or "pallas") of an SM 12.x GPU (logged), "bf16" everywhere else."""
+    if mma is not None and mma not in MMAS:
+        raise ValueError(f"mma: expected one of {MMAS} or None, got {mma!r}")
+    if config is not None and not isinstance(config, (Config, Fp4MmaConfig)):
+        raise ValueError(
+            f"config: expected a Config, an Fp4MmaConfig or None, got {type(config).__name__}")
+    implied = {Config: "bf16", Fp4MmaConfig: "fp4"}.get(type(config))
+    if mma is not None and implied is not None and mma != implied:
+        raise ValueError(f"config: a {type(config).__name__} is for mma={implied!r}, got "
+                         f"mma={mma!r}")
+    want = mma or implied
+    if want == "fp4":
+        if not w4a4:
+            raise ValueError("mma: 'fp4' multiplies FP4 activations: W4A4 (input_scale given, "
+                             "or x an NVFP4Array)")
+        if backend in ("mosaic", "xla"):
+            raise ValueError(f"mma: 'fp4' runs on the Pallas backend ('pallas' or 'auto'), got "
+                             f"backend={backend!r}")
+        if impl != "pallas":
+            log.info("nvfp4_jax.matmul: mma fp4 -> the Pallas FP4-MMA kernel (interpret mode "
+                     "off the GPU)")
+        return "fp4"
+    if want is None and w4a4 and impl == "pallas" and is_sm12x():
+        log.info("nvfp4_jax.matmul: W4A4 on backend %s -> FP4 MMA (SM 12.x: block-scaled FP4 "
+                 "tensor cores, fp4mma.gemm_fp4mma)", backend)
+        return "fp4"
+    return "bf16"
+
+
 def _check_weight(w) -> None:
     if not isinstance(w, NVFP4Array):
         raise ValueError(f"w: expected an NVFP4Array [N, K], got {type(w).__name__}")  # noqa: TRY004
@@ -164,7 +210,8 @@ def matmul(
     input_scale=None,
     out_dtype=jnp.bfloat16,
     backend: str = "auto",
-    config: Config | None = None,
+    config: Config | Fp4MmaConfig | None = None,
+    mma: str | None = None,
 ) -> jax.Array:
     """NVFP4 GEMM ``out[..., N] = x[..., K] @ W[N, K]^T`` with fp32 accumulation.
 
@@ -174,6 +221,10 @@ def matmul(
     convert once with ``w.with_layout("linear")``).
     input_scale: ModelOpt ``input_scale`` (decode form, amax/2688, fp32 scalar) -> W4A4.
     out_dtype: bf16 (default), fp16 or fp32. Returns out_dtype ``[..., N]``. Jittable.
+    backend: "auto", "pallas", "mosaic" or "xla" (module docstring). config: tiles of the
+    Pallas kernel that runs (``pallas_triton.Config`` or ``fp4mma.Fp4MmaConfig``), None for
+    the defaults. mma: "fp4" or "bf16" (``fp4mma.MMAS``), the tensor-core instruction of W4A4
+    on the Pallas backend; None: "fp4" on SM 12.x GPUs, "bf16" elsewhere (``_pick_mma``).
     Bad values (docs/input-policy.md): concrete non-finite ``x``, a non-positive
     ``input_scale`` or an inconsistent ``w`` raise ValueError/TypeError; traced, they are
     checked under :func:`nvfp4_jax.checked`, and unchecked a non-finite x gives non-finite
@@ -195,6 +246,7 @@ def matmul(
     w_decode = jnp.asarray(w.decode_scale, jnp.float32)
 
     s_in = None  # W4A4 on the fly: x is quantized below, where the backend is known
+    x_nv = None  # W4A4 with x already NVFP4
     if isinstance(x, NVFP4Array):  # W4A4 with a pre-quantized activation
         if input_scale is not None:
             raise ValueError("input_scale: must be None when x is already an NVFP4Array")
@@ -202,7 +254,7 @@ def matmul(
             raise ValueError(f"x: K mismatch, x has K={x.shape[-1]}, w has K={k}")
         if jnp.ndim(x.decode_scale) != 0:
             raise ValueError("x.decode_scale: expected a scalar (one per activation tensor)")
-        x_op = dequantize(x, jnp.bfloat16, include_decode_scale=False)  # exact
+        x_nv, x_op = x, None  # dequantized below for the kernels that take values
         alpha = jnp.asarray(x.decode_scale, jnp.float32) * w_decode
     else:
         x = jnp.asarray(x)
@@ -219,12 +271,23 @@ def matmul(
             x_op = x
             alpha = s_in * w_decode
 
-    lead = x_op.shape[:-1]
-    x2 = x_op.reshape(-1, k)
-    m = x2.shape[0]
+    lead = tuple(x.shape[:-1])
+    m = int(np.prod(lead, dtype=np.int64))
     if m == 0:
         return jnp.zeros(lead + (n,), out_dtype)
     w4a4 = s_in is not None
+    if _pick_mma(backend, impl, w4a4 or x_nv is not None, mma, config) == "fp4":
+        if x_nv is not None:  # the activation's own codes and scales
+            xc = x_nv.codes.reshape(m, k // 2)
+            xs = x_nv.linear_scales().reshape(m, k // 16)
+        else:  # one kernel, IEEE divisions whatever XLA's flags
+            xc, xs = w4a4_codes(x.reshape(m, k), s_in, interpret=pallas_interpret())
+        out = gemm_fp4mma(xc, xs, w.codes, w_scales, alpha, out_dtype=out_dtype,
+                          config=config, interpret=pallas_interpret())
+        return out.reshape(lead + (n,))
+    if x_op is None:
+        x_op = dequantize(x_nv, jnp.bfloat16, include_decode_scale=False)  # exact
+    x2 = x_op.reshape(m, k)
     # the W4A4 operand is bf16 whatever x's dtype (e2m1 * e4m3 values)
     impl = _pick_mosaic(backend, impl, m, n, k, jnp.bfloat16 if w4a4 else x2.dtype)
     if impl == "mosaic":

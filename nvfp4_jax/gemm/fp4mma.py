@@ -46,9 +46,23 @@ from jax.experimental.pallas import triton as plgpu
 from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
+from ..device import is_sm12x
 from ..quantize import NVFP4Array
 
 BLOCK = 16
+#: The tensor-core instruction a Pallas-Triton W4A4 kernel multiplies with (``matmul(mma=)``
+#: and ``moe.configs.MoEConfig.mma``, one vocabulary): "bf16" (the activation's exact ``e2m1 *
+#: e4m3`` bf16 values against the weights decoded in registers, bf16 MMA) or "fp4" (both
+#: operands NVFP4 into ``tt.dot_scaled``: the block-scaled FP4 MMA on SM12x, decomposed to bf16
+#: MMAs by Triton elsewhere). Both meet the oracle's bound (exact products, fp32 accumulation).
+MMAS = ("bf16", "fp4")
+
+
+def default_mma() -> str:
+    """The MMA W4A4 runs on by default here: "fp4" on an SM 12.x GPU (8x the bf16 MMA rate
+    there, bench/sm12x_model.py), "bf16" everywhere else (on sm_90 Triton decomposes the FP4
+    dot into bf16 MMAs, with the dequantization in the K loop)."""
+    return "fp4" if is_sm12x() else "bf16"
 #: e2m1 value of each 4-bit code (sign in bit 3)
 E2M1_VALUES = np.array(
     [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
@@ -197,7 +211,8 @@ def _kernel(xc_ref, xs_ref, wc_ref, ws_ref, alpha_ref, o_ref, *, cfg: Fp4MmaConf
     m_mask = (m0 + jnp.arange(BM)) < M
     n_mask = (n0 + jnp.arange(BN)) < N
 
-    def body(i, acc):
+    def body(i, carry):
+        acc, nan_rows = carry
         k2_live = (i * BK2 + jnp.arange(BK2)) < K2
         ks_live = (i * BKS + jnp.arange(BKS)) < KS
         wc = plgpu.load(wc_ref.at[pl.ds(n0, BN), pl.ds(i * BK2, BK2)],
@@ -208,10 +223,17 @@ def _kernel(xc_ref, xs_ref, wc_ref, ws_ref, alpha_ref, o_ref, *, cfg: Fp4MmaConf
                         mask=m_mask[:, None] & k2_live[None, :], other=0)
         xs = plgpu.load(xs_ref.at[pl.ds(m0, BM), pl.ds(i * BKS, BKS)],
                         mask=m_mask[:, None] & ks_live[None, :], other=0)
-        return dot_scaled(acc, wc, ws, xc, xs)
+        # an activation block scale byte 0x7F/0xFF (NaN: a block that held NaN/Inf) makes its
+        # row NaN whatever the tensor core makes of it (ue4m3 has no NaN): the loop keeps the
+        # elementwise max of the bytes' low 7 bits (no reduction per step), 0x7F iff a NaN
+        nan_rows = jnp.maximum(nan_rows, xs.astype(jnp.int32) & 0x7F)
+        return dot_scaled(acc, wc, ws, xc, xs), nan_rows
 
-    acc = lax.fori_loop(0, pl.cdiv(K, BK), body, jnp.zeros((BN, BM), jnp.float32))
-    out = (acc * alpha_ref[0]).astype(o_ref.dtype)
+    acc, smax = lax.fori_loop(0, pl.cdiv(K, BK), body, (jnp.zeros((BN, BM), jnp.float32),
+                                                        jnp.zeros((BM, BKS), jnp.int32)))
+    nan_rows = jnp.max(smax, axis=1) == 0x7F
+    acc = jnp.where(nan_rows[None, :], jnp.nan, acc * alpha_ref[0])
+    out = acc.astype(o_ref.dtype)
     plgpu.store(o_ref.at[pl.ds(m0, BM), pl.ds(n0, BN)], out.T,
                 mask=m_mask[:, None] & n_mask[None, :])
 
@@ -239,7 +261,8 @@ def gemm_fp4mma(
 
     x_codes: uint8 [M, K/2]; x_scales: E4M3 [M, K/16] (float8_e4m3fn or its uint8 bytes);
     w_codes: uint8 [N, K/2]; w_scales: E4M3 [N, K/16]; alpha: fp32 scalar (x.decode_scale *
-    w.decode_scale). K: a multiple of 16. Returns out_dtype (bf16, fp16 or fp32) [M, N].
+    w.decode_scale). K: a multiple of 16. Returns out_dtype (bf16, fp16 or fp32) [M, N]; a row
+    of x with a NaN scale byte (0x7F/0xFF: a block that held NaN/Inf) gives a NaN output row.
     config: tile (default :func:`default_config` of M). interpret: Pallas interpret mode (CPU
     tests; the MMA is then the exact reference dot).
     """

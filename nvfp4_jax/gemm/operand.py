@@ -11,7 +11,9 @@ from TensorRT-LLM's exact quantizer, and 15-20 % of the W4A4 outputs leave the o
 bound). :func:`w4a4_operand` computes the operand in one kernel with ``div.rn.f32`` (inline
 PTX): byte-identical to ``oracle.quantize(x, "trtllm", encode_scale=fp32(1/s))`` by default,
 and with ``permute`` already in the Mosaic kernel's K order and padded to its token tile (no
-XLA pass over x before the GEMM).
+XLA pass over x before the GEMM). :func:`w4a4_codes` is the same kernel writing the NVFP4
+operand itself (codes and E4M3 scale bytes) for the FP4-MMA GEMM (``fp4mma.gemm_fp4mma``, the
+W4A4 default on SM 12.x GPUs).
 """
 
 from __future__ import annotations
@@ -24,14 +26,15 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from ..triton_ops import div_rn, requantize, row_tile
+from ..triton_ops import div_rn, quantize_codes, requantize, row_tile
 from .mosaic import permute_k_order
 
 #: most activation elements one program quantizes (fp32 registers: 32 per thread at 4 warps)
 PROGRAM_ELEMS = 4096
 
 
-def _kernel(s_ref, x_ref, o_ref, *, m: int, bm: int, bk: int, permute: bool, exact_asm: bool):
+def _kernel(s_ref, x_ref, o_ref, *so_ref, m: int, bm: int, bk: int, permute: bool,
+            exact_asm: bool):
     r0 = pl.program_id(0) * bm
     k0 = pl.program_id(1) * bk
     s = s_ref[...].reshape(1, 1)  # a [1, 1] tile: Triton's inline asm takes tensors, not scalars
@@ -42,6 +45,13 @@ def _kernel(s_ref, x_ref, o_ref, *, m: int, bm: int, bk: int, permute: bool, exa
     live = rows < m
     x = plgpu.load(x_ref.at[jnp.minimum(rows, m - 1), cols]).astype(jnp.float32)
     x = jnp.where(live, x, 0.0)  # rows past M quantize to zeros (the Mosaic tile's padding)
+    if so_ref:  # the NVFP4 operand itself: codes [bm, bk/2] and E4M3 scale bytes [bm, bk/16]
+        codes, sb = quantize_codes(x.reshape(bm, bk // 16, 16), g, rg, "trtllm", exact_asm)
+        c2 = k0 // 2 + lax.broadcasted_iota(jnp.int32, (1, bk // 2), 1)
+        cs = k0 // 16 + lax.broadcasted_iota(jnp.int32, (1, bk // 16), 1)
+        plgpu.store(o_ref.at[rows, c2], codes.reshape(bm, bk // 2), mask=live)
+        plgpu.store(so_ref[0].at[rows, cs], sb, mask=live)
+        return
     q = requantize(x.reshape(bm, bk // 16, 16), g, rg, "trtllm", exact_asm).reshape(bm, bk)
     if permute:
         q = permute_k_order(q)
@@ -76,3 +86,35 @@ def w4a4_operand(x: jax.Array, input_scale: jax.Array, *, rows: int | None = Non
         interpret=interpret, name="nvfp4_w4a4_operand",
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
     )(s, x)
+
+
+def w4a4_codes(x: jax.Array, input_scale: jax.Array, *,
+               interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+    """The W4A4 activation as the NVFP4 operand of the FP4 MMA (``fp4mma.gemm_fp4mma``): ``x``
+    [M, K] (bf16/fp16, K % 16 == 0) quantized in one Pallas-Triton launch with the recipe and
+    IEEE divisions of :func:`w4a4_operand` (``triton_ops.quantize_codes``), byte-identical to
+    ``oracle.quantize(x, "trtllm", encode_scale=fp32(1/input_scale))``.
+
+    Returns (codes uint8 [M, K/2], element 2j in the low nibble; E4M3 scale bytes uint8
+    [M, K/16], linear layout). A block holding NaN/Inf gets scale byte 0x7F (NaN).
+    ``interpret``: Pallas interpret mode (CPU tests; the divisions are then XLA's, exact)."""
+    x = jnp.asarray(x)
+    if x.ndim != 2 or x.dtype not in (jnp.bfloat16, jnp.float16):
+        raise ValueError(f"x: expected bf16/fp16 [M, K], got {x.dtype} {x.shape}")
+    m, k = x.shape
+    if k % 16 or k == 0:
+        raise ValueError(f"x: K must be a positive multiple of 16, got {k}")
+    s = jnp.asarray(input_scale, jnp.float32).reshape(-1)
+    if s.shape != (1,):
+        raise ValueError("input_scale: expected an fp32 scalar, got shape "
+                         f"{jnp.shape(input_scale)}")
+    bk = row_tile(k)
+    bm = max(1, min(8, PROGRAM_ELEMS // bk))
+    kern = functools.partial(_kernel, m=m, bm=bm, bk=bk, permute=False, exact_asm=not interpret)
+    codes, scales = pl.pallas_call(
+        kern, out_shape=(jax.ShapeDtypeStruct((m, k // 2), jnp.uint8),
+                         jax.ShapeDtypeStruct((m, k // 16), jnp.uint8)),
+        grid=(pl.cdiv(m, bm), k // bk), interpret=interpret, name="nvfp4_w4a4_codes",
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+    )(s, x)
+    return codes, scales

@@ -4,7 +4,11 @@ Backends (``backend=``, the same words as ``nvfp4_jax.matmul``):
 
 * ``"xla"``: the plain-XLA reference path (xla.py), any device;
 * ``"pallas"``: Pallas-Triton grouped GEMMs with fused epilogues (pallas_triton.py), any NVIDIA
-  GPU from sm_89; off the GPU the kernels run in Pallas interpret mode (CPU tests);
+  GPU from sm_89; off the GPU the kernels run in Pallas interpret mode (CPU tests). Their MMA
+  is ``MoEConfig.mma`` (the words of ``matmul(mma=)``): "fp4" (NVFP4 activations into the
+  block-scaled FP4 MMA) by default on SM 12.x GPUs only, "bf16" elsewhere; a ``MoEConfig``
+  with ``mma="fp4"`` forces it anywhere (decomposed by Triton on sm_90), ``mma="bf16"`` the
+  bf16 MMA;
 * ``"mosaic"``: Pallas Mosaic GPU grouped GEMMs with Pallas-Triton glue kernels (mosaic.py),
   sm_90 only, H % 256 == 0; off the GPU an XLA emulation of the grouped GEMMs with the glue
   kernels in interpret mode (CPU tests);

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from ..gemm.decode import check_tile_config
+from ..gemm.fp4mma import MMAS, default_mma
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,22 +32,45 @@ class Config:
 
 @dataclasses.dataclass(frozen=True)
 class MoEConfig:
-    """Both launches of one MoE layer; ``fc1.block_m`` and ``fc2.block_m`` must be equal."""
+    """Both launches of one MoE layer; ``fc1.block_m`` and ``fc2.block_m`` must be equal.
+
+    mma: the tensor-core instruction of both grouped GEMMs (``gemm.fp4mma.MMAS``, the words of
+    ``matmul(mma=)``): "bf16" (activations as exact bf16 ``q * sf`` values, weights decoded in
+    registers), "fp4" (activations as NVFP4 codes + E4M3 scale bytes, both operands into
+    ``fp4mma.dot_scaled``: the block-scaled FP4 MMA on SM 12.x, Triton's decomposition
+    elsewhere; then block_k >= 64), or None: the device's (``fp4mma.default_mma()``, "fp4" on
+    SM 12.x only), as :func:`default_config` sets it."""
 
     fc1: Config = Config()
     fc2: Config = Config()
+    mma: str | None = None
 
     def __post_init__(self) -> None:
         if self.fc1.block_m != self.fc2.block_m:
             raise ValueError(f"MoEConfig: fc1.block_m ({self.fc1.block_m}) != fc2.block_m ({self.fc2.block_m})")
+        if self.mma is not None and self.mma not in MMAS:
+            raise ValueError(f"MoEConfig.mma: expected one of {MMAS} or None, got {self.mma!r}")
+        if self.mma == "fp4" and min(self.fc1.block_k, self.fc2.block_k) < 64:
+            raise ValueError(f"MoEConfig: mma 'fp4' needs block_k >= 64 (the m16n8k64 MMA's K), "
+                             f"got fc1 {self.fc1.block_k}, fc2 {self.fc2.block_k}")
 
     def with_decode(self, decode: str) -> MoEConfig:
-        return MoEConfig(dataclasses.replace(self.fc1, decode=decode), dataclasses.replace(self.fc2, decode=decode))
+        return MoEConfig(dataclasses.replace(self.fc1, decode=decode),
+                         dataclasses.replace(self.fc2, decode=decode), self.mma)
+
+    def with_mma(self, mma: str | None) -> MoEConfig:
+        """The same tiles on the MMA ``mma`` ("bf16", "fp4" or None: the device's)."""
+        return dataclasses.replace(self, mma=mma)
+
+    def resolved_mma(self) -> str:
+        """``mma``, or the device's when None."""
+        return default_mma() if self.mma is None else self.mma
 
 
 def default_config(num_routes: int, num_experts: int, *, inter: int = 2048, hidden: int = 2048,
-                   gated: bool = False) -> MoEConfig:
-    """Tiles from the average rows per expert and the launch size (static shapes only).
+                   gated: bool = False, mma: str | None = None) -> MoEConfig:
+    """Tiles from the average rows per expert and the launch size (static shapes only); ``mma``
+    None: ``gemm.fp4mma.default_mma()`` ("fp4" on SM 12.x GPUs only, "bf16" elsewhere).
 
     The values follow the dense NVFP4 GEMM's sweep (``gemm.configs.TUNED``: M <= 16 best at
     BN 128, BK 256, 4 warps, 4 stages; M = 256 best at BM 128, BN 64, BK 128, 4 warps, 3
@@ -67,4 +91,4 @@ def default_config(num_routes: int, num_experts: int, *, inter: int = 2048, hidd
         bm, bk, warps, stages = (64 if gated else 128), 128, 4, 3
     fc1 = Config(bm, 64 if gated else bn_for(inter, bm), bk, warps, stages)
     fc2 = Config(bm, bn_for(hidden, bm), bk, warps, stages)
-    return MoEConfig(fc1, fc2)
+    return MoEConfig(fc1, fc2, default_mma() if mma is None else mma)

@@ -28,12 +28,12 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from ..gemm.mosaic import permute_k_order
-from ..triton_ops import call, requantize, row_tile
+from ..triton_ops import call, quantize_codes, requantize, row_tile
 
 
-def _operand_kernel(route_ref, be_ref, nb_ref, x_ref, g_ref, rg_ref, o_ref, *, mt: int, top_k: int,
-                    n_routes: int, bk: int, recipe: str, per_expert: bool, exact_asm: bool,
-                    skip_padding: bool, rows: int = 1, prequantized: bool = False,
+def _operand_kernel(route_ref, be_ref, nb_ref, x_ref, g_ref, rg_ref, o_ref, *so_ref, mt: int,
+                    top_k: int, n_routes: int, bk: int, recipe: str, per_expert: bool,
+                    exact_asm: bool, skip_padding: bool, rows: int = 1, prequantized: bool = False,
                     permute: bool = True):
     p, kt = pl.program_id(0), pl.program_id(1)
     b = p * rows // mt  # rows divides mt: a program's rows lie in one block
@@ -55,6 +55,14 @@ def _operand_kernel(route_ref, be_ref, nb_ref, x_ref, g_ref, rg_ref, o_ref, *, m
                 cols = kt * bk + lax.broadcasted_iota(jnp.int32, (1, bk), 1)
                 x = plgpu.load(x_ref.at[tok[:, None], cols])
             live = valid if rows == 1 else valid[:, None]
+            if so_ref:  # NVFP4 codes [bk/2] + E4M3 scale bytes [bk/16] (zeros on padding rows)
+                c, sb = quantize_codes(x.astype(jnp.float32).reshape(1, bk // 16, 16), g_ref[e],
+                                       rg_ref[e], recipe, exact_asm)
+                plgpu.store(o_ref.at[p, pl.ds(kt * (bk // 2), bk // 2)],
+                            jnp.where(live, c.reshape(bk // 2), 0).astype(jnp.uint8))
+                plgpu.store(so_ref[0].at[p, pl.ds(kt * (bk // 16), bk // 16)],
+                            jnp.where(live, sb.reshape(bk // 16), 0).astype(jnp.uint8))
+                return
             if prequantized:  # the token's row is already quantized and K-permuted
                 q = jnp.where(live, x.reshape(rows, bk), 0.0).astype(jnp.bfloat16)
             else:
@@ -97,7 +105,8 @@ def fc1_operand(hidden: jax.Array, sorted_route: jax.Array, block_expert: jax.Ar
                 recipe: str, per_expert: bool, skip_padding: bool = False,
                 interpret: bool = False, wide: bool = False,
                 prequantized: bool = False, num_tokens: int | None = None,
-                kernel_name: str | None = None, permute: bool = True) -> jax.Array:
+                kernel_name: str | None = None, permute: bool = True,
+                codes: bool = False) -> jax.Array | tuple[jax.Array, jax.Array]:
     """The FC1 operand of the grouped kernel, K-permuted: bf16 [EM, H].
 
     hidden bf16 [T, H] (H % 256 == 0); sorted_route int32 [EM] (sentinel T*k on padding rows);
@@ -114,6 +123,10 @@ def fc1_operand(hidden: jax.Array, sorted_route: jax.Array, block_expert: jax.Ar
     ``kernel_name``: the launch's name in profiles (default nvfp4_moe_fc1_operand, or
     nvfp4_moe_fc1_gather when prequantized). ``permute`` False: K in its natural order and
     H % 16 == 0 (the Pallas-Triton grouped kernels' operand, ``pallas_triton.moe_pallas``).
+    ``codes`` (with ``permute`` False, one row per program, not prequantized): the NVFP4 operand
+    of the FP4-MMA kernels instead, (codes uint8 [EM, H/2], element 2j in the low nibble; E4M3
+    scale bytes uint8 [EM, H/16]), zeros on padding rows (``triton_ops.quantize_codes``: the
+    same quantization, the oracle's bytes).
     """
     t, h = hidden.shape
     if h % (256 if permute else 16):
@@ -128,6 +141,9 @@ def fc1_operand(hidden: jax.Array, sorted_route: jax.Array, block_expert: jax.Ar
     if prequantized and per_expert:
         raise ValueError("per_expert: prequantized token rows share one encode scale; "
                          "per-expert scales quantize each route with its expert's")
+    if codes and (permute or prequantized or wide):
+        raise ValueError("codes: the NVFP4 operand is written in natural K order (permute=False), "
+                         "one row per program (wide=False), quantized here (prequantized=False)")
     em = sorted_route.shape[0]
     bk = row_tile(h)
     rows = operand_rows(block_m, h, wide)
@@ -137,7 +153,11 @@ def fc1_operand(hidden: jax.Array, sorted_route: jax.Array, block_expert: jax.Ar
                              permute=permute)
     nw = 4 if rows == 1 else max(4, min(8, rows * bk // (32 * WIDE_THREAD_ELEMS)))
     name = kernel_name or ("nvfp4_moe_fc1_gather" if prequantized else "nvfp4_moe_fc1_operand")
-    return call(kern, jax.ShapeDtypeStruct((em, h), jnp.bfloat16), (em // rows, h // bk), num_warps=nw,
+    out = jax.ShapeDtypeStruct((em, h), jnp.bfloat16)
+    if codes:
+        out = (jax.ShapeDtypeStruct((em, h // 2), jnp.uint8),
+               jax.ShapeDtypeStruct((em, h // 16), jnp.uint8))
+    return call(kern, out, (em // rows, h // bk), num_warps=nw,
                  name=name, interpret=interpret)(
         sorted_route, block_expert, num_blocks, hidden, g1, rg1)
 

@@ -36,6 +36,7 @@ at ties.
 from __future__ import annotations
 
 import functools
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -45,14 +46,17 @@ from jax.experimental.pallas import triton as plgpu
 
 from ..gemm import decode as gemm_decode
 from ..gemm.decode import decode_block
+from ..gemm.fp4mma import dot_scaled
 from ..quantize import NVFP4Array
-from ..triton_ops import bf16_rne, cdiv, fc1_activation, requantize
+from ..triton_ops import bf16_rne, cdiv, fc1_activation, quantize_codes, requantize
 from .configs import Config, MoEConfig, default_config
 from .operand import fc1_operand
 from .routing import block_routing
 from .scales import moe_scales_kernel
 from .weights import intermediate_size, unpad_fc2
 from .xla import recipe_of
+
+log = logging.getLogger(__name__)
 
 _DIMS = (((1,), (1,)), ((), ()))
 
@@ -96,6 +100,40 @@ def _grouped_tiles(xe_ref, xo_ref, c_ref, s_ref, e, m0, row0s, n_valid, K: int, 
     return tuple(a * post for a in accs) if post != 1.0 else accs
 
 
+def _grouped_tiles_fp4(xc_ref, xs_ref, c_ref, s_ref, e, m0, row0s, n_valid, K: int, cfg: Config):
+    """:func:`_grouped_tiles` on the FP4 MMA: the activation rows as NVFP4 codes [EM, K/2] +
+    E4M3 scale bytes [EM, K/16], each step one ``fp4mma.dot_scaled`` per weight tile (the block
+    scales stay in the MMA). Rows whose activation holds a NaN scale byte (a block that held
+    NaN/Inf) come back NaN, whatever the tensor core makes of that byte."""
+    BM, BN, BK = cfg.block_m, cfg.block_n, cfg.block_k
+    BK2, BKS = BK // 2, BK // 16
+    K2, KS = K // 2, K // 16
+    n_mask = jnp.arange(BN) < n_valid
+
+    def body(i, carry):
+        accs, nan_rows = carry
+        k2_live = (i * BK2 + jnp.arange(BK2)) < K2
+        ks_live = (i * BKS + jnp.arange(BKS)) < KS
+        xc = plgpu.load(xc_ref.at[pl.ds(m0, BM), pl.ds(i * BK2, BK2)], mask=k2_live[None, :],
+                        other=0)
+        xs = plgpu.load(xs_ref.at[pl.ds(m0, BM), pl.ds(i * BKS, BKS)], mask=ks_live[None, :],
+                        other=0)
+        nan_rows = jnp.maximum(nan_rows, xs.astype(jnp.int32) & 0x7F)  # 0x7F iff a NaN byte
+        out = []
+        for acc, row0 in zip(accs, row0s):
+            wc = plgpu.load(c_ref.at[e, pl.ds(row0, BN), pl.ds(i * BK2, BK2)],
+                            mask=n_mask[:, None] & k2_live[None, :], other=0)
+            ws = plgpu.load(s_ref.at[e, pl.ds(row0, BN), pl.ds(i * BKS, BKS)],
+                            mask=n_mask[:, None] & ks_live[None, :], other=0)
+            out.append(dot_scaled(acc, wc, ws, xc, xs))
+        return tuple(out), nan_rows
+
+    zero = tuple(jnp.zeros((BN, BM), jnp.float32) for _ in row0s)
+    accs, smax = lax.fori_loop(0, cdiv(K, BK), body, (zero, jnp.zeros((BM, BKS), jnp.int32)))
+    nan_rows = jnp.max(smax, axis=1) == 0x7F
+    return tuple(jnp.where(nan_rows[None, :], jnp.nan, a) for a in accs)
+
+
 def _post_scale(decode: str) -> float:
     """Power of two the decode leaves out of the bf16 weights (exact; gemm/decode.py)."""
     return float(gemm_decode.post_scale(decode, jnp.bfloat16))
@@ -115,9 +153,12 @@ def _block_and_tile(n_tiles: int):
 
 def _fc1_kernel(be_ref, nb_ref, xe_ref, xo_ref, c_ref, s_ref, a1_ref, g2_ref, rg2_ref,
                 he_ref, ho_ref, *h_ref, cfg: Config, H: int, I: int, activation: str,
-                gate_up_order: str, mode: str, exact_asm: bool):
+                gate_up_order: str, mode: str, exact_asm: bool, fp4: bool = False):
+    """fp4: (xe, xo) are the NVFP4 operand (codes, scale bytes) and (he, ho) receive FC2's
+    (codes [EM, I/2], scale bytes [EM, I/16]); else even/odd bf16 ``q * sf`` halves."""
     BM, BN = cfg.block_m, cfg.block_n
     b, n = _block_and_tile(cdiv(I, BN))
+    grouped_tiles = _grouped_tiles_fp4 if fp4 else _grouped_tiles
 
     @pl.when(b < nb_ref[0])
     def _():
@@ -125,10 +166,10 @@ def _fc1_kernel(be_ref, nb_ref, xe_ref, xo_ref, c_ref, s_ref, a1_ref, g2_ref, rg
         m0, n0 = b * BM, n * BN
         n_valid = I - n0
         if activation == "swiglu":
-            first, second = _grouped_tiles(xe_ref, xo_ref, c_ref, s_ref, e, m0, (n0, I + n0),
-                                           n_valid, H, cfg)
+            first, second = grouped_tiles(xe_ref, xo_ref, c_ref, s_ref, e, m0, (n0, I + n0),
+                                          n_valid, H, cfg)
         else:
-            (first,) = _grouped_tiles(xe_ref, xo_ref, c_ref, s_ref, e, m0, (n0,), n_valid, H, cfg)
+            (first,) = grouped_tiles(xe_ref, xo_ref, c_ref, s_ref, e, m0, (n0,), n_valid, H, cfg)
         h = fc1_activation(first, second if activation == "swiglu" else None, a1_ref[e],
                            activation=activation, gate_up_order=gate_up_order, mode=mode,
                            exact_asm=exact_asm)
@@ -136,6 +177,14 @@ def _fc1_kernel(be_ref, nb_ref, xe_ref, xo_ref, c_ref, s_ref, a1_ref, g2_ref, rg
         if h_ref:
             plgpu.store(h_ref[0].at[pl.ds(m0, BM), pl.ds(n0, BN)], h.T, mask=col_mask[None, :])
         hb = h.T.astype(jnp.float32).reshape(BM, BN // 16, 16)
+        if fp4:  # FC2's NVFP4 operand: the same requantization, as codes and scale bytes
+            codes, sb = quantize_codes(hb, g2_ref[e], rg2_ref[e], recipe_of(mode), exact_asm)
+            plgpu.store(he_ref.at[pl.ds(m0, BM), pl.ds(n0 // 2, BN // 2)],
+                        codes.reshape(BM, BN // 2),
+                        mask=((n0 // 2 + jnp.arange(BN // 2)) < I // 2)[None, :])
+            plgpu.store(ho_ref.at[pl.ds(m0, BM), pl.ds(n0 // 16, BN // 16)], sb,
+                        mask=((n0 // 16 + jnp.arange(BN // 16)) < I // 16)[None, :])
+            return
         q = requantize(hb, g2_ref[e], rg2_ref[e], recipe_of(mode), exact_asm)
         ev, od = jnp.split(q.reshape(BM, BN // 2, 2), 2, axis=-1)
         half_mask = ((n0 // 2 + jnp.arange(BN // 2)) < I // 2)[None, :]
@@ -146,15 +195,16 @@ def _fc1_kernel(be_ref, nb_ref, xe_ref, xo_ref, c_ref, s_ref, a1_ref, g2_ref, rg
 
 
 def _fc2_kernel(be_ref, nb_ref, xe_ref, xo_ref, c_ref, s_ref, a2_ref, w_ref, o_ref, *,
-                cfg: Config, H: int, I: int, mode: str, exact_asm: bool):
+                cfg: Config, H: int, I: int, mode: str, exact_asm: bool, fp4: bool = False):
     BM, BN = cfg.block_m, cfg.block_n
     b, n = _block_and_tile(cdiv(H, BN))
+    grouped_tiles = _grouped_tiles_fp4 if fp4 else _grouped_tiles
 
     @pl.when(b < nb_ref[0])
     def _():
         e = be_ref[b]
         m0, n0 = b * BM, n * BN
-        (acc,) = _grouped_tiles(xe_ref, xo_ref, c_ref, s_ref, e, m0, (n0,), H - n0, I, cfg)
+        (acc,) = grouped_tiles(xe_ref, xo_ref, c_ref, s_ref, e, m0, (n0,), H - n0, I, cfg)
         d = acc * a2_ref[e]
         if mode == "trtllm_cutlass":  # GEMM2 output is bf16 in TRT-LLM CUTLASS
             d = bf16_rne(d, exact_asm)
@@ -165,14 +215,16 @@ def _fc2_kernel(be_ref, nb_ref, xe_ref, xo_ref, c_ref, s_ref, a2_ref, w_ref, o_r
 
 
 def fc2_triton(meta, he, ho, fc2: NVFP4Array, a2, wt, *, cfg: Config, em: int, h_dim: int,
-               inter: int, mode: str, interpret: bool) -> jax.Array:
+               inter: int, mode: str, interpret: bool, fp4: bool = False) -> jax.Array:
     """Pallas-Triton grouped FC2 (+ alpha2, bf16 in trtllm_cutlass, router weight) -> fp32 [EM, H].
 
     meta: (block_expert [NB], num_blocks [1]); he/ho: even/odd K columns of the FC2 operand
-    (``q * sf`` bf16 [EM, I/2]); wt: fp32 router weight per sorted row [EM]."""
-    codes, scales = _stack(fc2, cfg)
+    (``q * sf`` bf16 [EM, I/2]), or with ``fp4`` its codes uint8 [EM, I/2] and E4M3 scale
+    bytes uint8 [EM, I/16] (FP4 MMA); wt: fp32 router weight per sorted row [EM]."""
+    codes, scales = _stack(fc2, cfg, fp4)
     return pl.pallas_call(
-        functools.partial(_fc2_kernel, cfg=cfg, H=h_dim, I=inter, mode=mode, exact_asm=not interpret),
+        functools.partial(_fc2_kernel, cfg=cfg, H=h_dim, I=inter, mode=mode,
+                          exact_asm=not interpret, fp4=fp4),
         out_shape=jax.ShapeDtypeStruct((em, h_dim), jnp.float32),
         grid=(em // cfg.block_m * cdiv(h_dim, cfg.block_n),),
         compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
@@ -181,8 +233,9 @@ def fc2_triton(meta, he, ho, fc2: NVFP4Array, a2, wt, *, cfg: Config, em: int, h
     )(*meta, he, ho, codes, scales, a2, wt)
 
 
-def _stack(w: NVFP4Array, cfg: Config):
-    codes = w.codes if cfg.load2d else w.codes.reshape(w.shape[0], w.shape[1], w.shape[2] // 16, 8)
+def _stack(w: NVFP4Array, cfg: Config, fp4: bool = False):
+    flat = cfg.load2d or fp4  # the FP4 MMA takes [BN, BK/2] code tiles
+    codes = w.codes if flat else w.codes.reshape(w.shape[0], w.shape[1], w.shape[2] // 16, 8)
     return codes, lax.bitcast_convert_type(w.linear_scales(), jnp.uint8)
 
 
@@ -220,6 +273,14 @@ def moe_pallas(
             config = config.with_decode("bits")
     c1, c2 = config.fc1, config.fc2
     bm = c1.block_m
+    fp4 = config.resolved_mma() == "fp4"
+    if fp4 and min(c1.block_k, c2.block_k) < 64:  # (an explicit "fp4" refuses these tiles)
+        log.info("nvfp4_jax.moe: MoEConfig.mma None with block_k %d/%d < 64 (the FP4 MMA's K): "
+                 "bf16 MMA", c1.block_k, c2.block_k)
+        fp4 = False
+    if fp4:
+        log.info("nvfp4_jax.moe: pallas grouped GEMMs on the FP4 MMA (MoEConfig.mma %r%s)",
+                 config.mma, ", interpret mode" if interpret else "")
     exact_asm = not interpret
     recipe = recipe_of(mode)
 
@@ -234,21 +295,25 @@ def moe_pallas(
     # the FC1 input quantized in one Pallas-Triton launch (div.rn.f32 whatever XLA's flags)
     xv = fc1_operand(hidden, br.sorted_route, br.block_expert, br.num_blocks, g1, rg1, top_k=k,
                      block_m=bm, recipe=recipe, per_expert=activation_scale == "per_expert",
-                     interpret=interpret, permute=False, kernel_name="nvfp4_moe_fc1_input")
+                     interpret=interpret, permute=False, codes=fp4,
+                     kernel_name="nvfp4_moe_fc1_input")
     valid = br.sorted_route < n_routes
     wt = jnp.where(valid, topk_weights.reshape(-1).astype(jnp.float32)[
         jnp.where(valid, br.sorted_route, 0)], 0.0)  # router weight per sorted row
-    xe, xo = xv[:, 0::2], xv[:, 1::2]
+    xe, xo = xv if fp4 else (xv[:, 0::2], xv[:, 1::2])  # fp4: (codes, scale bytes)
 
-    c1c, c1s = _stack(fc1, c1)
+    c1c, c1s = _stack(fc1, c1, fp4)
     meta = (br.block_expert, br.num_blocks)
 
     out1 = [jax.ShapeDtypeStruct((em, inter // 2), jnp.bfloat16)] * 2
+    if fp4:
+        out1 = [jax.ShapeDtypeStruct((em, inter // 2), jnp.uint8),
+                jax.ShapeDtypeStruct((em, inter // 16), jnp.uint8)]
     if return_intermediates:
         out1.append(jax.ShapeDtypeStruct((em, inter), jnp.bfloat16))
     he_ho = pl.pallas_call(
         functools.partial(_fc1_kernel, cfg=c1, H=h_dim, I=inter, activation=activation,
-                          gate_up_order=gate_up_order, mode=mode, exact_asm=exact_asm),
+                          gate_up_order=gate_up_order, mode=mode, exact_asm=exact_asm, fp4=fp4),
         out_shape=tuple(out1),
         grid=(nb * cdiv(inter, c1.block_n),),
         compiler_params=plgpu.CompilerParams(num_warps=c1.num_warps, num_stages=c1.num_stages),
@@ -257,7 +322,7 @@ def moe_pallas(
     )(*meta, xe, xo, c1c, c1s, a1, g2, rg2)
     he, ho = he_ho[0], he_ho[1]
     contrib = fc2_triton(meta, he, ho, fc2, a2, wt, cfg=c2, em=em, h_dim=h_dim, inter=inter,
-                         mode=mode, interpret=interpret)
+                         mode=mode, interpret=interpret, fp4=fp4)
     out = contrib[br.route_pos].reshape(t, k, h_dim).sum(axis=1).astype(jnp.bfloat16)
     if return_intermediates:
         return out, {"h": he_ho[2][br.route_pos]}

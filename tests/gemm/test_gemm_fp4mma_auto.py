@@ -247,5 +247,5 @@ def test_selftest_fp4_mma_check_passes_on_cpu():
     from nvfp4_jax import selftest
 
     _, checks = selftest.run(only=("matmul/fp4mma",))
-    assert len(checks) == len(selftest.CPU_GEMM)
+    assert len(checks) == len(selftest.GEMM_SHAPES["cpu"])
     assert all(c.status == selftest.PASS for c in checks), [c.detail for c in checks]

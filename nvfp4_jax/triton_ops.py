@@ -182,7 +182,9 @@ def fc1_activation(first, second, alpha, *, activation: str, gate_up_order: str,
         return u
 
     if activation == "relu2":
-        r = jnp.maximum(scaled(first), 0.0)
+        # relu that keeps NaN (a GPU max may return the non-NaN operand): NaN rows stay NaN
+        u = scaled(first)
+        r = jnp.where(u < 0.0, 0.0, u)
         return (r * r).astype(jnp.bfloat16)
     up, gate = (first, second) if gate_up_order == "up_gate" else (second, first)
     up, gate = scaled(up), scaled(gate)

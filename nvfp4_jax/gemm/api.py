@@ -8,8 +8,9 @@ Backends (``backend=``):
 * ``"xla"``: exact dequantize, then ``jnp.dot`` with fp32 accumulation (xla.py), any device;
 * ``"mosaic"``: the Mosaic GPU kernel (mosaic.py, Hopper sm_90, M <= 64, K % 256 == 0, bf16
   activations); other shapes or devices fall back to ``"pallas"`` (logged);
-* ``"auto"``: ``"pallas"`` on a supported NVIDIA GPU, else ``"xla"``; on sm_90 the (M, N, K)
-  buckets listed in ``mosaic.AUTO_SM90`` (measured faster there) use ``"mosaic"``. The choice
+* ``"auto"``: ``"pallas"`` on a supported NVIDIA GPU, else ``"xla"``; on sm_90 every shape the
+  Mosaic kernel runs (M <= 64, K % 256 == 0) uses ``"mosaic"`` (faster than Pallas-Triton at
+  every shape measured), with the tuned tiles of ``mosaic.AUTO_SM90`` where listed. The choice
   is logged.
 
 W4A4 on the Pallas backend multiplies on one of two MMAs (``mma=``, ``fp4mma.MMAS``):
@@ -130,13 +131,19 @@ def resolve_backend(backend: str) -> str:
 
 def _pick_mosaic(backend: str, impl: str, m: int, n: int, k: int, x_dtype) -> str:
     """"mosaic" where it applies: explicitly asked for (else fall back to "pallas", logged), or
-    "auto" on sm_90 for a bucket in ``mosaic.AUTO_SM90``. Otherwise ``impl`` unchanged."""
+    "auto" on sm_90 for every shape the kernel runs (M <= 64, K % 256 == 0), with the tuned
+    tiles of ``mosaic.AUTO_SM90`` where the (M bucket, N, K) is listed, else
+    ``mosaic.default_config``. Otherwise ``impl`` unchanged."""
     if backend == "auto":
         if impl != "pallas" or gpu_compute_capability() != 90 or x_dtype != jnp.bfloat16:
             return impl
-        if mosaic.auto_config(m, n, k) is None:
+        try:
+            mosaic.check_supported(m, n, k)
+        except ValueError:
             return impl
-        log.info("nvfp4_jax.matmul: backend auto -> mosaic (sm_90, M=%d N=%d K=%d)", m, n, k)
+        tiles = "tuned" if mosaic.auto_config(m, n, k) is not None else "default_config tiles"
+        log.info("nvfp4_jax.matmul: backend auto -> mosaic (sm_90, M=%d N=%d K=%d, %s)",
+                 m, n, k, tiles)
         return "mosaic"
     if impl != "mosaic":
         return impl

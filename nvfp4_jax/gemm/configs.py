@@ -27,12 +27,25 @@ M_BUCKETS = (16, 64, 256, 1024, 4096)
 _SMALL_M = {"block_m": 16, "num_warps": 4, "num_stages": 4, "load2d": True}
 TUNED: dict[tuple[int, int, int], Config] = {
     (16, 28672, 8192): Config(
-        block_n=128, block_k=256, split_k=1, **_SMALL_M,
-        measured="104.5 us vs bf16 122-128, 16 other configs 105-266 (h200, 2026-11-29)"),
+        block_n=128, block_k=256, split_k=1, **_SMALL_M, decode="asm2",
+        measured="M=1/16: 83.8/84.5 us vs bf16 113/119, decode asm 97.9/96.6, bn 64 st 3 "
+                 "82.8/83.6, 4 other tiles 119-140 (h200, 2026-12-01, gemm-candidates-h200.json)"),
+    (16, 14336, 4096): Config(
+        block_n=64, block_k=256, split_k=2, block_m=16, num_warps=4, num_stages=3, load2d=True,
+        decode="asm2",
+        measured="M=1: 26.0 us vs bf16 42.3, the 4096x4096 tiles 32.1 (asm) / 30.8 (asm2), "
+                 "4 other tiles 31-38 (h200, 2026-12-01, gemm-candidates-h200.json)"),
     # split-K 8 fills the 132 SMs
     (16, 4096, 4096): Config(
-        block_n=64, block_k=128, split_k=8, **_SMALL_M,
-        measured="7.9 us vs bf16 13.5-16 (h200, 2026-11-29)"),
+        block_n=64, block_k=128, split_k=8, **_SMALL_M, decode="asm2",
+        measured="7.9 us vs bf16 13.5-16 (h200, 2026-11-29); decode asm2 on these tiles at "
+                 "14336x4096 M=1: 30.8 vs 32.1 us (h200, 2026-12-01)"),
+    # the 4096x4096 tiles, which this shape used as its nearest entry before 14336x4096 was
+    # tuned (same weight count, so listed to keep them)
+    (16, 4096, 14336): Config(
+        block_n=64, block_k=128, split_k=8, **_SMALL_M, decode="asm2",
+        measured="tiles not swept at this shape; asm2 on them at 14336x4096 M=1: 30.8 vs "
+                 "32.1 us (h200, 2026-12-01)"),
     (64, 28672, 8192): Config(
         block_m=64, block_n=128, block_k=256, split_k=1, num_warps=8, num_stages=3, load2d=True,
         measured="145 us vs bf16 123, 7 other configs 145-408 (h200, 2026-11-29)"),

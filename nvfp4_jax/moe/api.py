@@ -211,6 +211,11 @@ def moe(
         valid = (topk_ids >= 0) & (topk_ids < e)
         topk_ids = jnp.where(valid, topk_ids, 0).astype(topk_ids.dtype)
         topk_weights = jnp.where(valid, topk_weights, jnp.nan).astype(topk_weights.dtype)
+    # a token whose hidden row holds NaN/Inf gets NaN router weights, so its output row is NaN
+    # on every backend whatever a kernel's arithmetic makes of the non-finite values
+    # (docs/input-policy.md); one fused reduction over hidden
+    finite = jnp.isfinite(hidden).all(axis=-1, keepdims=True)
+    topk_weights = jnp.where(finite, topk_weights, jnp.nan).astype(topk_weights.dtype)
     kw = {"activation": activation, "gate_up_order": gate_up_order, "mode": mode,
           "activation_scale": activation_scale}
     backend = choose_backend(backend, config, routes=topk_ids.size, hidden=hidden.shape[1])

@@ -106,7 +106,7 @@ def sorted_rows(hidden: jax.Array, topk_weights: jax.Array, g1: jax.Array, sorte
 def activate(u: jax.Array, activation: str, gate_up_order: str) -> jax.Array:
     """fp32 activation: ``relu(u)^2`` or ``silu(gate) * up`` with halves per gate_up_order."""
     if activation == "relu2":
-        r = jnp.maximum(u, 0.0)
+        r = jnp.where(u < 0.0, 0.0, u)  # relu keeping NaN (GPU max may drop it)
         return r * r
     i = u.shape[-1] // 2
     first, second = u[..., :i], u[..., i:]

@@ -176,6 +176,28 @@ def test_auto_table_lookup():
         assert isinstance(cfg, MosaicConfig)
 
 
+def test_auto_on_sm90_picks_mosaic_for_every_shape_it_runs(monkeypatch, caplog):
+    """On sm_90 ``auto`` runs the Mosaic kernel at every shape it supports (tuned tiles where
+    listed, default_config elsewhere, logged), and Pallas-Triton where it cannot run."""
+    from nvfp4_jax.gemm import api
+
+    monkeypatch.setattr(api, "gpu_compute_capability", lambda: 90)
+    pick = api._pick_mosaic  # noqa: SLF001 - the routing rule itself
+    bf16 = jnp.bfloat16
+    with caplog.at_level("INFO", logger="nvfp4_jax.gemm.api"):
+        assert pick("auto", "pallas", 1, 28672, 8192, bf16) == "mosaic"
+        assert "tuned" in caplog.text
+        caplog.clear()
+        assert pick("auto", "pallas", 1, 6144, 4096, bf16) == "mosaic"  # a fused q/k/v
+        assert "default_config tiles" in caplog.text
+    assert pick("auto", "pallas", 65, 6144, 4096, bf16) == "pallas"  # M beyond the kernel
+    assert pick("auto", "pallas", 1, 6144, 4112, bf16) == "pallas"  # K % 256 != 0
+    assert pick("auto", "pallas", 1, 6144, 4096, jnp.float16) == "pallas"
+    assert pick("auto", "xla", 1, 6144, 4096, bf16) == "xla"
+    monkeypatch.setattr(api, "gpu_compute_capability", lambda: 120)
+    assert pick("auto", "pallas", 1, 28672, 8192, bf16) == "pallas"
+
+
 def test_api_mosaic_backend_on_cpu_falls_back_to_pallas(caplog):
     import nvfp4_jax
     from nvfp4_jax.gemm import matmul

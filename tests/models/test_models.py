@@ -29,10 +29,20 @@ flips are as large as the activation quantization itself (leaving the activation
 stays within the bound), and SwiGLU is nearly symmetric in gate and up at their small
 magnitudes. ``test_linear_w4a4_and_moe_block_match_oracle`` checks both against the oracle.
 
-Greedy: a generated token either equals the float32 reference's argmax, or the reference's
-margin between its argmax and our token is within the same bound (a tie the bound cannot
-resolve; random tiny models have top-2 margins down to 1e-4, and W4A4 errors of ~0.05).
-Our KV-cache decode reproduces our own full-sequence argmax exactly.
+Greedy on the random checkpoints: a generated token either equals the float32 reference's
+argmax, or the reference's margin between its argmax and our token is within the same bound
+(a tie the bound cannot resolve; random tiny models have top-2 margins down to 1e-4, and W4A4
+errors of ~0.05). Our KV-cache decode reproduces our own full-sequence argmax exactly.
+
+Greedy identity ("-successor" checkpoints): the same random models with a circuit added
+before ModelOpt quantizes them (``hf_reference.imprint_successor``): layer 0's attention
+head 0 finds the previous token through RoPE, its MLP (every expert) looks up that token's
+successor, the LM head reads it out. The next token is decided by the layers (the rule is
+"successor of the token before the last"; a RoPE turned the wrong way makes it "successor of
+the last token"), by a top-1/top-2 margin of ~1.5 against bounds of ~0.2-0.3. The test
+asserts that HF follows the rule with many distinct tokens, that every one of the 32 steps'
+margins exceeds the bound (the precondition for identity to be a fair demand), and then that
+our 32 free-running greedy tokens equal HF fp32's, W4A16 and W4A4, dense and MoE.
 """
 
 from __future__ import annotations
@@ -45,7 +55,12 @@ pytest.importorskip("transformers")
 pytest.importorskip("modelopt.torch.quantization")
 
 import jax.numpy as jnp  # noqa: E402
-from hf_reference import HFReference, make_checkpoint  # noqa: E402
+from hf_reference import (  # noqa: E402
+    SUCCESSOR_TOKENS,
+    HFReference,
+    make_checkpoint,
+    successor_rule,
+)
 
 import nvfp4_jax as nj  # noqa: E402
 import oracle  # noqa: E402
@@ -55,6 +70,10 @@ from nvfp4_jax import NVFP4Array, models, nn  # noqa: E402
 CASES = [("moe", True), ("moe", False), ("dense", True), ("dense-wide", False)]
 PROMPT = np.random.default_rng(0).integers(0, 256, (2, 12))
 N_NEW = 32
+#: (checkpoint, W4A4) with the successor circuit: greedy decided by wide margins (see above)
+SUCCESSOR_CASES = [("moe-successor", True), ("moe-successor", False),
+                   ("dense-successor", True), ("dense-successor", False)]
+SUCCESSOR_PROMPT = np.asarray(SUCCESSOR_TOKENS)[np.random.default_rng(1).integers(0, 16, (1, 12))]
 
 
 @pytest.fixture(scope="session")
@@ -65,7 +84,8 @@ def checkpoint_dir(tmp_path_factory):
         if kind not in made:
             made[kind] = make_checkpoint(kind.split("-")[0],
                                          str(tmp_path_factory.mktemp(f"nvfp4-{kind}")),
-                                         init=0.1 if kind.endswith("-wide") else 0.02)
+                                         init=0.1 if kind.endswith("-wide") else 0.02,
+                                         successor=kind.endswith("-successor"))
         return made[kind]
 
     return get
@@ -141,6 +161,26 @@ def test_greedy_32_tokens_match_hf(loaded, reference, kind, w4a4):
     assert (gap <= bound).all(), (f"{kind} w4a4={w4a4}: token differs from HF's argmax by a "
                                   f"margin {gap.max():.4g} > bound {bound:.4g}")
     assert same >= N_NEW // 2, f"only {same}/{N_NEW} tokens equal HF's argmax"
+
+
+@pytest.mark.parametrize("kind,w4a4", SUCCESSOR_CASES)
+def test_greedy_32_tokens_identical_to_hf(loaded, reference, kind, w4a4):
+    """The issue's claim, literally: 32 free-running greedy tokens equal HF fp32's, on a
+    checkpoint whose every step is decided by a margin above the logit bound."""
+    prompt = SUCCESSOR_PROMPT
+    t = prompt.shape[1]
+    want = reference(kind, w4a4).greedy(prompt, N_NEW)[0]
+    seq = np.concatenate([prompt, want[None]], axis=1)
+    # the checkpoint is what it claims: HF follows the circuit's rule, with many distinct tokens
+    assert [int(x) for x in want] == [successor_rule(seq[0, :i]) for i in range(t, t + N_NEW)]
+    assert len(set(want.tolist())) >= 8
+    # precondition (so identity is meaningful): every step's top-1/top-2 margin > the bound
+    r32, bound, _ = _bound(reference, kind, w4a4, seq)
+    top2 = np.sort(r32[0, t - 1:-1], axis=-1)[:, -2:]
+    margin = top2[:, 1] - top2[:, 0]
+    assert 0 < bound < margin.min(), f"{kind}: margin {margin.min():.4g} <= bound {bound:.4g}"
+    gen = models.generate(loaded(kind), prompt, N_NEW, w4a4=w4a4, warmup=False)
+    np.testing.assert_array_equal(gen.tokens[0], want)
 
 
 def test_loader_keeps_weights_nvfp4(loaded, checkpoint_dir):

@@ -87,8 +87,10 @@ def imprint_successor(model, cfg) -> None:
     writes them into "previous". Layer 0's other heads get q = 0: they average the values
     smoothly (with q/k RMSNorm's large weights, random q would make them attend to one
     position chosen by chance, where bf16 rounding flips the choice). The MLP (each expert alike) is a lookup table: neuron j
-    (silu(g) * u with g = u reading "previous j") writes ~4 into token dimension
-    successor(j). The LM head reads the token dimensions. Final hidden state ~ e_tok + e_const
+    (silu(g) * u with g = u = 2.2 * "previous j" ~ 14) writes ~4 into token dimension
+    successor(j) through a down_proj weight of 0.0193: small, as expert weights are, so that
+    its E4M3 block scale folded with weight_scale_2 (TensorRT-LLM's CUTEDSL-b12x) is a
+    subnormal, 2^-8 instead of 0.0193/6 (tests/models/test_models.py). The LM head reads the token dimensions. Final hidden state ~ e_tok + e_const
     + 2 e_prev + 4 e_next: the next token's logit leads the runner-up by ~5, far above the
     bf16 and FP4 errors. With RoPE turned the wrong way, head 0 attends to the token itself
     and the rule becomes successor(last token).
@@ -123,17 +125,23 @@ def imprint_successor(model, cfg) -> None:
             at.v_proj.weight[j, j] = 1.0
             at.o_proj.weight[prev + j, j] = 0.354  # head 0's output j -> "previous j", ~2
         mlp = model.model.layers[0].mlp
+        if hasattr(mlp, "experts"):  # the table's neurons and columns hold nothing else
+            inter = mlp.experts.down_proj.shape[-1]
+            mlp.experts.gate_up_proj[:, :n] = mlp.experts.gate_up_proj[:, inter:inter + n] = 0.0
+            mlp.experts.down_proj[:, :, :n] = 0.0
+        else:
+            mlp.gate_proj.weight[:n] = mlp.up_proj.weight[:n] = 0.0
+            mlp.down_proj.weight[:, :n] = 0.0
         for j in range(n):
             nxt = (j + 3) % n
             if hasattr(mlp, "experts"):
-                inter = mlp.experts.down_proj.shape[-1]
-                mlp.experts.gate_up_proj[:, j, prev + j] = 1.0  # HF rows [gate; up]
-                mlp.experts.gate_up_proj[:, inter + j, prev + j] = 1.0
-                mlp.experts.down_proj[:, nxt, j] = 0.094
+                mlp.experts.gate_up_proj[:, j, prev + j] = 2.2  # HF rows [gate; up]
+                mlp.experts.gate_up_proj[:, inter + j, prev + j] = 2.2
+                mlp.experts.down_proj[:, nxt, j] = 0.0193
             else:
-                mlp.gate_proj.weight[j, prev + j] = 1.0
-                mlp.up_proj.weight[j, prev + j] = 1.0
-                mlp.down_proj.weight[nxt, j] = 0.094
+                mlp.gate_proj.weight[j, prev + j] = 2.2
+                mlp.up_proj.weight[j, prev + j] = 2.2
+                mlp.down_proj.weight[nxt, j] = 0.0193
         for j, t in enumerate(s):
             model.lm_head.weight[t, j] = 1.0
 

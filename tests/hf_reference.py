@@ -86,13 +86,15 @@ def imprint_successor(model, cfg) -> None:
     >= 15 over every other position up to 80 back; v copies the token dimensions and o_proj
     writes them into "previous". Layer 0's other heads get q = 0: they average the values
     smoothly (with q/k RMSNorm's large weights, random q would make them attend to one
-    position chosen by chance, where bf16 rounding flips the choice). The MLP (each expert alike) is a lookup table: neuron j
-    (silu(g) * u with g = u = 2.2 * "previous j" ~ 14) writes ~4 into token dimension
-    successor(j) through a down_proj weight of 0.0193: small, as expert weights are, so that
-    its E4M3 block scale folded with weight_scale_2 (TensorRT-LLM's CUTEDSL-b12x) is a
-    subnormal, 2^-8 instead of 0.0193/6 (tests/models/test_models.py). The LM head reads the token dimensions. Final hidden state ~ e_tok + e_const
-    + 2 e_prev + 4 e_next: the next token's logit leads the runner-up by ~5, far above the
-    bf16 and FP4 errors. With RoPE turned the wrong way, head 0 attends to the token itself
+    position chosen by chance, where bf16 rounding flips the choice). The MLP (each expert
+    alike) is a lookup table: neuron j (silu(g) * u with g = u = 2.2 * "previous j" ~ 14)
+    writes ~4 into token dimension successor(j) through a down_proj weight of 0.0193 (its
+    neurons and columns hold nothing else): small, as expert weights are, so that its E4M3
+    block scale folded with weight_scale_2 (TensorRT-LLM's CUTEDSL-b12x) is a subnormal
+    (multiples of 2^-9) near 0.0193/6. The LM head reads the token dimensions. Final hidden
+    state ~ e_tok + e_const + 2 e_prev + 4 e_next: the next token's logit leads the runner-up
+    by ~3, far above the bf16 and FP4 errors (tests/models/test_models.py asserts it at every
+    step). With RoPE turned the wrong way, head 0 attends to the token itself
     and the rule becomes successor(last token).
     """
     import torch

@@ -199,8 +199,8 @@ def e2e(doc: dict) -> str:
                 for b in batches) + " | | | | |")
     bds = [r for r in recs if r["kind"] == "breakdown"]
     if bds:
-        lines += ["", "| model | precision | ms per token (b=1) | attention | MoE | dense "
-                  "| other |", "|---|---|---|---|---|---|---|"]
+        lines += ["", ("| model | precision | ms per token (b=1) | attention | MoE | dense "
+                       "| other |"), "|---|---|---|---|---|---|---|"]
         for r in bds:
             ms = r["ms"]
             lines.append(f"| {r['model']} | {r['precision']} | {r['ms_per_step']:.2f} | "

@@ -3,7 +3,9 @@ and HF transformers running such an export with its dequantized weights.
 
 ``make_checkpoint(kind, path)``: a random Qwen3-MoE ("moe") or Llama ("dense") from a
 transformers config, ``mtq.quantize(model, mtq.NVFP4_DEFAULT_CFG, forward_loop)`` with a short
-calibration, ``export_hf_checkpoint`` (all on the CPU).
+calibration, ``export_hf_checkpoint`` (all on the CPU); ``successor=True`` adds, before
+quantization, a circuit that decides every greedy token by a wide logit margin
+(:func:`imprint_successor`, :func:`successor_rule`).
 
 ``HFReference(path, dtype, w4a4)``: the same architecture in transformers with every NVFP4
 weight replaced by its exact dequantization (``oracle.dequantize``, float64, then cast to

@@ -43,6 +43,12 @@ the last token"), by a top-1/top-2 margin of ~3 against bounds of ~0.1-0.2. The 
 asserts that HF follows the rule with many distinct tokens, that every one of the 32 steps'
 margins exceeds the bound (the precondition for identity to be a fair demand), and then that
 our 32 free-running greedy tokens equal HF fp32's, W4A16 and W4A4, dense and MoE.
+
+CUTEDSL-b12x folding (``models.fold_cutedsl_b12x``): the folded block scales are checked
+byte for byte against E4M3(scale * weight_scale_2) computed here from the checkpoint, and the
+folded model's logits against the same bound: beyond it where the experts decide the output
+(the successor checkpoint), while ours stay within it. ``pytest -s`` prints the measurements
+that docs/models.md quotes.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""Markdown tables for the README from bench/results/{gemm,moe}-h200.json.
+"""Markdown tables for the README from bench/results/{gemm,moe,e2e}-h200.json.
 
-Usage: python bench/tables.py [gemm|moe|proxy] [--results DIR] [--gpu h200]
+Usage: python bench/tables.py [gemm|moe|proxy|e2e] [--results DIR] [--gpu h200]
 GEMM: per (N x K, M) our W4A16 (with the kernel auto chose), W4A4, bf16 jnp.dot, and the ratios
 (the slower of our two against scaled_matmul and XLA dequantize-then-dot). MoE: ours vs the
 bf16 ragged_dot and dequantize+ragged_dot baselines, TB/s over touched-expert NVFP4 bytes as a
@@ -9,6 +9,9 @@ the newest one if none). A record older than the file's commit is
 marked with *; ours on FC2 weights zero-padded along K (``moe_bench --pad-fc2``) with "p".
 Proxy: the SM12x path (Pallas-Triton GEMM and MoE) next to bf16 and the Hopper path, from
 {gemm,moe}-proxy-<gpu>.json (``gemm_bench --proxy``, ``moe_bench --proxy``).
+E2E: per model and precision (``bench/e2e_bench.py``) decode tokens/s per batch, prefill
+tokens/s, weight bytes and peak device memory, the batch-1 decode read rate against the HBM
+copy of the same run, NVFP4's speed-up over bf16; then the per-token time breakdown.
 """
 
 from __future__ import annotations
@@ -158,9 +161,59 @@ def proxy_moe(doc: dict) -> str:
     return "\n".join(lines)
 
 
+def e2e(doc: dict) -> str:
+    """``bench/e2e_bench.py`` output: one row per model and precision, then the breakdown."""
+    recs = doc["records"]
+    batches = doc["settings"]["batches"]
+    names = list(dict.fromkeys(r["model"] for r in recs))
+    by = {(r["model"], r["precision"], r["kind"], r.get("batch")): r for r in recs}
+    gib = 2.0**30
+    lines = [
+        "| model | precision | " + " | ".join(f"decode b={b} tok/s" for b in batches)
+        + f" | prefill {doc['settings']['prefill']} tok/s | weights GiB | peak GiB "
+        "| b=1 read TB/s (% of copy) |",
+        "|---|---|" + "---|" * len(batches) + "---|---|---|---|",
+    ]
+    for name in names:
+        for prec in ("nvfp4", "bf16"):
+            mem = by.get((name, prec, "memory", None))
+            if not mem:
+                continue
+            cells = []
+            for b in batches:
+                r = by.get((name, prec, "decode", b))
+                cells.append(f"{r['tokens_per_s']:.1f}" if r else "-")
+            pre = by.get((name, prec, "prefill", None))
+            peak = (mem.get("after_runs") or {}).get("peak_bytes_in_use")
+            d1 = by.get((name, prec, "decode", 1))
+            read = (f"{d1['read_tbps']:.2f} ({100 * d1['read_fraction_of_copy']:.0f} %)"
+                    if d1 else "-")
+            lines.append(f"| {name} | {prec} | " + " | ".join(cells) + " | "
+                         + (f"{pre['tokens_per_s']:.0f}" if pre else "-")
+                         + f" | {mem['weight_bytes'] / gib:.2f} | "
+                         + (f"{peak / gib:.1f}" if peak else "-") + f" | {read} |")
+        up = doc.get("summary", {}).get(name, {})
+        if any(f"decode_speedup_b{b}" in up for b in batches):
+            lines.append(f"| {name} | NVFP4 / bf16 | " + " | ".join(
+                _ratio(up[f"decode_speedup_b{b}"]) if f"decode_speedup_b{b}" in up else "-"
+                for b in batches) + " | | | | |")
+    bds = [r for r in recs if r["kind"] == "breakdown"]
+    if bds:
+        lines += ["", ("| model | precision | ms per token (b=1) | attention | MoE | dense "
+                       "| other |"), "|---|---|---|---|---|---|---|"]
+        for r in bds:
+            ms = r["ms"]
+            lines.append(f"| {r['model']} | {r['precision']} | {r['ms_per_step']:.2f} | "
+                         + " | ".join(f"{ms[k]:.2f}" if k in ms else "-"
+                                      for k in ("attention", "moe", "dense", "other")) + " |")
+    if doc.get("skipped"):
+        lines += ["", "skipped (time budget): " + ", ".join(doc["skipped"])]
+    return "\n".join(lines)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("which", choices=("gemm", "moe", "proxy"))
+    p.add_argument("which", choices=("gemm", "moe", "proxy", "e2e"))
     p.add_argument("--results", default=os.path.join(os.path.dirname(__file__), "results"))
     p.add_argument("--gpu", default="*",
                    help="proxy: the tag of gemm/moe-proxy-<gpu>.json (default: every one found)")
@@ -180,9 +233,12 @@ def main() -> None:
                       f"{doc.get('xla_flags') or 'none'})\n")
                 print(render(doc) + "\n")
         return
-    with open(os.path.join(a.results, f"{a.which}-h200.json")) as f:
+    path = os.path.join(a.results, f"{a.which}-h200.json")
+    if not os.path.exists(path):
+        raise SystemExit(f"--results: no {a.which}-h200.json in {a.results}")
+    with open(path) as f:
         doc = json.load(f)
-    print(gemm(doc) if a.which == "gemm" else moe(doc))
+    print({"gemm": gemm, "moe": moe, "e2e": e2e}[a.which](doc))
 
 
 if __name__ == "__main__":

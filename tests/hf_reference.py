@@ -3,7 +3,9 @@ and HF transformers running such an export with its dequantized weights.
 
 ``make_checkpoint(kind, path)``: a random Qwen3-MoE ("moe") or Llama ("dense") from a
 transformers config, ``mtq.quantize(model, mtq.NVFP4_DEFAULT_CFG, forward_loop)`` with a short
-calibration, ``export_hf_checkpoint`` (all on the CPU).
+calibration, ``export_hf_checkpoint`` (all on the CPU); ``successor=True`` adds, before
+quantization, a circuit that decides every greedy token by a wide logit margin
+(:func:`imprint_successor`, :func:`successor_rule`).
 
 ``HFReference(path, dtype, w4a4)``: the same architecture in transformers with every NVFP4
 weight replaced by its exact dequantization (``oracle.dequantize``, float64, then cast to
@@ -27,9 +29,11 @@ TINY = {"vocab_size": 256, "hidden_size": 64, "num_hidden_layers": 2, "num_atten
         "tie_word_embeddings": False, "rms_norm_eps": 1e-6}
 
 
-def make_checkpoint(kind: str, path: str, seed: int = 0, init: float = 0.02) -> str:
+def make_checkpoint(kind: str, path: str, seed: int = 0, init: float = 0.02,
+                    successor: bool = False) -> str:
     """Export a tiny random ``kind`` ("moe" | "dense") model with ModelOpt NVFP4 into ``path``
-    (weights ~ N(0, init^2), norms ones)."""
+    (weights ~ N(0, init^2), norms ones). ``successor``: with the successor circuit of
+    :func:`imprint_successor` added before quantization, calibrated on SUCCESSOR_TOKENS."""
     import modelopt.torch.quantization as mtq
     import torch
     from modelopt.torch.export import export_hf_checkpoint
@@ -48,6 +52,9 @@ def make_checkpoint(kind: str, path: str, seed: int = 0, init: float = 0.02) -> 
         raise ValueError(f"kind: expected 'moe' or 'dense', got {kind!r}")
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
     calib = torch.randint(0, cfg.vocab_size, (4, 32), generator=torch.Generator().manual_seed(seed))
+    if successor:
+        imprint_successor(model, cfg)
+        calib = torch.as_tensor(SUCCESSOR_TOKENS)[calib % len(SUCCESSOR_TOKENS)]
 
     def forward_loop(m):
         with torch.no_grad():
@@ -57,6 +64,90 @@ def make_checkpoint(kind: str, path: str, seed: int = 0, init: float = 0.02) -> 
     with torch.no_grad():
         export_hf_checkpoint(model, export_dir=path)
     return path
+
+
+#: the tokens of the successor circuit (token SUCCESSOR_TOKENS[j] owns hidden dimension j)
+SUCCESSOR_TOKENS = tuple(range(7, 256, 15))[:16]
+
+
+def successor_rule(seq) -> int:
+    """The token the successor circuit puts after ``seq`` (SUCCESSOR_TOKENS ids, len >= 2): the
+    successor (index + 3 mod 16) of the token *before* the last one."""
+    s = SUCCESSOR_TOKENS
+    return s[(s.index(int(seq[-2])) + 3) % len(s)]
+
+
+def imprint_successor(model, cfg) -> None:
+    """Add, on top of the random weights, a circuit whose greedy output is decided by a wide
+    logit margin through layer 0's attention (RoPE) and MLP/experts: ``successor_rule``.
+
+    Hidden dimensions: 0..15 token j (embedding), 16..31 "previous token j", 32 a constant
+    (every embedding has 1 there). Layer 0, head 0 (kv head 0): q and k read the constant into
+    RoPE pairs 0, 1, 2 (frequencies 1, 0.32, 0.1 per position) with q turned by -theta_i
+    against k, so the score peaks at relative position 1 (the previous token) by a margin of
+    >= 15 over every other position up to 80 back; v copies the token dimensions and o_proj
+    writes them into "previous". Layer 0's other heads get q = 0: they average the values
+    smoothly (with q/k RMSNorm's large weights, random q would make them attend to one
+    position chosen by chance, where bf16 rounding flips the choice). The MLP (each expert
+    alike) is a lookup table: neuron j (silu(g) * u with g = u = 2.2 * "previous j" ~ 14)
+    writes ~4 into token dimension successor(j) through a down_proj weight of 0.0193 (its
+    neurons and columns hold nothing else): small, as expert weights are, so that its E4M3
+    block scale folded with weight_scale_2 (TensorRT-LLM's CUTEDSL-b12x) is a subnormal
+    (multiples of 2^-9) near 0.0193/6. The LM head reads the token dimensions. Final hidden
+    state ~ e_tok + e_const + 2 e_prev + 4 e_next: the next token's logit leads the runner-up
+    by ~3, far above the bf16 and FP4 errors (tests/models/test_models.py asserts it at every
+    step). With RoPE turned the wrong way, head 0 attends to the token itself
+    and the rule becomes successor(last token).
+    """
+    import torch
+
+    s = SUCCESSOR_TOKENS
+    n, d, hid = len(s), cfg.head_dim, cfg.hidden_size
+    if n + n + 1 > hid or n > d:
+        raise ValueError(f"imprint_successor: needs hidden_size >= {2 * n + 1}, head_dim >= {n}")
+    prev, const = n, 2 * n
+    theta = cfg.rope_theta if hasattr(cfg, "rope_theta") else cfg.rope_parameters["rope_theta"]
+    freq = float(theta) ** (-np.arange(0, d, 2) / d)
+    at = model.model.layers[0].self_attn
+    qk_norm = hasattr(at, "q_norm")
+    amp = 1.0 if qk_norm else 2.0  # with q/k RMSNorm the norm weights set the amplitude
+    with torch.no_grad():
+        emb = model.model.embed_tokens.weight
+        emb[:, const] = 1.0
+        for j, t in enumerate(s):
+            emb[t, j] = 1.0
+        for i in range(3):
+            at.q_proj.weight[i, const] = amp * np.cos(freq[i])
+            at.q_proj.weight[i + d // 2, const] = -amp * np.sin(freq[i])
+            at.k_proj.weight[i, const] = amp
+            at.k_proj.weight[i + d // 2, const] = 0.0
+            if qk_norm:
+                for w in (at.q_norm.weight, at.k_norm.weight):
+                    w[i] = w[i + d // 2] = 5.0
+        at.q_proj.weight[d:] = 0.0  # heads 1.. attend uniformly (see above)
+        for j in range(n):
+            at.v_proj.weight[j, j] = 1.0
+            at.o_proj.weight[prev + j, j] = 0.354  # head 0's output j -> "previous j", ~2
+        mlp = model.model.layers[0].mlp
+        if hasattr(mlp, "experts"):  # the table's neurons and columns hold nothing else
+            inter = mlp.experts.down_proj.shape[-1]
+            mlp.experts.gate_up_proj[:, :n] = mlp.experts.gate_up_proj[:, inter:inter + n] = 0.0
+            mlp.experts.down_proj[:, :, :n] = 0.0
+        else:
+            mlp.gate_proj.weight[:n] = mlp.up_proj.weight[:n] = 0.0
+            mlp.down_proj.weight[:, :n] = 0.0
+        for j in range(n):
+            nxt = (j + 3) % n
+            if hasattr(mlp, "experts"):
+                mlp.experts.gate_up_proj[:, j, prev + j] = 2.2  # HF rows [gate; up]
+                mlp.experts.gate_up_proj[:, inter + j, prev + j] = 2.2
+                mlp.experts.down_proj[:, nxt, j] = 0.0193
+            else:
+                mlp.gate_proj.weight[j, prev + j] = 2.2
+                mlp.up_proj.weight[j, prev + j] = 2.2
+                mlp.down_proj.weight[nxt, j] = 0.0193
+        for j, t in enumerate(s):
+            model.lm_head.weight[t, j] = 1.0
 
 
 def fake_quant(x, input_scale: float):

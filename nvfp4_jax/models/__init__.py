@@ -18,8 +18,10 @@ from .decoder import (
     prefill,
     sample,
 )
+from .folding import FoldedBlocks, fold_cutedsl_b12x
 from .loader import ARCHITECTURES, config_from_hf, load_model, stderr_progress
 
-__all__ = ["ARCHITECTURES", "DecoderConfig", "Generation", "KVCache", "Model", "concat_linears",
-           "config_from_hf", "decode_step", "forward", "fuse_projections", "generate",
+__all__ = ["ARCHITECTURES", "DecoderConfig", "FoldedBlocks", "Generation", "KVCache", "Model",
+           "concat_linears", "config_from_hf", "decode_step", "fold_cutedsl_b12x", "forward",
+           "fuse_projections", "generate",
            "init_cache", "load_model", "prefill", "sample", "stderr_progress"]

@@ -32,3 +32,12 @@ def test_e2e_bench_tiny(tmp_path):
     assert set(bd["ms"]) == {"attention", "dense", "moe", "other"}
     assert abs(sum(bd["ms"].values()) - bd["ms_per_step"]) < 1e-6 * max(1.0, bd["ms_per_step"])
     assert "decode_speedup_b1" in res["summary"]["qwen3-30b-a3b"]
+    # the README table is printed from the JSON (python bench/tables.py e2e)
+    spec = importlib.util.spec_from_file_location("tables", os.path.join(ROOT, "bench",
+                                                                         "tables.py"))
+    tables = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tables)
+    text = tables.e2e(res)
+    row = next(ln for ln in text.splitlines() if ln.startswith("| qwen3-30b-a3b | nvfp4 |"))
+    assert f"{dec['nvfp4']['tokens_per_s']:.1f}" in row
+    assert f"| {bd['ms_per_step']:.2f} |" in text

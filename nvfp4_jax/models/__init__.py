@@ -2,6 +2,7 @@
 
 ``load_model(dir)`` -> :class:`Model`; ``generate(model, prompt_ids, n)``; ``prefill`` and
 ``decode_step`` (jitted) with a :class:`KVCache`; see ``decoder`` and ``loader``.
+``shard_model(model, mesh)``: tensor and expert parallelism over a mesh axis (``sharding``).
 """
 
 from .decoder import (
@@ -17,7 +18,8 @@ from .decoder import (
     sample,
 )
 from .loader import ARCHITECTURES, config_from_hf, load_model, stderr_progress
+from .sharding import ShardedModel, shard_model, tp_bytes
 
-__all__ = ["ARCHITECTURES", "DecoderConfig", "Generation", "KVCache", "Model", "config_from_hf",
-           "decode_step", "forward", "generate", "init_cache", "load_model", "prefill", "sample",
-           "stderr_progress"]
+__all__ = ["ARCHITECTURES", "DecoderConfig", "Generation", "KVCache", "Model", "ShardedModel",
+           "config_from_hf", "decode_step", "forward", "generate", "init_cache", "load_model",
+           "prefill", "sample", "shard_model", "stderr_progress", "tp_bytes"]

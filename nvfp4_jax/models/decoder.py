@@ -148,8 +148,9 @@ def _attention(cfg: DecoderConfig, p: dict, x: jax.Array, pos: jax.Array, k_all:
 def _linear_or_stub(ablate: frozenset, backend: str, w4a4: bool):
     """``nn.linear``, or with "dense" in ``ablate`` a stand-in of the same output shape that
     reads no weight (x tiled to N columns), for time breakdowns."""
-    if "dense" not in ablate:
-        return lambda p, x: nn.linear(p, x, backend=backend, w4a4=w4a4)
+    if "dense" not in ablate:  # a callable p: a parallel share (models.sharding)
+        return lambda p, x: (p(x, backend=backend, w4a4=w4a4) if callable(p)
+                             else nn.linear(p, x, backend=backend, w4a4=w4a4))
 
     def stub(p, x):
         n = p.shape[0] if isinstance(p, nn.Linear) else p.shape[-2]
@@ -180,7 +181,9 @@ def _layer(cfg, p, x, pos, k_all, v_all, li, start, inv_freq, backend, w4a4, abl
             m = h
         else:
             b, t, hd = h.shape
-            m = nn.moe_block(p["moe"], h.reshape(b * t, hd), backend=backend).reshape(b, t, hd)
+            mp, x2 = p["moe"], h.reshape(b * t, hd)
+            m = (mp(x2, backend=backend) if callable(mp)  # expert-parallel (models.sharding)
+                 else nn.moe_block(mp, x2, backend=backend)).reshape(b, t, hd)
     else:
         m = _mlp(p["mlp"], h, backend, w4a4, ablate)
     return x + m, k_all, v_all
@@ -270,6 +273,9 @@ def forward(model: Model, tokens: jax.Array, cache: KVCache, *, backend: str = "
             w4a4: bool = True, ablate: frozenset = frozenset()) -> tuple[jax.Array, KVCache]:
     """tokens int32 [B, T] at positions ``cache.length ..`` -> (fp32 logits [B, T, V], cache).
 
+    ``model``: a :class:`Model`, or a ``models.ShardedModel`` (``models.shard_model``: the
+    same forward on each device of a mesh axis, logits sharded on V).
+
     ``w4a4=False`` runs every dense linear W4A16 even where the checkpoint has an
     ``input_scale`` (the MoE experts always quantize their activations). ``ablate`` (for time
     breakdowns only; the output is then meaningless): parts left out, any of "attention" (RoPE,
@@ -279,6 +285,8 @@ def forward(model: Model, tokens: jax.Array, cache: KVCache, *, backend: str = "
     bad = set(ablate) - {"attention", "moe", "dense"}
     if bad:
         raise ValueError(f"ablate: unknown parts {sorted(bad)}; expected attention, moe, dense")
+    if not isinstance(model, Model):  # models.sharding.ShardedModel: one shard_map of this
+        return model.forward(tokens, cache, backend=backend, w4a4=w4a4, ablate=ablate)
     cfg = model.config
     b, t = tokens.shape
     start = cache.length

@@ -57,7 +57,7 @@ def check_names() -> list[str]:
         names += [f"gather_{v}_d{d}" for d in GATHER_D]
         names += [f"psum_{v}_d{d}" for d in PSUM_EXACT_D]
         names += [f"psum_rows_{v}_d{d}" for d in PSUM_BOUND_D]
-    names += ["tokens_vary", "placement_d4", "errors"]
+    names += ["tokens_vary", "placement_d4", "errors", "gpu_body_d2"]
     return names
 
 
@@ -114,18 +114,18 @@ def build_model(variant: str, seed: int = 0):
     return Model.build(cfg, bf16(cfg.vocab_size, h), [dense, expert], norm(h), head)
 
 
-def _greedy_program(model, prompt, steps: int):
+def _greedy_program(model, prompt, steps: int, backend: str = "auto"):
     import jax
     import jax.numpy as jnp
 
     from nvfp4_jax import models
 
     cache = models.init_cache(model.config, prompt.shape[0], prompt.shape[1] + steps)
-    logits, cache = models.forward(model, prompt, cache)
+    logits, cache = models.forward(model, prompt, cache, backend=backend)
 
     def step(carry, _):
         tok, cache = carry
-        lg, cache = models.forward(model, tok[:, None], cache)
+        lg, cache = models.forward(model, tok[:, None], cache, backend=backend)
         return (jnp.argmax(lg[:, 0], axis=-1).astype(jnp.int32), cache), lg[:, 0]
 
     tok = jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32)
@@ -136,16 +136,54 @@ def _greedy_program(model, prompt, steps: int):
 _JIT = {}
 
 
-def greedy(model, prompt, steps: int):
+def greedy(model, prompt, steps: int, backend: str = "auto"):
     """Prefill logits [B, T, V], the final cache, and ``steps`` greedy steps' logits
     [steps, B, V]: ``models.forward`` on the prompt, then on each argmax token, in one jitted
     program (one compile per model structure and mesh; both variants share it)."""
     import jax
 
     if "run" not in _JIT:
-        _JIT["run"] = jax.jit(_greedy_program, static_argnames="steps")
-    logits, k, v, out = _JIT["run"](model, prompt, steps=steps)
+        _JIT["run"] = jax.jit(_greedy_program, static_argnames=("steps", "backend"))
+    logits, k, v, out = _JIT["run"](model, prompt, steps=steps, backend=backend)
     return (np.asarray(logits), np.asarray(k), np.asarray(v)), np.asarray(out)
+
+
+def model_agreement(devices: int, row_parallel: str, noise_backend: str = "xla"):
+    """The multi-GPU check (tests/parallel/test_parallel_gpu.py), also run here on CPU
+    devices: the sharded model against the single-device one where kernels add in their
+    own orders, so bit equality is not expected. ``noise`` = max |single-device logits with
+    the default backend - with ``noise_backend``| (two legitimate single-device programs),
+    at least one bf16 ulp of the largest prefill logit (the LM head's outputs are bf16).
+    Passes when the prefill logits differ by at most 4 noise, and each of the 32 greedy
+    tokens equals the single-device token up to the first step whose single-device top-2
+    logit margin is at most 8 noise (after a legitimate divergence the sequences differ).
+    Returns (ok, detail)."""
+    from nvfp4_jax import models
+    from nvfp4_jax import parallel as par
+
+    model = build_model("normal")
+    prompt = np.random.default_rng(1).integers(0, 128, (B, T_PROMPT)).astype(np.int32)
+    (lg1, _, _), st1 = greedy(model, prompt, STEPS)
+    (lgx, _, _), _ = greedy(model, prompt, STEPS, backend=noise_backend)
+    sm = models.shard_model(model, par.mesh_1d(devices, "tp"), row_parallel=row_parallel)
+    (lg, _, _), st = greedy(sm, prompt, STEPS)
+    ulp = 2.0 ** (np.floor(np.log2(np.max(np.abs(lg1)))) - 7)
+    noise = max(float(np.max(np.abs(lg1 - lgx))), ulp)
+    err = float(np.max(np.abs(lg - lg1)))
+    top2 = np.sort(st1, axis=-1)[..., -2:]
+    margin = top2[..., 1] - top2[..., 0]  # [steps, B]
+    t1, t = np.argmax(st1, axis=-1), np.argmax(st, axis=-1)
+    bad = []
+    for b in range(B):
+        for i in range(STEPS):
+            if margin[i, b] <= 8 * noise:
+                break
+            if t[i, b] != t1[i, b]:
+                bad.append((b, i))
+                break
+    ok = err <= 4 * noise and not bad
+    return ok, (f"D={devices} {row_parallel}: max |prefill logits - single| {err:.3g} "
+                f"(4 noise = {4 * noise:.3g}); token mismatches before a small margin: {bad}")
 
 
 def _bits_equal(a, b) -> tuple[bool, str]:
@@ -312,6 +350,8 @@ def run_checks() -> dict:
         return not msgs, "; ".join(msgs) or f"{len(cases)} clear ValueErrors"
 
     record("errors", errors)
+    # the GPU test's body on 2 CPU devices (noise reference: the same backend, cached)
+    record("gpu_body_d2", lambda: model_agreement(2, "psum", noise_backend="auto"))
     return res
 
 
@@ -339,6 +379,24 @@ def results() -> dict:
 def test_parallel_models(results, name):
     assert name in results, f"{name}: not run by the worker (ran {sorted(results)})"
     assert results[name]["ok"], f"{name}: {results[name]['detail']}"
+
+
+def test_bench_model_dry_run(tmp_path):
+    """bench/parallel_bench.py --model runs end to end on 4 CPU devices (tiny shapes), so the
+    multi-GPU run cannot die on a typo."""
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    cmd = [sys.executable, os.path.join(ROOT, "bench", "parallel_bench.py"), "--out",
+           str(tmp_path), "--cpu-devices", "4", "--shapes", "tiny", "--model", "qwen3-30b-a3b",
+           "--devices", "4", "--batches", "2", "--steps", "2"]
+    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=900,
+                          check=False)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    with open(tmp_path / "model-tp-cpu.json") as f:
+        res = json.load(f)
+    (row,) = res["results"]
+    assert row["devices"] == 4 and not row["nan_last_logits"], row
+    assert row["decode"][0]["tokens_per_s"] > 0 and row["prefill"]["tokens_per_s"] > 0, row
+    assert row["decode"][0]["bytes_sent_per_device"] > 0, row
 
 
 if __name__ == "__main__":

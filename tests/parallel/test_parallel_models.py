@@ -29,7 +29,9 @@ model on one device (``models.prefill`` / ``decode_step``):
   bit for bit. (At these sizes the fp32 sums happen to be exact, so the sharded outputs are
   identical; the detail reports it.)
 * a mesh axis that does not divide heads, kv heads, experts, MLP width (16-value blocks per
-  device for psum) or vocabulary raises a ValueError naming ``mesh`` and the field.
+  device for psum) or vocabulary raises a ValueError naming ``mesh`` and the field;
+* with ``moe_capacity_factor``, exactly the tokens with a route past a device's capacity
+  get NaN logits; the others equal the single-device logits bit for bit.
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ def check_names() -> list[str]:
         names += [f"gather_{v}_d{d}" for d in GATHER_D]
         names += [f"psum_{v}_d{d}" for d in PSUM_EXACT_D]
         names += [f"psum_rows_{v}_d{d}" for d in PSUM_BOUND_D]
-    names += ["tokens_vary", "placement_d4", "errors", "gpu_body_d2"]
+    names += ["tokens_vary", "placement_d4", "errors", "moe_capacity_nan_d4", "gpu_body_d2"]
     return names
 
 
@@ -350,6 +352,28 @@ def run_checks() -> dict:
         return not msgs, "; ".join(msgs) or f"{len(cases)} clear ValueErrors"
 
     record("errors", errors)
+
+    def capacity():
+        # a zero router ties every expert, so top-2 picks experts 0 and 1 (device 0 of 4) for
+        # every token; a capacity of ceil(1.0 * 10 * 2 / 4) = 5 route rows computes routes
+        # 0..4 (token-major), so tokens 0 and 1 are whole and tokens 2..9 lose a route
+        import dataclasses
+
+        base = build_model("normal")
+        g1 = dict(base.groups[1])
+        g1["moe"] = dataclasses.replace(g1["moe"], router=jnp.zeros_like(g1["moe"].router))
+        model = dataclasses.replace(base, groups=[base.groups[0], g1])
+        (ref, _, _), _ = greedy(model, prompt, STEPS)  # the cached single-device program
+        sm = models.shard_model(model, meshes[4], row_parallel="gather", moe_capacity_factor=1.0)
+        cache = models.init_cache(model.config, B, T_PROMPT + STEPS)
+        out = np.asarray(jax.jit(models.forward)(sm, prompt, cache)[0]).reshape(B * T_PROMPT, -1)
+        ref = ref.reshape(B * T_PROMPT, -1)
+        nan_rows = np.flatnonzero(np.isnan(out).all(axis=1)).tolist()
+        same, detail = _bits_equal(out[:2], ref[:2])
+        ok = nan_rows == list(range(2, B * T_PROMPT)) and same
+        return ok, f"NaN logit rows {nan_rows}; whole tokens 0, 1: {detail}"
+
+    record("moe_capacity_nan_d4", capacity)
     # the GPU test's body on 2 CPU devices (noise reference: the same backend, cached)
     record("gpu_body_d2", lambda: model_agreement(2, "psum", noise_backend="auto"))
     return res

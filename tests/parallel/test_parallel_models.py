@@ -79,7 +79,7 @@ def build_model(variant: str, seed: int = 0):
                         moe_layers=(1,), num_experts=8, num_experts_per_tok=2,
                         moe_intermediate_size=32, norm_topk_prob=True, rope_theta=1e4)
     rng = np.random.default_rng(seed)
-    lo, hi, ds = (0x30, 0x48, 2.0**-7) if variant == "normal" else (0x01, 0x08, 2.0**-1)
+    lo, hi, ds = (0x30, 0x48, 2.0**-7) if variant == "normal" else (0x01, 0x08, 2.0)
 
     def nvfp4(shape):
         codes = rng.integers(0, 256, shape[:-1] + (shape[-1] // 2,), dtype=np.uint8)

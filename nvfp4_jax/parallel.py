@@ -8,6 +8,9 @@
 * :func:`linear_tp`: tensor parallelism for the NVFP4 linear (``nvfp4_jax.matmul``),
   column-parallel (N split, outputs concatenated) or row-parallel (K split in multiples of 16
   so NVFP4 blocks stay whole; fp32 partials, ``psum``, then alpha and the output cast).
+* Per-device pieces for a caller's own ``shard_map`` (``models.shard_model`` uses them):
+  :func:`ep_route_outputs` (one device's routes of an MoE layer), :func:`ep_weighted_sum`
+  (the top-k combine), :func:`row_partial` and :func:`row_parallel_matmul`.
 
 Expert parallelism: dispatch and combine
 ----------------------------------------

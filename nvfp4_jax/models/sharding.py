@@ -92,7 +92,7 @@ def _local_nvfp4(w: NVFP4Array) -> NVFP4Array:
 
 
 def _local_linear(p):
-    return nn.Linear(_local_nvfp4(p.w), p.input_scale) if isinstance(p, nn.Linear) else p
+    return dataclasses.replace(p, w=_local_nvfp4(p.w)) if isinstance(p, nn.Linear) else p
 
 
 @jax.tree_util.register_dataclass
@@ -204,8 +204,9 @@ def _linear_spec(p, lead: int, split_k: bool, axis: str):
 
     if isinstance(p, nn.Linear):
         w = p.w
-        return nn.Linear(NVFP4Array(one(w.codes), one(w.scales), P(), w.shape, w.layout),
-                         None if p.input_scale is None else P())
+        return dataclasses.replace(
+            p, w=NVFP4Array(one(w.codes), one(w.scales), P(), w.shape, w.layout),
+            input_scale=None if p.input_scale is None else P())
     return one(p)
 
 
@@ -222,11 +223,11 @@ def _layer_specs(p: dict, lead: int, axis: str, row: str) -> dict:
                 raise ValueError(f"model: expert parallelism needs nn.MoE layers, got "
                                  f"{type(m).__name__}")
             ex = lambda a: _split(a, lead, axis)  # noqa: E731 - experts on their leading E
-            out[key] = nn.MoE(P(), jax.tree_util.tree_map(ex, m.fc1),
-                              jax.tree_util.tree_map(ex, m.fc2), ex(m.fc1_input_scale),
-                              ex(m.fc2_input_scale),
-                              None if m.correction_bias is None else P(), m.top_k, m.routing,
-                              m.renormalize, m.routed_scaling_factor, m.activation)
+            out[key] = dataclasses.replace(
+                m, router=P(), fc1=jax.tree_util.tree_map(ex, m.fc1),
+                fc2=jax.tree_util.tree_map(ex, m.fc2), fc1_input_scale=ex(m.fc1_input_scale),
+                fc2_input_scale=ex(m.fc2_input_scale),
+                correction_bias=None if m.correction_bias is None else P())
         elif isinstance(v, dict):
             out[key] = {}
             for name, lin in v.items():

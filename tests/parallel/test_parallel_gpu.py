@@ -12,6 +12,7 @@ body the CPU suite also runs on 2 host devices).
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 
@@ -70,7 +71,9 @@ def test_linear_tp_gpu(d):
                       nj.to_oracle(w), out_dtype="float32", label=f"row-parallel D={d}")
 
 
+@functools.lru_cache(maxsize=1)
 def _model_checks():
+    """test_parallel_models as a module (once: its jitted programs are reused by each case)."""
     path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "test_parallel_models.py")
     spec = importlib.util.spec_from_file_location("parallel_model_checks", path)
     mod = importlib.util.module_from_spec(spec)

@@ -27,15 +27,17 @@ argmax), prefill tokens/s for one ``--prefill``-token prompt, the scaling effici
 capacity, ``--capacity-factor``; none expected). ``--shapes tiny``: e2e_bench's tiny shapes
 with 4 kv heads (so 4 devices split them).
 
-GPU run (a machine with 4 GPUs):
+GPU run (a machine with 4 GPUs; one model per command keeps each under ~10 minutes,
+``--budget-s`` skips, and records, what would start later):
     python3 bench/parallel_bench.py --out DIR
-    python3 bench/parallel_bench.py --out DIR --model qwen3-30b-a3b,llama-3-8b
+    python3 bench/parallel_bench.py --out DIR --model qwen3-30b-a3b
+    python3 bench/parallel_bench.py --out DIR --model llama-3-8b
 CPU dry run (tiny shapes on 4 host devices):
     python3 bench/parallel_bench.py --out /tmp/par --cpu-devices 4 --shapes tiny --tokens 8,32
     python3 bench/parallel_bench.py --out /tmp/par --cpu-devices 4 --shapes tiny \
         --model qwen3-30b-a3b --devices 1,4 --batches 2
-Writes DIR/moe-ep-<gpu>.json, or with --model DIR/model-tp-<gpu>.json (date, commit, GPU,
-versions).
+Writes DIR/moe-ep-<gpu>.json, or with --model DIR/model-tp-<gpu>-<model>.json ("models" for
+several; date, commit, GPU, versions).
 """
 
 from __future__ import annotations
@@ -65,6 +67,8 @@ def parse_args(argv=None):
     ap.add_argument("--prefill", type=int, default=None, help="--model prompt tokens (2048)")
     ap.add_argument("--context", type=int, default=None, help="--model KV tokens (1024)")
     ap.add_argument("--steps", type=int, default=None, help="--model timed decode steps (32)")
+    ap.add_argument("--budget-s", type=float, default=480.0,
+                    help="--model: skip what would start after this many seconds")
     ap.add_argument("--cpu-devices", type=int, default=0,
                     help="dry run on this many host CPU devices (sets XLA_FLAGS before JAX starts)")
     return ap.parse_args(argv)
@@ -187,6 +191,7 @@ def bench_models(args) -> dict:
     steps = args.steps or (3 if tiny else 32)
     cf = args.capacity_factor if args.capacity_factor > 0 else None
     rows = []
+    t_start = time.perf_counter()
     for name in names:
         cfg = e2e.config_of(shapes[name])
         model = e2e.build_model(cfg, "nvfp4")
@@ -196,6 +201,9 @@ def bench_models(args) -> dict:
                    "moe_capacity_factor": cf}
             if d > len(jax.devices()):
                 rows.append({**row, "skipped": f"{len(jax.devices())} devices"})
+                continue
+            if time.perf_counter() - t_start > args.budget_s:
+                rows.append({**row, "skipped": f"--budget-s {args.budget_s:g} spent"})
                 continue
             try:
                 m = model if d == 1 else models.shard_model(
@@ -250,7 +258,9 @@ def main(args) -> None:
         os.makedirs(args.out, exist_ok=True)
         gpu = res["gpu"].lower().replace("nvidia ", "").replace(" ", "-")
         kind = "cpu" if res["platform"] == "cpu" else gpu
-        path = os.path.join(args.out, f"model-tp-{kind}.json")
+        names = sorted({r["model"] for r in res["results"]})
+        tag = names[0] if len(names) == 1 else "models"
+        path = os.path.join(args.out, f"model-tp-{kind}-{tag}.json")
         with open(path, "w") as f:
             json.dump(res, f, indent=1)
         print("wrote", path)

@@ -415,7 +415,7 @@ def test_bench_model_dry_run(tmp_path):
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=900,
                           check=False)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    with open(tmp_path / "model-tp-cpu.json") as f:
+    with open(tmp_path / "model-tp-cpu-qwen3-30b-a3b.json") as f:
         res = json.load(f)
     (row,) = res["results"]
     assert row["devices"] == 4 and not row["nan_last_logits"], row

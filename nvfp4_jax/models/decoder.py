@@ -286,6 +286,9 @@ def forward(model: Model, tokens: jax.Array, cache: KVCache, *, backend: str = "
     if bad:
         raise ValueError(f"ablate: unknown parts {sorted(bad)}; expected attention, moe, dense")
     if not isinstance(model, Model):  # models.sharding.ShardedModel: one shard_map of this
+        if not callable(getattr(model, "forward", None)):
+            raise ValueError(f"model: expected a models.Model or models.ShardedModel, got "
+                             f"{type(model).__name__}")
         return model.forward(tokens, cache, backend=backend, w4a4=w4a4, ablate=ablate)
     cfg = model.config
     b, t = tokens.shape

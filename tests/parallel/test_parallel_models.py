@@ -340,6 +340,10 @@ def run_checks() -> dict:
             ("axis: expected one of", lambda: models.shard_model(base, meshes[2], axis="ep")),
             ("moe_capacity_factor", lambda: models.shard_model(base, meshes[2],
                                                                moe_capacity_factor=0.0)),
+            ("model: expected a models.Model", lambda: models.shard_model(base.groups,
+                                                                          meshes[2])),
+            ("model: expected a models.Model or models.ShardedModel", lambda: models.forward(
+                base.groups, prompt, models.init_cache(base.config, B, 8))),
         ]
         msgs = []
         for want, fn in cases:

@@ -8,6 +8,9 @@
 * :func:`linear_tp`: tensor parallelism for the NVFP4 linear (``nvfp4_jax.matmul``),
   column-parallel (N split, outputs concatenated) or row-parallel (K split in multiples of 16
   so NVFP4 blocks stay whole; fp32 partials, ``psum``, then alpha and the output cast).
+* Per-device pieces for a caller's own ``shard_map`` (``models.shard_model`` uses them):
+  :func:`ep_route_outputs` (one device's routes of an MoE layer), :func:`ep_weighted_sum`
+  (the top-k combine), :func:`row_partial` and :func:`row_parallel_matmul`.
 
 Expert parallelism: dispatch and combine
 ----------------------------------------
@@ -70,11 +73,13 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from .division import divide
 from .gemm.api import matmul
 from .moe import moe, select_experts
-from .quantize import NVFP4Array, dequantize, quantize
+from .quantize import NVFP4Array, quantize
 
-__all__ = ["EP_SCHEMES", "ep_bytes", "ep_capacity", "linear_tp", "mesh_1d", "moe_ep",
+__all__ = ["EP_SCHEMES", "ep_bytes", "ep_capacity", "ep_route_outputs", "ep_weighted_sum",
+           "linear_tp", "mesh_1d", "moe_ep", "row_parallel_matmul", "row_partial",
            "shard_experts"]
 
 EP_SCHEMES = ("all_gather",)
@@ -218,42 +223,20 @@ def moe_ep(
                          f"got {capacity}")
     s1 = jnp.broadcast_to(jnp.asarray(fc1_input_scale, jnp.float32), (e,))
     s2 = jnp.broadcast_to(jnp.asarray(fc2_input_scale, jnp.float32), (e,))
-    e_loc = e // d
-    h = hidden.shape[1]
     kw = {"activation": activation, "gate_up_order": gate_up_order, "mode": mode,
           "backend": backend}
 
     def body(h_loc, ids_loc, w_loc, f1, f2, s1_loc, s2_loc):
-        p = lax.axis_index(axis)
-        f1, f2 = (NVFP4Array(f.codes, f.scales, f.decode_scale, (e_loc,) + f.shape[1:], f.layout)
-                  for f in (f1, f2))  # this device's experts
         h_all = lax.all_gather(h_loc, axis, tiled=True)  # [T, H]
-        flat = lax.all_gather(ids_loc, axis, tiled=True).reshape(-1)  # [T*k] route -> expert
-        # one activation scale per layer: the max over all experts' input scales (exact)
-        g1 = jnp.full((e_loc,), lax.pmax(jnp.max(s1_loc), axis), jnp.float32)
-        g2 = jnp.full((e_loc,), lax.pmax(jnp.max(s2_loc), axis), jnp.float32)
-        local = flat // e_loc == p
-        # this device's routes first, in route order (stable), then the others
-        sel = jnp.argsort(jnp.logical_not(local), stable=True)[:cap].astype(jnp.int32)
-        valid = local[sel]
-        rows = jnp.where(valid[:, None], h_all[sel // k], jnp.zeros((), hidden.dtype))
-        # padding rows: zero input, spread over the local experts (no one oversized group)
-        lid = jnp.where(valid, flat[sel] - p * e_loc, jnp.arange(cap, dtype=jnp.int32) % e_loc)
-        y = moe(rows, fc1=f1, fc2=f2, fc1_input_scale=g1, fc2_input_scale=g2,
-                topk_ids=lid[:, None], topk_weights=jnp.ones((cap, 1), jnp.float32), **kw)
-        # -0.0 is the additive identity of every value (+0.0 would turn a -0.0 into +0.0), so
-        # the reduce-scatter returns each route's output exactly
-        dest = jnp.where(valid, sel, n_routes)
-        buf = jnp.full((n_routes, h), -0.0, y.dtype).at[dest].set(y, mode="drop")
+        ids_all = lax.all_gather(ids_loc, axis, tiled=True)  # [T, k] route -> expert
+        buf, done = ep_route_outputs(h_all, ids_all, f1, f2, s1_loc, s2_loc, axis=axis,
+                                     capacity=cap, **kw)
         mine = lax.psum_scatter(buf, axis, scatter_dimension=0, tiled=True)  # [T/D*k, H]
-        tl = h_loc.shape[0]
-        contrib = mine.astype(jnp.float32).reshape(tl, k, h) * w_loc.astype(jnp.float32)[:, :, None]
-        out = contrib.sum(axis=1).astype(jnp.bfloat16)
+        out = ep_weighted_sum(mine, w_loc)
         bad = jnp.any((ids_loc < 0) | (ids_loc >= e), axis=1)  # a route to no expert
         if cap < n_routes:  # routes past the capacity
-            done = lax.psum_scatter(jnp.zeros((n_routes,), jnp.int32).at[dest].set(1, mode="drop"),
-                                    axis, scatter_dimension=0, tiled=True)
-            bad = bad | jnp.any(done.reshape(tl, k) == 0, axis=1)
+            done = lax.psum_scatter(done, axis, scatter_dimension=0, tiled=True)
+            bad = bad | jnp.any(done.reshape(ids_loc.shape) == 0, axis=1)
         return jnp.where(bad[:, None], jnp.asarray(jnp.nan, out.dtype), out)
 
     fn = jax.shard_map(
@@ -262,6 +245,72 @@ def moe_ep(
                   _expert_specs(fc2, axis), P(axis), P(axis)),
         out_specs=P(axis, None), check_vma=False)
     return fn(hidden, topk_ids, topk_weights, fc1, fc2, s1, s2)
+
+
+def ep_route_outputs(
+    h_all: jax.Array,
+    ids_all: jax.Array,
+    fc1: NVFP4Array,
+    fc2: NVFP4Array,
+    fc1_input_scale: jax.Array,
+    fc2_input_scale: jax.Array,
+    *,
+    axis: str,
+    capacity: int | None = None,
+    activation: str = "relu2",
+    gate_up_order: str = "up_gate",
+    mode: str = "trtllm_cutlass",
+    backend: str = "auto",
+) -> tuple[jax.Array, jax.Array]:
+    """One device's share of an expert-parallel MoE layer; call inside ``shard_map`` over
+    ``axis`` (D devices, device p holding experts [p E/D, (p+1) E/D)).
+
+    h_all bf16 [T, H] and ids_all int32 [T, k] (expert ids in [0, E)): every token and route
+    of the layer, the same on every device. fc1 NVFP4Array [E/D, R, H], fc2 [E/D, H, I] and
+    fc1/fc2_input_scale fp32 [E/D]: this device's experts (the layer's one activation scale
+    per FC is the max over all experts, taken here with ``pmax``). ``capacity``: route rows
+    computed here (None: T*k, every route). Returns ``(out, computed)``: out bf16 [T*k, H],
+    route r's FC2 output (``nvfp4_jax.moe`` with k = 1, unweighted) where this device holds
+    its expert and computed it, else -0.0 (the additive identity of every value, so a sum
+    over the devices, ``psum`` or ``psum_scatter``, returns each route's output exactly);
+    computed int32 [T*k], 1 where this device computed route r.
+    """
+    t, k = ids_all.shape
+    n_routes = t * k
+    cap = n_routes if capacity is None else int(capacity)
+    e_loc = fc1.codes.shape[0]
+    h = h_all.shape[1]
+    p = lax.axis_index(axis)
+    f1, f2 = (NVFP4Array(f.codes, f.scales, f.decode_scale, tuple(f.codes.shape[:-1])
+                         + (2 * f.codes.shape[-1],), f.layout) for f in (fc1, fc2))
+    flat = ids_all.reshape(-1).astype(jnp.int32)
+    # one activation scale per layer: the max over all experts' input scales (exact)
+    g1 = jnp.full((e_loc,), lax.pmax(jnp.max(fc1_input_scale), axis), jnp.float32)
+    g2 = jnp.full((e_loc,), lax.pmax(jnp.max(fc2_input_scale), axis), jnp.float32)
+    local = flat // e_loc == p
+    # this device's routes first, in route order (stable), then the others
+    sel = jnp.argsort(jnp.logical_not(local), stable=True)[:cap].astype(jnp.int32)
+    valid = local[sel]
+    rows = jnp.where(valid[:, None], h_all[sel // k], jnp.zeros((), h_all.dtype))
+    # padding rows: zero input, spread over the local experts (no one oversized group)
+    lid = jnp.where(valid, flat[sel] - p * e_loc, jnp.arange(cap, dtype=jnp.int32) % e_loc)
+    y = moe(rows, fc1=f1, fc2=f2, fc1_input_scale=g1, fc2_input_scale=g2,
+            topk_ids=lid[:, None], topk_weights=jnp.ones((cap, 1), jnp.float32),
+            activation=activation, gate_up_order=gate_up_order, mode=mode, backend=backend)
+    dest = jnp.where(valid, sel, n_routes)
+    out = jnp.full((n_routes, h), -0.0, y.dtype).at[dest].set(y, mode="drop")
+    computed = jnp.zeros((n_routes,), jnp.int32).at[dest].set(1, mode="drop")
+    return out, computed
+
+
+def ep_weighted_sum(route_out: jax.Array, weights: jax.Array) -> jax.Array:
+    """The top-k combine of ``nvfp4_jax.moe``: route_out bf16 [n*k, H] (token-major: token i's
+    routes at rows i*k .. i*k+k-1), weights fp32 [n, k] -> bf16 [n, H], each token's k
+    weighted routes added in fp32 in route order, as one device adds them."""
+    n, k = weights.shape
+    contrib = (route_out.astype(jnp.float32).reshape(n, k, -1)
+               * weights.astype(jnp.float32)[:, :, None])
+    return contrib.sum(axis=1).astype(jnp.bfloat16)
 
 
 def _check_tp_weight(w, d: int, mode: str) -> None:
@@ -341,20 +390,46 @@ def linear_tp(
         return out.reshape(lead + (n,))
 
     def row(xs, ws, si):
-        if si is not None:  # W4A4 operand: trtllm recipe at G = 1/input_scale, exact in bf16
-            xq = quantize(xs, "trtllm", encode_scale=jnp.float32(1.0) / si)
-            xs = dequantize(xq, jnp.bfloat16, include_decode_scale=False)
-            alpha = si * ws.decode_scale
-        else:
-            alpha = ws.decode_scale
-        unit = NVFP4Array(ws.codes, ws.scales, jnp.float32(1.0), (n, k // d), ws.layout)
-        part = matmul(xs, unit, out_dtype=jnp.float32, backend=backend)  # 1.0 * acc: exact
-        return (lax.psum(part, axis) * alpha).astype(out_dtype)
+        loc = NVFP4Array(ws.codes, ws.scales, ws.decode_scale, (n, k // d), ws.layout)
+        return row_parallel_matmul(xs, loc, axis=axis, input_scale=si, out_dtype=out_dtype,
+                                   backend=backend)
 
     si_spec = None if s_in is None else P()
     out = jax.shard_map(row, mesh=mesh, in_specs=(P(None, axis), wspec_row, si_spec),
                         out_specs=P(), check_vma=False)(x2, w, s_in)
     return out.reshape(lead + (n,))
+
+
+def row_partial(x: jax.Array, w: NVFP4Array, *, input_scale=None,
+                backend: str = "auto") -> tuple[jax.Array, jax.Array]:
+    """The unscaled fp32 GEMM ``x @ (codes * block scales)^T`` and its alpha, so that
+    ``(partial * alpha).astype(out)`` is ``nvfp4_jax.matmul(x, w, input_scale=...)``.
+
+    x bf16/fp16 [..., K]; w NVFP4Array [N, K] (linear scales). With ``input_scale`` (W4A4)
+    x is quantized as ``matmul`` quantizes it (``trtllm`` recipe, encode scale
+    ``1/input_scale``, one block per 16 values along K, so a K slice of whole blocks gets
+    the codes of the full row) and alpha = input_scale * decode_scale; else alpha =
+    decode_scale. Returns (fp32 [..., N], fp32 scalar); the partial is the accumulator
+    itself (``matmul`` with unit alphas, exact)."""
+    unit = NVFP4Array(w.codes, w.scales, jnp.float32(1.0), w.shape, w.layout)
+    w_decode = jnp.asarray(w.decode_scale, jnp.float32)
+    if input_scale is None:
+        return matmul(x, unit, out_dtype=jnp.float32, backend=backend), w_decode
+    s_in = jnp.asarray(input_scale, jnp.float32)
+    xq = quantize(x, "trtllm", encode_scale=divide(1.0, s_in))
+    xq = NVFP4Array(xq.codes, xq.scales, jnp.float32(1.0), xq.shape, xq.layout)
+    return matmul(xq, unit, out_dtype=jnp.float32, backend=backend), s_in * w_decode
+
+
+def row_parallel_matmul(x: jax.Array, w: NVFP4Array, *, axis: str, input_scale=None,
+                        out_dtype=jnp.bfloat16, backend: str = "auto") -> jax.Array:
+    """Row-parallel NVFP4 GEMM; call inside ``shard_map`` over ``axis``: x [..., K/D] and w
+    NVFP4Array [N, K/D] are this device's K slice (whole 16-value blocks), decode_scale and
+    ``input_scale`` the full tensor's. The fp32 partials (:func:`row_partial`) are added
+    over the axis with ``psum``, then alpha and the cast to ``out_dtype`` [..., N], as
+    ``nvfp4_jax.matmul`` applies them to its one accumulator."""
+    part, alpha = row_partial(x, w, input_scale=input_scale, backend=backend)
+    return (lax.psum(part, axis) * alpha).astype(out_dtype)
 
 
 def mesh_1d(devices: int | None = None, axis: str = "ep") -> Mesh:

@@ -2,6 +2,7 @@
 
 ``load_model(dir)`` -> :class:`Model`; ``generate(model, prompt_ids, n)``; ``prefill`` and
 ``decode_step`` (jitted) with a :class:`KVCache`; see ``decoder`` and ``loader``.
+``shard_model(model, mesh)``: tensor and expert parallelism over a mesh axis (``sharding``).
 """
 
 from .decoder import (
@@ -20,8 +21,9 @@ from .decoder import (
 )
 from .folding import FoldedBlocks, fold_cutedsl_b12x
 from .loader import ARCHITECTURES, config_from_hf, load_model, stderr_progress
+from .sharding import ShardedModel, shard_model, tp_bytes
 
 __all__ = ["ARCHITECTURES", "DecoderConfig", "FoldedBlocks", "Generation", "KVCache", "Model",
-           "concat_linears", "config_from_hf", "decode_step", "fold_cutedsl_b12x", "forward",
-           "fuse_projections", "generate",
-           "init_cache", "load_model", "prefill", "sample", "stderr_progress"]
+           "ShardedModel", "concat_linears", "config_from_hf", "decode_step",
+           "fold_cutedsl_b12x", "forward", "fuse_projections", "generate", "init_cache",
+           "load_model", "prefill", "sample", "shard_model", "stderr_progress", "tp_bytes"]

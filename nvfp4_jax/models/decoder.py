@@ -152,8 +152,9 @@ def _attention(cfg: DecoderConfig, p: dict, x: jax.Array, pos: jax.Array, k_all:
 def _linear_or_stub(ablate: frozenset, backend: str, w4a4: bool):
     """``nn.linear``, or with "dense" in ``ablate`` a stand-in of the same output shape that
     reads no weight (x tiled to N columns), for time breakdowns."""
-    if "dense" not in ablate:
-        return lambda p, x: nn.linear(p, x, backend=backend, w4a4=w4a4)
+    if "dense" not in ablate:  # a callable p: a parallel share (models.sharding)
+        return lambda p, x: (p(x, backend=backend, w4a4=w4a4) if callable(p)
+                             else nn.linear(p, x, backend=backend, w4a4=w4a4))
 
     def stub(p, x):
         n = p.shape[0] if isinstance(p, nn.Linear) else p.shape[-2]
@@ -187,7 +188,9 @@ def _layer(cfg, p, x, pos, k_all, v_all, li, start, inv_freq, backend, w4a4, abl
             m = h
         else:
             b, t, hd = h.shape
-            m = nn.moe_block(p["moe"], h.reshape(b * t, hd), backend=backend).reshape(b, t, hd)
+            mp, x2 = p["moe"], h.reshape(b * t, hd)
+            m = (mp(x2, backend=backend) if callable(mp)  # expert-parallel (models.sharding)
+                 else nn.moe_block(mp, x2, backend=backend)).reshape(b, t, hd)
     else:
         m = _mlp(p["mlp"], h, backend, w4a4, ablate)
     return x + m, k_all, v_all
@@ -256,6 +259,45 @@ def fuse_projections(layer: dict) -> dict:
         if w is None:
             continue
         out[block] = {**{k: v for k, v in p.items() if k not in names}, fused: w}
+    return out
+
+
+def _split_rows(p, sizes: list[int]) -> list:
+    """A linear [..., sum(sizes), K] (nn.Linear or bf16; stacked layers keep their leading
+    axis) sliced along N into linears of ``sizes`` rows: exact (codes and block scales are
+    sliced, the shared scales kept)."""
+    offs = np.cumsum([0, *sizes])
+    out = []
+    for a, b in zip(offs[:-1], offs[1:]):
+        if isinstance(p, nn.Linear):
+            w = p.w
+            from ..quantize import NVFP4Array
+
+            part = NVFP4Array(w.codes[..., a:b, :], w.scales[..., a:b, :], w.decode_scale,
+                              (int(b - a), w.shape[-1]), w.layout)
+            out.append(nn.Linear(part, p.input_scale))
+        else:
+            out.append(p[..., a:b, :])
+    return out
+
+
+def unfuse_projections(layer: dict, cfg: DecoderConfig) -> dict:
+    """The inverse of :func:`fuse_projections`: ``qkv_proj`` / ``gate_up_proj`` back into
+    q/k/v (heads nh, kvh, kvh of head_dim) and gate/up (I rows each), exactly; a layer
+    without fused projections is returned unchanged. Stacked layer groups work too."""
+    out = dict(layer)
+    d = cfg.head_dim
+    sizes = {"qkv_proj": [cfg.num_heads * d, cfg.num_kv_heads * d, cfg.num_kv_heads * d]}
+    for block, fused, names in FUSIBLE:
+        p = layer.get(block)
+        if not isinstance(p, dict) or fused not in p:
+            continue
+        rows = sizes.get(fused)
+        if rows is None:  # gate/up: two halves
+            n = p[fused].shape[-2]
+            rows = [n // 2, n // 2]
+        parts = _split_rows(p[fused], rows)
+        out[block] = {**{k: v for k, v in p.items() if k != fused}, **dict(zip(names, parts))}
     return out
 
 
@@ -349,6 +391,9 @@ def forward(model: Model, tokens: jax.Array, cache: KVCache, *, backend: str = "
             w4a4: bool = True, ablate: frozenset = frozenset()) -> tuple[jax.Array, KVCache]:
     """tokens int32 [B, T] at positions ``cache.length ..`` -> (fp32 logits [B, T, V], cache).
 
+    ``model``: a :class:`Model`, or a ``models.ShardedModel`` (``models.shard_model``: the
+    same forward on each device of a mesh axis, logits sharded on V).
+
     ``w4a4=False`` runs every dense linear W4A16 even where the checkpoint has an
     ``input_scale`` (the MoE experts always quantize their activations). ``ablate`` (for time
     breakdowns only; the output is then meaningless): parts left out, any of "attention" (RoPE,
@@ -358,6 +403,11 @@ def forward(model: Model, tokens: jax.Array, cache: KVCache, *, backend: str = "
     bad = set(ablate) - {"attention", "moe", "dense"}
     if bad:
         raise ValueError(f"ablate: unknown parts {sorted(bad)}; expected attention, moe, dense")
+    if not isinstance(model, Model):  # models.sharding.ShardedModel: one shard_map of this
+        if not callable(getattr(model, "forward", None)):
+            raise ValueError(f"model: expected a models.Model or models.ShardedModel, got "
+                             f"{type(model).__name__}")
+        return model.forward(tokens, cache, backend=backend, w4a4=w4a4, ablate=ablate)
     cfg = model.config
     b, t = tokens.shape
     start = cache.length

@@ -91,3 +91,24 @@ def test_different_scales_stay_unfused():
     fused = models.concat_linears([a, c])
     assert fused.shape == (64, 64)
     np.testing.assert_array_equal(np.asarray(fused.w.codes[32:]), np.asarray(c.w.codes))
+
+
+def test_unfuse_restores_the_projections_exactly():
+    from nvfp4_jax.models.decoder import unfuse_projections
+
+    layer = _layers(np.random.default_rng(4))[0]
+    back = unfuse_projections(models.fuse_projections(layer), CFG)
+    for block in ("self_attn", "mlp"):
+        assert set(back[block]) == set(layer[block])
+        for name, lin in layer[block].items():
+            if isinstance(lin, nn.Linear):
+                got = back[block][name].w
+                assert got.shape == lin.w.shape
+                np.testing.assert_array_equal(np.asarray(got.codes), np.asarray(lin.w.codes))
+                np.testing.assert_array_equal(
+                    np.asarray(jax.lax.bitcast_convert_type(got.scales, jnp.uint8)),
+                    np.asarray(jax.lax.bitcast_convert_type(lin.w.scales, jnp.uint8)))
+    stacked = _model([layer, layer], True).groups[0]  # two layers stacked for lax.scan
+    k = unfuse_projections(stacked, CFG)["self_attn"]["k_proj"]
+    assert k.w.shape == (CFG.num_kv_heads * CFG.head_dim, CFG.hidden_size)
+    assert k.w.codes.shape[0] == 2

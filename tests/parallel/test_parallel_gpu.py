@@ -4,10 +4,17 @@ On GPUs the per-device MoE runs the Pallas kernels (``backend="auto"``), whose t
 order is their own, so ``moe_ep`` is checked against the oracle under
 ``nvfp4_jax.testing.assert_moe_close``'s derived interval (as test_moe_gpu.py checks the
 single-device layer); the column-parallel linear against single-device ``matmul`` bit for
-bit; the row-parallel linear against the oracle under ``oracle.gemm_error_bound``.
+bit; the row-parallel linear against the oracle under ``oracle.gemm_error_bound``; the
+sharded decoder (``models.shard_model``) against the single-device decoder within the
+execution noise of two single-device backends (test_parallel_models.model_agreement, whose
+body the CPU suite also runs on 2 host devices).
 """
 
 from __future__ import annotations
+
+import functools
+import importlib.util
+import os
 
 import jax
 import jax.numpy as jnp
@@ -62,3 +69,20 @@ def test_linear_tp_gpu(d):
     row = par.linear_tp(x, w, mesh=mesh, mode="row", out_dtype=jnp.float32)
     assert_gemm_close(np.asarray(row), np.asarray(x.astype(jnp.float32), np.float64),
                       nj.to_oracle(w), out_dtype="float32", label=f"row-parallel D={d}")
+
+
+@functools.lru_cache(maxsize=1)
+def _model_checks():
+    """test_parallel_models as a module (once: its jitted programs are reused by each case)."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "test_parallel_models.py")
+    spec = importlib.util.spec_from_file_location("parallel_model_checks", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("row", ["psum", "gather"])
+@pytest.mark.parametrize("d", DEVICES)
+def test_sharded_model_gpu(d, row):
+    ok, detail = _model_checks().model_agreement(d, row)
+    assert ok, detail

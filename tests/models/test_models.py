@@ -273,12 +273,15 @@ def test_loader_keeps_weights_nvfp4(loaded, checkpoint_dir):
     model = loaded("moe")
     ck = ckpt.load(checkpoint_dir("moe"))
     layer = model.groups[0]
-    q = layer["self_attn"]["q_proj"]
-    assert isinstance(q, nn.Linear) and isinstance(q.w, NVFP4Array)
-    assert q.w.codes.dtype == jnp.uint8 and q.w.scales.dtype == jnp.float8_e4m3fn
-    # the bytes on the device are the checkpoint's (layer 1 of the stacked group)
-    raw = ck.get("model.layers.1.self_attn.q_proj.weight")
-    np.testing.assert_array_equal(np.asarray(q.w.codes[1]), raw)
+    # ModelOpt's export gives q/k/v one weight_scale_2 and input_scale: loaded as one linear
+    qkv = layer["self_attn"]["qkv_proj"]
+    assert isinstance(qkv, nn.Linear) and isinstance(qkv.w, NVFP4Array)
+    assert qkv.w.codes.dtype == jnp.uint8 and qkv.w.scales.dtype == jnp.float8_e4m3fn
+    # the bytes on the device are the checkpoint's (layer 1 of the stacked group), q then k, v
+    raw = [ck.get(f"model.layers.1.self_attn.{n}_proj.weight") for n in "qkv"]
+    np.testing.assert_array_equal(np.asarray(qkv.w.codes[1]), np.concatenate(raw))
+    scale2 = [ck.get(f"model.layers.1.self_attn.{n}_proj.weight_scale_2") for n in "qkv"]
+    assert float(qkv.w.decode_scale[1]) == float(np.asarray(scale2[0]).reshape(()))
     moe = layer["moe"]
     # stacked over the group's 2 layers: [layers, E, R, H], one decode scale per layer and expert
     assert moe.fc1.shape == (2, 4, 64, 64) and moe.fc1.decode_scale.shape == (2, 4)

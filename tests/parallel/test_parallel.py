@@ -17,15 +17,10 @@ Properties (weights with normal and with E4M3-subnormal block scales):
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import numpy as np
 import pytest
+from host_devices import bits_equal, main, recorder, run_module
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEVICES = (1, 2, 4, 8)
 VARIANTS = ("normal", "subnormal")
 E, H, INTER, T, K_TOP = 8, 64, 32, 16, 3
@@ -73,20 +68,6 @@ def _values(seed: int, shape: tuple, variant: str, decode: float) -> np.ndarray:
     return x.reshape(shape)
 
 
-def _bits_equal(a, b) -> tuple[bool, str]:
-    a, b = np.asarray(a), np.asarray(b)
-    if a.shape != b.shape:
-        return False, f"shape {a.shape} vs {b.shape}"
-    ua = a.view(np.uint16 if a.dtype.itemsize == 2 else np.uint32)
-    ub = b.view(ua.dtype)
-    bad = ua != ub
-    if not bad.any():
-        return True, f"{a.size} elements bit for bit"
-    i = np.unravel_index(int(np.argmax(bad)), a.shape)
-    return False, (f"{int(bad.sum())} of {a.size} elements differ; first at {i}: "
-                   f"{a[i]!r} vs {b[i]!r}")
-
-
 def run_checks() -> dict:
     import jax
     import jax.numpy as jnp
@@ -98,12 +79,7 @@ def run_checks() -> dict:
 
     res = {}
 
-    def record(name, fn):
-        try:
-            ok, detail = fn()
-        except Exception as e:  # noqa: BLE001 - reported to the parent test
-            ok, detail = False, f"{type(e).__name__}: {e}"
-        res[name] = {"ok": bool(ok), "detail": detail}
+    record = recorder(res)
 
     rng = np.random.default_rng(0)
     ids = jnp.asarray(np.argsort(rng.random((T, E)), axis=1)[:, :K_TOP], jnp.int32)
@@ -158,7 +134,7 @@ def run_checks() -> dict:
         for d in DEVICES:
             mesh = par.mesh_1d(d, "ep")
             record(f"moe_ep_relu2_{v}_d{d}",
-                   lambda mesh=mesh, fc1=fc1, fc2=fc2, ref=ref: _bits_equal(
+                   lambda mesh=mesh, fc1=fc1, fc2=fc2, ref=ref: bits_equal(
                        ep(mesh, fc1, fc2, topk_ids=ids, topk_weights=wts), ref))
 
         dw = np.float32(2.0**-7)
@@ -175,7 +151,7 @@ def run_checks() -> dict:
             for d in DEVICES:
                 mesh = par.mesh_1d(d, "tp")
                 record(f"linear_column_{a}_{v}_d{d}", lambda mesh=mesh, s_in=s_in, single=single:
-                       _bits_equal(tp(mesh, "column", x, w, s_in), single))
+                       bits_equal(tp(mesh, "column", x, w, s_in), single))
 
                 def row(mesh=mesh, s_in=s_in, single=single, s_or=s_or, ref_g=ref_g, abs_a=abs_a,
                         alpha=alpha, d=d, a=a, v=v):
@@ -203,7 +179,7 @@ def run_checks() -> dict:
     ref_s = nj.moe(hidden, fc1=fc1s, fc2=fc2s, fc1_input_scale=s1, fc2_input_scale=s2,
                    activation="swiglu", backend="xla", **rkw)
     for d in (2, 8):
-        record(f"moe_ep_swiglu_logits_d{d}", lambda d=d: _bits_equal(
+        record(f"moe_ep_swiglu_logits_d{d}", lambda d=d: bits_equal(
             ep(par.mesh_1d(d, "ep"), fc1s, fc2s, activation="swiglu", **rkw), ref_s))
 
     def capacity():
@@ -220,7 +196,7 @@ def run_checks() -> dict:
         out = np.asarray(out, np.float32)
         nan_rows = np.isnan(out).all(axis=1)
         ok_nan = nan_rows.tolist() == [False] * 10 + [True] * (T - 10)
-        same, detail = _bits_equal(out[:10], np.asarray(full, np.float32)[:10])
+        same, detail = bits_equal(out[:10], np.asarray(full, np.float32)[:10])
         # an expert id out of range under jit (no check possible): that token's row is NaN
         oob = jax.jit(lambda x, a, b, i: par.moe_ep(
             x, fc1=a, fc2=b, fc1_input_scale=s1, fc2_input_scale=s2, mesh=mesh,
@@ -299,15 +275,7 @@ def run_checks() -> dict:
 
 @pytest.fixture(scope="module")
 def results() -> dict:
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
-               JAX_PLATFORMS="cpu", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__)], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=1800, check=False)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-    if proc.returncode or not lines:
-        pytest.fail(f"parallel checks subprocess failed (rc {proc.returncode}):\n"
-                    f"{proc.stderr[-4000:]}")
-    return json.loads(lines[-1])
+    return run_module(__file__, "parallel checks")
 
 
 @pytest.mark.parametrize("name", check_names())
@@ -317,10 +285,4 @@ def test_parallel(results, name):
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, ROOT)
-    sys.path.insert(0, os.path.join(ROOT, "tests"))
-    out = run_checks()
-    missing = sorted(set(check_names()) - set(out))
-    if missing:
-        out["worker"] = {"ok": False, "detail": f"checks not run: {missing}"}
-    print(json.dumps(out))
+    main(run_checks, check_names)

@@ -43,8 +43,8 @@ import sys
 
 import numpy as np
 import pytest
+from host_devices import ROOT, bits_equal, main, recorder, run_module
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 VARIANTS = ("normal", "subnormal")
 GATHER_D = (4, 8)
 PSUM_EXACT_D = (1, 2)
@@ -188,26 +188,13 @@ def model_agreement(devices: int, row_parallel: str, noise_backend: str = "xla")
                 f"(4 noise = {4 * noise:.3g}); token mismatches before a small margin: {bad}")
 
 
-def _bits_equal(a, b) -> tuple[bool, str]:
-    a, b = np.asarray(a), np.asarray(b)
-    if a.shape != b.shape:
-        return False, f"shape {a.shape} vs {b.shape}"
-    ua = a.view(np.uint16 if a.dtype.itemsize == 2 else np.uint32)
-    bad = ua != b.view(ua.dtype)
-    if not bad.any():
-        return True, f"{a.size} elements bit for bit"
-    i = np.unravel_index(int(np.argmax(bad)), a.shape)
-    return False, (f"{int(bad.sum())} of {a.size} elements differ; first at {i}: "
-                   f"{a[i]!r} vs {b[i]!r}")
-
-
 def _same_run(run, ref) -> tuple[bool, str]:
     (lg, k, v), steps = run
     (lg1, k1, v1), steps1 = ref
     parts = []
     for name, a, b in (("prefill logits", lg, lg1), ("k cache", k, k1), ("v cache", v, v1),
                        ("decode logits", steps, steps1)):
-        ok, detail = _bits_equal(a, b)
+        ok, detail = bits_equal(a, b)
         if not ok:
             return False, f"{name}: {detail}"
         parts.append(f"{name} {a.size}")
@@ -227,12 +214,7 @@ def run_checks() -> dict:
 
     res = {}
 
-    def record(name, fn):
-        try:
-            ok, detail = fn()
-        except Exception as e:  # noqa: BLE001 - reported to the parent test
-            ok, detail = False, f"{type(e).__name__}: {e}"
-        res[name] = {"ok": bool(ok), "detail": detail}
+    record = recorder(res)
 
     prompt = jnp.asarray(np.random.default_rng(1).integers(0, 128, (B, T_PROMPT)), jnp.int32)
     meshes = {d: par.mesh_1d(d, "tp") for d in (1, 2, 4, 8)}
@@ -373,7 +355,7 @@ def run_checks() -> dict:
         out = np.asarray(jax.jit(models.forward)(sm, prompt, cache)[0]).reshape(B * T_PROMPT, -1)
         ref = ref.reshape(B * T_PROMPT, -1)
         nan_rows = np.flatnonzero(np.isnan(out).all(axis=1)).tolist()
-        same, detail = _bits_equal(out[:2], ref[:2])
+        same, detail = bits_equal(out[:2], ref[:2])
         ok = nan_rows == list(range(2, B * T_PROMPT)) and same
         return ok, f"NaN logit rows {nan_rows}; whole tokens 0, 1: {detail}"
 
@@ -392,15 +374,7 @@ def _with(model, **cfg):
 
 @pytest.fixture(scope="module")
 def results() -> dict:
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
-               JAX_PLATFORMS="cpu", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__)], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=1800, check=False)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-    if proc.returncode or not lines:
-        pytest.fail(f"parallel model checks subprocess failed (rc {proc.returncode}):\n"
-                    f"{proc.stderr[-4000:]}")
-    return json.loads(lines[-1])
+    return run_module(__file__, "parallel model checks")
 
 
 @pytest.mark.parametrize("name", check_names())
@@ -428,10 +402,4 @@ def test_bench_model_dry_run(tmp_path):
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, ROOT)
-    sys.path.insert(0, os.path.join(ROOT, "tests"))
-    out = run_checks()
-    missing = sorted(set(check_names()) - set(out))
-    if missing:
-        out["worker"] = {"ok": False, "detail": f"checks not run: {missing}"}
-    print(json.dumps(out))
+    main(run_checks, check_names)

@@ -52,7 +52,7 @@ for s in $STEPS; do
         if [ -e "$f" ]; then files="$files $f"; else files="$files $(find tests -name "$f" | head -1)"; fi
       done
       env -u XLA_FLAGS ${flags:+XLA_FLAGS="$flags"} timeout "$T_TESTS" \
-        python3 -m pytest -m gpu -q -p no:cacheprovider -rs ${TEST_K:+-k "$TEST_K"} $files 2>&1 \
+        python3 -m pytest -m gpu -v -p no:cacheprovider -rs ${TEST_K:+-k "$TEST_K"} $files 2>&1 \
         | tee "$OUT/$s.log" | tail -40 | tee -a "$OUT/run.log" ;;
     selftest)
       step "nvfp4 selftest (no XLA flags; SELFTEST_ARGS='${SELFTEST_ARGS:-}')"

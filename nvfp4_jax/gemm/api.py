@@ -129,13 +129,17 @@ def resolve_backend(backend: str) -> str:
     return "xla"
 
 
-def _pick_mosaic(backend: str, impl: str, m: int, n: int, k: int, x_dtype) -> str:
+def _pick_mosaic(backend: str, impl: str, m: int, n: int, k: int, x_dtype,
+                 config=None) -> str:
     """"mosaic" where it applies: explicitly asked for (else fall back to "pallas", logged), or
     "auto" on sm_90 for every shape the kernel runs (M <= 64, K % 256 == 0), with the tuned
     tiles of ``mosaic.AUTO_SM90`` where the (M bucket, N, K) is listed, else
-    ``mosaic.default_config``. Otherwise ``impl`` unchanged."""
+    ``mosaic.default_config``, unless a Pallas-Triton ``config`` was given (its tiles are
+    what the caller asked for). Otherwise ``impl`` unchanged."""
     if backend == "auto":
         if impl != "pallas" or gpu_compute_capability() != 90 or x_dtype != jnp.bfloat16:
+            return impl
+        if isinstance(config, Config):
             return impl
         try:
             mosaic.check_supported(m, n, k)
@@ -296,7 +300,7 @@ def matmul(
         x_op = dequantize(x_nv, jnp.bfloat16, include_decode_scale=False)  # exact
     x2 = x_op.reshape(m, k)
     # the W4A4 operand is bf16 whatever x's dtype (e2m1 * e4m3 values)
-    impl = _pick_mosaic(backend, impl, m, n, k, jnp.bfloat16 if w4a4 else x2.dtype)
+    impl = _pick_mosaic(backend, impl, m, n, k, jnp.bfloat16 if w4a4 else x2.dtype, config)
     if impl == "mosaic":
         mcfg = mosaic.auto_config(m, n, k) or mosaic.default_config(m, n, k)
         if w4a4:  # quantized, K-permuted and padded to the token tile in one kernel (IEEE divisions)

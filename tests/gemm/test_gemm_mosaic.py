@@ -194,6 +194,9 @@ def test_auto_on_sm90_picks_mosaic_for_every_shape_it_runs(monkeypatch, caplog):
     assert pick("auto", "pallas", 1, 6144, 4112, bf16) == "pallas"  # K % 256 != 0
     assert pick("auto", "pallas", 1, 6144, 4096, jnp.float16) == "pallas"
     assert pick("auto", "xla", 1, 6144, 4096, bf16) == "xla"
+    from nvfp4_jax.gemm.pallas_triton import Config
+
+    assert pick("auto", "pallas", 1, 6144, 4096, bf16, Config()) == "pallas"  # tiles asked for
     monkeypatch.setattr(api, "gpu_compute_capability", lambda: 120)
     assert pick("auto", "pallas", 1, 28672, 8192, bf16) == "pallas"
 

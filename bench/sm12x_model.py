@@ -32,10 +32,11 @@ baseline is the ideal bf16 GEMM (weights at 2 B/weight at the same efficiency, o
 rate). The W4A4 time adds the quantize launch (read bf16 x, write NVFP4: DRAM-bound) to the
 fp4mma launch; ``fp4_issue_calibrated_us`` is the fp4mma issue ceiling at the H200 W4A16
 kernel's achieved issue efficiency (below) where that is known. With a measured H200 proxy run
-(``gemm-proxy-h200.json``) each GEMM row also gets ``calibrated_us``: the prediction times (measured / predicted) of the same
-kernel on the H200 (the same model with the H200's figures), i.e. assuming the kernel's
-shortfall from its roofline carries over from Hopper; without a proxy run, the Pallas-Triton
-rows of ``gemm-h200.json`` (prefill) calibrate what they cover. The H200 streams 4.8 TB/s
+(``gemm-proxy-h200.json``) each GEMM row also gets ``calibrated_us``: the prediction times
+(measured / predicted) of the same kernel on the H200 (the same model with the H200's
+figures), i.e. assuming the kernel's shortfall from its roofline carries over from Hopper;
+without a proxy run, the Pallas-Triton rows of ``gemm-h200.json`` (prefill) calibrate what
+they cover. The H200 streams 4.8 TB/s
 through 132 SMs: its issue budget is ~0.14 warp-instructions per weight against 0.5-1.1 on
 the SM12x GPUs, so where the H200 run is issue-bound the calibrated time is a pessimistic bound.
 
@@ -707,7 +708,8 @@ def build(results: str) -> dict:
     sass_path = os.path.join(results, "gemm-sm12x-compile.json")
     sass = load_sass(sass_path)
     sass90 = load_sass(sass_path, 90)
-    fp4_paths = {g: os.path.join(results, f"{g}-fp4mma-sm12x-compile.json") for g in ("gemm", "moe")}
+    fp4_paths = {g: os.path.join(results, f"{g}-fp4mma-sm12x-compile.json")
+                 for g in ("gemm", "moe")}
     fp4_gemm, fp4_moe = (load_fp4_sass(fp4_paths[g]) for g in ("gemm", "moe"))
     measured, measured_from = load_measured(results)
     gpus = {g: v for g, v in GPUS.items()}

@@ -1,27 +1,42 @@
 """Predicted time of the SM12x path (the Pallas-Triton GEMM and MoE) on RTX 5090, RTX 5060 Ti
 and DGX Spark (GB10), per shape. Every number this writes is a PREDICTION, not a measurement.
 
+What runs on SM 12.x, and so what is modelled: W4A16 ``nvfp4_jax.matmul`` decodes the weights
+to bf16 and runs bf16 ``mma.sync`` (the GEMM rows); W4A4 (``input_scale`` given) quantizes x in
+one launch and runs ``gemm/fp4mma.py``, the block-scaled FP4 ``mma.sync ...
+kind::mxf4nvf4.block_scale`` (``fp4mma.default_mma()`` is "fp4" there; the rows' ``fp4_*``
+fields); the Pallas-Triton MoE runs both grouped GEMMs on the FP4 MMA (``MoEConfig.mma``
+resolves to "fp4"; the MoE rows, with the bf16-MMA MoE beside them as ``bf16_mma_*``).
+
 The model, per kernel launch (a roofline with three ceilings; the slowest one wins):
 
 * bytes: NVFP4 weights at 0.5625 B/weight (0.5 for the codes, 1/16 for the E4M3 block scale),
-  bf16 activations in and out; over ``DRAM_EFFICIENCY`` x the datasheet DRAM bandwidth;
+  bf16 activations in (NVFP4, 0.5625 B/element, into the FP4-MMA kernels) and bf16 out; over
+  ``DRAM_EFFICIENCY`` x the datasheet DRAM bandwidth;
 * MMA: the W4A16 kernels decode to bf16 and run bf16 ``mma.sync`` with fp32 accumulation, the
   tokens padded to the token tile ``block_m`` (swap-AB: tokens in the MMA's N slot); over the
-  GPU's dense bf16 tensor rate with fp32 accumulate;
-* issue: the warp-instructions the kernel's main loop issues per weight (counted in the sm_120a
-  SASS by ``bench/sm12x_compile.py``, ``bench/results/gemm-sm12x-compile.json``), once per token
-  tile, over ``ISSUE_PER_SM_CLK`` warp-instructions per SM per clock.
+  GPU's dense bf16 tensor rate with fp32 accumulate; the FP4-MMA kernels over the dense FP4
+  rate;
+* issue: the warp-instructions the kernel's main loop issues per weight, once per token tile,
+  over ``ISSUE_PER_SM_CLK`` warp-instructions per SM per clock. Counted in the sm_120a SASS:
+  W4A16 by ``bench/sm12x_compile.py`` (``bench/results/gemm-sm12x-compile.json``), the FP4 MMA
+  GEMM and MoE kernels by ``bench/sm12x_fp4mma_compile.py`` (``gemm-fp4mma-sm12x-compile.json``,
+  ``moe-fp4mma-sm12x-compile.json``; ``fp4_build_ipw`` derives per weight: main-loop
+  instructions x num_warps / (weight tiles x block_n x block_k), XLA's Triton build first).
+  An FP4 kernel is matched by its exact tiles only; where none of those tiles was compiled the
+  row says so (``fp4_ipw_from`` / ``ipw_from``) and has no issue ceiling for that GEMM.
 
 Where the library's config for a shape is ``algo="dequant_dot"`` (prefill) the time is the
 dequantization pass (read NVFP4, write bf16) plus a bf16 GEMM at its own roofline. The bf16
 baseline is the ideal bf16 GEMM (weights at 2 B/weight at the same efficiency, or the bf16 tensor
-rate). The FP4-MMA rows are what the W4A4 path reaches once it runs ``mma.sync ...
-kind::mxf4nvf4.block_scale`` (FP4 x FP4 at the FP4 tensor rate); no SASS for it is counted yet,
-so they have no issue ceiling. With a measured H200 proxy run (``gemm-proxy-h200.json``) each
-GEMM row also gets ``calibrated_us``: the prediction times (measured / predicted) of the same
-kernel on the H200 (the same model with the H200's figures), i.e. assuming the kernel's
-shortfall from its roofline carries over from Hopper; without a proxy run, the Pallas-Triton
-rows of ``gemm-h200.json`` (prefill) calibrate what they cover. The H200 streams 4.8 TB/s
+rate). The W4A4 time adds the quantize launch (read bf16 x, write NVFP4: DRAM-bound) to the
+fp4mma launch; ``fp4_issue_calibrated_us`` is the fp4mma issue ceiling at the H200 W4A16
+kernel's achieved issue efficiency (below) where that is known. With a measured H200 proxy run
+(``gemm-proxy-h200.json``) each GEMM row also gets ``calibrated_us``: the prediction times
+(measured / predicted) of the same kernel on the H200 (the same model with the H200's
+figures), i.e. assuming the kernel's shortfall from its roofline carries over from Hopper;
+without a proxy run, the Pallas-Triton rows of ``gemm-h200.json`` (prefill) calibrate what
+they cover. The H200 streams 4.8 TB/s
 through 132 SMs: its issue budget is ~0.14 warp-instructions per weight against 0.5-1.1 on
 the SM12x GPUs, so where the H200 run is issue-bound the calibrated time is a pessimistic bound.
 
@@ -122,7 +137,17 @@ ASSUMPTIONS = [
     {"name": "sm_121 SASS", "value": "the sm_120a counts",
      "source": "bench/results/gemm-sm12x-compile.json: identical instruction counts for "
                "sm_120a and sm_121a builds of every kernel"},
-    {"name": "MoE main loop", "value": "the MoE FC1/FC2 kernels' own SASS counts",
+    {"name": "FP4-MMA main loop", "value": "fp4mma's and the FP4 MoE FC1/FC2 kernels' own "
+                                            "sm_120a SASS counts, XLA's Triton first",
+     "source": "bench/sm12x_fp4mma_compile.py: bench/results/gemm-fp4mma-sm12x-compile.json "
+               "(fp4mma at its three default tiles) and moe-fp4mma-sm12x-compile.json (FC1/FC2 "
+               "at T = 8 and 4096); per weight = main-loop instructions x num_warps / (weight "
+               "tiles x block_n x block_k); a fully unrolled K loop: whole kernel / k_steps (an "
+               "upper bound); tiles not compiled: no count, said in the row"},
+    {"name": "W4A4 activations", "value": "one quantize launch + NVFP4 x into fp4mma",
+     "source": "nvfp4_jax/gemm/api.py: on an NVIDIA GPU W4A4 quantizes x in one Pallas-Triton "
+               "launch (bf16 in, NVFP4 codes + scales out), modelled as DRAM-bound"},
+    {"name": "MoE main loop (bf16 MMA)", "value": "the MoE FC1/FC2 kernels' own SASS counts",
      "source": "bench/sm12x_compile.py compiles nvfp4_moe_fc1/fc2 at decode and prefill tiles; "
                "a tile set not compiled takes the nearest counted kernel (ipw_from says which)"},
     {"name": "MoE row tiles", "value": "touched experts + floor(T k / block_m)",
@@ -170,15 +195,17 @@ def issue_budget_per_weight(gpu: dict, dram_fraction: float | None = None) -> fl
 
 
 def fused_gemm(gpu: dict, m: int, n: int, k: int, *, block_m: int, ipw: float | None,
-               mma: str = "bf16", padded_m: int | None = None) -> dict:
+               mma: str = "bf16", padded_m: int | None = None,
+               act_bytes: float = 2.0) -> dict:
     """One swap-AB launch over an [N, K] NVFP4 weight and M tokens: the three ceilings (s).
 
     ``ipw``: main-loop warp-instructions per weight per token tile (None: unknown, no issue
     ceiling); ``mma``: "bf16" (decode + bf16 mma.sync) or "fp4" (block-scaled FP4 MMA);
-    ``padded_m``: rows the MMA runs (default: M rounded up to ``block_m``)."""
+    ``padded_m``: rows the MMA runs (default: M rounded up to ``block_m``); ``act_bytes``:
+    bytes per activation element read (2: bf16; ``BYTES_PER_WEIGHT``: NVFP4 codes + scales)."""
     tiles = math.ceil(m / block_m)
     rows = padded_m if padded_m is not None else tiles * block_m
-    nbytes = n * k * BYTES_PER_WEIGHT + 2 * m * k + 2 * m * n
+    nbytes = n * k * BYTES_PER_WEIGHT + act_bytes * m * k + 2 * m * n
     rate = bf16_tflops(gpu) if mma == "bf16" else fp4_tflops(gpu)
     t_mem = nbytes / stream_bps(gpu)
     t_mma = 2.0 * rows * n * k / (rate * 1e12)
@@ -253,6 +280,93 @@ def ipw_for(sass: list[dict], config: dict, moe: dict | None = None) -> tuple[fl
     return worst["ipw"], f"upper bound: {worst['kernel']} (largest count)"
 
 
+#: the FP4-MMA builds, most preferred first: ``xla`` is the Triton XLA bundles (what
+#: ``nvfp4_jax.matmul`` and the MoE compile with under JAX), ``pip`` the pip Triton package
+FP4_SIDES = ("xla", "pip")
+_FP4_TILE_KEYS = ("block_m", "block_n", "block_k", "num_warps", "num_stages", "decode", "load2d")
+
+
+def fp4_build_ipw(entry: dict, build: dict) -> tuple[float | None, str]:
+    """(warp-instructions per weight per token tile, how) of one FP4-MMA build, derived as
+    ``sm12x_compile`` derives it: one main-loop iteration of each of the CTA's ``num_warps``
+    warps covers ``weight_tiles`` (2 for a gated FC1: gate and up) x ``block_n`` x ``block_k``
+    weights, so per weight = main-loop instructions x num_warps / those weights. Where the
+    compiler unrolled the whole K loop (``k_loop`` "unrolled": no loop to count) it is the
+    whole kernel's instructions over ``k_steps`` iterations, an upper bound (prologue and
+    epilogue included). None where the build has neither."""
+    c = entry["config"]
+    weights = entry.get("weight_tiles", 1) * c["block_n"] * c["block_k"]
+    loop = build.get("main_loop")
+    if loop and loop.get("n_instructions"):
+        n = loop["n_instructions"]
+        return n * c["num_warps"] / weights, (
+            f"main loop {n} x {c['num_warps']} warps / {weights} weights")
+    if build.get("k_loop") == "unrolled" and entry.get("k_steps") and build.get("n_instructions"):
+        n, steps = build["n_instructions"], entry["k_steps"]
+        return n * c["num_warps"] / (weights * steps), (
+            f"K loop unrolled: whole kernel {n} x {c['num_warps']} warps / ({steps} steps x "
+            f"{weights} weights), an upper bound")
+    return None, "no main loop counted"
+
+
+def load_fp4_sass(path: str, arch: int = 120) -> list[dict]:
+    """[{kernel, config, moe, by_side: {side: (ipw, how)}}] from an FP4-MMA compile JSON
+    (``gemm-fp4mma-sm12x-compile.json`` or ``moe-fp4mma-sm12x-compile.json``, written by
+    ``bench/sm12x_fp4mma_compile.py``), the sm_<arch>a builds. A GEMM entry is named by its
+    [M, N, K] shape, an MoE entry carries its layer and GEMM (``moe_fp4_<gemm>_<layer>_T<t>``)."""
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        doc = json.load(f)
+    out = []
+    for e in doc.get("kernels", []):
+        if "config" not in e:
+            continue
+        name = e.get("kernel") or "fp4mma_gemm_mnk_{}x{}x{}".format(*e.get("shape", (0, 0, 0)))
+        moe = None
+        if name.startswith("moe_fp4_"):
+            gemm, rest = name[len("moe_fp4_"):].split("_", 1)
+            layer, _, t = rest.rpartition("_T")
+            moe = {"layer": layer, "gemm": gemm, "T": int(t)}
+        by_side = {}
+        for side in FP4_SIDES:
+            build = e.get(f"{side}_sm{arch}")
+            if build and "error" not in build:
+                ipw, how = fp4_build_ipw(e, build)
+                if ipw is not None:
+                    by_side[f"{side}_sm{arch}"] = (ipw, how)
+        out.append({"kernel": name, "config": e["config"], "moe": moe, "by_side": by_side})
+    return out
+
+
+def fp4_ipw_for(sass: list[dict], config: dict, moe: dict | None = None
+                ) -> tuple[float | None, str, dict]:
+    """(warp-instructions per weight, where from, {side: ipw} of the kernel taken) of an
+    FP4-MMA kernel config: a counted build of the same tiles (and, for ``moe`` ({"layer",
+    "gemm"}), of the same layer and GEMM), a main-loop count before an unrolled one and XLA's
+    Triton before pip's (``FP4_SIDES``). No other kernel stands in: where none has these tiles
+    the count is None and the reason says so (the row then has no issue ceiling)."""
+    if not sass:
+        return None, "no FP4 SASS counts (run bench/sm12x_fp4mma_compile.py)", {}
+    pool = [s for s in sass if (s["moe"] is None) == (moe is None)
+            and (moe is None or (s["moe"]["layer"], s["moe"]["gemm"])
+                 == (moe["layer"], moe["gemm"]))
+            and all(s["config"].get(kk) == config.get(kk) for kk in _FP4_TILE_KEYS
+                    if kk in s["config"] or kk in config)]
+    best = None
+    for s in pool:
+        for side, (ipw, how) in s["by_side"].items():
+            rank = (how.startswith("main loop"), side.startswith(FP4_SIDES[0]))
+            if best is None or rank > best[0]:
+                best = (rank, s, side, ipw, how)
+    if best is None:
+        tiles = {kk: config.get(kk) for kk in _FP4_TILE_KEYS if kk in config}
+        return None, f"no FP4 SASS count for these tiles {tiles}: no issue ceiling", {}
+    _, s, side, ipw, how = best
+    return ipw, f"same tiles: {s['kernel']} ({side}, {how})", {
+        kk: v[0] for kk, v in s["by_side"].items()}
+
+
 # --------------------------------------------------------------------------- rows
 
 
@@ -273,19 +387,43 @@ def h200_issue_efficiency(sass90: list[dict], measured: dict | None, m: int, n: 
     return instr / (measured[(n, k, m)] * 1e-6 * issue_per_s(GPUS["h200"])), ipw
 
 
+def fp4_w4a4(gpu: dict, m: int, n: int, k: int, cfg: dict, ipw: float | None,
+             eff: float | None = None) -> dict:
+    """W4A4 on SM 12.x (``nvfp4_jax.matmul`` with ``input_scale``, ``mma="fp4"``): one launch
+    quantizes x (reads bf16, writes NVFP4 codes + scales: DRAM-bound), then ``fp4mma`` reads
+    the NVFP4 x and weights and runs the block-scaled FP4 MMA at the FP4 tensor rate, tokens
+    padded to its ``block_m``, with the issue ceiling of its own SASS count ``ipw``. ``eff``:
+    the H200's achieved issue efficiency (``h200_issue_efficiency``) for the issue-calibrated
+    time. Times in s: {t_quant, t_mem, t_mma, t_issue, t, limiter, t_issue_calibrated}."""
+    t_quant = m * k * (2 + BYTES_PER_WEIGHT) / stream_bps(gpu)
+    parts = fused_gemm(gpu, m, n, k, block_m=cfg["block_m"], ipw=ipw, mma="fp4",
+                       act_bytes=BYTES_PER_WEIGHT)
+    t, lim = combine(parts)
+    cal = None
+    if eff and ipw is not None:
+        cal = t_quant + max(parts["t_mem"], parts["t_mma"], parts["t_issue"] / eff)
+    return {**parts, "t_quant": t_quant, "t": t_quant + t, "limiter": lim,
+            "t_issue_calibrated": cal}
+
+
 def gemm_rows(gpus: dict, sass: list[dict], measured: dict | None = None,
-              sass90: list[dict] | None = None) -> list[dict]:
+              sass90: list[dict] | None = None,
+              fp4_sass: list[dict] | None = None) -> list[dict]:
     """Per GEMM shape, M and SM12x GPU: the roofline of the SM12x table's config
     (``configs.get_config(..., family="sm12x")``) with its sm_120a count; with an H200 proxy
     run, ``calibrated_us`` (the prediction times the H200's measured / modelled ratio) and
     ``issue_calibrated_us`` (the issue ceiling at the H200 kernel's achieved issue efficiency,
-    ``h200_issue_efficiency``, against DRAM and MMA)."""
+    ``h200_issue_efficiency``, against DRAM and MMA). The ``fp4_*`` fields are the W4A4 path
+    (``fp4_w4a4``: ``fp4mma.default_config(M)`` with its FP4 SASS count from ``fp4_sass``)."""
     from nvfp4_jax.gemm import configs
+    from nvfp4_jax.gemm.fp4mma import default_config as fp4_config
 
     rows = []
     for n, k in GEMM_SHAPES:
         for m in GEMM_MS:
             cfg = configs.get_config(m, n, k, family="sm12x").__dict__
+            cfg4 = dict(fp4_config(m).__dict__)
+            ipw4, ipw4_from, ipw4_sides = fp4_ipw_for(fp4_sass or [], cfg4)
             ipw, ipw_from = ipw_for(sass, cfg)
             if cfg.get("algo") == "dequant_dot":  # no fused kernel: XLA dequantizes, cuBLAS
                 ipw, ipw_from = None, "algo dequant_dot (no fused kernel)"
@@ -308,12 +446,10 @@ def gemm_rows(gpus: dict, sass: list[dict], measured: dict | None = None,
                 else:
                     parts = fused_gemm(gpu, m, n, k, block_m=cfg["block_m"], ipw=ipw)
                     t, lim = combine(parts)
-                fp4 = fused_gemm(gpu, m, n, k, block_m=8, ipw=None, mma="fp4",
-                                 padded_m=max(8, math.ceil(m / 8) * 8))
-                t4, lim4 = combine(fp4)
+                fp4 = fp4_w4a4(gpu, m, n, k, cfg4, ipw4, eff)
                 row = {
                     "label": LABEL, "gpu": gname, "N": n, "K": k, "M": m,
-                    "path": "pallas W4A16/W4A4 (decode to bf16, bf16 mma.sync)",
+                    "path": "pallas W4A16 (decode to bf16, bf16 mma.sync)",
                     "config": cfg, "limiter": lim,
                     "predicted_us": t * 1e6,
                     "predicted_dram_fraction": parts["bytes"] / t / (gpu["dram_gbs"] * 1e9),
@@ -321,7 +457,17 @@ def gemm_rows(gpus: dict, sass: list[dict], measured: dict | None = None,
                     "predicted_speedup_vs_bf16": t_b / t,
                     "warp_instructions_per_weight": ipw, "ipw_from": ipw_from,
                     "issue_budget_per_weight": issue_budget_per_weight(gpu),
-                    "predicted_fp4_mma_us": t4 * 1e6, "fp4_mma_limiter": lim4,
+                    "fp4_path": "W4A4: quantize x, then fp4mma (block-scaled FP4 mma.sync)",
+                    "fp4_config": cfg4, "fp4_warp_instructions_per_weight": ipw4,
+                    "fp4_ipw_from": ipw4_from, "fp4_ipw_by_compiler": ipw4_sides,
+                    "predicted_fp4_mma_us": fp4["t"] * 1e6, "fp4_mma_limiter": fp4["limiter"],
+                    "predicted_fp4_dram_fraction": (fp4["bytes"] + m * k * (2 + BYTES_PER_WEIGHT))
+                    / fp4["t"] / (gpu["dram_gbs"] * 1e9),
+                    "predicted_fp4_speedup_vs_bf16": t_b / fp4["t"],
+                    **{f"predicted_fp4_{kk}_us": fp4[kk] * 1e6
+                       for kk in ("t_quant", "t_mem", "t_mma", "t_issue")},
+                    "fp4_issue_calibrated_us": (fp4["t_issue_calibrated"] * 1e6
+                                                if fp4["t_issue_calibrated"] else None),
                     "calibrated_us": (t * 1e6 * calib) if calib else None,
                     "h200_measured_over_model": calib,
                     "issue_budget_per_weight_at_85pct_dram": issue_budget_per_weight(
@@ -345,7 +491,41 @@ def touched_experts(e: int, k: int, t: int) -> float:
     return e * (1.0 - (1.0 - k / e) ** t)
 
 
-def moe_rows(gpus: dict, sass: list[dict]) -> list[dict]:
+def moe_layer(gpu: dict, s: dict, t: int, cfg, counts) -> dict:
+    """FC1 + FC2 of one routed MoE layer at T tokens (uniform routing) on ``gpu``: the summed
+    ceilings (s) of the two grouped GEMMs, each over the touched experts' weights and
+    ``touched + floor(T k / block_m)`` row tiles of ``block_m`` rows. ``cfg``: the
+    ``MoEConfig``; on ``cfg.mma`` "fp4" the MMA runs at the FP4 tensor rate and reads NVFP4
+    activations (0.5625 B/element), on "bf16" at the bf16 rate from bf16 activations.
+    ``counts(gemm, tile_config)`` -> (ipw, where from): a GEMM without a count (None) adds no
+    issue time, and its reason stays in ``ipw_from``."""
+    e, h, i, k = s["experts"], s["hidden"], s["inter"], s["top_k"]
+    r = 2 * i if s["gated"] else i
+    fp4 = cfg.mma == "fp4"
+    rate = fp4_tflops(gpu) if fp4 else bf16_tflops(gpu)
+    act = BYTES_PER_WEIGHT if fp4 else 2.0
+    touched = touched_experts(e, k, t)
+    total = {"t_mem": 0.0, "t_mma": 0.0, "t_issue": 0.0, "bytes": 0.0, "ipw": [], "from": []}
+    # FC1: [R, H] per expert over the routed rows; FC2: [H, I]
+    for gemm, c, (n_out, k_in) in (("fc1", cfg.fc1, (r, h)), ("fc2", cfg.fc2, (h, i))):
+        tiles = touched + (t * k) // c.block_m  # row tiles over the touched experts
+        ipw, how = counts(gemm, dict(c.__dict__))
+        total["ipw"].append(ipw)
+        total["from"].append(how)
+        nbytes = touched * n_out * k_in * BYTES_PER_WEIGHT + t * k * (act * k_in + 2 * n_out)
+        total["bytes"] += nbytes
+        total["t_mem"] += nbytes / stream_bps(gpu)
+        total["t_mma"] += 2.0 * tiles * c.block_m * n_out * k_in / (rate * 1e12)
+        total["t_issue"] += (tiles * n_out * k_in * (ipw or 0.0)) / issue_per_s(gpu)
+    total["t"], total["limiter"] = combine(total)
+    return total
+
+
+def moe_rows(gpus: dict, sass: list[dict], fp4_sass: list[dict] | None = None) -> list[dict]:
+    """Per MoE layer, T and SM12x GPU: the Pallas-Triton MoE with both grouped GEMMs on the
+    FP4 MMA (``MoEConfig.mma`` "fp4", what it runs on SM 12.x) with the FP4 MoE kernels' own
+    sm_120a counts (``fp4_sass``, ``fp4_ipw_for``); ``bf16_mma_*``: the same layer with
+    ``mma="bf16"`` (decode to bf16, bf16 mma.sync; the W4A16 kernels' counts ``sass``)."""
     from nvfp4_jax.moe.configs import default_config
 
     rows = []
@@ -353,42 +533,46 @@ def moe_rows(gpus: dict, sass: list[dict]) -> list[dict]:
         e, h, i, k = s["experts"], s["hidden"], s["inter"], s["top_k"]
         r = 2 * i if s["gated"] else i
         for t in MOE_TOKENS:
-            cfg = default_config(t * k, e, inter=i, hidden=h, gated=s["gated"])
+            cfg4 = default_config(t * k, e, inter=i, hidden=h, gated=s["gated"], mma="fp4")
+            cfg16 = default_config(t * k, e, inter=i, hidden=h, gated=s["gated"], mma="bf16")
             touched = touched_experts(e, k, t)
+
+            def fp4_counts(gemm, c, sname=sname):
+                ipw, how, _ = fp4_ipw_for(fp4_sass or [], c, {"layer": sname, "gemm": gemm})
+                return ipw, how
+
+            def bf16_counts(gemm, c, sname=sname):
+                return ipw_for(sass, c, {"layer": sname, "gemm": gemm})
+
             for gname, gpu in gpus.items():
                 if gname == "h200":
                     continue
-                total = {"t_mem": 0.0, "t_mma": 0.0, "t_issue": 0.0, "bytes": 0.0}
-                ipws, froms = [], []
-                # FC1: [R, H] per expert over the routed rows; FC2: [H, I]
-                for gemm, c, (n_out, k_in) in (("fc1", cfg.fc1, (r, h)), ("fc2", cfg.fc2, (h, i))):
-                    tiles = touched + (t * k) // c.block_m  # row tiles over the touched experts
-                    ipw, how = ipw_for(sass, dict(c.__dict__), {"layer": sname, "gemm": gemm})
-                    ipws.append(ipw)
-                    froms.append(how)
-                    w = touched * n_out * k_in
-                    nbytes = w * BYTES_PER_WEIGHT + 2 * t * k * (n_out + k_in)
-                    total["bytes"] += nbytes
-                    total["t_mem"] += nbytes / stream_bps(gpu)
-                    total["t_mma"] += 2.0 * tiles * c.block_m * n_out * k_in / (
-                        bf16_tflops(gpu) * 1e12)
-                    total["t_issue"] += (tiles * n_out * k_in * (ipw or 0.0)) / issue_per_s(gpu)
-                tm, lim = combine(total)
+                total = moe_layer(gpu, s, t, cfg4, fp4_counts)
+                old = moe_layer(gpu, s, t, cfg16, bf16_counts)
+                tm = total["t"]
                 wb = touched * (r * h + h * i)
                 t_b = max(2 * wb / stream_bps(gpu),
                           2.0 * t * k * (r * h + h * i) / (bf16_tflops(gpu) * 1e12))
                 rows.append({
                     "label": LABEL, "gpu": gname, "shape": sname, "T": t,
-                    "path": "pallas Triton MoE (decode to bf16, bf16 mma.sync)",
-                    "touched_experts": touched, "fc1_block_m": cfg.fc1.block_m,
-                    "limiter": lim, "predicted_us": tm * 1e6,
+                    "path": "pallas Triton MoE, mma fp4 (NVFP4 activations, block-scaled FP4 "
+                            "mma.sync in FC1 and FC2)",
+                    "touched_experts": touched, "fc1_block_m": cfg4.fc1.block_m,
+                    "fp4_config": {"fc1": dict(cfg4.fc1.__dict__),
+                                   "fc2": dict(cfg4.fc2.__dict__)},
+                    "limiter": total["limiter"], "predicted_us": tm * 1e6,
                     "predicted_dram_fraction": total["bytes"] / tm / (gpu["dram_gbs"] * 1e9),
                     "predicted_bf16_grouped_us": t_b * 1e6,
                     "predicted_speedup_vs_bf16": t_b / tm,
-                    "warp_instructions_per_weight": ipws, "ipw_from": froms,
+                    "warp_instructions_per_weight": total["ipw"], "ipw_from": total["from"],
                     "issue_budget_per_weight": issue_budget_per_weight(gpu),
                     **{f"predicted_{kk}_us": total[kk] * 1e6
                        for kk in ("t_mem", "t_mma", "t_issue")},
+                    "bf16_mma_path": "pallas Triton MoE, mma bf16 (decode to bf16, bf16 "
+                                     "mma.sync)",
+                    "bf16_mma_predicted_us": old["t"] * 1e6, "bf16_mma_limiter": old["limiter"],
+                    "bf16_mma_warp_instructions_per_weight": old["ipw"],
+                    "bf16_mma_ipw_from": old["from"],
                 })
     return rows
 
@@ -431,13 +615,18 @@ def table(doc: dict) -> str:
                 f"{r['predicted_speedup_vs_bf16']:.1f}x)")
 
     head = " | ".join(doc["gpus"][g]["name"] for g in gnames)
-    out += ["", "GEMM, W4A16/W4A4 Pallas-Triton path: us (limiter D = DRAM, M = bf16 MMA, I = "
-            "issue, deq = dequantize + bf16 GEMM; % of DRAM bandwidth; x ideal bf16 GEMM); "
-            "instr/weight = main-loop warp-instructions per weight (sm_120a SASS); FP4 MMA = "
-            "the W4A4 path with block-scaled FP4 mma.sync", "",
-            f"| N x K | M | instr/weight | {head} | FP4 MMA us "
-            f"({doc['gpus'][gnames[0]]['name']}) |",
-            "|---|---|---|" + "---|" * len(gnames) + "---|"]
+    def cell4(r: dict) -> str:
+        lim = {"DRAM": "D", "MMA": "M", "issue": "I"}[r["fp4_mma_limiter"]]
+        return (f"{r['predicted_fp4_mma_us']:.0f} ({lim}, "
+                f"{100 * r['predicted_fp4_dram_fraction']:.0f} %, "
+                f"{r['predicted_fp4_speedup_vs_bf16']:.1f}x)")
+
+    out += ["", "GEMM, W4A16 Pallas-Triton path (decode to bf16, bf16 mma.sync): us (limiter D = "
+            "DRAM, M = bf16 MMA, I = issue, deq = dequantize + bf16 GEMM; % of DRAM bandwidth; "
+            "x ideal bf16 GEMM); instr/weight = main-loop warp-instructions per weight "
+            "(sm_120a SASS)", "",
+            f"| N x K | M | instr/weight | {head} |",
+            "|---|---|---|" + "---|" * len(gnames)]
     by = {}
     for r in doc["gemm"]:
         by.setdefault((r["N"], r["K"], r["M"]), {})[r["gpu"]] = r
@@ -446,8 +635,27 @@ def table(doc: dict) -> str:
         first = rs[gnames[0]]
         ipw = first["warp_instructions_per_weight"]
         out.append(f"| {n}x{k} | {m} | " + (f"{ipw:.3f}" if ipw is not None else "-") + " | "
-                   + " | ".join(cell(rs[g]) for g in gnames)
-                   + f" | {first['predicted_fp4_mma_us']:.0f} |")
+                   + " | ".join(cell(rs[g]) for g in gnames) + " |")
+    out += ["", "GEMM, W4A4 on SM 12.x (input_scale given: one launch quantizes x, then fp4mma "
+            "runs the block-scaled FP4 mma.sync at the FP4 tensor rate): us (limiter D = DRAM, "
+            "M = FP4 MMA, I = issue; % of DRAM bandwidth; x ideal bf16 GEMM); the quantize "
+            "launch is included; instr/weight = fp4mma's main-loop warp-instructions per weight "
+            "(sm_120a SASS of XLA's Triton, bench/results/gemm-fp4mma-sm12x-compile.json); "
+            "tile = block_m x block_n x block_k, warps; calibrated = with fp4mma's issue "
+            "ceiling at the H200 kernel's achieved issue efficiency (issue table below), us, "
+            "'-' where the H200 efficiency is not known", "",
+            f"| N x K | M | tile | instr/weight | {head} | calibrated ("
+            + ", ".join(doc["gpus"][g]["name"] for g in gnames) + ") |",
+            "|---|---|---|---|" + "---|" * len(gnames) + "---|"]
+    for (n, k, m), rs in by.items():
+        first = rs[gnames[0]]
+        ipw, c = first["fp4_warp_instructions_per_weight"], first["fp4_config"]
+        out.append(f"| {n}x{k} | {m} | {c['block_m']}x{c['block_n']}x{c['block_k']}, "
+                   f"{c['num_warps']} | " + (f"{ipw:.3f}" if ipw is not None else "none") + " | "
+                   + " | ".join(cell4(rs[g]) for g in gnames) + " | "
+                   + ", ".join(f"{rs[g]['fp4_issue_calibrated_us']:.0f}"
+                               if rs[g]["fp4_issue_calibrated_us"] else "-" for g in gnames)
+                   + " |")
     out += ["", "Issue budget (issue 31 goal 1): main-loop warp-instructions per weight of the "
             "SM12x table's kernel (sm_120a SASS) against each GPU's budget at 85 % of DRAM "
             "bandwidth; H200 efficiency = the sm90 kernel's sm_90a warp-instructions / (its "
@@ -474,14 +682,25 @@ def table(doc: dict) -> str:
         out.append(f"| {n}x{k} | {m} | {first['warp_instructions_per_weight']:.3f} | "
                    f"{num(first['h200_sm90_warp_instructions_per_weight'], '.3f')} | "
                    f"{num(first['h200_issue_efficiency'], '.0%')} | " + " | ".join(cells) + " |")
-    out += ["", "Routed MoE layer (FC1 + FC2, Triton MoE path; x ideal bf16 grouped GEMM)", "",
-            f"| MoE | T | touched experts | {head} |", "|---|---|---|" + "---|" * len(gnames)]
+    out += ["", "Routed MoE layer (FC1 + FC2), Pallas-Triton MoE with both grouped GEMMs on the "
+            "FP4 MMA (MoEConfig.mma 'fp4', what SM 12.x runs): us (limiter; % of DRAM "
+            "bandwidth; x ideal bf16 grouped GEMM); instr/weight = FC1, FC2 main-loop "
+            "warp-instructions per weight (sm_120a SASS of XLA's Triton, "
+            "bench/results/moe-fp4mma-sm12x-compile.json; 'none': no kernel of these tiles "
+            "compiled, so no issue ceiling for that GEMM); bf16 MMA = the same layer with "
+            "mma 'bf16' (decode to bf16), us", "",
+            f"| MoE | T | touched experts | instr/weight | {head} | bf16 MMA us ("
+            + ", ".join(doc["gpus"][g]["name"] for g in gnames) + ") |",
+            "|---|---|---|---|" + "---|" * len(gnames) + "---|"]
     by = {}
     for r in doc["moe"]:
         by.setdefault((r["shape"], r["T"]), {})[r["gpu"]] = r
     for (shape, t), rs in by.items():
-        out.append(f"| {shape} | {t} | {rs[gnames[0]]['touched_experts']:.0f} | "
-                   + " | ".join(cell(rs[g]) for g in gnames) + " |")
+        ipws = ", ".join(f"{v:.3f}" if v is not None else "none"
+                         for v in rs[gnames[0]]["warp_instructions_per_weight"])
+        out.append(f"| {shape} | {t} | {rs[gnames[0]]['touched_experts']:.0f} | {ipws} | "
+                   + " | ".join(cell(rs[g]) for g in gnames) + " | "
+                   + ", ".join(f"{rs[g]['bf16_mma_predicted_us']:.0f}" for g in gnames) + " |")
     return "\n".join(out)
 
 
@@ -489,6 +708,9 @@ def build(results: str) -> dict:
     sass_path = os.path.join(results, "gemm-sm12x-compile.json")
     sass = load_sass(sass_path)
     sass90 = load_sass(sass_path, 90)
+    fp4_paths = {g: os.path.join(results, f"{g}-fp4mma-sm12x-compile.json")
+                 for g in ("gemm", "moe")}
+    fp4_gemm, fp4_moe = (load_fp4_sass(fp4_paths[g]) for g in ("gemm", "moe"))
     measured, measured_from = load_measured(results)
     gpus = {g: v for g, v in GPUS.items()}
     derived = {g: {"bf16_fp32acc_dense_tflops": bf16_tflops(v), "fp4_dense_tflops": fp4_tflops(v),
@@ -502,9 +724,14 @@ def build(results: str) -> dict:
         "gpus": gpus, "derived": derived, "assumptions": ASSUMPTIONS,
         "sass_source": os.path.relpath(sass_path, os.path.dirname(results) or "."),
         "sass_kernels": sass,
+        "fp4_sass_sources": {g: os.path.relpath(v, os.path.dirname(results) or ".")
+                             for g, v in fp4_paths.items()},
+        "fp4_sass_kernels": [{**kk, "by_side": {sd: {"ipw": v[0], "how": v[1]}
+                                                for sd, v in kk["by_side"].items()}}
+                             for kk in fp4_gemm + fp4_moe],
         "calibration_source": measured_from,
-        "gemm": gemm_rows(gpus, sass, measured, sass90),
-        "moe": moe_rows(gpus, sass),
+        "gemm": gemm_rows(gpus, sass, measured, sass90, fp4_gemm),
+        "moe": moe_rows(gpus, sass, fp4_moe),
     }
 
 

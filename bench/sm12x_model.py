@@ -578,20 +578,47 @@ def moe_rows(gpus: dict, sass: list[dict], fp4_sass: list[dict] | None = None) -
 
 
 def load_measured(results: str) -> tuple[dict | None, str | None]:
-    """({(N, K, M): us}, file) of the Pallas-Triton W4A16 rows measured on the H200: the proxy
-    run (``gemm-proxy-h200.json``) if there is one, else the rows of ``gemm-h200.json`` whose
-    auto backend was Pallas-Triton."""
-    for name, keep in (("gemm-proxy-h200.json", lambda r: r.get("impl") == "nvfp4_w4a16_pallas"),
-                       ("gemm-h200.json", lambda r: r.get("impl") == "nvfp4_w4a16"
-                        and r.get("backend") == "pallas")):
+    """({(N, K, M): us}, files) of the Pallas-Triton W4A16 kernel the sm90 table runs now,
+    measured on the H200: rows of the proxy run (``gemm-proxy-h200.json``) and of the decode
+    candidates sweep (``gemm-candidates-h200.json``) whose recorded tile config is the table's
+    current one for that shape (a time of another kernel would mis-calibrate); rows without a
+    recorded config count as the table's. Without either file, the rows of ``gemm-h200.json``
+    whose auto backend was Pallas-Triton."""
+    from nvfp4_jax.gemm import configs
+
+    def same_kernel(r) -> bool:
+        cfg = r.get("config")
+        if cfg is None:
+            return True
+        want = configs.get_config(r["M"], r["N"], r["K"], family="sm90").__dict__
+        return {a: b for a, b in cfg.items() if a != "measured"} == {
+            a: b for a, b in want.items() if a != "measured"}
+
+    sources = (("gemm-proxy-h200.json", lambda r: r.get("impl") == "nvfp4_w4a16_pallas"),
+               ("gemm-candidates-h200.json", lambda r: "config" in r and r.get("config")))
+    got, used = {}, []
+    for name, keep in sources:
         path = os.path.join(results, name)
-        if os.path.exists(path):
-            with open(path) as f:
-                doc = json.load(f)
-            got = {(r["N"], r["K"], r["M"]): r["median_us"] for r in doc["records"]
-                   if keep(r) and "median_us" in r}
-            if got:
-                return got, name
+        if not os.path.exists(path):
+            continue
+        with open(path) as f:
+            doc = json.load(f)
+        rows = {(r["N"], r["K"], r["M"]): r["median_us"] for r in doc["records"]
+                if keep(r) and r.get("median_us") and same_kernel(r)}
+        if rows:
+            got.update(rows)
+            used.append(name)
+    if got:
+        return got, " + ".join(used)
+    path = os.path.join(results, "gemm-h200.json")
+    if os.path.exists(path):
+        with open(path) as f:
+            doc = json.load(f)
+        got = {(r["N"], r["K"], r["M"]): r["median_us"] for r in doc["records"]
+               if r.get("impl") == "nvfp4_w4a16" and r.get("backend") == "pallas"
+               and "median_us" in r}
+        if got:
+            return got, "gemm-h200.json"
     return None, None
 
 

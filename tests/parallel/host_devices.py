@@ -46,6 +46,20 @@ def recorder(res: dict):
     return record
 
 
+def expect_value_errors(cases) -> tuple[bool, str]:
+    """``cases``: (words the message must hold, a call that must raise ValueError) pairs ->
+    (every call raised a ValueError holding its words, what did not)."""
+    msgs = []
+    for want, fn in cases:
+        try:
+            fn()
+            msgs.append(f"no error for {want!r}")
+        except ValueError as e:
+            if want not in str(e):
+                msgs.append(f"{want!r} not in {e}")
+    return not msgs, "; ".join(msgs) or f"{len(cases)} clear ValueErrors"
+
+
 def run_module(path: str, what: str) -> dict:
     """Run the test module ``path`` as a script on 8 host devices; its checks' results."""
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from host_devices import bits_equal, main, recorder, run_module
+from host_devices import bits_equal, expect_value_errors, main, recorder, run_module
 
 DEVICES = (1, 2, 4, 8)
 VARIANTS = ("normal", "subnormal")
@@ -239,7 +239,6 @@ def run_checks() -> dict:
 
     def errors():
         mesh3 = par.mesh_1d(3, "ep")
-        msgs = []
         cases = [
             ("E = 8 experts", lambda: par.moe_ep(
                 hidden[:15], fc1=fc1_n, fc2=fc2_n, fc1_input_scale=s1, fc2_input_scale=s2,
@@ -260,14 +259,7 @@ def run_checks() -> dict:
                 hidden, nj.quantize(jnp.ones((128, 64), jnp.float32), layout="swizzled_128x4"),
                 mesh=par.mesh_1d(2, "tp"))),
         ]
-        for want, fn in cases:
-            try:
-                fn()
-                msgs.append(f"no error for {want!r}")
-            except ValueError as e:
-                if want not in str(e):
-                    msgs.append(f"{want!r} not in {e}")
-        return not msgs, "; ".join(msgs) or f"{len(cases)} clear ValueErrors"
+        return expect_value_errors(cases)
 
     record("errors", errors)
     return res

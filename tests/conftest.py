@@ -21,8 +21,10 @@ import numpy as np
 from hypothesis import HealthCheck, settings
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+# the repository root (oracle/, nvfp4_jax/) and bench/ (the benchmark tools the tests drive)
+for _path in (ROOT, os.path.join(ROOT, "bench")):
+    if _path not in sys.path:
+        sys.path.insert(0, _path)
 
 _SUPPRESS = [HealthCheck.too_slow, HealthCheck.data_too_large]
 settings.register_profile(

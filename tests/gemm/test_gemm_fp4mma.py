@@ -4,9 +4,7 @@ Triton compiler is installed) the block-scaled FP4 MMA count in sm_120a/sm_121a 
 
 from __future__ import annotations
 
-import os
 import re
-import sys
 
 import jax.numpy as jnp
 import numpy as np
@@ -25,8 +23,6 @@ from nvfp4_jax.gemm.fp4mma import (
 from nvfp4_jax.testing import assert_gemm_close
 from nvfp4_jax.testing import strategies as nst
 
-BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "bench")
-
 
 def _random_nvfp4(rng, rows, k, *, subnormal_frac=0.3, decode_scale=1.0) -> oracle.NVFP4:
     """All 16 codes; E4M3 scale bytes 0x00..0x7E (no NaN, sign clear), a share of them
@@ -44,11 +40,7 @@ def _fp32_alpha(a: oracle.NVFP4, w: oracle.NVFP4) -> float:
 
 
 def _capture_ttir(m, n, k, cfg):
-    sys.path.insert(0, BENCH)
-    try:
-        import sm12x_fp4mma_compile
-    finally:
-        sys.path.remove(BENCH)
+    import sm12x_fp4mma_compile
     return sm12x_fp4mma_compile.capture_ttir(m, n, k, cfg)[0]
 
 
@@ -154,11 +146,7 @@ def test_sm12x_sass_has_block_scaled_fp4_mma():
     builds the same TTIR decomposed (bf16 wgmma). Needs a Triton compiler: XLA's through a jax
     CUDA plugin (jax <= 0.10.x) or pip triton (>= 3.8 for sm_121a and sm_90a). Each default
     tile (decode, mid, prefill M) fits SM12x's 99 KiB of shared memory."""
-    sys.path.insert(0, BENCH)
-    try:
-        import sm12x_fp4mma_compile as sc
-    finally:
-        sys.path.remove(BENCH)
+    import sm12x_fp4mma_compile as sc
     jt, why = sc.xla_compiler()
     if jt is None and sc.pip_triton_version() is None:
         pytest.skip(f"no Triton compiler here (pip triton absent; XLA's: {why})")

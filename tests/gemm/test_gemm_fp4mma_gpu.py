@@ -8,9 +8,6 @@ a CUDA GPU.
 
 from __future__ import annotations
 
-import os
-import sys
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -88,7 +85,6 @@ def test_fp4mma_every_code_and_scale_byte():
 def test_sm12x_builds_of_this_source_hold_the_fp4_mma():
     """The compile check of tests/test_gemm_fp4mma.py on the GPU host (its Triton: pip triton
     3.6 checks sm_120a only, >= 3.8 also sm_121a and sm_90a)."""
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench"))
     import sm12x_fp4mma_compile as sc
 
     jt, why = sc.xla_compiler()

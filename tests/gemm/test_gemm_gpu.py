@@ -3,9 +3,6 @@ compile. Skipped without a CUDA GPU."""
 
 from __future__ import annotations
 
-import os
-import sys
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -120,7 +117,6 @@ def test_dequant_exhaustive_codes_and_scales(decode):
 
 
 def test_sm12x_compile_has_tensor_core_mma(tmp_path):
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
     import sm12x_compile
 
     summary = sm12x_compile.run(str(tmp_path))

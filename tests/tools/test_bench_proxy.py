@@ -11,16 +11,7 @@ import sys
 
 import pytest
 
-
-def _repo_root() -> str:
-    d = os.path.dirname(os.path.abspath(__file__))
-    while not os.path.isdir(os.path.join(d, "bench")) and os.path.dirname(d) != d:
-        d = os.path.dirname(d)
-    return d
-
-
-ROOT = _repo_root()
-sys.path.insert(0, os.path.join(ROOT, "bench"))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _load(name):

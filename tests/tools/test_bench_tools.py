@@ -7,16 +7,7 @@ from __future__ import annotations
 import importlib.util
 import os
 
-
-def _repo_root() -> str:
-    """The checkout's root: the nearest directory above this file that holds bench/."""
-    d = os.path.dirname(os.path.abspath(__file__))
-    while not os.path.isdir(os.path.join(d, "bench")) and os.path.dirname(d) != d:
-        d = os.path.dirname(d)
-    return d
-
-
-ROOT = _repo_root()
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _load(name):
@@ -103,12 +94,10 @@ def test_moe_bench_layers_read_their_routing_without_a_slice():
     ``ids[j]`` of a stacked [NROT, T, k] array is a slice, which XLA:GPU ran as a ~1 us device
     copy before each layer's routing kernel (two per layer: ids and weights), a cost of the
     harness that a model's router does not have."""
-    import sys
 
     import jax
     import numpy as np
 
-    sys.path.insert(0, os.path.join(ROOT, "bench"))
     mb, (x, ids, wts, n, params) = _tiny_moe_loop()
     assert len(ids) == len(wts) == mb.NROT and all(i.shape == (3, 2) for i in ids)
     run = mb.timed_loop(mb.nvfp4_layer("swiglu", "pallas"), mb.per_layer_scales)
@@ -125,10 +114,8 @@ def test_moe_bench_loop_recomputes_scales_per_layer():
     [E]-sized or scalar operands) once per layer inside the loop, as a model would. With the
     same scale arrays for every layer XLA shares them between the layers and hoists them out
     of the loop."""
-    import sys
 
 
-    sys.path.insert(0, os.path.join(ROOT, "bench"))
     mb, args = _tiny_moe_loop()
     layer = mb.nvfp4_layer("swiglu", "pallas")
 
@@ -170,11 +157,9 @@ def test_bench_loops_share_one_host_round_trip_among_many_calls():
     predicate to the host every iteration) wraps an inner loop of static trip count, so one
     host round trip is shared by >= gemm_bench.INNER_CALLS GEMM calls and by NROT *
     INNER_ROUNDS MoE layers."""
-    import sys
 
     import jax.numpy as jnp
 
-    sys.path.insert(0, os.path.join(ROOT, "bench"))
     gb = _load("gemm_bench")
     ws = [jnp.full((32, 16), 1.0 + c, jnp.float32) for c in range(3)]
     x = jnp.ones((2, 32), jnp.float32)

@@ -8,21 +8,11 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import sys
 
 import pytest
 
-
-def _repo_root() -> str:
-    d = os.path.dirname(os.path.abspath(__file__))
-    while not os.path.isdir(os.path.join(d, "bench")) and os.path.dirname(d) != d:
-        d = os.path.dirname(d)
-    return d
-
-
-ROOT = _repo_root()
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RESULTS = os.path.join(ROOT, "bench", "results")
-sys.path.insert(0, os.path.join(ROOT, "bench"))
 
 # RTX 5060 Ti: 36 SMs x 4 warp-instructions/clock x 2.572 GHz; 448 GB/s x 0.9; FP4 759 / 2
 ISSUE_5060 = 36 * 4 * 2.572e9

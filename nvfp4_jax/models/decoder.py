@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import nn
+from ..quantize import NVFP4Array
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,7 +203,10 @@ FUSIBLE = (("self_attn", "qkv_proj", ("q_proj", "k_proj", "v_proj")),
 
 
 def _concrete(a) -> np.ndarray | None:
-    return None if isinstance(a, jax.core.Tracer) else np.asarray(a)
+    try:
+        return np.asarray(a)
+    except jax.errors.TracerArrayConversionError:  # traced: no value to compare
+        return None
 
 
 def _same_scalar(values) -> bool:
@@ -235,8 +239,6 @@ def concat_linears(parts: list) -> nn.Linear | jax.Array | None:
         k = ws[0].shape[1]
         if any(w.shape[1] != k for w in ws):
             return None
-        from ..quantize import NVFP4Array
-
         w = NVFP4Array.from_parts(jnp.concatenate([w.codes for w in ws]),
                                   jnp.concatenate([w.scales for w in ws]), ws[0].decode_scale,
                                   layout="linear", shape=(sum(w.shape[0] for w in ws), k))
@@ -271,8 +273,6 @@ def _split_rows(p, sizes: list[int]) -> list:
     for a, b in zip(offs[:-1], offs[1:]):
         if isinstance(p, nn.Linear):
             w = p.w
-            from ..quantize import NVFP4Array
-
             part = NVFP4Array(w.codes[..., a:b, :], w.scales[..., a:b, :], w.decode_scale,
                               (int(b - a), w.shape[-1]), w.layout)
             out.append(nn.Linear(part, p.input_scale))

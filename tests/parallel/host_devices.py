@@ -72,6 +72,12 @@ def run_module(path: str, what: str) -> dict:
     return json.loads(lines[-1])
 
 
+def assert_check(results: dict, name: str) -> None:
+    """The parent test of one named check: it ran in the subprocess, and passed."""
+    assert name in results, f"{name}: not run by the worker (ran {sorted(results)})"
+    assert results[name]["ok"], f"{name}: {results[name]['detail']}"
+
+
 def main(run_checks, check_names) -> None:
     """The subprocess side: run the checks, flag any named check that did not run, print."""
     sys.path.insert(0, ROOT)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from host_devices import bits_equal, expect_value_errors, main, recorder, run_module
+from host_devices import assert_check, bits_equal, expect_value_errors, main, recorder, run_module
 
 DEVICES = (1, 2, 4, 8)
 VARIANTS = ("normal", "subnormal")
@@ -272,8 +272,7 @@ def results() -> dict:
 
 @pytest.mark.parametrize("name", check_names())
 def test_parallel(results, name):
-    assert name in results, f"{name}: not run by the worker (ran {sorted(results)})"
-    assert results[name]["ok"], f"{name}: {results[name]['detail']}"
+    assert_check(results, name)
 
 
 if __name__ == "__main__":

@@ -43,7 +43,15 @@ import sys
 
 import numpy as np
 import pytest
-from host_devices import ROOT, bits_equal, expect_value_errors, main, recorder, run_module
+from host_devices import (
+    ROOT,
+    assert_check,
+    bits_equal,
+    expect_value_errors,
+    main,
+    recorder,
+    run_module,
+)
 
 VARIANTS = ("normal", "subnormal")
 GATHER_D = (4, 8)
@@ -371,8 +379,7 @@ def results() -> dict:
 
 @pytest.mark.parametrize("name", check_names())
 def test_parallel_models(results, name):
-    assert name in results, f"{name}: not run by the worker (ran {sorted(results)})"
-    assert results[name]["ok"], f"{name}: {results[name]['detail']}"
+    assert_check(results, name)
 
 
 def test_bench_model_dry_run(tmp_path):

@@ -244,10 +244,13 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=None, help="timed decode steps (default 32)")
     ap.add_argument("--no-breakdown", action="store_true")
     ap.add_argument("--breakdown-bf16", action="store_true", help="also break down bf16 steps")
-    ap.add_argument("--no-unrolled", action="store_true",
-                    help="skip the NVFP4 batch-1 decode with unrolled (unstacked) layers")
+    ap.add_argument("--unrolled", action="store_true",
+                    help="also time the NVFP4 batch-1 decode with unrolled (unstacked) layers "
+                         "(compiles for minutes at full depth)")
     ap.add_argument("--unfused", action="store_true",
                     help="q/k/v and gate/up as separate linears (default: one fused GEMM each)")
+    ap.add_argument("--layers", type=int, default=None,
+                    help="override the models' layer count (e.g. 4: a quick look at per-layer costs)")
     ap.add_argument("--budget-s", type=float, default=420.0)
     args = ap.parse_args(argv)
     t_start = time.perf_counter()
@@ -262,10 +265,12 @@ def main(argv=None) -> int:
     context = args.context or (8 if args.tiny else 1024)
     steps = args.steps or (3 if args.tiny else 32)
     os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, "e2e-tiny.json" if args.tiny else "e2e-h200.json")
+    stem = "e2e-tiny" if args.tiny else "e2e-h200"
+    path = os.path.join(args.out, stem + (f"-layers{args.layers}" if args.layers else "") + ".json")
     out = {**run_metadata(), "tiny": args.tiny, "backend": jax.default_backend(),
            "settings": {"batches": batches, "prefill": prefill_n, "context": context,
-                        "steps": steps, "fused_projections": not args.unfused},
+                        "steps": steps, "fused_projections": not args.unfused,
+                        "layers": args.layers},
            "records": [], "skipped": []}
     out["hbm_copy_tbps"] = hbm_copy_tbps()
 
@@ -282,6 +287,9 @@ def main(argv=None) -> int:
         with open(path, "w") as f:
             json.dump(out, f, indent=2)
 
+    if args.layers is not None and args.layers < 1:
+        ap.error(f"--layers: expected a positive layer count, got {args.layers}")
+    shapes = {k: {**v, "num_layers": args.layers or v["num_layers"]} for k, v in shapes.items()}
     for name in names:
         cfg = config_of(shapes[name])
         for prec in precs:
@@ -329,7 +337,7 @@ def main(argv=None) -> int:
             del model
             gc.collect()
     for name in names:  # last, as the least needed: unrolled layers compile longest
-        if "nvfp4" not in precs or args.no_unrolled or over(f"{name}/nvfp4/unrolled"):
+        if "nvfp4" not in precs or not args.unrolled or over(f"{name}/nvfp4/unrolled"):
             continue
         # lax.scan hands each layer a slice of the stacked weights; unrolled layers read their
         # own buffers: the difference shows what the scan costs (e.g. a copy per layer)

@@ -55,7 +55,15 @@ def merge(kind: str, old: dict, new: dict) -> dict:
             if r.get("scale_layout") and layouts.get(key(r), r["scale_layout"]) != r["scale_layout"]:
                 raise SystemExit(f"merge_results: {key(r)} was measured with {layouts[key(r)]} "
                                  f"weight scales, the new run with {r['scale_layout']}; keep it apart")
-    kept = [r for r in old["records"] if key(r) not in seen]
+    # rows kept from OLD take OLD's top-level commit, date and harness where they lack their own
+    # (the merged file's top level is NEW's)
+    old_stamp = {"commit": old.get("commit"), "date": old.get("date")}
+    if kind == "moe":
+        old_stamp["harness"] = old.get("harness", "shared global scales")
+    else:
+        old_stamp["timing"] = old.get("timing", "")
+    kept = [{**r, **{k: v for k, v in old_stamp.items() if k not in r}}
+            for r in old["records"] if key(r) not in seen]
     return {**{k: v for k, v in new.items() if k != "records"}, "records": fresh + kept}
 
 

@@ -168,9 +168,17 @@ def e2e(doc: dict) -> str:
     names = list(dict.fromkeys(r["model"] for r in recs))
     by = {(r["model"], r["precision"], r["kind"], r.get("batch")): r for r in recs}
     gib = 2.0**30
+    # a device's peak_bytes_in_use never resets within the process: a model's peak is its own
+    # only where it exceeds every earlier model's (else "-": it may be smaller)
+    own_peak, high = {}, 0
+    for r in recs:
+        if r["kind"] == "memory":
+            peak = (r.get("after_runs") or {}).get("peak_bytes_in_use") or 0
+            own_peak[(r["model"], r["precision"])] = peak if peak > high else None
+            high = max(high, peak)
     lines = [
         "| model | precision | " + " | ".join(f"decode b={b} tok/s" for b in batches)
-        + f" | prefill {doc['settings']['prefill']} tok/s | weights GiB | peak GiB "
+        + f" | prefill {doc['settings']['prefill']} tok/s | weights GiB | own peak GiB "
         "| b=1 read TB/s (% of copy) |",
         "|---|---|" + "---|" * len(batches) + "---|---|---|---|",
     ]
@@ -184,7 +192,7 @@ def e2e(doc: dict) -> str:
                 r = by.get((name, prec, "decode", b))
                 cells.append(f"{r['tokens_per_s']:.1f}" if r else "-")
             pre = by.get((name, prec, "prefill", None))
-            peak = (mem.get("after_runs") or {}).get("peak_bytes_in_use")
+            peak = own_peak.get((name, prec))
             d1 = by.get((name, prec, "decode", 1))
             read = (f"{d1['read_tbps']:.2f} ({100 * d1['read_fraction_of_copy']:.0f} %)"
                     if d1 else "-")

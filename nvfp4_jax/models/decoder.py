@@ -218,7 +218,7 @@ def concat_linears(parts: list) -> nn.Linear | jax.Array | None:
     """Linears [N_i, K] on the same input as one linear [sum N_i, K], or None where that would
     change the numerics.
 
-    NVFP4 ``nn.Linear``\ s concatenate (codes and block scales along N) only when their
+    NVFP4 linears (``nn.Linear``) concatenate (codes and block scales along N) only when their
     ``decode_scale`` (weight_scale_2) and ``input_scale`` agree: then every output column is
     computed with the same operands, block scales and alpha as by its own GEMM (the fp32
     summation order may differ where the kernel's split-K differs with N; both are within

@@ -6,6 +6,8 @@ import importlib.util
 import json
 import os
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -15,7 +17,7 @@ def test_e2e_bench_tiny(tmp_path):
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     assert bench.main(["--tiny", "--out", str(tmp_path), "--models", "qwen3-30b-a3b",
-                       "--batches", "1", "--steps", "2", "--prefill", "16"]) == 0
+                       "--batches", "1", "--steps", "2", "--prefill", "16", "--unrolled"]) == 0
     res = json.loads((tmp_path / "e2e-tiny.json").read_text())
     assert res["tiny"] and res["commit"] and res["jax"] and not res["skipped"]
     kinds = {(r["precision"], r["kind"]) for r in res["records"]}
@@ -41,3 +43,37 @@ def test_e2e_bench_tiny(tmp_path):
     row = next(ln for ln in text.splitlines() if ln.startswith("| qwen3-30b-a3b | nvfp4 |"))
     assert f"{dec['nvfp4']['tokens_per_s']:.1f}" in row
     assert f"| {bd['ms_per_step']:.2f} |" in text
+
+
+def test_e2e_bench_rejects_a_bad_layer_count(tmp_path, capsys):
+    spec = importlib.util.spec_from_file_location("e2e_bench", os.path.join(ROOT, "bench",
+                                                                            "e2e_bench.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    with pytest.raises(SystemExit):
+        bench.main(["--tiny", "--out", str(tmp_path), "--layers", "0"])
+    assert "--layers: expected a positive layer count, got 0" in capsys.readouterr().err
+
+
+def test_e2e_table_shows_a_peak_only_where_it_is_the_models_own():
+    """peak_bytes_in_use never resets in a process: a model whose peak does not exceed an
+    earlier model's gets "-" (its own peak is unknown), one that exceeds them gets its value."""
+    spec = importlib.util.spec_from_file_location("tables", os.path.join(ROOT, "bench",
+                                                                         "tables.py"))
+    tables = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tables)
+    gib = 2**30
+
+    def mem(model, prec, peak):
+        return {"model": model, "precision": prec, "kind": "memory", "weight_bytes": gib,
+                "after_runs": {"peak_bytes_in_use": int(peak * gib)}}
+
+    doc = {"settings": {"batches": [1], "prefill": 16},
+           "records": [mem("a", "nvfp4", 3.0), mem("a", "bf16", 7.0), mem("b", "nvfp4", 7.0),
+                       mem("b", "bf16", 9.5)]}
+    lines = tables.e2e(doc).splitlines()
+    col = [c.strip() for c in lines[0].split("|")].index("own peak GiB")
+    rows = {tuple(c.strip() for c in ln.split("|")[1:3]): ln.split("|")[col].strip()
+            for ln in lines if ln.startswith(("| a |", "| b |"))}
+    assert rows == {("a", "nvfp4"): "3.0", ("a", "bf16"): "7.0", ("b", "nvfp4"): "-",
+                    ("b", "bf16"): "9.5"}

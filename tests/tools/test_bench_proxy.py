@@ -301,5 +301,5 @@ def test_merge_of_a_resumed_run_keeps_old_rows_and_adds_new(tmp_path):
     out = json.loads(paths[2].read_text())
     by = {r["M"]: r for r in out["records"]}
     assert by[1]["median_us"] == 5.0 and by[256]["median_us"] == 7.0
-    assert by[256]["commit"] == "b" and by[1].get("commit") is None
+    assert by[256]["commit"] == "b" and by[1]["commit"] == "a"  # each row its own run's
     assert not list(tmp_path.glob("*.png"))

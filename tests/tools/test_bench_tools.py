@@ -175,3 +175,21 @@ def test_bench_loops_share_one_host_round_trip_among_many_calls():
     assert run.layers_per_iter == mb.NROT * mb.INNER_ROUNDS
     counts = _while_trip_counts(run.lower(*args).compile().as_text())
     assert None in counts and mb.INNER_ROUNDS in counts
+
+
+def test_merge_keeps_the_old_runs_commit_on_rows_it_keeps():
+    """Rows of the old file that carry no commit of their own were measured at the old file's
+    top-level commit; the merged file's top level is the new run's, so they must take the old
+    commit, date and timing with them."""
+    merge = _load("merge_results").merge
+    old = {"commit": "aaaa", "date": "d-old", "timing": "t-old", "records": [
+        {"impl": "x", "N": 1, "K": 2, "M": 1, "median_us": 5.0},
+        {"impl": "x", "N": 1, "K": 2, "M": 16, "median_us": 6.0, "commit": "cccc"}]}
+    new = {"commit": "bbbb", "date": "d-new", "timing": "t-new", "records": [
+        {"impl": "x", "N": 1, "K": 2, "M": 64, "median_us": 7.0}]}
+    doc = merge("gemm", old, new)
+    by_m = {r["M"]: r for r in doc["records"]}
+    assert doc["commit"] == "bbbb"
+    assert (by_m[1]["commit"], by_m[1]["date"], by_m[1]["timing"]) == ("aaaa", "d-old", "t-old")
+    assert by_m[16]["commit"] == "cccc"
+    assert (by_m[64]["commit"], by_m[64]["date"]) == ("bbbb", "d-new")

@@ -23,11 +23,14 @@ Bytes: touched experts' weights (NVFP4: 0.5625 B/weight; bf16:
 
 Usage: python3 bench/moe_bench.py --out DIR  [--quick]
 Writes DIR/moe-h200.json and DIR/moe-h200.png (copy them to bench/results/).
+``--candidates``: the Pallas-Triton MoE's tile/decode candidates against the Mosaic MoE
+(``candidates_sweep``) -> DIR/moe-candidates-<gpu>.json.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -44,6 +47,7 @@ from run_meta import gpu_tag, hbm_copy_tbps, run_metadata
 import nvfp4_jax
 from nvfp4_jax.moe import pad_fc2
 from nvfp4_jax.moe.api import moe
+from nvfp4_jax.moe.configs import MoEConfig, default_config
 from nvfp4_jax.moe.xla import activate
 
 SHAPES = {
@@ -273,12 +277,217 @@ def measure(run, hidden, ids, wts, params, budget_s=1.0, reps=3):
     return max(t2 - t1, 1e-9) / (per_iter * n) * 1e6, per_iter * n
 
 
+# --------------------------------------------------------------------------- candidates
+
+#: ``--candidates``: the issue-31 shapes and token counts (T <= 64: every block one expert's
+#: weight stream, the decode regime of ``moe.configs.default_config``)
+CAND_SHAPES = ("qwen3_30b", "nemotron")
+CAND_TOKENS = (1, 8, 64)
+
+
+def shape_of(shape) -> dict:
+    """A shape's dict (``SHAPES`` or ``SMOKE``) from its name; a dict is returned as it is."""
+    if isinstance(shape, dict):
+        return shape
+    shapes = {**SHAPES, **SMOKE}
+    if shape not in shapes:
+        raise ValueError(f"shape: expected one of {tuple(shapes)}, got {shape!r}")
+    return shapes[shape]
+
+
+def moe_sweep_candidates(shape, t: int) -> list[tuple[str, MoEConfig]]:
+    """(label, MoEConfig) that ``--candidates`` times for ``shape`` (a name or a ``SHAPES``
+    dict) at ``t`` tokens: the library default (``default_config``, what ``moe`` runs with
+    ``config=None``), the default with the 2-byte decode ``asm2`` (14-19 % faster in the dense
+    GEMM on sm_90), and tile variants of the ``asm2`` default: the output tile (BN 64 <-> 128;
+    gated FC1 keeps its BN 64, the register limit of its two accumulators), BK 128, 8 warps,
+    3 and 5 pipeline stages, and BN flipped with 8 warps; BM 16 where the default's BM is
+    larger. Configs equal to an earlier one are left out; labels are unique."""
+    s = shape_of(shape)
+    e, h, i, k = s["experts"], s["hidden"], s["inter"], s["top_k"]
+    gated = s["activation"] == "swiglu"
+    lib = default_config(t * k, e, inter=i, hidden=h, gated=gated)
+    base = lib.with_decode("asm2")
+
+    def flip(bn: int) -> int:
+        return 128 if bn == 64 else 64
+
+    def tiles(fc1_bn=None, fc2_bn=None, **kw) -> MoEConfig:
+        c1 = dataclasses.replace(base.fc1, block_n=fc1_bn or base.fc1.block_n, **kw)
+        c2 = dataclasses.replace(base.fc2, block_n=fc2_bn or base.fc2.block_n, **kw)
+        return MoEConfig(c1, c2, base.mma)
+
+    bn1 = base.fc1.block_n if gated else flip(base.fc1.block_n)
+    bn2 = flip(base.fc2.block_n)
+    variants = [tiles(bn1, bn2), tiles(block_k=128), tiles(num_warps=8), tiles(num_stages=3),
+                tiles(num_stages=5), tiles(bn1, bn2, num_warps=8)]
+    if base.fc1.block_m != 16:
+        variants.append(tiles(block_m=16))
+    out = [("default", lib), ("default_asm2", base)]
+    for cfg in variants:
+        c1, c2 = cfg.fc1, cfg.fc2
+        label = (f"m{c1.block_m}_n{c1.block_n}-{c2.block_n}_k{c1.block_k}_w{c1.num_warps}"
+                 f"_st{c1.num_stages}_{c1.decode}")
+        if all(cfg != c for _, c in out) and all(label != lb for lb, _ in out):
+            out.append((label, cfg))
+    return out
+
+
+def make_moe_timer(run, hidden, ids, wts, params, *, target_s: float = 0.05, reps: int = 3):
+    """Compile ``run`` (a ``timed_loop``) once; return a callable that times one more round
+    and returns the per-layer time in us, by ``measure``'s rule: ``(t(1 + n) - t(1)) / (L n)``
+    (each t the median of ``reps`` runs; n fixed here from ``target_s``), or ``t(1) / L`` for
+    layers slower than 5 ms. Called in turn with other candidates' timers, the rounds see the
+    same drift of the GPU."""
+    per_iter = getattr(run, "layers_per_iter", NROT)
+
+    def t_of(n, r):
+        ts = []
+        for _ in range(r):
+            t0 = time.perf_counter()
+            run(hidden, ids, wts, n, params).block_until_ready()
+            ts.append(time.perf_counter() - t0)
+        return float(np.median(ts))
+
+    run(hidden, ids, wts, 1, params).block_until_ready()  # compile + warm
+    t1 = t_of(1, 1)
+    slow = t1 > 5e-3 * per_iter
+    n = int(max(2, min(100, target_s / max(t1, 1e-6))))
+
+    def one_round() -> float:
+        if slow:
+            return t_of(1, 1) / per_iter * 1e6
+        a = t_of(1, reps)
+        b = t_of(1 + n, reps)
+        return max(b - a, 1e-9) / (per_iter * n) * 1e6
+
+    one_round.layers = per_iter if slow else per_iter * n
+    return one_round
+
+
+def candidates_sweep(out_path, shapes, tokens, budget_s, repeats=3, target_s=0.05):
+    """Time ``moe_sweep_candidates`` (the Pallas-Triton MoE, ``backend="pallas"``, linear
+    weight scales) and the Mosaic MoE (``backend="mosaic"``, swizzled scales: the Hopper
+    path, on sm_90 only) per shape and T on one random routing set, interleaved: every timer
+    is compiled first, then ``repeats`` rounds run each timer once in turn; records the median
+    and every round, and each candidate's median over the Mosaic one. Compiles stop once
+    ``budget_s`` is spent (``"skipped": "budget"``; the compiled ones still run); a candidate
+    that raises is recorded with its error and the others go on. Off the GPU the kernels run
+    in interpret mode with the portable decode "bits" (recorded as ``decode_run``; times mean
+    nothing there). Writes ``out_path`` after each T."""
+    from nvfp4_jax.device import is_sm90, on_gpu
+
+    t0 = time.time()
+    doc = {**run_metadata(), "harness": HARNESS, "routing": "random",
+           "timing": "in-graph, interleaved rounds (make_moe_timer)", "repeats": repeats,
+           "records": []}
+    rng = np.random.default_rng(0)
+    gpu = on_gpu()
+    for sname in shapes:
+        s = shape_of(sname)
+        e, h, k, act = s["experts"], s["hidden"], s["top_k"], s["activation"]
+        _, _, q1, q2 = make_weights(jax.random.PRNGKey(1), s)
+        s1, s2 = input_scales(s)
+        tri_sel, tri_lay = MOE_IMPLS["nvfp4_moe_triton"]
+        mos_sel, mos_lay = MOE_IMPLS["nvfp4_moe_mosaic"]
+        p_tri = (*ours_weights(q1, q2, tri_lay), s1, s2)
+        p_mos = (*ours_weights(q1, q2, mos_lay), s1, s2) if gpu and is_sm90() else None
+        for t in tokens:
+            ids, wts = make_routing(rng, t, e, k, "random")
+            hidden = make_hidden(t, h)
+            ids_d, wts_d = device_routings(ids, wts)
+            base = {"shape": sname, "T": t}
+            timers, recs = [], []
+            todo = [("mosaic", None)] + moe_sweep_candidates(s, t)
+            for label, cfg in todo:
+                rec = {**base, "label": label, "backend": "mosaic" if cfg is None else "pallas"}
+                if cfg is not None:
+                    rec.update(fc1=dataclasses.asdict(cfg.fc1), fc2=dataclasses.asdict(cfg.fc2),
+                               mma=cfg.resolved_mma())
+                    if not gpu:  # the inline-asm decodes need the GPU
+                        cfg = cfg.with_decode("bits")
+                        rec["decode_run"] = "bits"
+                elif p_mos is None:
+                    rec["skipped"] = ("not an sm_90 GPU: the Mosaic MoE runs on Hopper only"
+                                      if gpu else "no GPU: the Mosaic MoE reference needs sm_90")
+                    recs.append(rec)
+                    continue
+                if time.time() - t0 > budget_s:
+                    log(f"mcand: budget spent, {label} at {sname} T={t} not compiled")
+                    recs.append({**rec, "skipped": "budget"})
+                    continue
+                try:
+                    if cfg is None:
+                        fn, params = nvfp4_layer(act, **mos_sel), p_mos
+                    else:
+                        fn, params = nvfp4_layer(act, config=cfg, **tri_sel), p_tri
+                    run = timed_loop(fn, per_layer_scales)
+                    timers.append((rec, make_moe_timer(run, hidden, ids_d, wts_d, params,
+                                                       target_s=target_s)))
+                except Exception as exc:  # noqa: BLE001 - record and go on with the others
+                    log(f"mcand: {label} at {sname} T={t} FAILED {type(exc).__name__}: "
+                        f"{str(exc)[:300]}")
+                    recs.append({**rec, "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
+            rounds = {id(rec): [] for rec, _ in timers}
+            for _ in range(repeats):
+                for rec, timer in timers:
+                    rounds[id(rec)].append(timer())
+            for rec, timer in timers:
+                rec.update(median_us=float(np.median(rounds[id(rec)])),
+                           rounds_us=rounds[id(rec)], layers_timed=timer.layers)
+                recs.append(rec)
+            ref = next((r["median_us"] for r in recs
+                        if r["label"] == "mosaic" and "median_us" in r), None)
+            for rec in recs:
+                if "median_us" in rec:
+                    rec["ratio_vs_mosaic"] = rec["median_us"] / ref if ref else None
+                    log(json.dumps({kk: v for kk, v in rec.items() if kk not in ("fc1", "fc2")}))
+            order = {label: j for j, (label, _) in enumerate(todo)}
+            doc["records"] += sorted(recs, key=lambda r: order[r["label"]])
+            with open(out_path, "w") as f:
+                json.dump(doc, f, indent=1)
+        del q1, q2, p_tri, p_mos
+    return doc
+
+
+def moe_candidates_table(doc) -> str:
+    """Markdown: per shape and T, each timed entry's median us and its ratio to the Mosaic
+    MoE, fastest first; then the candidates that were skipped or failed."""
+    lines = ["| shape | T | label | BN fc1/fc2 | BK | warps | stages | decode | us | / mosaic |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    by, other = {}, []
+    for r in doc["records"]:
+        if "median_us" in r:
+            by.setdefault((r["shape"], r["T"]), []).append(r)
+        else:
+            why = r.get("skipped") or r.get("error", "?")
+            other.append(f"{r['shape']} T={r['T']} {r['label']}: {why}")
+    for (shape, t), rs in by.items():
+        for r in sorted(rs, key=lambda r: r["median_us"]):
+            c1, c2 = r.get("fc1"), r.get("fc2")
+            ran = f" (ran {r['decode_run']})" if r.get("decode_run") else ""
+            tiles = (f"{c1['block_n']}/{c2['block_n']} | {c1['block_k']} | {c1['num_warps']} | "
+                     f"{c1['num_stages']} | {c1['decode']}{ran}" if c1 else "- | - | - | - | -")
+            ratio = f"{r['ratio_vs_mosaic']:.2f}" if r.get("ratio_vs_mosaic") else "-"
+            lines.append(f"| {shape} | {t} | {r['label']} | {tiles} | {r['median_us']:.1f} | "
+                         f"{ratio} |")
+    if other:
+        lines += ["", "not timed: " + "; ".join(other)]
+    return "\n".join(lines)
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--shapes", default=",".join(SHAPES), help="also: tiny (CPU smoke test)")
-    ap.add_argument("--tokens", default=",".join(map(str, TOKENS)))
+    ap.add_argument("--shapes", default=None, help="also: tiny (CPU smoke test); default "
+                    + ",".join(SHAPES) + " (--candidates: " + ",".join(CAND_SHAPES) + ")")
+    ap.add_argument("--tokens", default=None, help="default " + ",".join(map(str, TOKENS))
+                    + " (--candidates: " + ",".join(map(str, CAND_TOKENS)) + ")")
     ap.add_argument("--impls", default="nvfp4_moe,bf16_ragged_dot,dequant_ragged_dot")
     ap.add_argument("--scale-layout", default="swizzled_128x4", choices=("linear", "swizzled_128x4"),
                     help="nvfp4_moe's weight-stack scale layout (prepared once, outside the "
@@ -301,7 +510,36 @@ def main():
                          "name, e.g. bench/results) already measured; merge_results.py merges")
     ap.add_argument("--dry-run", action="store_true",
                     help="print the rows that would be measured (JSON lines) and exit")
+    ap.add_argument("--candidates", action="store_true",
+                    help="time moe_sweep_candidates (Pallas-Triton MoE tiles and decodes) against "
+                         "the Mosaic MoE (sm_90 only), interleaved rounds, random routing "
+                         "(--budget-s caps compiles) -> OUT/moe-candidates-<gpu>.json")
+    ap.add_argument("--repeats", type=int, default=3, help="--candidates: interleaved rounds")
     args = ap.parse_args()
+    if args.candidates:
+        shapes = (args.shapes or ",".join(CAND_SHAPES)).split(",")
+        tokens = [int(t) for t in (args.tokens or ",".join(map(str, CAND_TOKENS))).split(",")]
+        for sname in shapes:
+            if sname not in {**SHAPES, **SMOKE}:
+                ap.error(f"--shapes: expected names from {(*SHAPES, *SMOKE)}, got {sname!r}")
+        if args.dry_run:
+            for sname in shapes:
+                for t in tokens:
+                    for label, c in moe_sweep_candidates(sname, t):
+                        print(json.dumps({"shape": sname, "T": t, "label": label,
+                                          "fc1": dataclasses.asdict(c.fc1),
+                                          "fc2": dataclasses.asdict(c.fc2)}), flush=True)
+            return
+        os.makedirs(args.out, exist_ok=True)
+        tag = gpu_tag(jax.devices()[0].device_kind)
+        path = os.path.join(args.out, f"moe-candidates-{tag}.json")
+        doc = candidates_sweep(path, shapes, tokens, args.budget_s or float("inf"),
+                               repeats=args.repeats, target_s=0.02 if args.quick else 0.05)
+        log("wrote", path)
+        log(moe_candidates_table(doc))
+        return
+    args.shapes = args.shapes or ",".join(SHAPES)
+    args.tokens = args.tokens or ",".join(map(str, TOKENS))
     impl_given = any(a == "--impls" or a.startswith("--impls=") for a in sys.argv[1:])
     if args.proxy:
         if not impl_given:

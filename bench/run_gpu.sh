@@ -2,7 +2,7 @@
 # GPU tests and both benchmarks on a GPU machine, each step under its own timeout; everything
 # lands under $OUT (run.log plus each tool's JSON/PNG/text).
 # Usage: NVFP4_COMMIT=<hash> STEPS="tests gemm moe" bash bench/run_gpu.sh
-# Steps: tests tests_ieee selftest gemm moe proxy qdiv e2e candidates profile ncu mncu
+# Steps: tests tests_ieee selftest gemm moe proxy qdiv e2e candidates mcand profile ncu mncu
 # (default "tests gemm moe").
 #   tests:   every test marked gpu (TEST_FILES: module names or paths,
 #            split at spaces; TEST_K: a pytest -k expression), without XLA flags as a user runs
@@ -23,6 +23,9 @@
 #            --precisions nvfp4 --batches 1"); OUT/e2e-h200.json; T_E2E seconds (420).
 #   candidates: bench/gemm_bench.py --candidates, the decode/tile candidates against bf16
 #            (CAND_SHAPES, CAND_MS narrow it); T_CAND seconds (300).
+#   mcand:   bench/moe_bench.py --candidates, the Pallas-Triton MoE's tile/decode candidates
+#            against the Mosaic MoE (MCAND_SHAPES, MCAND_TOKENS narrow it; default qwen3_30b,
+#            nemotron at T = 1,8,64); T_MCAND seconds (420).
 #   qdiv:    nvfp4_jax.quantize with its exact division vs XLA's plain one (gemm_bench.py
 #            --quantize-division; QDIV_SIZES: M x K list); T_QDIV seconds (120).
 #   profile: bench/moe_profile.py, per-kernel device time of one MoE layer (PROFILE_CASES).
@@ -92,6 +95,11 @@ for s in $STEPS; do
       env -u XLA_FLAGS timeout "${T_CAND:-300}" python3 bench/gemm_bench.py --candidates \
         --out "$OUT" --budget-s $((${T_CAND:-300} - 60)) --shapes "${CAND_SHAPES:-}" \
         --ms "${CAND_MS:-}" 2>&1 | grep -v Warning | tail -60 | tee -a "$OUT/run.log" ;;
+    mcand)
+      step "MoE tile/decode candidates vs the Mosaic MoE (no XLA flags)"
+      env -u XLA_FLAGS timeout "${T_MCAND:-420}" python3 bench/moe_bench.py --candidates \
+        --out "$OUT" --budget-s $((${T_MCAND:-420} - 60)) --shapes "${MCAND_SHAPES:-qwen3_30b,nemotron}" \
+        --tokens "${MCAND_TOKENS:-1,8,64}" 2>&1 | grep -v Warning | tail -70 | tee -a "$OUT/run.log" ;;
     qdiv)
       step "quantize: exact division vs XLA's plain division (XLA_FLAGS='${XLA_FLAGS:-}')"
       timeout "${T_QDIV:-120}" python3 bench/gemm_bench.py --quantize-division --out "$OUT" \

@@ -17,7 +17,6 @@ import pytest
 from moe_cases import check_against_oracle, make_case
 
 import nvfp4_jax
-
 from nvfp4_jax.gemm.decode import DECODE_MODES, check_tile_config
 from nvfp4_jax.moe.configs import MoEConfig, default_config
 from nvfp4_jax.moe.pallas_triton import moe_pallas

@@ -15,8 +15,9 @@ block-scaled MMA, ``mma.sync ... kind::mxf4nvf4.block_scale.scale_vec::4X``), ``
 (bf16/fp16 mma.sync), ``HGMMA`` (wgmma), in the whole kernel and in its main loop
 (``sm12x_compile.main_loop_stats``). Usage: ``python bench/sm12x_fp4mma_compile.py --out DIR``
 -> ``DIR/gemm-fp4mma-sm12x-compile.json``; ``--moe``: the routed MoE's grouped FC1/FC2 kernels
-on the FP4 MMA (``MoEConfig.mma="fp4"``, default tiles) for sm_120a and sm_121a at
-``sm12x_compile.MOE_LAYERS`` x ``MOE_TOKENS`` -> ``DIR/moe-fp4mma-sm12x-compile.json``.
+on the FP4 MMA (``MoEConfig.mma="fp4"``, default tiles) for sm_120a and sm_121a: every distinct
+kernel ``sm12x_compile.MOE_LAYERS`` x ``MOE_FP4_TOKENS`` picks, once, with the T it serves ->
+``DIR/moe-fp4mma-sm12x-compile.json``.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import jax
 import jax.numpy as jnp
 from run_meta import run_metadata
-from sm12x_compile import MOE_LAYERS, MOE_TOKENS, main_loop_stats
+from sm12x_compile import MOE_LAYERS, main_loop_stats
 
 ARCHS = (120, 121, 90)
 #: shared memory one block may use on SM 12.x (99 KiB; sm_90 allows 227 KiB)
@@ -369,15 +370,42 @@ def check_moe(entries: list[dict]) -> tuple[int, list[str]]:
     return checked, problems
 
 
-def moe_run(out_dir: str | None = None, layers=None, tokens=MOE_TOKENS) -> dict:
+#: T of the MoE rows bench/sm12x_model.py predicts (its ``MOE_TOKENS``): decode (T <= 64)
+#: and prefill. ``moe_run`` compiles each distinct kernel their default tiles pick once.
+MOE_FP4_TOKENS = (1, 8, 16, 64, 4096)
+
+
+def moe_kernel_plan(layer: dict, tokens=MOE_FP4_TOKENS) -> list[dict]:
+    """The distinct FP4 grouped-GEMM kernels one MoE layer's default configs
+    (``MoEConfig.mma="fp4"``) pick over ``tokens``: [{"gemm", "config" (a ``Config``),
+    "moe_config" (the ``MoEConfig`` of the first T), "T" (the smallest T it serves: the one it
+    is compiled at), "tokens" (every T it serves)}], in order of T, FC1 before FC2. The kernels
+    of one tile differ across T only in row-count constants of their TTIR (strides of the
+    routed-row buffers); their sm_120a SASS has the same instruction counts at every T."""
+    from nvfp4_jax.moe.configs import default_config
+
+    plan: dict = {}
+    for t in sorted(tokens):
+        cfg = default_config(t * layer["top_k"], layer["experts"], inter=layer["inter"],
+                             hidden=layer["hidden"], gated=layer["gated"], mma="fp4")
+        for gemm, c in (("fc1", cfg.fc1), ("fc2", cfg.fc2)):
+            if (gemm, c) in plan:
+                plan[(gemm, c)]["tokens"].append(t)
+            else:
+                plan[(gemm, c)] = {"gemm": gemm, "config": c, "moe_config": cfg, "T": t,
+                                   "tokens": [t]}
+    return sorted(plan.values(), key=lambda p: (p["T"], p["gemm"]))
+
+
+def moe_run(out_dir: str | None = None, layers=None, tokens=MOE_FP4_TOKENS) -> dict:
     """Compile the FP4 MoE's grouped FC1/FC2 kernels (default tiles with ``mma="fp4"``) for
     sm_120a and sm_121a with every Triton compiler found; count OMMA in each kernel and in its
     main loop (per warp and iteration: one ``dot_scaled`` of a BN x BM x BK tile is
-    (BN/16)(BM/8)(BK/64) m16n8k64 MMAs over the CTA's warps). Writes
-    ``moe-fp4mma-sm12x-compile.json`` (run_meta header) to ``out_dir`` when given."""
-    from nvfp4_jax.moe.configs import default_config
-
-    summary = {**run_metadata(), "pip_triton": None, "kernels": []}
+    (BN/16)(BM/8)(BK/64) m16n8k64 MMAs over the CTA's warps). Each distinct (layer, GEMM,
+    tiles) of :func:`moe_kernel_plan` is compiled once, at the smallest T it serves, named
+    ``moe_fp4_<gemm>_<layer>_T<T>``; its ``tokens`` lists every T of ``tokens`` it serves.
+    Writes ``moe-fp4mma-sm12x-compile.json`` (run_meta header) to ``out_dir`` when given."""
+    summary = {**run_metadata(), "pip_triton": None, "moe_tokens": sorted(tokens), "kernels": []}
     try:
         import triton
 
@@ -388,14 +416,15 @@ def moe_run(out_dir: str | None = None, layers=None, tokens=MOE_TOKENS) -> dict:
     summary["xla_triton"] = "available" if jt is not None else why
     with tempfile.TemporaryDirectory() as wd:
         for lname, layer in (layers or MOE_LAYERS).items():
-            for t in tokens:
-                cfg = default_config(t * layer["top_k"], layer["experts"], inter=layer["inter"],
-                                     hidden=layer["hidden"], gated=layer["gated"], mma="fp4")
-                mods = capture_moe_ttir(layer, t, cfg)
-                for gemm, c, tiles in (("fc1", cfg.fc1, 2 if layer["gated"] else 1),
-                                       ("fc2", cfg.fc2, 1)):
+            plan = moe_kernel_plan(layer, tokens)
+            for t in sorted({p["T"] for p in plan}):
+                here = [p for p in plan if p["T"] == t]
+                mods = capture_moe_ttir(layer, t, here[0]["moe_config"])
+                for p in here:
+                    gemm, c = p["gemm"], p["config"]
+                    tiles = 2 if gemm == "fc1" and layer["gated"] else 1
                     k_dim = layer["hidden"] if gemm == "fc1" else layer["inter"]
-                    entry = {"kernel": f"moe_fp4_{gemm}_{lname}_T{t}",
+                    entry = {"kernel": f"moe_fp4_{gemm}_{lname}_T{t}", "tokens": p["tokens"],
                              "config": dataclasses.asdict(c), "weight_tiles": tiles,
                              "k_steps": -(-k_dim // c.block_k),
                              "omma_per_warp_iteration": tiles * (c.block_n // 16)

@@ -43,9 +43,15 @@ def _gemm_loop(shape: list[int]) -> int:
     return e["xla_sm120"]["main_loop"]["n_instructions"]
 
 
-def _moe_loop(kernel: str) -> int:
-    (e,) = [e for e in _stored("moe-fp4mma-sm12x-compile.json") if e["kernel"] == kernel]
-    return e["xla_sm120"]["main_loop"]["n_instructions"]
+def _moe_entry(gemm: str, layer: str, t: int) -> dict:
+    """The stored MoE kernel of ``gemm`` and ``layer`` that serves T = ``t``."""
+    (e,) = [e for e in _stored("moe-fp4mma-sm12x-compile.json")
+            if e["kernel"].startswith(f"moe_fp4_{gemm}_{layer}_T") and t in e["tokens"]]
+    return e
+
+
+def _moe_loop(gemm: str, layer: str, t: int) -> int:
+    return _moe_entry(gemm, layer, t)["xla_sm120"]["main_loop"]["n_instructions"]
 
 
 def test_w4a4_decode_row_uses_the_fp4mma_count(doc):
@@ -88,9 +94,10 @@ def test_w4a4_prefill_row_uses_the_large_tile_count(doc):
 def test_moe_rows_run_both_gemms_on_the_fp4_counts(doc):
     """qwen3_30b (H 2048, I 768, gated, 128 experts, top 8) at T = 8 on the RTX 5060 Ti: FC1
     (gate + up tiles: 2 x 64 x 256 weights per loop iteration) and FC2 (128 x 256) take the
-    moe_fp4_* T = 8 kernels' counts; row tiles = touched experts + floor(64 / 16)."""
-    fc1 = _moe_loop("moe_fp4_fc1_qwen3_30b_T8") * 4 / (2 * 64 * 256)
-    fc2 = _moe_loop("moe_fp4_fc2_qwen3_30b_T8") * 4 / (128 * 256)
+    counts of the moe_fp4_* kernels that serve T = 8; row tiles = touched experts + floor(64 /
+    16)."""
+    fc1 = _moe_loop("fc1", "qwen3_30b", 8) * 4 / (2 * 64 * 256)
+    fc2 = _moe_loop("fc2", "qwen3_30b", 8) * 4 / (128 * 256)
     rows = {(r["gpu"], r["shape"], r["T"]): r for r in doc["moe"]}
     r = rows[("rtx_5060_ti", "qwen3_30b", 8)]
     assert r["warp_instructions_per_weight"] == pytest.approx([fc1, fc2])
@@ -103,24 +110,36 @@ def test_moe_rows_run_both_gemms_on_the_fp4_counts(doc):
     assert "fp4" in r["path"] and r["bf16_mma_predicted_us"] > 0
 
 
-def test_moe_tiles_nobody_compiled_have_no_count_and_say_so(doc):
-    """At T = 1 FC2 runs 16 x 64 x 256 tiles, compiled for neither layer: no stand-in count,
-    no FC2 issue time, and the row names the missing tiles."""
-    rows = {(r["gpu"], r["shape"], r["T"]): r for r in doc["moe"]}
-    r = rows[("rtx_5060_ti", "qwen3_30b", 1)]
-    assert r["warp_instructions_per_weight"][1] is None
-    assert "no FP4 SASS count" in r["ipw_from"][1] and "'block_n': 64" in r["ipw_from"][1]
-    fc1 = _moe_loop("moe_fp4_fc1_qwen3_30b_T8") * 4 / (2 * 64 * 256)
+def test_moe_tiles_nobody_compiled_have_no_count_and_say_so():
+    """Without the FC2 kernel of T = 1 (16 x 64 x 256 tiles) in the counts, qwen3_30b's T = 1
+    FC2 gets no stand-in count (not the 16 x 128 x 256 kernel's) and no issue time, and says
+    which tiles are missing."""
+    from nvfp4_jax.moe.configs import default_config
+
+    sm = _load("sm12x_model")
+    kept = [s for s in sm.load_fp4_sass(os.path.join(RESULTS, "moe-fp4mma-sm12x-compile.json"))
+            if s["moe"] != {"layer": "qwen3_30b", "gemm": "fc2", "T": 1}]
+    cfg = default_config(8, 128, inter=768, hidden=2048, gated=True, mma="fp4")
+    assert cfg.fc2.block_n == 64 and cfg.fc2.block_k == 256
+    ipw, how, _ = sm.fp4_ipw_for(kept, dict(cfg.fc2.__dict__),
+                                 {"layer": "qwen3_30b", "gemm": "fc2"})
+    assert ipw is None and "no FP4 SASS count" in how and "'block_n': 64" in how
+
+    def counts(gemm, c):
+        return sm.fp4_ipw_for(kept, c, {"layer": "qwen3_30b", "gemm": gemm})[:2]
+
+    total = sm.moe_layer(sm.GPUS["rtx_5060_ti"], sm.MOE_SHAPES["qwen3_30b"], 1, cfg, counts)
+    assert total["ipw"][1] is None and "no FP4 SASS count" in total["from"][1]
+    fc1 = _moe_loop("fc1", "qwen3_30b", 1) * 4 / (2 * 64 * 256)
     tiles = 8 + 8 // 16  # T = 1 touches exactly top_k experts
-    assert r["predicted_t_issue_us"] == pytest.approx(tiles * 1536 * 2048 * fc1 / ISSUE_5060 * 1e6)
+    assert total["t_issue"] == pytest.approx(tiles * 1536 * 2048 * fc1 / ISSUE_5060)
 
 
 def test_unrolled_k_loop_counts_the_whole_kernel_per_step():
-    """pip Triton unrolled nemotron FC1 at T = 8 (4 K steps, no loop): per weight = the whole
+    """pip Triton unrolled nemotron FC1 at T <= 64 (4 K steps, no loop): per weight = the whole
     kernel's instructions x 4 warps / (4 steps x 128 x 256 weights)."""
     sm = _load("sm12x_model")
-    (e,) = [e for e in _stored("moe-fp4mma-sm12x-compile.json")
-            if e["kernel"] == "moe_fp4_fc1_nemotron_T8"]
+    e = _moe_entry("fc1", "nemotron", 8)
     assert e["pip_sm120"]["k_loop"] == "unrolled"
     ipw, how = sm.fp4_build_ipw(e, e["pip_sm120"])
     assert ipw == pytest.approx(e["pip_sm120"]["n_instructions"] * 4 / (4 * 128 * 256))

@@ -248,6 +248,16 @@ def timed_loop(layer, refresh=None, inner_rounds: int | None = None):
     return run
 
 
+def wall_s(run, hidden, ids, wts, params, n: int, reps: int) -> float:
+    """Median wall time (s) of ``reps`` calls of ``run`` with ``n`` outer iterations."""
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        run(hidden, ids, wts, n, params).block_until_ready()
+        ts.append(time.perf_counter() - t0)
+    return float(np.median(ts))
+
+
 def measure(run, hidden, ids, wts, params, budget_s=1.0, reps=3):
     """Per-layer device time (us) and the number of layers timed.
 
@@ -260,12 +270,7 @@ def measure(run, hidden, ids, wts, params, budget_s=1.0, reps=3):
     per_iter = getattr(run, "layers_per_iter", NROT)
 
     def t_of(n, r):
-        ts = []
-        for _ in range(r):
-            t0 = time.perf_counter()
-            run(hidden, ids, wts, n, params).block_until_ready()
-            ts.append(time.perf_counter() - t0)
-        return float(np.median(ts))
+        return wall_s(run, hidden, ids, wts, params, n, r)
 
     run(hidden, ids, wts, 1, params).block_until_ready()  # compile + warm
     t1 = t_of(1, 1)
@@ -342,12 +347,7 @@ def make_moe_timer(run, hidden, ids, wts, params, *, target_s: float = 0.05, rep
     per_iter = getattr(run, "layers_per_iter", NROT)
 
     def t_of(n, r):
-        ts = []
-        for _ in range(r):
-            t0 = time.perf_counter()
-            run(hidden, ids, wts, n, params).block_until_ready()
-            ts.append(time.perf_counter() - t0)
-        return float(np.median(ts))
+        return wall_s(run, hidden, ids, wts, params, n, r)
 
     run(hidden, ids, wts, 1, params).block_until_ready()  # compile + warm
     t1 = t_of(1, 1)

@@ -2,7 +2,7 @@
 # GPU tests and both benchmarks on a GPU machine, each step under its own timeout; everything
 # lands under $OUT (run.log plus each tool's JSON/PNG/text).
 # Usage: NVFP4_COMMIT=<hash> STEPS="tests gemm moe" bash bench/run_gpu.sh
-# Steps: tests tests_ieee selftest gemm moe proxy qdiv e2e candidates mcand profile ncu mncu
+# Steps: tests tests_ieee selftest gemm moe proxy qdiv e2e candidates mcand profile eprof ncu mncu
 # (default "tests gemm moe").
 #   tests:   every test marked gpu (TEST_FILES: module names or paths,
 #            split at spaces; TEST_K: a pytest -k expression), without XLA flags as a user runs
@@ -29,6 +29,8 @@
 #   qdiv:    nvfp4_jax.quantize with its exact division vs XLA's plain one (gemm_bench.py
 #            --quantize-division; QDIV_SIZES: M x K list); T_QDIV seconds (120).
 #   profile: bench/moe_profile.py, per-kernel device time of one MoE layer (PROFILE_CASES).
+#   eprof:   bench/e2e_profile.py, a decoder's batch-1 step by kernel, stacked against unrolled
+#            layers (EPROF_ARGS, e.g. "--layers 4"; OUT/e2e-profile.json); T_EPROF seconds (240).
 #   ncu:     Nsight Compute on the Mosaic GEMM (bench/mosaic_ncu.py, NCU_SHAPES).
 #   mncu:    Nsight Compute on one MoE layer's kernels (bench/moe_ncu.py, MNCU_CASES).
 # bench/merge_results.py merges a partial run into the committed JSON. Pass NVFP4_COMMIT when
@@ -104,6 +106,10 @@ for s in $STEPS; do
       step "quantize: exact division vs XLA's plain division (XLA_FLAGS='${XLA_FLAGS:-}')"
       timeout "${T_QDIV:-120}" python3 bench/gemm_bench.py --quantize-division --out "$OUT" \
         --shapes "${QDIV_SIZES:-}" 2>&1 | grep -v Warning | tail -30 | tee -a "$OUT/run.log" ;;
+    eprof)
+      step "decoder step profile (no XLA flags; EPROF_ARGS='${EPROF_ARGS:-}')"
+      env -u XLA_FLAGS timeout "${T_EPROF:-240}" python3 bench/e2e_profile.py --out "$OUT" \
+        ${EPROF_ARGS:-} 2>&1 | grep -v Warning | tail -70 | tee -a "$OUT/run.log" ;;
     profile)
       step "moe profile"
       timeout "$T_PROFILE" python3 bench/moe_profile.py --out "$OUT" --reps 2 ${PROFILE_HLO:+--hlo} \

@@ -1,0 +1,123 @@
+"""Where does a decoder's batch-1 step go? Device kernels of ``models.decode_step`` from a
+profiler trace, stacked layers (``lax.scan``) against unrolled ones.
+
+Usage: python3 bench/e2e_profile.py --out DIR [--models llama-3-8b,qwen3-30b-a3b] [--layers 4]
+[--layouts scan,unrolled] [--steps 8] [--context 1024] [--tiny]
+
+For each model and layout: the random NVFP4 model of ``e2e_bench.build_model`` (``--layers``
+overrides its depth), ``--steps`` greedy decode steps at batch 1 under
+``jax.profiler.trace`` after a warm-up, and per step: the wall time, the device time summed over
+kernels ("busy"), first kernel start to last kernel end ("span"), kernel launches, and the
+kernels by device time. Busy against span says whether time goes to kernels or to gaps
+between them; span against wall whether the host keeps up. Writes DIR/e2e-profile.json.
+Without a GPU the trace holds no device events: the records say so and carry the wall time
+only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import e2e_bench  # noqa: E402
+from moe_profile import device_events, kernel_table  # noqa: E402
+from run_meta import run_metadata  # noqa: E402
+
+from nvfp4_jax import models  # noqa: E402
+
+LAYOUTS = ("scan", "unrolled")
+
+
+def profile_decode(model, context: int, steps: int) -> dict:
+    """``steps`` batch-1 greedy decode steps of ``model`` under the profiler (after two warm-up
+    steps): wall ms per step and the device kernels per step."""
+    cfg = model.config
+    cache = models.init_cache(cfg, 1, context + steps + 4)  # ``context`` tokens already cached
+    cache = dataclasses.replace(cache, length=jnp.asarray(context, jnp.int32))
+    tok = jnp.zeros((1,), jnp.int32)
+
+    def step(tok, cache):
+        logits, cache = models.decode_step(model, tok, cache)
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32), cache
+
+    for _ in range(2):
+        tok, cache = step(tok, cache)
+    jax.block_until_ready((tok, cache))
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d, create_perfetto_trace=True):
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                tok, cache = step(tok, cache)
+            jax.block_until_ready((tok, cache))
+            wall = (time.perf_counter() - t0) / steps
+        evs, tracks = device_events(d)
+    rows, busy, span = kernel_table(evs, steps)
+    rec = {"wall_ms_per_step": wall * 1e3, "device_events": len(evs), "tracks": tracks[:20]}
+    if not evs:
+        rec["note"] = f"no GPU device events in the trace ({jax.default_backend()} backend)"
+        return rec
+    rec.update({"busy_ms_per_step": busy / 1e3, "span_ms_per_step": span / 1e3,
+                "launches_per_step": sum(c for _, c, _ in rows),
+                "kernels": [{"name": n[:200], "us_per_step": u, "calls_per_step": c}
+                            for u, c, n in rows[:60]]})
+    return rec
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--models", default="llama-3-8b,qwen3-30b-a3b")
+    ap.add_argument("--layers", type=int, default=4, help="layers per model (0: full depth)")
+    ap.add_argument("--layouts", default=",".join(LAYOUTS))
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--tiny", action="store_true", help="tiny shapes (CPU smoke test)")
+    args = ap.parse_args(argv)
+    shapes = e2e_bench.TINY if args.tiny else e2e_bench.SHAPES
+    names = [m for m in args.models.split(",") if m]
+    layouts = [x for x in args.layouts.split(",") if x]
+    if not names or set(names) - set(shapes):
+        ap.error(f"--models: expected some of {list(shapes)}, got {args.models!r}")
+    if not layouts or set(layouts) - set(LAYOUTS):
+        ap.error(f"--layouts: expected some of {list(LAYOUTS)}, got {args.layouts!r}")
+    if args.layers < 0 or args.steps < 1 or args.context < 1:
+        ap.error("--layers: expected >= 0; --steps and --context: expected >= 1")
+    os.makedirs(args.out, exist_ok=True)
+    doc = {**run_metadata(), "backend": jax.default_backend(),
+           "settings": {"layers": args.layers, "steps": args.steps, "context": args.context,
+                        "batch": 1, "tiny": args.tiny}, "records": []}
+    path = os.path.join(args.out, "e2e-profile.json")
+    for name in names:
+        shape = {**shapes[name], **({"num_layers": args.layers} if args.layers else {})}
+        model = e2e_bench.build_model(e2e_bench.config_of(shape), "nvfp4")
+        for layout in layouts:
+            m = model.unstacked() if layout == "unrolled" else model
+            rec = {"model": name, "layout": layout, "layers": shape["num_layers"],
+                   **profile_decode(m, args.context, args.steps)}
+            doc["records"].append(rec)
+            print(f"{name} {layout} ({shape['num_layers']} layers): "
+                  f"{rec['wall_ms_per_step']:.3f} ms wall"
+                  + (f", {rec['busy_ms_per_step']:.3f} busy, {rec['span_ms_per_step']:.3f} span, "
+                     f"{rec['launches_per_step']:.0f} launches per step" if "kernels" in rec
+                     else f" ({rec['note']})"), flush=True)
+            for k in rec.get("kernels", [])[:12]:
+                print(f"    {k['us_per_step']:9.1f} us x{k['calls_per_step']:5.1f}  "
+                      f"{k['name'][:100]}", flush=True)
+            with open(path, "w") as f:
+                json.dump(doc, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

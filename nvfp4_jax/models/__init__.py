@@ -1,8 +1,9 @@
 """Compact NVFP4 decoders: Llama-style dense, Qwen3-MoE and the Nemotron-H hybrid (Mamba2,
 attention, MLP, relu2 MoE; ``nemotron_h``), loaded from ModelOpt HF exports.
 
-``load_model(dir)`` -> :class:`Model` (or :class:`NemotronHModel`); ``generate(model, prompt_ids, n)``; ``prefill`` and
-``decode_step`` (jitted) with a :class:`KVCache`; see ``decoder`` and ``loader``.
+``load_model(dir)`` -> :class:`Model` (or :class:`NemotronHModel`); ``generate(model,
+prompt_ids, n)``; ``prefill`` and ``decode_step`` (jitted) with a :class:`KVCache` (or
+:class:`HybridCache`); see ``decoder``, ``nemotron_h`` and ``loader``.
 ``shard_model(model, mesh)``: tensor and expert parallelism over a mesh axis (``sharding``).
 """
 

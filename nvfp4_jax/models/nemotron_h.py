@@ -166,7 +166,7 @@ class NemotronHConfig:
             n_groups=int(c.get("n_groups") or c.get("mamba_n_groups") or 1),
             conv_kernel=int(c.get("conv_kernel") or c.get("mamba_d_conv") or 4),
             use_conv_bias=bool(c.get("use_conv_bias", True)),
-            time_step_min=float(c.get("time_step_min", 0.001)),
+            time_step_min=float(c.get("time_step_min", c.get("mamba_dt_min", 0.001))),
             num_experts=int(c.get("n_routed_experts") or 0),
             num_experts_per_tok=int(c.get("num_experts_per_tok") or 0),
             moe_intermediate_size=int(c.get("moe_intermediate_size") or 0),

@@ -397,6 +397,22 @@ def test_cli_generate(checkpoint, model, tmp_path, capsys):
     assert "loaded layer 6/6" in capsys.readouterr().err
 
 
+def test_fp32_router_logits_are_fp32():
+    """nn.router_logits with a float32 router (Nemotron-H's gate): fp32(x) @ router in fp32,
+    not rounded to bf16 as a bf16 router's logits are."""
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.standard_normal((8, 64)), jnp.bfloat16)
+    w = rng.standard_normal((4, 64)).astype(np.float32)
+    want = np.asarray(x, np.float64) @ w.astype(np.float64).T
+    fc = NVFP4Array.from_parts(jnp.zeros((4, 16, 32), jnp.uint8),
+                               jnp.ones((4, 16, 4), jnp.float8_e4m3fn), jnp.ones(4, jnp.float32))
+    s = jnp.ones(4, jnp.float32)
+    got = np.asarray(nn.router_logits(nn.MoE(jnp.asarray(w), fc, fc, s, s), x), np.float64)
+    np.testing.assert_allclose(got, want, rtol=2.0**-20, atol=1e-5)
+    b16 = np.asarray(nn.router_logits(nn.MoE(jnp.asarray(w, jnp.bfloat16), fc, fc, s, s), x))
+    assert np.abs(b16 - want).max() > 100 * np.abs(got - want).max()
+
+
 def test_unsupported_configs_raise():
     base = {**TINY, "model_type": "nemotron_h"}
     with pytest.raises(ValueError, match="group-limited"):

@@ -5,6 +5,9 @@ O: Mamba2, MoE, attention, MLP, Mamba2, MoE; 4 relu2 experts, top-2, a shared ex
 sigmoid routing with a random ``e_score_correction_bias`` and ``routed_scaling_factor`` 2.5;
 HF's chunk size 8, so the 12-token prompt spans two of HF's chunks) quantized by ModelOpt
 itself on the CPU (``NVFP4_DEFAULT_CFG``, a short calibration, ``export_hf_checkpoint``).
+"random": the Mamba in_proj and conv weights scaled up (:func:`strengthen_ssm`) so that the
+SSM recurrence decides the Mamba outputs; "successor": HF's init with a circuit that decides
+every greedy token (:func:`imprint_successor`).
 
 Reference (:class:`NemotronHReference`): HF's model in float32 with every NVFP4 weight
 dequantized exactly (``oracle.dequantize``) and, for W4A4, each quantized linear's input
@@ -18,10 +21,13 @@ attention probabilities, logits), so ``d16 = HF_bf16 - HF_fp32`` over the B*T*V 
 measures the size of such errors on this model: ``max|ours - HF_fp32| <= c * max|d16|``
 (c = 2 for W4A16, 3 for W4A4 whose code flips make the error heavier-tailed) and
 ``rms(ours - HF_fp32) <= 1.5 * rms(d16)``. The Mamba recurrence in fp32 runs sequentially
-here and in chunks in HF: a difference at fp32 rounding, far below the bound.
+here and in chunks in HF: a difference at fp32 rounding, far below the bound. The random
+checkpoint's W4A4 logits move by two thirds of their range between HF's bf16 and fp32
+execution (its large Mamba activations flip many FP4 codes): too chaotic to bound usefully,
+so it is checked W4A16, and W4A4 on the successor checkpoint (logits of range ~7).
 
 Cache: our prefill of the first 8 tokens followed by single-token decode steps reproduces our
-own full-sequence logits within a quarter of that bound (the same computation, only XLA's
+own full-sequence logits (W4A16, random checkpoint) within a quarter of that bound (the same computation, only XLA's
 summation order for [B, T] vs [B, 1] differs); a cache that lost the Mamba conv or SSM state
 or the KV cache is off by the whole logit scale.
 
@@ -128,6 +134,26 @@ def imprint_successor(model) -> None:
 SUCCESSOR_PROMPT = np.asarray(SUCCESSOR_TOKENS)[np.random.default_rng(1).integers(0, 16, (1, 12))]
 
 
+def strengthen_ssm(model) -> None:
+    """Make the Mamba layers' state-space term matter: at HF's init (in_proj and conv1d
+    ~ N(0, 0.02^2), dt ~ 0.001-0.1) the SSM state is ~1e-3 and its term ``state @ C`` far
+    below the skip term ``D * x``, so a wrong recurrence (A, dt, the B/C groups, a lost SSM
+    state) would hide in the noise. in_proj x 10, conv1d x 25 (x, B, C, z, dt of order 1)
+    and dt ~ U(0.2, 1) give both terms the same order; A = -exp(A_log) stays HF's
+    -1..-heads."""
+    import torch
+
+    with torch.no_grad():
+        for layer in model.model.layers:
+            mx = layer.mixer
+            if type(mx).__name__ != "NemotronHMamba2Mixer":
+                continue
+            mx.in_proj.weight.mul_(10.0)
+            mx.conv1d.weight.mul_(25.0)
+            dt = 0.2 + 0.8 * torch.rand(mx.dt_bias.shape, generator=torch.Generator().manual_seed(1))
+            mx.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # softplus^-1
+
+
 def make_checkpoint(path: str, seed: int = 0, init: float = 0.02,
                     successor: bool = False) -> str:
     """A random tiny Nemotron-H exported by ModelOpt NVFP4 into ``path``; ``successor``: with
@@ -149,6 +175,8 @@ def make_checkpoint(path: str, seed: int = 0, init: float = 0.02,
     if successor:
         imprint_successor(model)
         calib = torch.as_tensor(SUCCESSOR_TOKENS)[calib % len(SUCCESSOR_TOKENS)]
+    else:
+        strengthen_ssm(model)
 
     def forward_loop(m):
         with torch.no_grad():
@@ -330,8 +358,8 @@ def test_loader_keeps_weights_nvfp4(model, checkpoint):
     assert "qkv_proj" in model.layers[2]["self_attn"]  # one scale for q/k/v: fused
 
 
-@pytest.mark.parametrize("kind,w4a4", [("random", True), ("random", False),
-                                        ("successor", True), ("successor", False)])
+@pytest.mark.parametrize("kind,w4a4", [("random", False), ("successor", True),
+                                        ("successor", False)])
 def test_logits_match_hf_within_bound(checkpoints, reference, kind, w4a4):
     ids = PROMPT if kind == "random" else np.concatenate([SUCCESSOR_PROMPT] * 2)
     r32, bound, rms_bound = _bound(reference, w4a4, ids, kind)
@@ -348,18 +376,20 @@ def test_logits_match_hf_within_bound(checkpoints, reference, kind, w4a4):
 def test_prefill_then_decode_equals_full_forward(model, reference):
     seq = PROMPT
     t0 = 8
-    full = _ours(model, seq, True)
+    full = _ours(model, seq, False)
     cache = models.init_cache(model.config, seq.shape[0], seq.shape[1])
     logits, cache = models.prefill(model, jnp.asarray(seq[:, :t0], jnp.int32), cache,
-                                   all_logits=True)
+                                   all_logits=True, w4a4=False)
     steps = [np.asarray(logits, np.float64)]
     for i in range(t0, seq.shape[1]):
-        step, cache = models.decode_step(model, jnp.asarray(seq[:, i], jnp.int32), cache)
+        step, cache = models.decode_step(model, jnp.asarray(seq[:, i], jnp.int32), cache,
+                                         w4a4=False)
         steps.append(np.asarray(step, np.float64)[:, None])
     got = np.concatenate(steps, axis=1)
     assert int(cache.length) == seq.shape[1]
-    _, bound, _ = _bound(reference, True, seq)
+    _, bound, _ = _bound(reference, False, seq)
     err = float(np.abs(got - full).max())
+    print(f"\nNemotron-H prefill + decode vs full forward: {err:.3g} (bound / 4 {bound / 4:.3g})")
     assert err <= bound / 4, f"prefill + decode vs full forward: {err:.4g} > {bound / 4:.4g}"
 
 

@@ -397,8 +397,9 @@ def forward(model: Model, tokens: jax.Array, cache: KVCache, *, backend: str = "
             w4a4: bool = True, ablate: frozenset = frozenset()) -> tuple[jax.Array, KVCache]:
     """tokens int32 [B, T] at positions ``cache.length ..`` -> (fp32 logits [B, T, V], cache).
 
-    ``model``: a :class:`Model`, or a ``models.ShardedModel`` (``models.shard_model``: the
-    same forward on each device of a mesh axis, logits sharded on V).
+    ``model``: a :class:`Model`, a ``models.ShardedModel`` (``models.shard_model``: the
+    same forward on each device of a mesh axis, logits sharded on V), or a
+    ``models.NemotronHModel`` (its own ``forward``, with a ``models.HybridCache``).
 
     ``w4a4=False`` runs every dense linear W4A16 even where the checkpoint has an
     ``input_scale`` (the MoE experts always quantize their activations). ``ablate`` (for time
@@ -409,7 +410,7 @@ def forward(model: Model, tokens: jax.Array, cache: KVCache, *, backend: str = "
     bad = set(ablate) - {"attention", "moe", "dense"}
     if bad:
         raise ValueError(f"ablate: unknown parts {sorted(bad)}; expected attention, moe, dense")
-    if not isinstance(model, Model):  # models.sharding.ShardedModel: one shard_map of this
+    if not isinstance(model, Model):  # ShardedModel (one shard_map of this), NemotronHModel
         if not callable(getattr(model, "forward", None)):
             raise ValueError(f"model: expected a models.Model or models.ShardedModel, got "
                              f"{type(model).__name__}")

@@ -71,7 +71,8 @@ def linear(p: Linear | jax.Array, x: jax.Array, *, backend: str = "auto",
 class MoE:
     """A routed NVFP4 MoE layer (SwiGLU or relu2 experts).
 
-    router: bf16 [E, H] (kept in bf16, as ModelOpt exports it); fc1: NVFP4Array [E, R, H]
+    router: bf16 [E, H] (kept in bf16, as ModelOpt exports it) or float32 [E, H] (Nemotron-H's
+    fp32 gate, :func:`router_logits`); fc1: NVFP4Array [E, R, H]
     (R = 2I rows [up; gate] for swiglu, I for relu2), decode_scale [E]; fc2: NVFP4Array
     [E, H, I]; fc1_input_scale, fc2_input_scale: float32 [E] (ModelOpt ``input_scale``).
     correction_bias: float32 [E] for ``routing="sigmoid_bias"``, else None. Static: top_k,
@@ -94,7 +95,12 @@ class MoE:
 
 def router_logits(p: MoE | MoEBF16, x: jax.Array) -> jax.Array:
     """bf16 router ``x [T, H] @ router^T`` -> float32 [T, E] (fp32 accumulation, rounded to bf16
-    as a bf16 ``nn.Linear`` rounds it)."""
+    as a bf16 ``nn.Linear`` rounds it). A float32 router (Nemotron-H keeps its gate in fp32)
+    gives the fp32 product of fp32(x) and the router, unrounded, as HF computes it."""
+    if p.router.dtype == jnp.float32:
+        return jax.lax.dot_general(x.astype(jnp.float32), p.router, (((1,), (1,)), ((), ())),
+                                   precision=jax.lax.Precision.HIGHEST,
+                                   preferred_element_type=jnp.float32)
     y = jax.lax.dot_general(x, p.router, (((1,), (1,)), ((), ())),
                             preferred_element_type=jnp.float32)
     return y.astype(jnp.bfloat16).astype(jnp.float32)

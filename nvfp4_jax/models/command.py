@@ -29,7 +29,8 @@ def _ids(s: str) -> list[int]:
 def add_parser(sub) -> None:
     """Add the ``generate`` subcommand to an argparse subparsers object."""
     g = sub.add_parser(
-        "generate", help="generate with a ModelOpt NVFP4 checkpoint (Llama, Qwen3, Qwen3-MoE)",
+        "generate",
+        help="generate with a ModelOpt NVFP4 checkpoint (Llama, Qwen3, Qwen3-MoE, Nemotron-H)",
         description="Load a ModelOpt NVFP4 HF export (weights stay NVFP4), run a jitted prefill "
                     "and decode loop, print the generated text or ids and prefill/decode tokens "
                     "per second.")

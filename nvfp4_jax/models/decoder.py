@@ -106,12 +106,14 @@ def apply_rope(x: jax.Array, pos: jax.Array, inv_freq: jax.Array) -> jax.Array:
 # layers
 # --------------------------------------------------------------------------------------
 
-def _attention(cfg: DecoderConfig, p: dict, x: jax.Array, pos: jax.Array, k_all: jax.Array,
-               v_all: jax.Array, li, start: jax.Array, inv_freq: jax.Array, backend: str,
-               w4a4: bool, ablate: frozenset = frozenset()):
-    """x bf16 [B, T, H] at positions start..start+T-1; caches bf16 [L, B, S, KVH, D], this
-    layer's index ``li``. Returns (out bf16 [B, T, H], k_all, v_all), the caches updated in
-    place."""
+def attention(cfg: DecoderConfig, p: dict, x: jax.Array, pos: jax.Array, k_all: jax.Array,
+              v_all: jax.Array, li, start: jax.Array, inv_freq: jax.Array | None, backend: str,
+              w4a4: bool, ablate: frozenset = frozenset()):
+    """GQA attention of one layer. x bf16 [B, T, H] at positions ``pos`` int32 [B, T]
+    (start..start+T-1); caches bf16 [L, B, S, KVH, D], this layer's index ``li``; ``cfg``:
+    any config with num_heads, num_kv_heads, head_dim, qk_norm, rms_norm_eps. ``inv_freq``:
+    RoPE frequencies, or None for attention without RoPE (Nemotron-H). Returns (out bf16
+    [B, T, H], k_all, v_all), the caches updated in place."""
     b, t, _ = x.shape
     nh, kvh, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     lin = _linear_or_stub(ablate, backend, w4a4)
@@ -125,8 +127,9 @@ def _attention(cfg: DecoderConfig, p: dict, x: jax.Array, pos: jax.Array, k_all:
     if cfg.qk_norm:
         q = nn.rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
         k = nn.rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
-    q = apply_rope(q, pos, inv_freq)
-    k = apply_rope(k, pos, inv_freq)
+    if inv_freq is not None:
+        q = apply_rope(q, pos, inv_freq)
+        k = apply_rope(k, pos, inv_freq)
     if "attention" in ablate:  # no RoPE, cache or attention core: q + k + v stand in
         o = (q + jnp.repeat(k + v, nh // kvh, axis=2)).reshape(b, t, nh * d)
         return lin(p["o_proj"], o), k_all, v_all
@@ -180,8 +183,8 @@ def _mlp(p: dict, x: jax.Array, backend: str, w4a4: bool,
 
 def _layer(cfg, p, x, pos, k_all, v_all, li, start, inv_freq, backend, w4a4, ablate):
     h = nn.rms_norm(x, p["input_layernorm"], cfg.rms_norm_eps)
-    a, k_all, v_all = _attention(cfg, p["self_attn"], h, pos, k_all, v_all, li, start, inv_freq,
-                                 backend, w4a4, ablate)
+    a, k_all, v_all = attention(cfg, p["self_attn"], h, pos, k_all, v_all, li, start, inv_freq,
+                                backend, w4a4, ablate)
     x = x + a
     h = nn.rms_norm(x, p["post_attention_layernorm"], cfg.rms_norm_eps)
     if "moe" in p:
@@ -381,7 +384,10 @@ class KVCache:
 
 
 def init_cache(cfg: DecoderConfig, batch: int, max_len: int) -> KVCache:
-    """An empty cache for ``batch`` sequences of up to ``max_len`` tokens."""
+    """An empty cache for ``batch`` sequences of up to ``max_len`` tokens (for a config with
+    its own cache, e.g. ``models.NemotronHConfig``: ``cfg.init_cache(batch, max_len)``)."""
+    if not isinstance(cfg, DecoderConfig) and hasattr(cfg, "init_cache"):
+        return cfg.init_cache(batch, max_len)
     shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
     return KVCache(jnp.zeros(shape, jnp.bfloat16), jnp.zeros(shape, jnp.bfloat16),
                    jnp.zeros((), jnp.int32))
@@ -391,8 +397,9 @@ def forward(model: Model, tokens: jax.Array, cache: KVCache, *, backend: str = "
             w4a4: bool = True, ablate: frozenset = frozenset()) -> tuple[jax.Array, KVCache]:
     """tokens int32 [B, T] at positions ``cache.length ..`` -> (fp32 logits [B, T, V], cache).
 
-    ``model``: a :class:`Model`, or a ``models.ShardedModel`` (``models.shard_model``: the
-    same forward on each device of a mesh axis, logits sharded on V).
+    ``model``: a :class:`Model`, a ``models.ShardedModel`` (``models.shard_model``: the
+    same forward on each device of a mesh axis, logits sharded on V), or a
+    ``models.NemotronHModel`` (its own ``forward``, with a ``models.HybridCache``).
 
     ``w4a4=False`` runs every dense linear W4A16 even where the checkpoint has an
     ``input_scale`` (the MoE experts always quantize their activations). ``ablate`` (for time
@@ -403,7 +410,7 @@ def forward(model: Model, tokens: jax.Array, cache: KVCache, *, backend: str = "
     bad = set(ablate) - {"attention", "moe", "dense"}
     if bad:
         raise ValueError(f"ablate: unknown parts {sorted(bad)}; expected attention, moe, dense")
-    if not isinstance(model, Model):  # models.sharding.ShardedModel: one shard_map of this
+    if not isinstance(model, Model):  # ShardedModel (one shard_map of this), NemotronHModel
         if not callable(getattr(model, "forward", None)):
             raise ValueError(f"model: expected a models.Model or models.ShardedModel, got "
                              f"{type(model).__name__}")

@@ -1,7 +1,8 @@
 """Load a ModelOpt NVFP4 HF export directory into a :class:`~nvfp4_jax.models.decoder.Model`.
 
 The directory holds ``config.json`` (``architectures``: ``LlamaForCausalLM``,
-``MistralForCausalLM``, ``Qwen3ForCausalLM`` or ``Qwen3MoeForCausalLM``), ``hf_quant_config.json``
+``MistralForCausalLM``, ``Qwen3ForCausalLM``, ``Qwen3MoeForCausalLM`` or ``NemotronHForCausalLM``,
+the last read into a ``nemotron_h.NemotronHModel``), ``hf_quant_config.json``
 (or ``quantization_config`` in config.json) and one or more ``*.safetensors`` shards.
 Tensors are read lazily through ``nvfp4_jax.checkpoint`` (memory-mapped, one layer at a time)
 and put on the device as they are: NVFP4 codes and E4M3 scales stay NVFP4 (never dequantized),
@@ -24,17 +25,19 @@ from .. import checkpoint as ckpt
 from .. import nn
 from ..interop import modelopt as MO
 from ..quantize import NVFP4Array
-from .decoder import DecoderConfig, Model
+from .decoder import DecoderConfig, Model, fuse_projections
+from .nemotron_h import NemotronHConfig, NemotronHModel
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM",
-                 "Qwen3MoeForCausalLM")
+                 "Qwen3MoeForCausalLM", "NemotronHForCausalLM")
 
 
 def config_from_hf(c: dict) -> DecoderConfig:
     """A :class:`DecoderConfig` from an HF ``config.json`` dict (architectures in ARCHITECTURES)."""
     arch = (c.get("architectures") or [None])[0]
-    if arch not in ARCHITECTURES:
-        raise ValueError(f"config.json: architectures[0] is {arch!r}; supported: {ARCHITECTURES}")
+    if arch not in ARCHITECTURES or arch == "NemotronHForCausalLM":
+        raise ValueError(f"config.json: architectures[0] is {arch!r}; supported: "
+                         f"{ARCHITECTURES[:-1]} (NemotronHForCausalLM: NemotronHConfig.from_hf)")
     act = c.get("hidden_act", "silu")
     if act != "silu":
         raise ValueError(f"config.json: hidden_act {act!r} is not supported (silu)")
@@ -133,16 +136,19 @@ def _moe(r: _Reader, prefix: str, cfg: DecoderConfig) -> nn.MoE:
 
 
 def load_model(path: str, *, progress: Callable[[str], None] | None = None,
-               stack: bool = True, fuse: bool = True) -> Model:
+               stack: bool = True, fuse: bool = True) -> Model | NemotronHModel:
     """Read a ModelOpt NVFP4 export (see module docstring) into a Model on the default device.
 
     ``progress``: called with one line per loaded layer (e.g. ``print``); None for silence.
     ``stack``: stack layers of one structure for ``lax.scan`` (``Model.build``); stacking
     holds the layers twice on the device for a moment. ``fuse``: q/k/v and gate/up as one
     linear each where their scales agree (``decoder.fuse_projections``; ModelOpt exports make
-    them agree).
+    them agree). A ``NemotronHForCausalLM`` checkpoint gives a
+    :class:`~nvfp4_jax.models.nemotron_h.NemotronHModel` (layers unrolled; ``stack`` unused).
     """
     ck = ckpt.load(path)
+    if (ck.config.get("architectures") or [None])[0] == "NemotronHForCausalLM":
+        return _load_nemotron_h(ck, progress or (lambda msg: None), fuse)
     cfg = config_from_hf(ck.config)
     r = _Reader(ck)
     say = progress or (lambda msg: None)
@@ -176,6 +182,81 @@ def load_model(path: str, *, progress: Callable[[str], None] | None = None,
     if stack:
         say("stacking layers")
     return Model.build(cfg, embed, layers, norm, head, stack=stack, fuse=fuse)
+
+
+def _f32(r: _Reader, name: str) -> jax.Array:
+    a = np.asarray(r.ck.get(name))
+    if a.dtype == np.uint16:  # BF16 bytes
+        a = a.view(ml_dtypes.bfloat16)
+    return jnp.asarray(a.astype(np.float32))
+
+
+def _load_nemotron_h(ck: ckpt.Checkpoint, say: Callable[[str], None],
+                     fuse: bool) -> NemotronHModel:
+    """A Nemotron-H export (tensors under ``backbone.`` as NVIDIA and ModelOpt name them, or
+    ``model.``): NVFP4 linears stay NVFP4, the MoE router and correction bias float32, the
+    Mamba conv, A_log, D, dt_bias and norms as stored (bf16)."""
+    cfg = NemotronHConfig.from_hf(ck.config)
+    r = _Reader(ck)
+    base = "backbone" if "backbone.embeddings.weight" in r.names else "model"
+    embed = r.bf16(f"{base}.embeddings.weight")
+    layers = []
+    for i, kind in enumerate(cfg.layer_types):
+        pre = f"{base}.layers.{i}.mixer"
+        layer = {"norm": r.bf16(f"{base}.layers.{i}.norm.weight")}
+        if kind == "M":
+            m = {n: r.linear(f"{pre}.{n}") for n in ("in_proj", "out_proj")}
+            m["conv_weight"] = r.bf16(f"{pre}.conv1d.weight").reshape(cfg.conv_dim, -1)
+            if f"{pre}.conv1d.bias" in r.names:
+                m["conv_bias"] = r.bf16(f"{pre}.conv1d.bias")
+            for n in ("A_log", "D", "dt_bias"):
+                m[n] = r.bf16(f"{pre}.{n}")
+            m["norm"] = r.bf16(f"{pre}.norm.weight")
+            layer["mamba"] = m
+        elif kind == "*":
+            attn = {n: r.linear(f"{pre}.{n}") for n in ("q_proj", "k_proj", "v_proj", "o_proj")}
+            layer["self_attn"] = attn
+            if fuse:
+                layer = fuse_projections(layer)
+        elif kind == "-":
+            layer["mlp"] = {n: r.linear(f"{pre}.{n}") for n in ("up_proj", "down_proj")}
+        else:
+            layer["moe"] = {"routed": _moe_relu2(r, pre, cfg),
+                            "shared": {n: r.linear(f"{pre}.shared_experts.{n}")
+                                       for n in ("up_proj", "down_proj")}}
+        layers.append(layer)
+        say(f"loaded layer {i + 1}/{cfg.num_layers}")
+    norm = r.bf16(f"{base}.norm_f.weight")
+    if "lm_head.weight" in r.names:
+        head = r.linear("lm_head")
+    elif cfg.tie_word_embeddings:
+        head = embed
+    else:
+        raise ValueError("checkpoint: no lm_head.weight and tie_word_embeddings is false")
+    return NemotronHModel(embed, layers, norm, head, cfg)
+
+
+def _moe_relu2(r: _Reader, prefix: str, cfg: NemotronHConfig) -> nn.MoE:
+    fc1 = [r.ck.linear(f"{prefix}.experts.{e}.up_proj") for e in range(cfg.num_experts)]
+    fc2 = [r.ck.linear(f"{prefix}.experts.{e}.down_proj") for e in range(cfg.num_experts)]
+    for name, ls in (("up", fc1), ("down", fc2)):
+        if any(lin.input_scale is None for lin in ls):
+            raise ValueError(f"{prefix}.experts: {name}_proj without input_scale; nvfp4_jax.moe "
+                             "runs W4A4 experts only (TensorRT-LLM semantics)")
+
+    def stack(ls):
+        return _nvfp4(np.stack([lin.weight for lin in ls]),
+                      np.stack([lin.weight_scale for lin in ls]),
+                      np.array([lin.weight_scale_2 for lin in ls], np.float32))
+
+    bias = f"{prefix}.gate.e_score_correction_bias"
+    return nn.MoE(router=_f32(r, f"{prefix}.gate.weight"), fc1=stack(fc1), fc2=stack(fc2),
+                  fc1_input_scale=jnp.asarray([lin.input_scale for lin in fc1], jnp.float32),
+                  fc2_input_scale=jnp.asarray([lin.input_scale for lin in fc2], jnp.float32),
+                  correction_bias=_f32(r, bias) if bias in r.names else None,
+                  top_k=cfg.num_experts_per_tok, routing="sigmoid_bias",
+                  renormalize=cfg.norm_topk_prob,
+                  routed_scaling_factor=cfg.routed_scaling_factor, activation="relu2")
 
 
 def stderr_progress(msg: str) -> None:

@@ -23,6 +23,7 @@ import numpy as np
 from .. import checkpoint as ckpt
 from .. import nn
 from ..interop import modelopt as MO
+from ..models.checks import check_config_file, check_hf_config, check_tensors
 from ..quantize import NVFP4Array
 from .decoder import DecoderConfig, Model
 
@@ -38,6 +39,7 @@ def config_from_hf(c: dict) -> DecoderConfig:
     act = c.get("hidden_act", "silu")
     if act != "silu":
         raise ValueError(f"config.json: hidden_act {act!r} is not supported (silu)")
+    check_hf_config(c)
     n_layers = int(c["num_hidden_layers"])
     moe_layers: tuple[int, ...] = ()
     n_experts = int(c.get("num_experts") or c.get("num_local_experts") or 0)
@@ -142,9 +144,11 @@ def load_model(path: str, *, progress: Callable[[str], None] | None = None,
     linear each where their scales agree (``decoder.fuse_projections``; ModelOpt exports make
     them agree).
     """
+    check_config_file(path)
     ck = ckpt.load(path)
     cfg = config_from_hf(ck.config)
     r = _Reader(ck)
+    check_tensors(ck, cfg)
     say = progress or (lambda msg: None)
     embed = r.bf16("model.embed_tokens.weight")
     layers = []

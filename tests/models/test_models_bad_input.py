@@ -25,11 +25,11 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers")
 pytest.importorskip("modelopt.torch.quantization")
 
-from hf_reference import make_checkpoint  # noqa: E402
+from hf_reference import make_checkpoint
 
-from nvfp4_jax import checkpoint as C  # noqa: E402
-from nvfp4_jax import models  # noqa: E402
-from nvfp4_jax.cli import main  # noqa: E402
+from nvfp4_jax import checkpoint as C
+from nvfp4_jax import models
+from nvfp4_jax.cli import main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ST = "model.safetensors"
@@ -303,3 +303,150 @@ def test_load_model_refuses(pristine, tmp_path, case, kind, damage, needles):
     msg = str(exc.value)
     for n in needles:
         assert n in msg, f"{case}: {n!r} not in {msg!r}"
+
+
+def _bf16_linear(prefix, n, k):
+    """An excluded (unquantized) linear: a bf16 weight [n, k] and no scales."""
+    def fn(t):
+        for x in ("weight_scale", "weight_scale_2", "input_scale"):
+            t.pop(f"{prefix}.{x}")
+        t[f"{prefix}.weight"] = (np.full((n, k), 0x3C00, np.uint16), "BF16")  # bf16 1.0
+    return tensors(fn)
+
+
+def _untie(d):
+    drop("lm_head.weight")(d)
+    cfg(tie_word_embeddings=True)(d)
+
+
+#: unusual but valid exports: they load
+FINE = [
+    ("weight_scale-as-u8", "dense", retype(f"{L0}.mlp.up_proj.weight_scale", "U8", np.uint8)),
+    ("excluded-linear-bf16", "dense", _bf16_linear(f"{L0}.self_attn.q_proj", 64, 64)),
+    ("tied-lm-head", "dense", _untie),
+    ("head_dim-derived", "moe", cfg(head_dim=None)),
+    ("quant-config-in-config-json", "dense", rm("hf_quant_config.json")),
+]
+
+
+@pytest.mark.parametrize("case,kind,damage", FINE, ids=[c[0] for c in FINE])
+def test_load_model_accepts_unusual_but_valid(pristine, tmp_path, case, kind, damage):
+    model = models.load_model(_damaged(pristine, tmp_path, kind, damage), stack=False)
+    assert model.config.vocab_size == 256 and model.config.hidden_size == 64
+
+
+# ---------------------------------------------------------------------------------------
+# generate: arguments checked before the cache is allocated or anything compiles
+# ---------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def dense_model(pristine):
+    return models.load_model(pristine["dense"])
+
+
+GEN_CASES = [
+    ("id-at-vocab", {"prompt": [[1, 256]]}, ["prompt", "[0, 256)", "got 256"]),
+    ("id-negative", {"prompt": [[-1, 2]]}, ["prompt", "got -1"]),
+    ("id-huge", {"prompt": [[10**30]]}, ["prompt", "int token ids"]),
+    ("ids-float", {"prompt": np.array([[1.5, 2.0]])}, ["prompt", "float64"]),
+    ("prompt-empty", {"prompt": np.zeros((1, 0), np.int32)}, ["prompt", "T >= 1"]),
+    ("prompt-1d", {"prompt": np.array([1, 2])}, ["prompt", "[B, T]"]),
+    ("new-zero", {"max_new_tokens": 0}, ["max_new_tokens", ">= 1"]),
+    ("new-negative", {"max_new_tokens": -3}, ["max_new_tokens", ">= 1"]),
+    ("new-float", {"max_new_tokens": 2.5}, ["max_new_tokens", "integer"]),
+    ("new-beyond-positions", {"max_new_tokens": 255}, ["max_position_embeddings (256)",
+                                                       "at most 253"]),
+    ("new-absurd", {"max_new_tokens": 10**12}, ["max_position_embeddings"]),
+    ("temperature-negative", {"temperature": -0.5}, ["temperature", ">= 0"]),
+    ("temperature-nan", {"temperature": float("nan")}, ["temperature", "nan"]),
+    ("temperature-inf", {"temperature": float("inf")}, ["temperature", "inf"]),
+]
+
+
+@pytest.mark.parametrize("case,kw,needles", GEN_CASES, ids=[c[0] for c in GEN_CASES])
+def test_generate_refuses(dense_model, case, kw, needles):
+    args = {"prompt": [[1, 2, 3]], "max_new_tokens": 4, **kw}
+    with pytest.raises(ValueError) as exc:
+        models.generate(dense_model, args.pop("prompt"), args.pop("max_new_tokens"), **args)
+    for n in needles:
+        assert n in str(exc.value), f"{case}: {n!r} not in {str(exc.value)!r}"
+
+
+def test_generate_accepts_the_last_position(dense_model):
+    """prompt + new tokens == max_position_embeddings is allowed (the boundary)."""
+    gen = models.generate(dense_model, [[1, 2, 3] * 83 + [4]], 6, warmup=False)
+    assert gen.tokens.shape == (1, 6)
+
+
+def test_sample_refuses_non_finite_temperature():
+    logits = np.zeros((1, 8), np.float32)
+    for t in (float("nan"), float("inf"), -1.0):
+        with pytest.raises(ValueError, match="temperature"):
+            models.sample(logits, None, t)
+
+
+# ---------------------------------------------------------------------------------------
+# nvfp4 generate: exit 2, one line on stderr, no traceback
+# ---------------------------------------------------------------------------------------
+
+def _save_char_tokenizer(path: str) -> None:
+    """A character-level tokenizer over 256 ids, built offline."""
+    from tokenizers import Tokenizer, pre_tokenizers
+    from tokenizers.models import WordLevel
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {chr(0x100 + i): i for i in range(255)}
+    vocab["<unk>"] = 255
+    tk = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>").save_pretrained(path)
+
+
+def _last_line_error(capsys) -> str:
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    lines = [ln for ln in err.strip().splitlines() if not ln.startswith("nvfp4: ")]  # progress
+    assert len(lines) == 1 and lines[0].startswith("nvfp4 generate: "), err
+    return lines[0]
+
+
+CLI_CASES = [
+    ("new-zero", ["--prompt-ids", "1,2", "--max-new-tokens", "0"], "--max-new-tokens"),
+    ("new-beyond-positions", ["--prompt-ids", "1,2", "--max-new-tokens", "300"],
+     "max_position_embeddings (256)"),
+    ("temperature-nan", ["--prompt-ids", "1,2", "--temperature", "nan"], "--temperature"),
+    ("id-at-vocab", ["--prompt-ids", "7,256", "--max-new-tokens", "2"], "[0, 256)"),
+    ("json-no-dir", ["--prompt-ids", "1", "--json", "/nonexistent-dir/x.json"], "--json"),
+    ("prompt-no-tokenizer", ["--prompt", "hi"], "needs a tokenizer"),
+]
+
+
+@pytest.mark.parametrize("case,argv,needle", CLI_CASES, ids=[c[0] for c in CLI_CASES])
+def test_cli_generate_refuses(pristine, capsys, case, argv, needle):
+    assert main(["generate", "--checkpoint", pristine["dense"], *argv]) == 2
+    assert needle in _last_line_error(capsys)
+
+
+def test_cli_generate_refuses_missing_dir_empty_prompt_and_damaged_checkpoint(
+        pristine, tmp_path, capsys):
+    assert main(["generate", "--checkpoint", str(tmp_path / "nope"), "--prompt-ids", "1"]) == 2
+    assert "not a directory" in _last_line_error(capsys)
+    d = _damaged(pristine, tmp_path, "dense", drop(f"{L0}.mlp.up_proj.weight_scale_2"))
+    _save_char_tokenizer(d)
+    assert main(["generate", "--checkpoint", d, "--prompt", ""]) == 2
+    assert "gives no tokens" in _last_line_error(capsys)
+    assert main(["generate", "--checkpoint", d, "--prompt", chr(0x101)]) == 2
+    assert f"{L0}.mlp.up_proj.weight_scale_2" in _last_line_error(capsys)
+
+
+def test_cli_generate_subprocess_exit_2_no_traceback(pristine, tmp_path):
+    """Through the interpreter: an absurd config (vocab 10^12) is refused from the headers,
+    with exit status 2 and exactly one stderr line."""
+    d = _damaged(pristine, tmp_path, "dense", cfg(vocab_size=10**12))
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    r = subprocess.run([sys.executable, "-m", "nvfp4_jax.cli", "generate", "--checkpoint", d,
+                        "--prompt-ids", "1,2"], capture_output=True, text=True, env=env,
+                       timeout=300, check=False)
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr and r.stderr.count("\n") == 1, r.stderr
+    assert "model.embed_tokens.weight" in r.stderr and "vocab_size = 1000000000000" in r.stderr

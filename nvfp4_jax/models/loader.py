@@ -7,7 +7,9 @@ Tensors are read lazily through ``nvfp4_jax.checkpoint`` (memory-mapped, one lay
 and put on the device as they are: NVFP4 codes and E4M3 scales stay NVFP4 (never dequantized),
 bf16 tensors stay bf16. A linear with ``weight_scale`` / ``weight_scale_2`` becomes an
 ``nn.Linear`` (W4A4 when it has ``input_scale``); one without (an excluded module) stays a
-bf16 weight.
+bf16 weight. Before any tensor is read, ``checks`` holds config.json and every tensor's
+presence, dtype and shape (from the safetensors headers) to the architecture and raises a
+``ValueError`` (``checkpoint.CheckpointError`` for a file) naming what is wrong.
 """
 
 from __future__ import annotations

@@ -216,14 +216,14 @@ def check_tensors(ck: ckpt.Checkpoint, cfg: DecoderConfig) -> None:
     e = _Expect(ck)
     w4a4 = str(((ck.quant_config or {}).get("quantization") or {}).get("quant_algo")).upper() \
         == "NVFP4"
+    conf = os.path.join(ck.path, "config.json")
     layers = _indices(e.names, r"model\.layers\.(\d+)\.")
     if not _is_range(layers, cfg.num_layers):
         extra = sorted(i for i in layers if i >= cfg.num_layers)
         at = f"holds model.layers.{extra[0]}" if extra else \
             f"has no model.layers.{min(set(range(len(layers) + 1)) - layers)}"
-        raise ckpt.CheckpointError(ck.path, None, f"config.json: num_hidden_layers is "
-                                   f"{cfg.num_layers} but the checkpoint {at} (layers "
-                                   f"{_span(layers)})")
+        raise ckpt.CheckpointError(conf, None, f"num_hidden_layers is {cfg.num_layers} but "
+                                   f"the checkpoint {at} (layers {_span(layers)})")
     h, v, d = ("hidden_size", cfg.hidden_size), ("vocab_size", cfg.vocab_size), cfg.head_dim
     q = ("num_attention_heads * head_dim", cfg.num_heads * d)
     kv = ("num_key_value_heads * head_dim", cfg.num_kv_heads * d)
@@ -243,9 +243,9 @@ def check_tensors(ck: ckpt.Checkpoint, cfg: DecoderConfig) -> None:
             m = f"{pre}.mlp"
             have = _indices(e.names, rf"{re.escape(m)}\.experts\.(\d+)\.")
             if not _is_range(have, cfg.num_experts):
-                raise ckpt.CheckpointError(ck.path, f"{m}.experts", f"config.json: num_experts "
-                                           f"is {cfg.num_experts} but the checkpoint has "
-                                           f"experts {_span(have)} ({len(have)})")
+                raise ckpt.CheckpointError(conf, None, f"num_experts is {cfg.num_experts} but "
+                                           f"the checkpoint has {m}.experts {_span(have)} "
+                                           f"({len(have)})")
             e.float_tensor(f"{m}.gate.weight", [("num_experts", cfg.num_experts), h])
             mi = ("moe_intermediate_size", cfg.moe_intermediate_size)
             for x in range(cfg.num_experts):

@@ -35,13 +35,13 @@ ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM",
 
 def config_from_hf(c: dict) -> DecoderConfig:
     """A :class:`DecoderConfig` from an HF ``config.json`` dict (architectures in ARCHITECTURES)."""
+    check_hf_config(c)
     arch = (c.get("architectures") or [None])[0]
     if arch not in ARCHITECTURES:
         raise ValueError(f"config.json: architectures[0] is {arch!r}; supported: {ARCHITECTURES}")
     act = c.get("hidden_act", "silu")
     if act != "silu":
         raise ValueError(f"config.json: hidden_act {act!r} is not supported (silu)")
-    check_hf_config(c)
     n_layers = int(c["num_hidden_layers"])
     moe_layers: tuple[int, ...] = ()
     n_experts = int(c.get("num_experts") or c.get("num_local_experts") or 0)

@@ -62,12 +62,19 @@ def _positive(c: dict, key: str, where: str = "") -> None:
         raise _bad(f"{where}{key}", "a finite number > 0", v)
 
 
-def check_hf_config(c: dict) -> None:
+def check_hf_config(c: dict, architectures: tuple[str, ...] = ()) -> None:
     """Raise ``ValueError`` naming the config.json key when a value the decoder reads has the
-    wrong type or range, or values disagree (heads and KV heads, experts and top-k)."""
+    wrong type or range, or values disagree (heads and KV heads, experts and top-k).
+
+    ``architectures``: where given, a config whose ``architectures[0]`` is not one of them is
+    left to the caller (which names the supported ones) after the type of ``architectures``
+    is checked.
+    """
     arch = c.get("architectures")
     if not (isinstance(arch, list) and arch and isinstance(arch[0], str)):
         raise _bad("architectures", "a list of class names, e.g. [\"LlamaForCausalLM\"]", arch)
+    if architectures and arch[0] not in architectures:
+        return
     for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads"):
         _int(c, key, required=True)
     if c["num_hidden_layers"] > MAX_LAYERS:  # the decoder lists its layers: bound them first

@@ -35,7 +35,7 @@ ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM",
 
 def config_from_hf(c: dict) -> DecoderConfig:
     """A :class:`DecoderConfig` from an HF ``config.json`` dict (architectures in ARCHITECTURES)."""
-    check_hf_config(c)
+    check_hf_config(c, ARCHITECTURES)
     arch = (c.get("architectures") or [None])[0]
     if arch not in ARCHITECTURES:
         raise ValueError(f"config.json: architectures[0] is {arch!r}; supported: {ARCHITECTURES}")

@@ -300,6 +300,12 @@ class Checkpoint:
             raise KeyError(f"checkpoint: no tensor {name!r}")
         return self._where[name].dtype(name)
 
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The shape of tensor ``name`` from its file's header (nothing is read)."""
+        if name not in self._where:
+            raise KeyError(f"checkpoint: no tensor {name!r}")
+        return self._where[name].shape(name)
+
     def get(self, name: str) -> np.ndarray:
         if name not in self._where:
             raise KeyError(f"checkpoint: no tensor {name!r}")

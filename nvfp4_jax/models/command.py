@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import sys
 import time
 
@@ -21,8 +23,9 @@ def _ids(s: str) -> list[int]:
     except ValueError as exc:
         msg = f"--prompt-ids: expected comma-separated ints, got {s!r}"
         raise argparse.ArgumentTypeError(msg) from exc
-    if not ids or min(ids) < 0:
-        raise argparse.ArgumentTypeError(f"--prompt-ids: expected non-negative ints, got {s!r}")
+    if not ids or min(ids) < 0 or max(ids) >= 2**31:
+        raise argparse.ArgumentTypeError(f"--prompt-ids: expected non-negative ints (below "
+                                         f"2^31), got {s!r}")
     return ids
 
 
@@ -59,15 +62,28 @@ def _tokenizer(path: str):
         return None
 
 
+def _problem(args) -> str | None:
+    """What is wrong with the options (checked before the checkpoint is read), or None."""
+    if args.max_new_tokens < 1:
+        return f"--max-new-tokens: expected an integer >= 1, got {args.max_new_tokens}"
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):
+        return f"--temperature: expected a finite number >= 0 (0: greedy), got {args.temperature}"
+    if not os.path.isdir(args.checkpoint):
+        return f"--checkpoint {args.checkpoint}: not a directory"
+    if args.json:
+        d = os.path.dirname(os.path.abspath(args.json))
+        if not os.path.isdir(d) or os.path.isdir(args.json) or not os.access(d, os.W_OK):
+            return f"--json {args.json}: cannot write there"
+    return None
+
+
 def run(args) -> int:
     """Execute ``nvfp4 generate``; returns the exit code (2 for bad input)."""
     from . import generate, load_model, stderr_progress
 
-    if args.max_new_tokens < 1:
-        print("nvfp4 generate: --max-new-tokens must be >= 1", file=sys.stderr)
-        return 2
-    if args.temperature < 0:
-        print("nvfp4 generate: --temperature must be >= 0", file=sys.stderr)
+    problem = _problem(args)
+    if problem:
+        print(f"nvfp4 generate: {problem}", file=sys.stderr)
         return 2
     tok = _tokenizer(args.checkpoint)
     if args.prompt is not None:
@@ -76,6 +92,9 @@ def run(args) -> int:
                   "transformers installed); pass --prompt-ids instead", file=sys.stderr)
             return 2
         ids = tok(args.prompt)["input_ids"]
+        if not ids:
+            print(f"nvfp4 generate: --prompt {args.prompt!r} gives no tokens", file=sys.stderr)
+            return 2
     else:
         ids = args.prompt_ids
     t0 = time.perf_counter()
@@ -85,7 +104,7 @@ def run(args) -> int:
         gen = generate(model, [ids], args.max_new_tokens, temperature=args.temperature,
                        seed=args.seed, backend=args.backend,
                        eos_id=getattr(tok, "eos_token_id", None))
-    except (FileNotFoundError, KeyError, ValueError) as exc:
+    except (OSError, KeyError, ValueError) as exc:
         print(f"nvfp4 generate: {exc}", file=sys.stderr)
         return 2
     new = [int(t) for t in gen.tokens[0]]

@@ -474,8 +474,8 @@ decode_step = jax.jit(_decode, static_argnames=("backend", "w4a4", "ablate"),
 def sample(logits: jax.Array, key: jax.Array | None, temperature: float = 0.0) -> jax.Array:
     """fp32 logits [B, V] -> int32 token ids [B]: argmax for ``temperature == 0``, else a draw
     from ``softmax(logits / temperature)``."""
-    if temperature < 0:
-        raise ValueError(f"temperature: expected >= 0, got {temperature}")
+    if not (math.isfinite(temperature) and temperature >= 0):
+        raise ValueError(f"temperature: expected a finite number >= 0, got {temperature}")
     if temperature == 0:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
     if key is None:
@@ -507,6 +507,28 @@ class Generation:
         return n / self.decode_s if self.decode_s > 0 else float("nan")
 
 
+def _check_generate_args(cfg: DecoderConfig, prompt, max_new_tokens, temperature) -> None:
+    """ValueError naming the argument of :func:`generate` that is out of range, before any
+    allocation: token ids, positions within ``max_position_embeddings``, the temperature."""
+    p = np.asarray(prompt)
+    if p.dtype.kind not in "iu" or p.ndim != 2 or p.size == 0:
+        raise ValueError(f"prompt: expected int token ids [B, T] with B, T >= 1, got {p.dtype} "
+                         f"{p.shape}")
+    if int(p.max()) >= cfg.vocab_size or int(p.min()) < 0:
+        bad = p[(p < 0) | (p >= cfg.vocab_size)]
+        raise ValueError(f"prompt: token ids must lie in [0, {cfg.vocab_size}) (vocab_size), "
+                         f"got {int(bad[0])}")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) \
+            or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens: expected an integer >= 1, got {max_new_tokens!r}")
+    if p.shape[1] + max_new_tokens > cfg.max_position_embeddings:
+        raise ValueError(f"max_new_tokens: {p.shape[1]} prompt tokens + {max_new_tokens} new "
+                         f"exceed max_position_embeddings ({cfg.max_position_embeddings}); "
+                         f"expected at most {cfg.max_position_embeddings - p.shape[1]}")
+    if not (math.isfinite(temperature) and temperature >= 0):
+        raise ValueError(f"temperature: expected a finite number >= 0, got {temperature}")
+
+
 def generate(model: Model, prompt: np.ndarray | jax.Array, max_new_tokens: int, *,
              temperature: float = 0.0, seed: int = 0, backend: str = "auto",
              w4a4: bool = True, warmup: bool = True, eos_id: int | None = None) -> Generation:
@@ -517,14 +539,9 @@ def generate(model: Model, prompt: np.ndarray | jax.Array, max_new_tokens: int, 
     stops early (checked every 8 tokens) once every sequence has produced ``eos_id``; tokens
     after a sequence's first ``eos_id`` are whatever the model produced next.
     """
+    _check_generate_args(model.config, prompt, max_new_tokens, temperature)
     prompt = jnp.asarray(prompt, jnp.int32)
-    if prompt.ndim != 2 or prompt.shape[1] < 1:
-        raise ValueError(f"prompt: expected int token ids [B, T] with T >= 1, got {prompt.shape}")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens: expected >= 1, got {max_new_tokens}")
     cfg = model.config
-    if int(jnp.max(prompt)) >= cfg.vocab_size or int(jnp.min(prompt)) < 0:
-        raise ValueError(f"prompt: token ids must lie in [0, {cfg.vocab_size})")
     b, t = prompt.shape
     max_len = t + max_new_tokens
     key = jax.random.key(seed)

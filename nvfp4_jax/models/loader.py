@@ -8,7 +8,9 @@ Tensors are read lazily through ``nvfp4_jax.checkpoint`` (memory-mapped, one lay
 and put on the device as they are: NVFP4 codes and E4M3 scales stay NVFP4 (never dequantized),
 bf16 tensors stay bf16. A linear with ``weight_scale`` / ``weight_scale_2`` becomes an
 ``nn.Linear`` (W4A4 when it has ``input_scale``); one without (an excluded module) stays a
-bf16 weight.
+bf16 weight. Before any tensor is read, ``checks`` holds config.json and every tensor's
+presence, dtype and shape (from the safetensors headers) to the architecture and raises a
+``ValueError`` (``checkpoint.CheckpointError`` for a file) naming what is wrong.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import numpy as np
 from .. import checkpoint as ckpt
 from .. import nn
 from ..interop import modelopt as MO
+from ..models.checks import check_config_file, check_hf_config, check_tensors
 from ..quantize import NVFP4Array
 from .decoder import DecoderConfig, Model, fuse_projections
 from .nemotron_h import NemotronHConfig, NemotronHModel
@@ -34,6 +37,7 @@ ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM",
 
 def config_from_hf(c: dict) -> DecoderConfig:
     """A :class:`DecoderConfig` from an HF ``config.json`` dict (architectures in ARCHITECTURES)."""
+    check_hf_config(c, ARCHITECTURES)
     arch = (c.get("architectures") or [None])[0]
     if arch not in ARCHITECTURES or arch == "NemotronHForCausalLM":
         raise ValueError(f"config.json: architectures[0] is {arch!r}; supported: "
@@ -146,11 +150,13 @@ def load_model(path: str, *, progress: Callable[[str], None] | None = None,
     them agree). A ``NemotronHForCausalLM`` checkpoint gives a
     :class:`~nvfp4_jax.models.nemotron_h.NemotronHModel` (layers unrolled; ``stack`` unused).
     """
+    check_config_file(path)
     ck = ckpt.load(path)
     if (ck.config.get("architectures") or [None])[0] == "NemotronHForCausalLM":
         return _load_nemotron_h(ck, progress or (lambda msg: None), fuse)
     cfg = config_from_hf(ck.config)
     r = _Reader(ck)
+    check_tensors(ck, cfg)
     say = progress or (lambda msg: None)
     embed = r.bf16("model.embed_tokens.weight")
     layers = []

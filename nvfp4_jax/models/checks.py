@@ -1,0 +1,270 @@
+"""Checks of a ModelOpt NVFP4 export before :func:`~nvfp4_jax.models.load_model` reads it.
+
+``check_config_file(path)``: the directory has a config.json. ``check_hf_config(c)``: the
+config.json keys the decoder reads have the right types and ranges and agree with each other
+(``ValueError`` naming ``config.json`` and the key). ``check_tensors(ck, cfg)``: every tensor
+the config implies is present with its dtype and shape, from the safetensors headers alone
+(nothing is read or allocated, so a config claiming a 10^12-token vocabulary costs nothing),
+the layers and experts in the files are the ones the config names, the quantization is NVFP4
+with 16-value blocks, and every NVFP4 linear has all its tensors (``weight``,
+``weight_scale``, ``weight_scale_2``, ``input_scale``); ``checkpoint.CheckpointError`` naming
+the file and tensor. Scale values (finite, positive, no E4M3 NaN byte) are checked as the
+tensors are read (``checkpoint.Checkpoint.linear``).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+
+from .. import checkpoint as ckpt
+from ..interop import modelopt as MO
+from .decoder import DecoderConfig
+
+#: safetensors dtypes of tensors the decoder holds in bf16 (cast on load)
+FLOAT_DTYPES = ("BF16", "F16", "F32")
+#: more layers than any decoder has: refused before the layer list is built
+MAX_LAYERS = 100_000
+#: NVFP4 block size: values per E4M3 block scale
+GROUP_SIZE = 16
+
+
+def check_config_file(path: str) -> None:
+    """Raise ``CheckpointError`` when the directory ``path`` has no config.json (a missing
+    directory is left to ``checkpoint.load``, which raises ``FileNotFoundError``)."""
+    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
+        raise ckpt.CheckpointError(os.path.join(path, "config.json"), None,
+                                   "missing: a ModelOpt HF export holds the model's config.json")
+
+
+def _bad(key: str, want: str, v) -> ValueError:
+    return ValueError(f"config.json: {key}: expected {want}, got {v!r}")
+
+
+def _int(c: dict, key: str, lo: int = 1, required: bool = False) -> int | None:
+    v = c.get(key)
+    if v is None:
+        if required:
+            raise ValueError(f"config.json: {key}: missing (expected an integer >= {lo})")
+        return None
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+        raise _bad(key, f"an integer >= {lo}", v)
+    return v
+
+
+def _positive(c: dict, key: str, where: str = "") -> None:
+    v = c.get(key)
+    if v is None:
+        return
+    if (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
+            or v <= 0):
+        raise _bad(f"{where}{key}", "a finite number > 0", v)
+
+
+def check_hf_config(c: dict, architectures: tuple[str, ...] = ()) -> None:
+    """Raise ``ValueError`` naming the config.json key when a value the decoder reads has the
+    wrong type or range, or values disagree (heads and KV heads, experts and top-k).
+
+    ``architectures``: where given, a config whose ``architectures[0]`` is not one of them is
+    left to the caller (which names the supported ones) after the type of ``architectures``
+    is checked.
+    """
+    arch = c.get("architectures")
+    if not (isinstance(arch, list) and arch and isinstance(arch[0], str)):
+        raise _bad("architectures", "a list of class names, e.g. [\"LlamaForCausalLM\"]", arch)
+    if architectures and arch[0] not in architectures:
+        return
+    for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads"):
+        _int(c, key, required=True)
+    if c["num_hidden_layers"] > MAX_LAYERS:  # the decoder lists its layers: bound them first
+        raise _bad("num_hidden_layers", f"at most {MAX_LAYERS}", c["num_hidden_layers"])
+    for key in ("num_key_value_heads", "head_dim", "intermediate_size", "num_experts_per_tok",
+                "moe_intermediate_size", "decoder_sparse_step", "max_position_embeddings"):
+        _int(c, key)
+    for key in ("num_experts", "num_local_experts"):
+        _int(c, key, lo=0)
+    for key in ("rms_norm_eps", "rope_theta"):
+        _positive(c, key)
+    for key in ("tie_word_embeddings", "norm_topk_prob"):
+        if key in c and not isinstance(c[key], bool):
+            raise _bad(key, "true or false", c[key])
+    only = c.get("mlp_only_layers")
+    if only is not None and not (isinstance(only, list)
+                                 and all(isinstance(i, int) for i in only)):
+        raise _bad("mlp_only_layers", "a list of layer indices", only)
+    _check_rope(c)
+    nh, kvh = c["num_attention_heads"], c.get("num_key_value_heads") or c["num_attention_heads"]
+    if nh % kvh:
+        raise ValueError(f"config.json: num_attention_heads ({nh}) must be a multiple of "
+                         f"num_key_value_heads ({kvh})")
+    if c.get("head_dim") is None and c["hidden_size"] % nh:
+        raise ValueError(f"config.json: hidden_size ({c['hidden_size']}) is not a multiple of "
+                         f"num_attention_heads ({nh}) and no head_dim is given")
+    n_exp = c.get("num_experts") or c.get("num_local_experts") or 0
+    if n_exp and c["architectures"][0] == "Qwen3MoeForCausalLM":
+        k = c.get("num_experts_per_tok")
+        if not k or k > n_exp:
+            raise _bad("num_experts_per_tok", f"1..{n_exp} (num_experts)", k)
+        _int(c, "moe_intermediate_size", required=True)
+
+
+def _check_rope(c: dict) -> None:
+    for key in ("rope_scaling", "rope_parameters"):
+        rs = c.get(key)
+        if rs is None:
+            continue
+        if not isinstance(rs, dict):
+            raise _bad(key, "an object", rs)
+        _positive(rs, "rope_theta", f"{key}.")
+        kind = rs.get("rope_type", rs.get("type", "default"))
+        if kind not in ("default", "llama3"):
+            raise _bad(f"{key}.rope_type", "'default' or 'llama3'", kind)
+        if kind == "llama3":
+            for k in ("factor", "low_freq_factor", "high_freq_factor",
+                      "original_max_position_embeddings"):
+                if k not in rs:
+                    raise ValueError(f"config.json: {key}.{k}: missing (llama3 rope)")
+                _positive(rs, k, f"{key}.")
+            if rs["high_freq_factor"] == rs["low_freq_factor"]:
+                raise ValueError(f"config.json: {key}: llama3 rope needs high_freq_factor != "
+                                 "low_freq_factor")
+
+
+def _indices(names, pattern: str) -> set[int]:
+    rx = re.compile(pattern)
+    return {int(m[1]) for m in map(rx.match, names) if m}
+
+
+def _is_range(ids: set[int], n: int) -> bool:
+    """``ids == set(range(n))`` without building the range (n may be absurd)."""
+    return len(ids) == n and (n == 0 or (min(ids) == 0 and max(ids) == n - 1))
+
+
+def _span(ids: set[int]) -> str:
+    return f"{min(ids)}..{max(ids)}" if ids else "none"
+
+
+def _check_quant(ck: ckpt.Checkpoint) -> None:
+    q = (ck.quant_config or {}).get("quantization") or {}
+    file = os.path.join(ck.path, MO.QUANT_CONFIG_FILE)
+    if not os.path.exists(file):
+        file = os.path.join(ck.path, "config.json")
+    sizes = [("group_size", q.get("group_size"))]
+    for g, spec in (q.get("config_groups") or {}).items():
+        for part in ("weights", "input_activations"):
+            v = (spec or {}).get(part) or {}
+            if isinstance(v, dict):
+                sizes.append((f"config_groups.{g}.{part}.group_size", v.get("group_size")))
+    for key, v in sizes:
+        if v is not None and v != GROUP_SIZE:
+            raise ckpt.CheckpointError(file, None, f"{key} is {v!r}; NVFP4 has one E4M3 scale "
+                                       f"per {GROUP_SIZE} values")
+
+
+class _Expect:
+    """Collects the first mismatch between the tensors the config implies and the files."""
+
+    def __init__(self, ck: ckpt.Checkpoint):
+        self.ck = ck
+        self.names = set(ck.names())
+
+    def fail(self, name: str, reason: str):
+        file = self.ck.file_of(name) if name in self.names else self.ck.path
+        raise ckpt.CheckpointError(file, name, reason)
+
+    def has(self, name: str, what: str) -> None:
+        if name not in self.names:
+            self.fail(name, f"missing ({what})")
+
+    def float_tensor(self, name: str, dims: list[tuple[str, int]]) -> None:
+        want = [n for _, n in dims]
+        what = "[" + ", ".join(f"{k} = {n}" for k, n in dims) + "]"
+        self.has(name, f"expected a float tensor {what}")
+        dt, shape = self.ck.dtype(name), list(self.ck.shape(name))
+        if dt not in FLOAT_DTYPES:
+            self.fail(name, f"dtype {dt}, expected one of {', '.join(FLOAT_DTYPES)}")
+        if shape != want:
+            self.fail(name, f"shape {shape}, expected {want} ({what} from config.json)")
+
+    def linear(self, prefix: str, dims: list[tuple[str, int]], w4a4: bool) -> None:
+        """An NVFP4 linear (codes U8 [N, K/2], E4M3 scales [N, K/16], scalars) or, without
+        ``weight_scale``/``weight_scale_2`` and with a float weight, a bf16 weight [N, K]."""
+        (nk, n), (kk, k) = dims
+        w, s, s2 = (f"{prefix}.{x}" for x in (MO.WEIGHT, MO.WEIGHT_SCALE, MO.WEIGHT_SCALE_2))
+        what = f"[{nk} = {n}, {kk} = {k}]"
+        self.has(w, f"expected the weight of a {what} linear")
+        nvfp4 = s in self.names or s2 in self.names or self.ck.dtype(w) == "U8"
+        if not nvfp4:
+            self.float_tensor(w, dims)
+            return
+        for name, part in ((s, "its E4M3 block scales"), (s2, "its weight_scale_2")):
+            self.has(name, f"{w} is NVFP4 ({self.ck.dtype(w)}), so it needs {part}")
+        ins = f"{prefix}.{MO.INPUT_SCALE}"
+        if w4a4 and ins not in self.names:
+            self.fail(ins, "missing: quant_algo NVFP4 is W4A4, every quantized linear has an "
+                           "input_scale")
+        if self.ck.dtype(w) != "U8":
+            self.fail(w, f"dtype {self.ck.dtype(w)}, expected U8 (packed E2M1 codes)")
+        if k % GROUP_SIZE:
+            self.fail(w, f"{kk} = {k} is not a multiple of {GROUP_SIZE}")
+        for name, want, kind in ((w, [n, k // 2], "packed E2M1 codes [N, K/2]"),
+                                 (s, [n, k // GROUP_SIZE], "E4M3 block scales [N, K/16]")):
+            shape = list(self.ck.shape(name))
+            if shape != want:
+                self.fail(name, f"shape {shape}, expected {want} ({kind} of a {what} linear "
+                                "from config.json)")
+
+
+def check_tensors(ck: ckpt.Checkpoint, cfg: DecoderConfig) -> None:
+    """Raise ``CheckpointError`` unless the checkpoint holds exactly the layers and experts of
+    ``cfg`` and every tensor the decoder reads, with its dtype and shape (headers only)."""
+    _check_quant(ck)
+    e = _Expect(ck)
+    w4a4 = str(((ck.quant_config or {}).get("quantization") or {}).get("quant_algo")).upper() \
+        == "NVFP4"
+    conf = os.path.join(ck.path, "config.json")
+    layers = _indices(e.names, r"model\.layers\.(\d+)\.")
+    if not _is_range(layers, cfg.num_layers):
+        extra = sorted(i for i in layers if i >= cfg.num_layers)
+        at = f"holds model.layers.{extra[0]}" if extra else \
+            f"has no model.layers.{min(set(range(len(layers) + 1)) - layers)}"
+        raise ckpt.CheckpointError(conf, None, f"num_hidden_layers is {cfg.num_layers} but "
+                                   f"the checkpoint {at} (layers {_span(layers)})")
+    h, v, d = ("hidden_size", cfg.hidden_size), ("vocab_size", cfg.vocab_size), cfg.head_dim
+    q = ("num_attention_heads * head_dim", cfg.num_heads * d)
+    kv = ("num_key_value_heads * head_dim", cfg.num_kv_heads * d)
+    e.float_tensor("model.embed_tokens.weight", [v, h])
+    for i in range(cfg.num_layers):
+        pre = f"model.layers.{i}"
+        for n in ("input_layernorm", "post_attention_layernorm"):
+            e.float_tensor(f"{pre}.{n}.weight", [h])
+        a = f"{pre}.self_attn"
+        for n, dims in (("q_proj", [q, h]), ("k_proj", [kv, h]), ("v_proj", [kv, h]),
+                        ("o_proj", [h, q])):
+            e.linear(f"{a}.{n}", dims, w4a4)
+        if cfg.qk_norm:
+            for n in ("q_norm", "k_norm"):
+                e.float_tensor(f"{a}.{n}.weight", [("head_dim", d)])
+        if i in cfg.moe_layers:
+            m = f"{pre}.mlp"
+            have = _indices(e.names, rf"{re.escape(m)}\.experts\.(\d+)\.")
+            if not _is_range(have, cfg.num_experts):
+                raise ckpt.CheckpointError(conf, None, f"num_experts is {cfg.num_experts} but "
+                                           f"the checkpoint has {m}.experts {_span(have)} "
+                                           f"({len(have)})")
+            e.float_tensor(f"{m}.gate.weight", [("num_experts", cfg.num_experts), h])
+            mi = ("moe_intermediate_size", cfg.moe_intermediate_size)
+            for x in range(cfg.num_experts):
+                for n, dims in (("gate_proj", [mi, h]), ("up_proj", [mi, h]),
+                                ("down_proj", [h, mi])):
+                    e.linear(f"{m}.experts.{x}.{n}", dims, True)
+        else:
+            mi = ("intermediate_size", cfg.intermediate_size)
+            for n, dims in (("gate_proj", [mi, h]), ("up_proj", [mi, h]), ("down_proj", [h, mi])):
+                e.linear(f"{pre}.mlp.{n}", dims, w4a4)
+    e.float_tensor("model.norm.weight", [h])
+    if "lm_head.weight" in e.names:
+        e.linear("lm_head", [v, h], w4a4)
+    elif not cfg.tie_word_embeddings:
+        e.fail("lm_head.weight", "missing, and config.json's tie_word_embeddings is false")

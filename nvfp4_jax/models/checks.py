@@ -62,6 +62,15 @@ def _positive(c: dict, key: str, where: str = "") -> None:
         raise _bad(f"{where}{key}", "a finite number > 0", v)
 
 
+def architecture(c: dict) -> str:
+    """``architectures[0]`` of a config.json dict; ``ValueError`` naming the key unless
+    ``architectures`` is a non-empty list of class names."""
+    arch = c.get("architectures")
+    if not (isinstance(arch, list) and arch and isinstance(arch[0], str)):
+        raise _bad("architectures", "a list of class names, e.g. [\"LlamaForCausalLM\"]", arch)
+    return arch[0]
+
+
 def check_hf_config(c: dict, architectures: tuple[str, ...] = ()) -> None:
     """Raise ``ValueError`` naming the config.json key when a value the decoder reads has the
     wrong type or range, or values disagree (heads and KV heads, experts and top-k).
@@ -70,10 +79,7 @@ def check_hf_config(c: dict, architectures: tuple[str, ...] = ()) -> None:
     left to the caller (which names the supported ones) after the type of ``architectures``
     is checked.
     """
-    arch = c.get("architectures")
-    if not (isinstance(arch, list) and arch and isinstance(arch[0], str)):
-        raise _bad("architectures", "a list of class names, e.g. [\"LlamaForCausalLM\"]", arch)
-    if architectures and arch[0] not in architectures:
+    if architectures and architecture(c) not in architectures:
         return
     for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads"):
         _int(c, key, required=True)

@@ -26,22 +26,26 @@ import numpy as np
 from .. import checkpoint as ckpt
 from .. import nn
 from ..interop import modelopt as MO
-from ..models.checks import check_config_file, check_hf_config, check_tensors
+from ..models.checks import architecture, check_config_file, check_hf_config, check_tensors
 from ..quantize import NVFP4Array
 from .decoder import DecoderConfig, Model, fuse_projections
 from .nemotron_h import NemotronHConfig, NemotronHModel
 
-ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM",
-                 "Qwen3MoeForCausalLM", "NemotronHForCausalLM")
+#: architectures of :class:`DecoderConfig` models
+DECODER_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM",
+                         "Qwen3MoeForCausalLM")
+#: every architecture ``load_model`` reads
+ARCHITECTURES = (*DECODER_ARCHITECTURES, "NemotronHForCausalLM")
 
 
 def config_from_hf(c: dict) -> DecoderConfig:
-    """A :class:`DecoderConfig` from an HF ``config.json`` dict (architectures in ARCHITECTURES)."""
-    check_hf_config(c, ARCHITECTURES)
-    arch = (c.get("architectures") or [None])[0]
-    if arch not in ARCHITECTURES or arch == "NemotronHForCausalLM":
+    """A :class:`DecoderConfig` from an HF ``config.json`` dict (``DECODER_ARCHITECTURES``)."""
+    check_hf_config(c, DECODER_ARCHITECTURES)
+    arch = architecture(c)
+    if arch not in DECODER_ARCHITECTURES:
         raise ValueError(f"config.json: architectures[0] is {arch!r}; supported: "
-                         f"{ARCHITECTURES[:-1]} (NemotronHForCausalLM: NemotronHConfig.from_hf)")
+                         f"{DECODER_ARCHITECTURES} (NemotronHForCausalLM: "
+                         "NemotronHConfig.from_hf)")
     act = c.get("hidden_act", "silu")
     if act != "silu":
         raise ValueError(f"config.json: hidden_act {act!r} is not supported (silu)")
@@ -152,7 +156,7 @@ def load_model(path: str, *, progress: Callable[[str], None] | None = None,
     """
     check_config_file(path)
     ck = ckpt.load(path)
-    if (ck.config.get("architectures") or [None])[0] == "NemotronHForCausalLM":
+    if architecture(ck.config) == "NemotronHForCausalLM":
         return _load_nemotron_h(ck, progress or (lambda msg: None), fuse)
     cfg = config_from_hf(ck.config)
     r = _Reader(ck)

@@ -10,6 +10,10 @@ with 16-value blocks, and every NVFP4 linear has all its tensors (``weight``,
 ``weight_scale``, ``weight_scale_2``, ``input_scale``); ``checkpoint.CheckpointError`` naming
 the file and tensor. Scale values (finite, positive, no E4M3 NaN byte) are checked as the
 tensors are read (``checkpoint.Checkpoint.linear``).
+
+``check_nemotron_h_config(c)`` and ``check_nemotron_h_tensors(ck, cfg)`` do the same for a
+``NemotronHForCausalLM`` export: the layer pattern and the sizes each layer type reads, then
+every tensor of each Mamba2, attention, MLP and MoE layer (under ``backbone.`` or ``model.``).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import re
 from .. import checkpoint as ckpt
 from ..interop import modelopt as MO
 from .decoder import DecoderConfig
+from .nemotron_h import LAYER_TYPES, NemotronHConfig
 
 #: safetensors dtypes of tensors the decoder holds in bf16 (cast on load)
 FLOAT_DTYPES = ("BF16", "F16", "F32")
@@ -270,6 +275,174 @@ def check_tensors(ck: ckpt.Checkpoint, cfg: DecoderConfig) -> None:
             for n, dims in (("gate_proj", [mi, h]), ("up_proj", [mi, h]), ("down_proj", [h, mi])):
                 e.linear(f"{pre}.mlp.{n}", dims, w4a4)
     e.float_tensor("model.norm.weight", [h])
+    if "lm_head.weight" in e.names:
+        e.linear("lm_head", [v, h], w4a4)
+    elif not cfg.tie_word_embeddings:
+        e.fail("lm_head.weight", "missing, and config.json's tie_word_embeddings is false")
+
+
+#: config.json integer keys a Nemotron-H layer type reads (besides vocab_size, hidden_size)
+_NH_REQUIRED = {"*": ("num_attention_heads",), "-": ("intermediate_size",),
+                "M": ("mamba_num_heads", "mamba_head_dim", "ssm_state_size"),
+                "E": ("n_routed_experts", "num_experts_per_tok", "moe_intermediate_size",
+                      "moe_shared_expert_intermediate_size")}
+
+
+def _nh_pattern(c: dict) -> str:
+    """The layer pattern ("M", "E", "*", "-" per layer) of a Nemotron-H config.json, as
+    ``NemotronHConfig.from_hf`` reads it: ``layers_block_type`` (or ``layer_types``), else
+    ``hybrid_override_pattern``."""
+    key = next((k for k in ("layers_block_type", "layer_types") if c.get(k) not in (None, [])),
+               None)
+    if key is not None:
+        types = c[key]
+        if not isinstance(types, list):
+            raise _bad(key, f"a list of {sorted(LAYER_TYPES)}", types)
+        if len(types) > MAX_LAYERS:
+            raise _bad(key, f"at most {MAX_LAYERS} layers", f"{len(types)} layers")
+        unknown = [t for t in types if not isinstance(t, str) or t not in LAYER_TYPES]
+        if unknown:
+            raise _bad(key, f"layer types among {sorted(LAYER_TYPES)}", unknown[0])
+        return "".join(LAYER_TYPES[t] for t in types)
+    pat = c.get("hybrid_override_pattern")
+    if pat is None:
+        raise ValueError("config.json: layers_block_type: missing (Nemotron-H needs "
+                         "layers_block_type or hybrid_override_pattern)")
+    if not isinstance(pat, str) or not pat:
+        raise _bad("hybrid_override_pattern", "a string of 'M', 'E', '*', '-'", pat)
+    if len(pat) > MAX_LAYERS:
+        raise _bad("hybrid_override_pattern", f"at most {MAX_LAYERS} layers",
+                   f"{len(pat)} layers")
+    bad = sorted({ch for ch in pat if ch not in "ME*-"})
+    if bad:
+        raise _bad("hybrid_override_pattern", "only 'M' (Mamba2), 'E' (MoE), '*' (attention), "
+                   f"'-' (MLP); it has {bad}", pat)
+    return pat
+
+
+def check_nemotron_h_config(c: dict) -> None:
+    """Raise ``ValueError`` naming the config.json key when a value the Nemotron-H model reads
+    has the wrong type or range, or values disagree: the layer pattern (``layers_block_type``
+    or ``hybrid_override_pattern``: known types only, as many as ``num_hidden_layers``), the
+    sizes each layer type in it reads, heads and KV heads, Mamba heads and ``n_groups``, experts
+    and top-k."""
+    for key in ("vocab_size", "hidden_size"):
+        _int(c, key, required=True)
+    pat = _nh_pattern(c)
+    n = _int(c, "num_hidden_layers")
+    if n is not None and n != len(pat):
+        raise ValueError(f"config.json: num_hidden_layers is {n} but the layer pattern names "
+                         f"{len(pat)} layers ({pat!r})")
+    for key in ("num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
+                "mamba_num_heads", "mamba_head_dim", "ssm_state_size", "n_groups",
+                "mamba_n_groups", "conv_kernel", "mamba_d_conv", "num_experts_per_tok",
+                "moe_intermediate_size", "moe_shared_expert_intermediate_size",
+                "max_position_embeddings", "n_group", "topk_group"):
+        _int(c, key)
+    _int(c, "n_routed_experts", lo=0)
+    for key in ("layer_norm_epsilon", "routed_scaling_factor"):
+        _positive(c, key)
+    t = c.get("time_step_min")
+    if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float))
+                          or not math.isfinite(t) or t < 0):
+        raise _bad("time_step_min", "a finite number >= 0", t)
+    for key in ("tie_word_embeddings", "norm_topk_prob", "use_conv_bias"):
+        if key in c and not isinstance(c[key], bool):
+            raise _bad(key, "true or false", c[key])
+    for letter in sorted(set(pat)):
+        for key in _NH_REQUIRED[letter]:
+            if not c.get(key):
+                raise ValueError(f"config.json: {key}: missing (expected an integer >= 1: the "
+                                 f"pattern has {letter!r} layers)")
+    if "*" in pat:
+        nh = c["num_attention_heads"]
+        kvh = c.get("num_key_value_heads") or nh
+        if nh % kvh:
+            raise ValueError(f"config.json: num_attention_heads ({nh}) must be a multiple of "
+                             f"num_key_value_heads ({kvh})")
+        if not c.get("head_dim") and c["hidden_size"] % nh:
+            raise ValueError(f"config.json: hidden_size ({c['hidden_size']}) is not a multiple "
+                             f"of num_attention_heads ({nh}) and no head_dim is given")
+    if "M" in pat:
+        g = c.get("n_groups") or c.get("mamba_n_groups") or 1
+        if c["mamba_num_heads"] % g:
+            raise ValueError(f"config.json: mamba_num_heads ({c['mamba_num_heads']}) must be a "
+                             f"multiple of n_groups ({g}): B and C are shared per group")
+    if "E" in pat:
+        e, k = c["n_routed_experts"], c["num_experts_per_tok"]
+        if k > e:
+            raise _bad("num_experts_per_tok", f"1..{e} (n_routed_experts)", k)
+
+
+def check_nemotron_h_tensors(ck: ckpt.Checkpoint, cfg: NemotronHConfig) -> None:
+    """Raise ``CheckpointError`` unless the checkpoint holds exactly the layers of ``cfg``'s
+    pattern and every tensor each layer type reads, with its dtype and shape (headers only),
+    under ``backbone.`` (NVIDIA's and ModelOpt's names) or ``model.``."""
+    _check_quant(ck)
+    e = _Expect(ck)
+    w4a4 = str(((ck.quant_config or {}).get("quantization") or {}).get("quant_algo")).upper() \
+        == "NVFP4"
+    conf = os.path.join(ck.path, "config.json")
+    base = "backbone" if "backbone.embeddings.weight" in e.names else "model"
+    layers = _indices(e.names, rf"{base}\.layers\.(\d+)\.")
+    if not _is_range(layers, cfg.num_layers):
+        extra = sorted(i for i in layers if i >= cfg.num_layers)
+        at = f"holds {base}.layers.{extra[0]}" if extra else \
+            f"has no {base}.layers.{min(set(range(len(layers) + 1)) - layers)}"
+        raise ckpt.CheckpointError(conf, None, f"the layer pattern names {cfg.num_layers} "
+                                   f"layers but the checkpoint {at} (layers {_span(layers)})")
+    h, v = ("hidden_size", cfg.hidden_size), ("vocab_size", cfg.vocab_size)
+    e.float_tensor(f"{base}.embeddings.weight", [v, h])
+    inner = ("mamba_num_heads * mamba_head_dim", cfg.mamba_inner)
+    heads = ("mamba_num_heads", cfg.mamba_num_heads)
+    cdim = ("conv_dim", cfg.conv_dim)
+    proj = ("2 * inner + 2 * n_groups * ssm_state_size + mamba_num_heads",
+            cfg.mamba_inner + cfg.conv_dim + cfg.mamba_num_heads)
+    q = ("num_attention_heads * head_dim", cfg.num_heads * cfg.head_dim)
+    kv = ("num_key_value_heads * head_dim", cfg.num_kv_heads * cfg.head_dim)
+    for i, kind in enumerate(cfg.layer_types):
+        e.float_tensor(f"{base}.layers.{i}.norm.weight", [h])
+        pre = f"{base}.layers.{i}.mixer"
+        if kind == "M":
+            e.linear(f"{pre}.in_proj", [proj, h], w4a4)
+            e.linear(f"{pre}.out_proj", [h, inner], w4a4)
+            conv, k = f"{pre}.conv1d.weight", ("conv_kernel", cfg.conv_kernel)
+            if not (conv in e.names and list(ck.shape(conv)) == [cdim[1], k[1]]):
+                e.float_tensor(conv, [cdim, ("depthwise", 1), k])  # HF's [C, 1, K] (or [C, K])
+            bias = f"{pre}.conv1d.bias"
+            if cfg.use_conv_bias:
+                e.float_tensor(bias, [cdim])
+            elif bias in e.names:
+                e.fail(bias, "present, but config.json's use_conv_bias is false")
+            for n in ("A_log", "D", "dt_bias"):
+                e.float_tensor(f"{pre}.{n}", [heads])
+            e.float_tensor(f"{pre}.norm.weight", [inner])
+        elif kind == "*":
+            for n, dims in (("q_proj", [q, h]), ("k_proj", [kv, h]), ("v_proj", [kv, h]),
+                            ("o_proj", [h, q])):
+                e.linear(f"{pre}.{n}", dims, w4a4)
+        elif kind == "-":
+            mi = ("intermediate_size", cfg.intermediate_size)
+            e.linear(f"{pre}.up_proj", [mi, h], w4a4)
+            e.linear(f"{pre}.down_proj", [h, mi], w4a4)
+        else:
+            ne = ("n_routed_experts", cfg.num_experts)
+            have = _indices(e.names, rf"{re.escape(pre)}\.experts\.(\d+)\.")
+            if not _is_range(have, cfg.num_experts):
+                raise ckpt.CheckpointError(conf, None, f"n_routed_experts is {cfg.num_experts} "
+                                           f"but the checkpoint has {pre}.experts "
+                                           f"{_span(have)} ({len(have)})")
+            e.float_tensor(f"{pre}.gate.weight", [ne, h])
+            if f"{pre}.gate.e_score_correction_bias" in e.names:
+                e.float_tensor(f"{pre}.gate.e_score_correction_bias", [ne])
+            mi = ("moe_intermediate_size", cfg.moe_intermediate_size)
+            for x in range(cfg.num_experts):
+                e.linear(f"{pre}.experts.{x}.up_proj", [mi, h], True)
+                e.linear(f"{pre}.experts.{x}.down_proj", [h, mi], True)
+            si = ("moe_shared_expert_intermediate_size", cfg.moe_shared_expert_intermediate_size)
+            e.linear(f"{pre}.shared_experts.up_proj", [si, h], w4a4)
+            e.linear(f"{pre}.shared_experts.down_proj", [h, si], w4a4)
+    e.float_tensor(f"{base}.norm_f.weight", [h])
     if "lm_head.weight" in e.names:
         e.linear("lm_head", [v, h], w4a4)
     elif not cfg.tie_word_embeddings:

@@ -26,7 +26,8 @@ import numpy as np
 from .. import checkpoint as ckpt
 from .. import nn
 from ..interop import modelopt as MO
-from ..models.checks import architecture, check_config_file, check_hf_config, check_tensors
+from ..models.checks import (architecture, check_config_file, check_hf_config,
+                             check_nemotron_h_config, check_nemotron_h_tensors, check_tensors)
 from ..quantize import NVFP4Array
 from .decoder import DecoderConfig, Model, fuse_projections
 from .nemotron_h import NemotronHConfig, NemotronHModel
@@ -206,7 +207,9 @@ def _load_nemotron_h(ck: ckpt.Checkpoint, say: Callable[[str], None],
     """A Nemotron-H export (tensors under ``backbone.`` as NVIDIA and ModelOpt name them, or
     ``model.``): NVFP4 linears stay NVFP4, the MoE router and correction bias float32, the
     Mamba conv, A_log, D, dt_bias and norms as stored (bf16)."""
+    check_nemotron_h_config(ck.config)
     cfg = NemotronHConfig.from_hf(ck.config)
+    check_nemotron_h_tensors(ck, cfg)
     r = _Reader(ck)
     base = "backbone" if "backbone.embeddings.weight" in r.names else "model"
     embed = r.bf16(f"{base}.embeddings.weight")

@@ -26,8 +26,14 @@ import numpy as np
 from .. import checkpoint as ckpt
 from .. import nn
 from ..interop import modelopt as MO
-from ..models.checks import (architecture, check_config_file, check_hf_config,
-                             check_nemotron_h_config, check_nemotron_h_tensors, check_tensors)
+from ..models.checks import (
+    architecture,
+    check_config_file,
+    check_hf_config,
+    check_nemotron_h_config,
+    check_nemotron_h_tensors,
+    check_tensors,
+)
 from ..quantize import NVFP4Array
 from .decoder import DecoderConfig, Model, fuse_projections
 from .nemotron_h import NemotronHConfig, NemotronHModel

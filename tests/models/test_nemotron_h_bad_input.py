@@ -25,11 +25,11 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers.models.nemotron_h")
 pytest.importorskip("modelopt.torch.quantization")
 
-from test_models_bad_input import cfg, drop, put, reshape_linear, retype, tensors  # noqa: E402
-from test_nemotron_h import make_checkpoint  # noqa: E402
+from test_models_bad_input import cfg, drop, put, reshape_linear, retype, tensors
+from test_nemotron_h import make_checkpoint
 
-from nvfp4_jax import checkpoint as C  # noqa: E402
-from nvfp4_jax import models  # noqa: E402
+from nvfp4_jax import checkpoint as C
+from nvfp4_jax import models
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 B = "backbone.layers"

@@ -93,9 +93,16 @@ CASES = [
     ("mamba-heads-vs-groups", cfg(mamba_num_heads=7), CV,
      ["mamba_num_heads (7)", "n_groups (2)"]),
     ("topk-above-experts", cfg(num_experts_per_tok=5), CV, ["num_experts_per_tok", "1..4"]),
+    # a config that disagrees with the tensors: named from the headers
+    ("n-groups-vs-tensors", cfg(n_groups=4), CE,
+     [f"{M0}.in_proj.weight", "[392, 32]", "n_groups"]),
+    ("conv-bias-off-but-stored", cfg(use_conv_bias=False), CE,
+     [f"{M0}.conv1d.bias", "use_conv_bias is false"]),
     # absurd sizes: refused from the headers, nothing allocated
     ("vocab-absurd", cfg(vocab_size=10**12), CE,
      ["backbone.embeddings.weight", "vocab_size = 1000000000000"]),
+    ("experts-absurd", cfg(n_routed_experts=10**9), CE,
+     ["n_routed_experts is 1000000000", f"{E1}.experts 0..3 (4)"]),
     ("mamba-heads-absurd", cfg(mamba_num_heads=10**9), CE,
      [f"{M0}.in_proj.weight", "33000000064"]),
     # tensors: presence, dtype, shape, NVFP4 parts, layers and experts
@@ -133,6 +140,44 @@ def test_load_model_refuses(pristine, tmp_path, case, damage, exc, needles):
         assert needle in msg, msg
     if exc is CV:
         assert msg.startswith("config.json: "), msg
+
+
+def _rename(fn):
+    return tensors(lambda t: t.update({fn(n): t.pop(n) for n in list(t)}))
+
+
+def _conv_2d(t):
+    for n in list(t):
+        if n.endswith("conv1d.weight"):
+            a, dt = t[n]
+            t[n] = (a.reshape(a.shape[0], a.shape[2]), dt)
+
+
+ACCEPTS = [
+    ("pristine", lambda d: None),
+    ("model-prefix", _rename(lambda n: "model." + n[9:] if n.startswith("backbone.") else n)),
+    ("conv1d-2d", tensors(_conv_2d)),
+    ("pattern-string", cfg(layers_block_type=None, hybrid_override_pattern="ME*-ME",
+                           num_hidden_layers=6)),
+    ("no-correction-bias", drop(f"{E1}.gate.e_score_correction_bias")),
+]
+
+
+@pytest.mark.parametrize("case,damage", ACCEPTS, ids=[c[0] for c in ACCEPTS])
+def test_load_model_accepts(pristine, tmp_path, case, damage):
+    """What the checks must let through (the other spellings of a valid export) loads, with
+    the pristine export's parameters (the correction bias dropped: none)."""
+    import jax
+
+    d = _damaged(pristine, tmp_path, damage)
+    got, want = models.load_model(d), models.load_model(pristine)
+    assert got.config == want.config
+    if case == "no-correction-bias":
+        assert got.layers[1]["moe"]["routed"].correction_bias is None
+        return
+    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want),
+                    strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_cli_generate_subprocess_exit_2_no_traceback(pristine, tmp_path):

@@ -331,8 +331,10 @@ def check_nemotron_h_config(c: dict) -> None:
     pat = _nh_pattern(c)
     n = _int(c, "num_hidden_layers")
     if n is not None and n != len(pat):
-        raise ValueError(f"config.json: num_hidden_layers is {n} but the layer pattern names "
-                         f"{len(pat)} layers ({pat!r})")
+        key = "hybrid_override_pattern" if "hybrid_override_pattern" in c and not any(
+            c.get(k) for k in ("layers_block_type", "layer_types")) else "layers_block_type"
+        raise ValueError(f"config.json: num_hidden_layers is {n} but {key} names {len(pat)} "
+                         "layers")
     for key in ("num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
                 "mamba_num_heads", "mamba_head_dim", "ssm_state_size", "n_groups",
                 "mamba_n_groups", "conv_kernel", "mamba_d_conv", "num_experts_per_tok",

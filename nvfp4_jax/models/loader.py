@@ -126,14 +126,11 @@ def _to_linear(lin: MO.NVFP4Linear) -> nn.Linear:
     return nn.Linear(_nvfp4(lin.weight, lin.weight_scale, np.float32(lin.weight_scale_2)), s)
 
 
-def _moe(r: _Reader, prefix: str, cfg: DecoderConfig) -> nn.MoE:
-    fc1, fc2 = [], []
-    for e in range(cfg.num_experts):
-        p = f"{prefix}.experts.{e}"
-        gate, up = r.ck.linear(f"{p}.gate_proj"), r.ck.linear(f"{p}.up_proj")
-        fc1.append(MO.fuse_gate_up(gate, up, "up_gate"))
-        fc2.append(r.ck.linear(f"{p}.down_proj"))
-    for name, ls in (("gate/up", fc1), ("down", fc2)):
+def _expert_stacker(prefix: str, groups) -> Callable[[list], NVFP4Array]:
+    """Check that every expert linear of ``groups`` ((name, [MO.NVFP4Linear]) pairs) has an
+    input_scale (the MoE runs W4A4 experts only) and return the function that stacks one
+    group into an [E, N, K] NVFP4Array with one weight_scale_2 per expert."""
+    for name, ls in groups:
         if any(lin.input_scale is None for lin in ls):
             raise ValueError(f"{prefix}.experts: {name}_proj without input_scale; nvfp4_jax.moe "
                              "runs W4A4 experts only (TensorRT-LLM semantics)")
@@ -143,6 +140,17 @@ def _moe(r: _Reader, prefix: str, cfg: DecoderConfig) -> nn.MoE:
                       np.stack([lin.weight_scale for lin in ls]),
                       np.array([lin.weight_scale_2 for lin in ls], np.float32))
 
+    return stack
+
+
+def _moe(r: _Reader, prefix: str, cfg: DecoderConfig) -> nn.MoE:
+    fc1, fc2 = [], []
+    for e in range(cfg.num_experts):
+        p = f"{prefix}.experts.{e}"
+        gate, up = r.ck.linear(f"{p}.gate_proj"), r.ck.linear(f"{p}.up_proj")
+        fc1.append(MO.fuse_gate_up(gate, up, "up_gate"))
+        fc2.append(r.ck.linear(f"{p}.down_proj"))
+    stack = _expert_stacker(prefix, (("gate/up", fc1), ("down", fc2)))
     return nn.MoE(router=r.bf16(f"{prefix}.gate.weight"), fc1=stack(fc1), fc2=stack(fc2),
                   fc1_input_scale=jnp.asarray([lin.input_scale for lin in fc1], jnp.float32),
                   fc2_input_scale=jnp.asarray([lin.input_scale for lin in fc2], jnp.float32),
@@ -258,16 +266,7 @@ def _load_nemotron_h(ck: ckpt.Checkpoint, say: Callable[[str], None],
 def _moe_relu2(r: _Reader, prefix: str, cfg: NemotronHConfig) -> nn.MoE:
     fc1 = [r.ck.linear(f"{prefix}.experts.{e}.up_proj") for e in range(cfg.num_experts)]
     fc2 = [r.ck.linear(f"{prefix}.experts.{e}.down_proj") for e in range(cfg.num_experts)]
-    for name, ls in (("up", fc1), ("down", fc2)):
-        if any(lin.input_scale is None for lin in ls):
-            raise ValueError(f"{prefix}.experts: {name}_proj without input_scale; nvfp4_jax.moe "
-                             "runs W4A4 experts only (TensorRT-LLM semantics)")
-
-    def stack(ls):
-        return _nvfp4(np.stack([lin.weight for lin in ls]),
-                      np.stack([lin.weight_scale for lin in ls]),
-                      np.array([lin.weight_scale_2 for lin in ls], np.float32))
-
+    stack = _expert_stacker(prefix, (("up", fc1), ("down", fc2)))
     bias = f"{prefix}.gate.e_score_correction_bias"
     return nn.MoE(router=_f32(r, f"{prefix}.gate.weight"), fc1=stack(fc1), fc2=stack(fc2),
                   fc1_input_scale=jnp.asarray([lin.input_scale for lin in fc1], jnp.float32),

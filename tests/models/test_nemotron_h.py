@@ -50,7 +50,7 @@ pytest.importorskip("transformers.models.nemotron_h")
 pytest.importorskip("modelopt.torch.quantization")
 
 import jax.numpy as jnp  # noqa: E402
-from hf_reference import fake_quant  # noqa: E402
+from hf_reference import HFReference, fake_quant  # noqa: E402
 
 import oracle  # noqa: E402
 from nvfp4_jax import NVFP4Array, models, nn  # noqa: E402
@@ -188,7 +188,7 @@ def make_checkpoint(path: str, seed: int = 0, init: float = 0.02,
     return path
 
 
-class NemotronHReference:
+class NemotronHReference(HFReference):
     """HF's NemotronHForCausalLM running a ModelOpt NVFP4 export with dequantized weights."""
 
     def __init__(self, path: str, dtype: str = "float32", w4a4: bool = True):
@@ -259,12 +259,6 @@ class NemotronHReference:
             return out.to(hidden_states.dtype)
 
         return forward
-
-    def logits(self, ids: np.ndarray) -> np.ndarray:
-        """float64 logits [B, T, V] for token ids [B, T] (one full forward, no cache)."""
-        with self.torch.no_grad():
-            out = self.model(self.torch.as_tensor(np.asarray(ids), dtype=self.torch.long))
-        return out.logits.to(self.torch.float64).numpy()
 
     def generate(self, ids: np.ndarray, n: int) -> np.ndarray:
         """HF ``generate(do_sample=False)``: n new tokens [B, n] (HF's own cache path)."""

@@ -227,6 +227,18 @@ class _Expect:
                                 "from config.json)")
 
 
+def _check_layer_range(e, conf: str, base: str, n: int, claim: str) -> None:
+    """``CheckpointError`` on config.json unless the files hold exactly ``base``.layers.0..n-1
+    (``claim``: what config.json says, for the message)."""
+    layers = _indices(e.names, rf"{re.escape(base)}\.layers\.(\d+)\.")
+    if not _is_range(layers, n):
+        extra = sorted(i for i in layers if i >= n)
+        at = f"holds {base}.layers.{extra[0]}" if extra else \
+            f"has no {base}.layers.{min(set(range(len(layers) + 1)) - layers)}"
+        raise ckpt.CheckpointError(conf, None, f"{claim} but the checkpoint {at} "
+                                   f"(layers {_span(layers)})")
+
+
 def check_tensors(ck: ckpt.Checkpoint, cfg: DecoderConfig) -> None:
     """Raise ``CheckpointError`` unless the checkpoint holds exactly the layers and experts of
     ``cfg`` and every tensor the decoder reads, with its dtype and shape (headers only)."""
@@ -235,13 +247,7 @@ def check_tensors(ck: ckpt.Checkpoint, cfg: DecoderConfig) -> None:
     w4a4 = str(((ck.quant_config or {}).get("quantization") or {}).get("quant_algo")).upper() \
         == "NVFP4"
     conf = os.path.join(ck.path, "config.json")
-    layers = _indices(e.names, r"model\.layers\.(\d+)\.")
-    if not _is_range(layers, cfg.num_layers):
-        extra = sorted(i for i in layers if i >= cfg.num_layers)
-        at = f"holds model.layers.{extra[0]}" if extra else \
-            f"has no model.layers.{min(set(range(len(layers) + 1)) - layers)}"
-        raise ckpt.CheckpointError(conf, None, f"num_hidden_layers is {cfg.num_layers} but "
-                                   f"the checkpoint {at} (layers {_span(layers)})")
+    _check_layer_range(e, conf, "model", cfg.num_layers, f"num_hidden_layers is {cfg.num_layers}")
     h, v, d = ("hidden_size", cfg.hidden_size), ("vocab_size", cfg.vocab_size), cfg.head_dim
     q = ("num_attention_heads * head_dim", cfg.num_heads * d)
     kv = ("num_key_value_heads * head_dim", cfg.num_kv_heads * d)
@@ -386,13 +392,8 @@ def check_nemotron_h_tensors(ck: ckpt.Checkpoint, cfg: NemotronHConfig) -> None:
         == "NVFP4"
     conf = os.path.join(ck.path, "config.json")
     base = "backbone" if "backbone.embeddings.weight" in e.names else "model"
-    layers = _indices(e.names, rf"{base}\.layers\.(\d+)\.")
-    if not _is_range(layers, cfg.num_layers):
-        extra = sorted(i for i in layers if i >= cfg.num_layers)
-        at = f"holds {base}.layers.{extra[0]}" if extra else \
-            f"has no {base}.layers.{min(set(range(len(layers) + 1)) - layers)}"
-        raise ckpt.CheckpointError(conf, None, f"the layer pattern names {cfg.num_layers} "
-                                   f"layers but the checkpoint {at} (layers {_span(layers)})")
+    _check_layer_range(e, conf, base, cfg.num_layers,
+                       f"the layer pattern names {cfg.num_layers} layers")
     h, v = ("hidden_size", cfg.hidden_size), ("vocab_size", cfg.vocab_size)
     e.float_tensor(f"{base}.embeddings.weight", [v, h])
     inner = ("mamba_num_heads * mamba_head_dim", cfg.mamba_inner)

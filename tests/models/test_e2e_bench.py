@@ -2,20 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
 
 import pytest
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench_modules import fresh
 
 
 def test_e2e_bench_tiny(tmp_path):
-    path = os.path.join(ROOT, "bench", "e2e_bench.py")
-    spec = importlib.util.spec_from_file_location("e2e_bench", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = fresh("e2e_bench")
     assert bench.main(["--tiny", "--out", str(tmp_path), "--models", "qwen3-30b-a3b",
                        "--batches", "1", "--steps", "2", "--prefill", "16", "--unrolled"]) == 0
     res = json.loads((tmp_path / "e2e-tiny.json").read_text())
@@ -35,10 +29,7 @@ def test_e2e_bench_tiny(tmp_path):
     assert abs(sum(bd["ms"].values()) - bd["ms_per_step"]) < 1e-6 * max(1.0, bd["ms_per_step"])
     assert "decode_speedup_b1" in res["summary"]["qwen3-30b-a3b"]
     # the README table is printed from the JSON (python bench/tables.py e2e)
-    spec = importlib.util.spec_from_file_location("tables", os.path.join(ROOT, "bench",
-                                                                         "tables.py"))
-    tables = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tables)
+    tables = fresh("tables")
     text = tables.e2e(res)
     row = next(ln for ln in text.splitlines() if ln.startswith("| qwen3-30b-a3b | nvfp4 |"))
     assert f"{dec['nvfp4']['tokens_per_s']:.1f}" in row
@@ -46,10 +37,7 @@ def test_e2e_bench_tiny(tmp_path):
 
 
 def test_e2e_bench_rejects_a_bad_layer_count(tmp_path, capsys):
-    spec = importlib.util.spec_from_file_location("e2e_bench", os.path.join(ROOT, "bench",
-                                                                            "e2e_bench.py"))
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = fresh("e2e_bench")
     with pytest.raises(SystemExit):
         bench.main(["--tiny", "--out", str(tmp_path), "--layers", "0"])
     assert "--layers: expected a positive layer count, got 0" in capsys.readouterr().err
@@ -58,10 +46,7 @@ def test_e2e_bench_rejects_a_bad_layer_count(tmp_path, capsys):
 def test_e2e_table_shows_a_peak_only_where_it_is_the_models_own():
     """peak_bytes_in_use never resets in a process: a model whose peak does not exceed an
     earlier model's gets "-" (its own peak is unknown), one that exceeds them gets its value."""
-    spec = importlib.util.spec_from_file_location("tables", os.path.join(ROOT, "bench",
-                                                                         "tables.py"))
-    tables = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tables)
+    tables = fresh("tables")
     gib = 2**30
 
     def mem(model, prec, peak):

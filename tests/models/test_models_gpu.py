@@ -12,13 +12,11 @@ difference is smaller, so the RMS of the difference must stay below 10 % of the 
 
 from __future__ import annotations
 
-import importlib.util
-import os
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from bench_modules import fresh
 
 from nvfp4_jax import models
 
@@ -26,16 +24,6 @@ pytestmark = pytest.mark.gpu
 
 if jax.default_backend() != "gpu":
     pytest.skip("needs an NVIDIA GPU (Pallas kernels compiled for real)", allow_module_level=True)
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def _bench():
-    path = os.path.join(ROOT, "bench", "e2e_bench.py")
-    spec = importlib.util.spec_from_file_location("e2e_bench", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 SHAPES = {
@@ -50,7 +38,7 @@ SHAPES = {
 @pytest.mark.parametrize("name", list(SHAPES))
 @pytest.mark.parametrize("batch", [1, 8])
 def test_kernels_in_decoder_match_xla(name, batch):
-    bench = _bench()
+    bench = fresh("e2e_bench")
     model = bench.build_model(bench.config_of(SHAPES[name]), "nvfp4")
     ids = (jnp.arange(batch * 16, dtype=jnp.int32).reshape(batch, 16) * 37) % 1024
     outs = {}
@@ -76,7 +64,7 @@ def test_kernels_in_decoder_match_xla(name, batch):
 
 
 def test_generate_on_gpu():
-    bench = _bench()
+    bench = fresh("e2e_bench")
     model = bench.build_model(bench.config_of(SHAPES["qwen3-moe"]), "nvfp4")
     gen = models.generate(model, np.arange(8)[None], 8)
     assert gen.tokens.shape == (1, 8) and gen.decode_tokens_per_s > 0
@@ -86,7 +74,7 @@ def test_folded_experts_match_xla_on_gpu():
     """CUTEDSL-b12x folded expert scales (E4M3 subnormals among them) through the GPU kernels
     against the XLA path, which decodes E4M3 exactly: a kernel that flushed subnormal block
     scales would move the logits by O(1)."""
-    bench = _bench()
+    bench = fresh("e2e_bench")
     model = bench.build_model(bench.config_of(SHAPES["qwen3-moe"]), "nvfp4")
     folded, stats = models.fold_cutedsl_b12x(model)
     assert sum(s.subnormal for s in stats) > 0

@@ -4,22 +4,12 @@ of sm12x_model (roofline cases worked out by hand here)."""
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import os
 import sys
 
 import pytest
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def _load(name):
-    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "bench", f"{name}.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
+from bench_modules import ROOT, fresh
 
 # --------------------------------------------------------------------------- sm12x_model
 
@@ -28,7 +18,7 @@ def test_model_decode_roofline_by_hand():
     """RTX 5060 Ti, 4096 x 4096 NVFP4 weight, one token: DRAM-bound.
     bytes = 4096*4096*0.5625 + 2*4096 (x) + 2*4096 (out) = 9,453,568;
     448 GB/s * 0.9 = 403.2 GB/s -> 23.446 us."""
-    sm = _load("sm12x_model")
+    sm = fresh("sm12x_model")
     gpu = sm.GPUS["rtx_5060_ti"]
     parts = sm.fused_gemm(gpu, 1, 4096, 4096, block_m=16, ipw=None)
     t, lim = sm.combine(parts)
@@ -42,7 +32,7 @@ def test_model_decode_roofline_by_hand():
 def test_model_prefill_is_mma_bound_by_hand():
     """RTX 5090, 4096^3 through the bf16 MMA: 2*4096^3 FLOP over 170 x 2.407 GHz x 512 FLOP/clk
     (209.5 TFLOP/s) = 656 us, far above the 47 us of its 76.5 MB."""
-    sm = _load("sm12x_model")
+    sm = fresh("sm12x_model")
     gpu = sm.GPUS["rtx_5090"]
     parts = sm.fused_gemm(gpu, 4096, 4096, 4096, block_m=128, ipw=None)
     t, lim = sm.combine(parts)
@@ -60,7 +50,7 @@ def test_model_issue_ceiling_by_hand():
     """DGX Spark: 48 SMs x 4 warp-instr/clk x 2.52 GHz = 483.84 G warp-instr/s. A loop of 2
     warp-instructions per weight over 4096 x 4096 weights (one token tile): 69.35 us, above
     the 38.5 us of its bytes; the budget at 90 % of 273 GB/s is 1.108 per weight."""
-    sm = _load("sm12x_model")
+    sm = fresh("sm12x_model")
     gpu = sm.GPUS["dgx_spark_gb10"]
     parts = sm.fused_gemm(gpu, 1, 4096, 4096, block_m=16, ipw=2.0)
     t, lim = sm.combine(parts)
@@ -73,7 +63,7 @@ def test_model_issue_ceiling_by_hand():
 
 
 def test_model_bf16_baseline_and_touched_experts():
-    sm = _load("sm12x_model")
+    sm = fresh("sm12x_model")
     gpu = sm.GPUS["rtx_5090"]
     # decode: 2 B/weight streamed -> the NVFP4 roofline is 2 / 0.5625 = 3.56x faster
     ratio = sm.bf16_gemm(gpu, 1, 28672, 8192) / sm.combine(
@@ -86,7 +76,7 @@ def test_model_bf16_baseline_and_touched_experts():
 
 
 def test_model_document_labels_every_row_a_prediction():
-    sm = _load("sm12x_model")
+    sm = fresh("sm12x_model")
     doc = sm.build(os.path.join(ROOT, "bench", "results"))
     assert doc["label"] == "prediction"
     gpus = {"rtx_5090", "rtx_5060_ti", "dgx_spark_gb10"}
@@ -126,7 +116,7 @@ def test_main_loop_is_the_backward_branch_around_the_mma(label, target):
     """Of the two loops (0x20..0x60: 5 instructions, no MMA; 0x70..0xa0: 4 with an HMMA) the
     main loop is the one with the MMA; forward branches and the trailing self-branch are not
     loops. Branch targets as addresses (cuobjdump 12.x) or labels."""
-    sc = _load("sm12x_compile")
+    sc = fresh("sm12x_compile")
     loop = sc.main_loop_stats(_SASS.format(label=label, target=target))
     assert loop["n_instructions"] == 4
     assert loop["mma"] == 1 and loop["global_loads"] == 1
@@ -137,7 +127,7 @@ def test_main_loop_is_the_backward_branch_around_the_mma(label, target):
 def test_per_weight_counts_the_warps_over_the_weight_tile():
     from nvfp4_jax.gemm.pallas_triton import Config
 
-    sc = _load("sm12x_compile")
+    sc = fresh("sm12x_compile")
     pw = sc.per_weight({"n_instructions": 616, "mma": 32}, Config(16, 64, 256, 1, 4, 3))
     assert pw["warp_instructions_per_weight"] == 616 * 4 / (64 * 256)
     assert pw["mma_per_weight"] == 32 * 4 / (64 * 256)
@@ -147,7 +137,7 @@ def test_per_weight_counts_the_warps_over_the_weight_tile():
 
 
 def test_gemm_proxy_plan_selects_backends_through_the_public_api():
-    gb = _load("gemm_bench")
+    gb = fresh("gemm_bench")
     rows = gb.plan(gb.PROXY_SHAPES, gb.PROXY_MS, gb.PROXY_IMPLS)
     assert len(rows) == len(gb.PROXY_SHAPES) * len(gb.PROXY_MS) * len(gb.PROXY_IMPLS)
     assert {r["M"] for r in rows} >= {1, 4096}
@@ -159,7 +149,7 @@ def test_gemm_proxy_plan_selects_backends_through_the_public_api():
 
 
 def test_moe_proxy_plan_and_kernel_selection_in_one_place():
-    mb = _load("moe_bench")
+    mb = fresh("moe_bench")
     rows = mb.plan(["nemotron"], [1, 8], ["random", "skewed"], list(mb.PROXY_IMPLS)
                    + ["dequant_ragged_dot"])
     assert not any(r["impl"] == "dequant_ragged_dot" and r["routing"] == "skewed" for r in rows)
@@ -170,7 +160,7 @@ def test_moe_proxy_plan_and_kernel_selection_in_one_place():
 
 
 def test_proxy_tables_ratios():
-    tables = _load("tables")
+    tables = fresh("tables")
     rec = {"N": 4096, "K": 4096, "M": 1}
     doc = {"records": [
         {**rec, "impl": "nvfp4_w4a16_pallas", "median_us": 50.0},
@@ -195,13 +185,13 @@ def test_proxy_tables_ratios():
 def test_result_header_carries_date_commit_gpu_and_versions(monkeypatch):
     monkeypatch.setenv("NVFP4_COMMIT", "abc123")
     monkeypatch.setenv("XLA_FLAGS", "--xla_foo")
-    meta = _load("run_meta").run_metadata()
+    meta = fresh("run_meta").run_metadata()
     for key in ("date", "gpu", "compute_capability", "driver", "jax", "jaxlib", "ml_dtypes",
                 "python"):
         assert key in meta
     assert meta["commit"] == "abc123" and meta["xla_flags"] == "--xla_foo"
-    assert _load("run_meta").gpu_tag("NVIDIA GeForce RTX 5090") == "rtx-5090"
-    assert _load("run_meta").gpu_tag("NVIDIA H200") == "h200"
+    assert fresh("run_meta").gpu_tag("NVIDIA GeForce RTX 5090") == "rtx-5090"
+    assert fresh("run_meta").gpu_tag("NVIDIA H200") == "h200"
 
 
 def test_model_calibration_scales_by_the_h200_shortfall(tmp_path):
@@ -210,7 +200,7 @@ def test_model_calibration_scales_by_the_h200_shortfall(tmp_path):
     ceiling) gives every GPU's row calibrated_us = 2 x its prediction (RTX 5060 Ti: 46.89 us)."""
     import json
 
-    sm = _load("sm12x_model")
+    sm = fresh("sm12x_model")
     h200_us = 9_453_568 / (4.8e12 * 0.9) * 1e6
     rec = {"impl": "nvfp4_w4a16_pallas", "N": 4096, "K": 4096, "M": 1, "median_us": 2 * h200_us}
     (tmp_path / "gemm-proxy-h200.json").write_text(json.dumps({"records": [rec]}))
@@ -226,7 +216,7 @@ def test_model_calibration_scales_by_the_h200_shortfall(tmp_path):
 def test_model_takes_the_moe_kernels_own_counts():
     """An MoE grouped GEMM takes the count of its own layer's kernel over a GEMM kernel of the
     same tiles; a GEMM takes the GEMM kernel; tiles nobody compiled take the largest count."""
-    sm = _load("sm12x_model")
+    sm = fresh("sm12x_model")
     cfg = {"block_m": 16, "block_n": 64, "block_k": 256, "num_warps": 4, "decode": "asm",
            "load2d": True}
     sass = [
@@ -252,7 +242,7 @@ def _results(path, records):
 
 
 def test_gemm_resume_skips_exactly_the_measured_rows(tmp_path):
-    gb, mr = _load("gemm_bench"), _load("merge_results")
+    gb, mr = fresh("gemm_bench"), fresh("merge_results")
     assert {256, 1024, 4096} <= set(gb.PROXY_MS)
     old = [{"impl": i, "N": 28672, "K": 8192, "M": m, "median_us": 1.0}
            for i in gb.PROXY_IMPLS for m in (1, 16, 64)]
@@ -271,7 +261,7 @@ def test_gemm_resume_skips_exactly_the_measured_rows(tmp_path):
 
 
 def test_moe_resume_skips_measured_rows_and_whole_shapes(tmp_path):
-    mb, mr = _load("moe_bench"), _load("merge_results")
+    mb, mr = fresh("moe_bench"), fresh("merge_results")
     impls = list(mb.PROXY_IMPLS)
     old = [{"impl": "hbm_copy", "tbps": 3.8}]
     old += [{"impl": i, "shape": "qwen3_30b", "routing": "random", "T": t, "median_us": 9.0}

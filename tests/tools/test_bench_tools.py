@@ -4,17 +4,7 @@ records keep the HBM copy rate of their own run, and the MoE table's percentages
 
 from __future__ import annotations
 
-import importlib.util
-import os
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def _load(name):
-    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "bench", f"{name}.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from bench_modules import fresh
 
 
 def _rec(impl, t, us, tbps, commit):
@@ -23,7 +13,7 @@ def _rec(impl, t, us, tbps, commit):
 
 
 def test_merge_keeps_each_runs_copy_rate_and_tables_use_it():
-    merge, tables = _load("merge_results").merge, _load("tables").moe
+    merge, tables = fresh("merge_results").merge, fresh("tables").moe
     old = {"commit": "a", "records": [
         {"impl": "hbm_copy", "tbps": 4.0, "commit": "a"},
         _rec("nvfp4_moe", 1, 50.0, 1.0, "a"), _rec("nvfp4_moe", 64, 500.0, 2.0, "a")]}
@@ -64,7 +54,7 @@ def _tiny_moe_loop():
     import jax
     import numpy as np
 
-    mb = _load("moe_bench")
+    mb = fresh("moe_bench")
     mb.NROT = 2
     s = {"hidden": 256, "inter": 256, "experts": 8, "top_k": 2, "activation": "swiglu"}
     _, _, q1, q2 = mb.make_weights(jax.random.PRNGKey(1), s)
@@ -131,7 +121,7 @@ def test_merge_refuses_to_mix_scale_layouts():
     ones (the README says which layout its rows use)."""
     import pytest
 
-    merge = _load("merge_results").merge
+    merge = fresh("merge_results").merge
     old = {"records": [{**_rec("nvfp4_moe", 1, 50.0, 1.0, "a"), "scale_layout": "swizzled_128x4"}]}
     new = {"commit": "b", "records": [{**_rec("nvfp4_moe", 1, 48.0, 1.0, None), "scale_layout": "linear"}]}
     with pytest.raises(SystemExit, match="swizzled_128x4 weight scales, the new run with linear"):
@@ -160,7 +150,7 @@ def test_bench_loops_share_one_host_round_trip_among_many_calls():
 
     import jax.numpy as jnp
 
-    gb = _load("gemm_bench")
+    gb = fresh("gemm_bench")
     ws = [jnp.full((32, 16), 1.0 + c, jnp.float32) for c in range(3)]
     x = jnp.ones((2, 32), jnp.float32)
     f = gb.timed_program(lambda x, w: x @ w, x, ws)
@@ -181,7 +171,7 @@ def test_merge_keeps_the_old_runs_commit_on_rows_it_keeps():
     """Rows of the old file that carry no commit of their own were measured at the old file's
     top-level commit; the merged file's top level is the new run's, so they must take the old
     commit, date and timing with them."""
-    merge = _load("merge_results").merge
+    merge = fresh("merge_results").merge
     old = {"commit": "aaaa", "date": "d-old", "timing": "t-old", "records": [
         {"impl": "x", "N": 1, "K": 2, "M": 1, "median_us": 5.0},
         {"impl": "x", "N": 1, "K": 2, "M": 16, "median_us": 6.0, "commit": "cccc"}]}

@@ -4,25 +4,15 @@ sweep, the candidate lists, and the per-SM resource arithmetic."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
 import sys
 
 import pytest
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def _load(name):
-    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "bench", f"{name}.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from bench_modules import fresh
 
 
 def test_candidates_cover_both_families_and_the_issue_shapes():
-    gb = _load("gemm_bench")
+    gb = fresh("gemm_bench")
     from nvfp4_jax.gemm import configs
 
     assert set(gb.CAND_SHAPES) == {(28672, 8192), (4096, 14336), (14336, 4096)}
@@ -41,7 +31,7 @@ def test_candidates_cover_both_families_and_the_issue_shapes():
 def test_candidates_smoke_run_writes_records(tmp_path, monkeypatch):
     """The --candidates path end to end on CPU (Pallas interpreted, times meaningless): a
     budget that runs out mid-list records the skipped candidates and still times the rest."""
-    gb = _load("gemm_bench")
+    gb = fresh("gemm_bench")
     argv = ["gemm_bench.py", "--candidates", "--tiny", "--ms", "1", "--repeats", "1",
             "--inner-calls", "1", "--budget-s", "0", "--out", str(tmp_path)]
     monkeypatch.setattr(sys, "argv", argv)
@@ -56,7 +46,7 @@ def test_candidates_smoke_run_writes_records(tmp_path, monkeypatch):
 
 
 def test_candidates_smoke_run_times_a_kernel(tmp_path, monkeypatch):
-    gb = _load("gemm_bench")
+    gb = fresh("gemm_bench")
     first = gb.sweep_candidates(16, 256, 256)[:1]
     monkeypatch.setattr(gb, "sweep_candidates", lambda m, n, k: first)
     monkeypatch.setattr(gb, "INNER_CALLS", 1)
@@ -79,14 +69,14 @@ def test_candidates_smoke_run_times_a_kernel(tmp_path, monkeypatch):
     ],
 )
 def test_occupancy_arithmetic(regs, smem, warps, cc, ctas, limit):
-    sc = _load("sm12x_compile")
+    sc = fresh("sm12x_compile")
     occ = sc.occupancy(regs, smem, warps, cc)
     assert (occ["ctas_per_sm"], occ["limited_by"]) == (ctas, limit)
     assert occ["warps_per_scheduler"] == ctas * warps / 4 and occ["fits"]
 
 
 def test_occupancy_flags_a_cta_over_the_sm120_limit():
-    sc = _load("sm12x_compile")
+    sc = fresh("sm12x_compile")
     assert not sc.occupancy(202, 102400, 8, 120)["fits"]  # 100 KB > 99 KB per CTA
     assert sc.occupancy(202, 102400, 8, 90)["fits"]
 
@@ -110,7 +100,7 @@ def test_model_issue_calibration_by_h200_efficiency(tmp_path):
     hand for 4096 x 4096, M = 1 on the RTX 5060 Ti (36 SMs x 4 x 2.572 GHz)."""
     from nvfp4_jax.gemm import configs
 
-    sm = _load("sm12x_model")
+    sm = fresh("sm12x_model")
     kernels = []
     for fam, ipw, arch in (("sm90", 0.2, 90), ("sm12x", 0.1, 120)):
         cfg = configs.get_config(1, 4096, 4096, family=fam).__dict__

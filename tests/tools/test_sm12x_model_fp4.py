@@ -5,26 +5,16 @@ value is worked by hand here from a stored instruction count and the GPUs' datas
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 
 import pytest
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-RESULTS = os.path.join(ROOT, "bench", "results")
+from bench_modules import RESULTS, fresh
 
 # RTX 5060 Ti: 36 SMs x 4 warp-instructions/clock x 2.572 GHz; 448 GB/s x 0.9; FP4 759 / 2
 ISSUE_5060 = 36 * 4 * 2.572e9
 STREAM_5060 = 448e9 * 0.9
 FP4_5060 = 759e12 / 2
-
-
-def _load(name):
-    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "bench", f"{name}.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def _stored(name: str) -> list[dict]:
@@ -34,7 +24,7 @@ def _stored(name: str) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def doc():
-    return _load("sm12x_model").build(RESULTS)
+    return fresh("sm12x_model").build(RESULTS)
 
 
 def _gemm_loop(shape: list[int]) -> int:
@@ -116,7 +106,7 @@ def test_moe_tiles_nobody_compiled_have_no_count_and_say_so():
     which tiles are missing."""
     from nvfp4_jax.moe.configs import default_config
 
-    sm = _load("sm12x_model")
+    sm = fresh("sm12x_model")
     kept = [s for s in sm.load_fp4_sass(os.path.join(RESULTS, "moe-fp4mma-sm12x-compile.json"))
             if s["moe"] != {"layer": "qwen3_30b", "gemm": "fc2", "T": 1}]
     cfg = default_config(8, 128, inter=768, hidden=2048, gated=True, mma="fp4")
@@ -138,7 +128,7 @@ def test_moe_tiles_nobody_compiled_have_no_count_and_say_so():
 def test_unrolled_k_loop_counts_the_whole_kernel_per_step():
     """pip Triton unrolled nemotron FC1 at T <= 64 (4 K steps, no loop): per weight = the whole
     kernel's instructions x 4 warps / (4 steps x 128 x 256 weights)."""
-    sm = _load("sm12x_model")
+    sm = fresh("sm12x_model")
     e = _moe_entry("fc1", "nemotron", 8)
     assert e["pip_sm120"]["k_loop"] == "unrolled"
     ipw, how = sm.fp4_build_ipw(e, e["pip_sm120"])

@@ -8,30 +8,21 @@ tool."""
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import os
 
 import pytest
+from bench_modules import RESULTS, fresh
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-RESULTS = os.path.join(ROOT, "bench", "results")
 COMPILE_JSON = os.path.join(RESULTS, "moe-fp4mma-sm12x-compile.json")
 
 # RTX 5060 Ti: 36 SMs x 4 warp-instructions/clock x 2.572 GHz
 ISSUE_5060 = 36 * 4 * 2.572e9
 
 
-def _load(name):
-    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "bench", f"{name}.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 @pytest.fixture(scope="module")
 def model():
-    return _load("sm12x_model")
+    return fresh("sm12x_model")
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +81,7 @@ def test_compile_tool_covers_the_model_tokens(model):
     T) to one kernel of the default tiles at that T."""
     from nvfp4_jax.moe.configs import default_config
 
-    sc = _load("sm12x_fp4mma_compile")
+    sc = fresh("sm12x_fp4mma_compile")
     assert tuple(sc.MOE_FP4_TOKENS) == tuple(model.MOE_TOKENS)
     for layer in model.MOE_SHAPES.values():
         plan = sc.moe_kernel_plan(layer)

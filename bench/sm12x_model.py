@@ -234,13 +234,20 @@ def dequant_then_bf16(gpu: dict, m: int, n: int, k: int) -> float:
 # --------------------------------------------------------------------------- SASS counts
 
 
+def read_json(path: str) -> dict | None:
+    """The JSON document at ``path``, or None where there is no such file."""
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
 def load_sass(path: str, arch: int = 120) -> list[dict]:
     """[{config, per_weight (warp-instructions per weight), n_main_loop, kernel}] from
     gemm-sm12x-compile.json's sm_<arch>a builds (pip Triton, else jaxlib)."""
-    if not os.path.exists(path):
+    doc = read_json(path)
+    if doc is None:
         return []
-    with open(path) as f:
-        doc = json.load(f)
     out = []
     for e in doc.get("kernels", []):
         for side in (f"pip_sm{arch}", f"jaxlib_sm{arch}"):
@@ -314,10 +321,9 @@ def load_fp4_sass(path: str, arch: int = 120) -> list[dict]:
     (``gemm-fp4mma-sm12x-compile.json`` or ``moe-fp4mma-sm12x-compile.json``, written by
     ``bench/sm12x_fp4mma_compile.py``), the sm_<arch>a builds. A GEMM entry is named by its
     [M, N, K] shape, an MoE entry carries its layer and GEMM (``moe_fp4_<gemm>_<layer>_T<t>``)."""
-    if not os.path.exists(path):
+    doc = read_json(path)
+    if doc is None:
         return []
-    with open(path) as f:
-        doc = json.load(f)
     out = []
     for e in doc.get("kernels", []):
         if "config" not in e:
@@ -599,10 +605,9 @@ def load_measured(results: str) -> tuple[dict | None, str | None]:
     got, used = {}, []
     for name, keep in sources:
         path = os.path.join(results, name)
-        if not os.path.exists(path):
+        doc = read_json(path)
+        if doc is None:
             continue
-        with open(path) as f:
-            doc = json.load(f)
         rows = {(r["N"], r["K"], r["M"]): r["median_us"] for r in doc["records"]
                 if keep(r) and r.get("median_us") and same_kernel(r)}
         if rows:
@@ -610,10 +615,8 @@ def load_measured(results: str) -> tuple[dict | None, str | None]:
             used.append(name)
     if got:
         return got, " + ".join(used)
-    path = os.path.join(results, "gemm-h200.json")
-    if os.path.exists(path):
-        with open(path) as f:
-            doc = json.load(f)
+    doc = read_json(os.path.join(results, "gemm-h200.json"))
+    if doc is not None:
         got = {(r["N"], r["K"], r["M"]): r["median_us"] for r in doc["records"]
                if r.get("impl") == "nvfp4_w4a16" and r.get("backend") == "pallas"
                and "median_us" in r}

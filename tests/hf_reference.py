@@ -34,9 +34,7 @@ def make_checkpoint(kind: str, path: str, seed: int = 0, init: float = 0.02,
     """Export a tiny random ``kind`` ("moe" | "dense") model with ModelOpt NVFP4 into ``path``
     (weights ~ N(0, init^2), norms ones). ``successor``: with the successor circuit of
     :func:`imprint_successor` added before quantization, calibrated on SUCCESSOR_TOKENS."""
-    import modelopt.torch.quantization as mtq
     import torch
-    from modelopt.torch.export import export_hf_checkpoint
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3MoeConfig
 
     torch.manual_seed(seed)
@@ -55,6 +53,15 @@ def make_checkpoint(kind: str, path: str, seed: int = 0, init: float = 0.02,
     if successor:
         imprint_successor(model, cfg)
         calib = torch.as_tensor(SUCCESSOR_TOKENS)[calib % len(SUCCESSOR_TOKENS)]
+    return export_nvfp4(model, calib, path)
+
+
+def export_nvfp4(model, calib, path: str) -> str:
+    """Quantize the torch ``model`` with ModelOpt's ``NVFP4_DEFAULT_CFG``, calibrated on the token
+    ids ``calib``, and export it as an HF checkpoint into ``path``."""
+    import modelopt.torch.quantization as mtq
+    import torch
+    from modelopt.torch.export import export_hf_checkpoint
 
     def forward_loop(m):
         with torch.no_grad():
@@ -260,3 +267,16 @@ class HFReference:
             new.append(tok)
             seq = np.concatenate([seq, tok[:, None]], axis=1)
         return np.stack(new, axis=1)
+
+
+def save_char_tokenizer(path: str) -> None:
+    """A character-level tokenizer over the tiny checkpoints' 256 ids (built offline)."""
+    from tokenizers import Tokenizer, pre_tokenizers
+    from tokenizers.models import WordLevel
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {chr(0x100 + i): i for i in range(255)}
+    vocab["<unk>"] = 255
+    tk = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>").save_pretrained(path)

@@ -66,6 +66,7 @@ from hf_reference import (  # noqa: E402
     SUCCESSOR_TOKENS,
     HFReference,
     make_checkpoint,
+    save_char_tokenizer,
     successor_rule,
 )
 
@@ -326,19 +327,6 @@ def test_linear_and_quantize_experts_match_oracle():
     np.testing.assert_allclose(got, want, rtol=2.0**-8, atol=1e-6)
 
 
-def _save_char_tokenizer(path: str) -> None:
-    """A character-level tokenizer over the checkpoint's 256 ids (built offline)."""
-    from tokenizers import Tokenizer, pre_tokenizers
-    from tokenizers.models import WordLevel
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {chr(0x100 + i): i for i in range(255)}
-    vocab["<unk>"] = 255
-    tk = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
-    tk.pre_tokenizer = pre_tokenizers.Split("", "isolated")
-    PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>").save_pretrained(path)
-
-
 def test_cli_generate(checkpoint_dir, loaded, tmp_path, capsys):
     import json
     import shutil
@@ -364,7 +352,7 @@ def test_cli_generate(checkpoint_dir, loaded, tmp_path, capsys):
     # with a tokenizer: text in, text out
     ck = tmp_path / "with-tok"
     shutil.copytree(src, ck)
-    _save_char_tokenizer(str(ck))
+    save_char_tokenizer(str(ck))
     text = "".join(chr(0x100 + i) for i in ids)
     assert main(["generate", "--checkpoint", str(ck), "--prompt", text, "--max-new-tokens", str(N_NEW),
                  "--json", str(out)]) == 0

@@ -25,7 +25,7 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers")
 pytest.importorskip("modelopt.torch.quantization")
 
-from hf_reference import make_checkpoint
+from hf_reference import make_checkpoint, save_char_tokenizer
 
 from nvfp4_jax import checkpoint as C
 from nvfp4_jax import models
@@ -401,19 +401,6 @@ def test_sample_refuses_non_finite_temperature():
 # nvfp4 generate: exit 2, one line on stderr, no traceback
 # ---------------------------------------------------------------------------------------
 
-def _save_char_tokenizer(path: str) -> None:
-    """A character-level tokenizer over 256 ids, built offline."""
-    from tokenizers import Tokenizer, pre_tokenizers
-    from tokenizers.models import WordLevel
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {chr(0x100 + i): i for i in range(255)}
-    vocab["<unk>"] = 255
-    tk = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
-    tk.pre_tokenizer = pre_tokenizers.Split("", "isolated")
-    PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>").save_pretrained(path)
-
-
 def _last_line_error(capsys) -> str:
     err = capsys.readouterr().err
     assert "Traceback" not in err
@@ -444,21 +431,27 @@ def test_cli_generate_refuses_missing_dir_empty_prompt_and_damaged_checkpoint(
     assert main(["generate", "--checkpoint", str(tmp_path / "nope"), "--prompt-ids", "1"]) == 2
     assert "not a directory" in _last_line_error(capsys)
     d = _damaged(pristine, tmp_path, "dense", drop(f"{L0}.mlp.up_proj.weight_scale_2"))
-    _save_char_tokenizer(d)
+    save_char_tokenizer(d)
     assert main(["generate", "--checkpoint", d, "--prompt", ""]) == 2
     assert "gives no tokens" in _last_line_error(capsys)
     assert main(["generate", "--checkpoint", d, "--prompt", chr(0x101)]) == 2
     assert f"{L0}.mlp.up_proj.weight_scale_2" in _last_line_error(capsys)
 
 
+def generate_subprocess(checkpoint: str) -> subprocess.CompletedProcess:
+    """``python -m nvfp4_jax.cli generate --checkpoint CHECKPOINT --prompt-ids 1,2`` in a new
+    interpreter with the repository on its path."""
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    return subprocess.run([sys.executable, "-m", "nvfp4_jax.cli", "generate", "--checkpoint",
+                           checkpoint, "--prompt-ids", "1,2"], capture_output=True, text=True,
+                          env=env, timeout=300, check=False)
+
+
 def test_cli_generate_subprocess_exit_2_no_traceback(pristine, tmp_path):
     """Through the interpreter: an absurd config (vocab 10^12) is refused from the headers,
     with exit status 2 and exactly one stderr line."""
     d = _damaged(pristine, tmp_path, "dense", cfg(vocab_size=10**12))
-    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    r = subprocess.run([sys.executable, "-m", "nvfp4_jax.cli", "generate", "--checkpoint", d,
-                        "--prompt-ids", "1,2"], capture_output=True, text=True, env=env,
-                       timeout=300, check=False)
+    r = generate_subprocess(d)
     assert r.returncode == 2, r.stderr
     assert "Traceback" not in r.stderr and r.stderr.count("\n") == 1, r.stderr
     assert "model.embed_tokens.weight" in r.stderr and "vocab_size = 1000000000000" in r.stderr

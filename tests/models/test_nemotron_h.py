@@ -50,7 +50,7 @@ pytest.importorskip("transformers.models.nemotron_h")
 pytest.importorskip("modelopt.torch.quantization")
 
 import jax.numpy as jnp  # noqa: E402
-from hf_reference import HFReference, fake_quant  # noqa: E402
+from hf_reference import HFReference, export_nvfp4, fake_quant  # noqa: E402
 
 import oracle  # noqa: E402
 from nvfp4_jax import NVFP4Array, models, nn  # noqa: E402
@@ -158,9 +158,7 @@ def make_checkpoint(path: str, seed: int = 0, init: float = 0.02,
                     successor: bool = False) -> str:
     """A random tiny Nemotron-H exported by ModelOpt NVFP4 into ``path``; ``successor``: with
     the circuit of :func:`imprint_successor`, calibrated on SUCCESSOR_TOKENS."""
-    import modelopt.torch.quantization as mtq
     import torch
-    from modelopt.torch.export import export_hf_checkpoint
     from transformers import AutoModelForCausalLM, NemotronHConfig
 
     torch.manual_seed(seed)
@@ -177,15 +175,7 @@ def make_checkpoint(path: str, seed: int = 0, init: float = 0.02,
         calib = torch.as_tensor(SUCCESSOR_TOKENS)[calib % len(SUCCESSOR_TOKENS)]
     else:
         strengthen_ssm(model)
-
-    def forward_loop(m):
-        with torch.no_grad():
-            m(calib)
-
-    model = mtq.quantize(model, mtq.NVFP4_DEFAULT_CFG, forward_loop)
-    with torch.no_grad():
-        export_hf_checkpoint(model, export_dir=path)
-    return path
+    return export_nvfp4(model, calib, path)
 
 
 class NemotronHReference(HFReference):

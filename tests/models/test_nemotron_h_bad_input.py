@@ -13,10 +13,7 @@ heads allocates nothing. The CLI case expects exit code 2 and one stderr line, n
 
 from __future__ import annotations
 
-import os
 import shutil
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -25,13 +22,20 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers.models.nemotron_h")
 pytest.importorskip("modelopt.torch.quantization")
 
-from test_models_bad_input import cfg, drop, put, reshape_linear, retype, tensors
+from test_models_bad_input import (
+    cfg,
+    drop,
+    generate_subprocess,
+    put,
+    reshape_linear,
+    retype,
+    tensors,
+)
 from test_nemotron_h import make_checkpoint
 
 from nvfp4_jax import checkpoint as C
 from nvfp4_jax import models
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 B = "backbone.layers"
 M0, E1, A2, E5 = f"{B}.0.mixer", f"{B}.1.mixer", f"{B}.2.mixer", f"{B}.5.mixer"
 
@@ -184,10 +188,7 @@ def test_cli_generate_subprocess_exit_2_no_traceback(pristine, tmp_path):
     """Through the interpreter: a missing Mamba tensor is refused from the headers, with exit
     status 2 and exactly one stderr line naming it."""
     d = _damaged(pristine, tmp_path, drop(f"{M0}.D"))
-    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    r = subprocess.run([sys.executable, "-m", "nvfp4_jax.cli", "generate", "--checkpoint", d,
-                        "--prompt-ids", "1,2"], capture_output=True, text=True, env=env,
-                       timeout=300, check=False)
+    r = generate_subprocess(d)
     assert r.returncode == 2, r.stderr
     assert "Traceback" not in r.stderr and r.stderr.count("\n") == 1, r.stderr
     assert r.stderr.startswith("nvfp4 generate: ") and f"{M0}.D" in r.stderr, r.stderr

@@ -40,14 +40,19 @@ def merge(kind: str, old: dict, new: dict) -> dict:
         keys = (*KEYS[kind], "commit") if r.get("impl") == "hbm_copy" else KEYS[kind]
         return tuple(r.get(k) for k in keys)
 
-    # each record keeps the commit, date and timing harness of its own run (a MoE run without
-    # a "harness" entry gave all layers the same global scales: moe_bench.py's docstring)
-    stamp = {"commit": new.get("commit"), "date": new.get("date")}
-    if kind == "moe":
-        stamp["harness"] = new.get("harness", "shared global scales")
-    else:  # gemm: the timing note names the loop structure (gemm_bench.py's docstring)
-        stamp["timing"] = new.get("timing", "")
-    fresh = [{**r, **{k: v for k, v in stamp.items() if k not in r}} for r in new["records"]]
+    def stamped(doc: dict, records: list[dict]) -> list[dict]:
+        """``records`` with ``doc``'s run commit, date and timing harness where a record lacks
+        its own: each record keeps those of its own run (the merged top level is NEW's). A MoE
+        run without a "harness" entry gave all layers the same global scales (moe_bench.py's
+        docstring); a GEMM run's timing note names the loop structure (gemm_bench.py's)."""
+        stamp = {"commit": doc.get("commit"), "date": doc.get("date")}
+        if kind == "moe":
+            stamp["harness"] = doc.get("harness", "shared global scales")
+        else:
+            stamp["timing"] = doc.get("timing", "")
+        return [{**r, **{k: v for k, v in stamp.items() if k not in r}} for r in records]
+
+    fresh = stamped(new, new["records"])
     seen = {key(r) for r in fresh}
     if kind == "moe":  # the tables show one weight-scale layout per row: never mix them
         layouts = {key(r): r.get("scale_layout") for r in old["records"] if r.get("scale_layout")}
@@ -55,15 +60,7 @@ def merge(kind: str, old: dict, new: dict) -> dict:
             if r.get("scale_layout") and layouts.get(key(r), r["scale_layout"]) != r["scale_layout"]:
                 raise SystemExit(f"merge_results: {key(r)} was measured with {layouts[key(r)]} "
                                  f"weight scales, the new run with {r['scale_layout']}; keep it apart")
-    # rows kept from OLD take OLD's top-level commit, date and harness where they lack their own
-    # (the merged file's top level is NEW's)
-    old_stamp = {"commit": old.get("commit"), "date": old.get("date")}
-    if kind == "moe":
-        old_stamp["harness"] = old.get("harness", "shared global scales")
-    else:
-        old_stamp["timing"] = old.get("timing", "")
-    kept = [{**r, **{k: v for k, v in old_stamp.items() if k not in r}}
-            for r in old["records"] if key(r) not in seen]
+    kept = stamped(old, [r for r in old["records"] if key(r) not in seen])
     return {**{k: v for k, v in new.items() if k != "records"}, "records": fresh + kept}
 
 

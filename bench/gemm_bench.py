@@ -403,14 +403,16 @@ CAND_MS = [1, 16, 64]
 
 def sweep_candidates(m, n, k) -> list[tuple[str, Config]]:
     """(label, Config) timed by ``--candidates`` at one shape: the library's sm_90 and sm_12x
-    table entries, the sm_90 entry with the 2-byte decode (``asm2``) and tiles with more
+    table entries, the sm_90 entry with each 2-byte decode (``asm2``, ``asm2m``) and tiles with more
     resident warps (bench/results/gemm-decode-variants.md), ``asm2`` as on sm_90."""
     import dataclasses
 
     lib = configs.get_config(m, n, k, family="sm90")
     out = [("sm90_table", lib), ("sm12x_table", configs.get_config(m, n, k, family="sm12x"))]
     if lib.algo == "fused":
-        out.append(("sm90_table_asm2", dataclasses.replace(lib, decode="asm2", measured="")))
+        for d in ("asm2", "asm2m"):
+            if lib.decode != d:
+                out.append((f"sm90_table_{d}", dataclasses.replace(lib, decode=d, measured="")))
     if m <= 16:
         tiles = [(128, 128, 4, 3), (64, 256, 4, 3), (128, 128, 8, 3), (256, 128, 8, 3)]
         # split-K up to 8 (the XLA sum of [split_k, M, N] fp32 partials grows with it)

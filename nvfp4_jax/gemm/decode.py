@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-DECODE_MODES = ("asm", "asm2", "asm16", "bits")
+DECODE_MODES = ("asm", "asm2", "asm2m", "asm16", "bits")
 
 
 def check_tile_config(cfg, power_of_two: tuple[str, ...]) -> None:
@@ -151,10 +151,30 @@ fma.rn.bf16x2 $0, a, $2, z;
 """
 _ASM2_BF16_LO = _ASM2_BF16.replace("SHIFTS", _LO_SHIFTS)
 _ASM2_BF16_HI = _ASM2_BF16.replace("SHIFTS", _HI_SHIFTS)
+# ``"asm2m"``: the 2-byte grouping with the Mosaic kernel's placement by multiply
+# (mosaic.py ``_DECODE_WORD``): ``prmt`` spreads the two bytes 16 bits apart ([0 b1 0 b0]),
+# then per nibble half ``and, mul.lo, and``: (t & 0x000F000F) * 4160 = (y << 12) + (y << 6)
+# puts the sign at lane bit 15 and e1 e0 m at bits 8..6 (no overlap, no carry);
+# 260 = 2^8 + 2^2 does the same for the nibbles at bits 4..7.
+_ASM2M_BF16 = """
+{
+.reg .b32 w, t, z;
+mov.b32 z, 0x80008000;
+cvt.u32.u16 w, $1;
+prmt.b32 t, w, 0, 0x4140;
+and.b32 t, t, MASK;
+mul.lo.u32 t, t, MUL;
+and.b32 t, t, 0x81C081C0;
+fma.rn.bf16x2 $0, t, $2, z;
+}
+"""
+_ASM2M_BF16_LO = _ASM2M_BF16.replace("MASK", "0x000F000F").replace("MUL", "4160")
+_ASM2M_BF16_HI = _ASM2M_BF16.replace("MASK", "0x00F000F0").replace("MUL", "260")
 #: the bf16 decode blocks by mode and nibble ({"lo": even elements, "hi": odd elements})
 BF16_ASM = {
     "asm": {"lo": _ASM_BF16_LO, "hi": _ASM_BF16_HI},
     "asm2": {"lo": _ASM2_BF16_LO, "hi": _ASM2_BF16_HI},
+    "asm2m": {"lo": _ASM2M_BF16_LO, "hi": _ASM2M_BF16_HI},
 }
 BF16_SCALE_BIAS = 2.0**119
 BF16_POST_SCALE = 2.0**7
@@ -162,7 +182,7 @@ BF16_POST_SCALE = 2.0**7
 
 def nibbles_to_f16(codes: jax.Array, mode: str) -> tuple[jax.Array, jax.Array]:
     """uint8 codes [...] -> (even, odd) fp16 [...] holding ``e2m1 * 2^-14`` exactly."""
-    if mode in ("asm", "asm2", "asm16"):
+    if mode in ("asm", "asm2", "asm2m", "asm16"):
         from jax.experimental.pallas import triton as plgpu
 
         out = [jax.ShapeDtypeStruct(codes.shape, jnp.float16)]
@@ -186,7 +206,7 @@ def nibbles_to_f16(codes: jax.Array, mode: str) -> tuple[jax.Array, jax.Array]:
 
 def post_scale(mode: str, dtype) -> float:
     """Power of two by which a kernel multiplies its fp32 accumulator for this decode."""
-    bf16_asm = mode in ("asm", "asm2") and jnp.dtype(dtype) == jnp.bfloat16
+    bf16_asm = mode in ("asm", "asm2", "asm2m") and jnp.dtype(dtype) == jnp.bfloat16
     return BF16_POST_SCALE if bf16_asm else 1.0
 
 
@@ -212,12 +232,12 @@ def decode_block(
         if not per_elem:
             sb = jnp.broadcast_to(sb[..., None], codes.shape)
         out = [jax.ShapeDtypeStruct(codes.shape, jnp.bfloat16)]
-        if mode == "asm2":
+        if mode in ("asm2", "asm2m"):
             (lo,) = plgpu.elementwise_inline_asm(
-                _ASM2_BF16_LO, args=[codes, sb], constraints="=r,h,r", pack=2,
+                BF16_ASM[mode]["lo"], args=[codes, sb], constraints="=r,h,r", pack=2,
                 result_shape_dtypes=out)
             (hi,) = plgpu.elementwise_inline_asm(
-                _ASM2_BF16_HI, args=[codes, sb], constraints="=r,h,r", pack=2,
+                BF16_ASM[mode]["hi"], args=[codes, sb], constraints="=r,h,r", pack=2,
                 result_shape_dtypes=out)
             return lo, hi, BF16_POST_SCALE
         (lo,) = plgpu.elementwise_inline_asm(

@@ -74,6 +74,8 @@ def run_ptx(asm: str, args: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
             r = (val(srcs[0]) << np.uint64(int(srcs[1], 0))) & M32
         elif op == "shr.b32":
             r = (val(srcs[0]) & M32) >> np.uint64(int(srcs[1], 0))
+        elif op == "mul.lo.u32":
+            r = (val(srcs[0]) * val(srcs[1])) & M32
         elif op == "and.b32":
             r = val(srcs[0]) & val(srcs[1])
         elif op == "or.b32":
@@ -113,10 +115,11 @@ def _cases():
     return b0.astype(np.uint8), b1.astype(np.uint8), s
 
 
+@pytest.mark.parametrize("mode", ["asm2", "asm2m"])
 @pytest.mark.parametrize("nibble", ["lo", "hi"])
-def test_asm2_block_is_e2m1_times_e4m3(nibble):
+def test_2byte_block_is_e2m1_times_e4m3(mode, nibble):
     b0, b1, s = _cases()
-    asm = decode.BF16_ASM["asm2"][nibble]
+    asm = decode.BF16_ASM[mode][nibble]
     codes16 = b0.astype(np.uint64) | (b1.astype(np.uint64) << np.uint64(8))
     out = run_ptx(asm, {"$1": codes16, "$2": _scale_regs(s)})["$0"]
     got0, got1 = _bf16x2(out)
@@ -149,7 +152,7 @@ def test_emulator_sees_a_wrong_mask():
 
 def test_asm_blocks_use_only_emulated_ops():
     known = {"mov.b32", "cvt.u32.u16", "prmt.b32", "shl.b32", "shr.b32", "and.b32", "or.b32",
-             "fma.rn.bf16x2"}
+             "mul.lo.u32", "fma.rn.bf16x2"}
     for asm in (a for pair in decode.BF16_ASM.values() for a in pair.values()):
         ops = set(re.findall(r"^\s*([a-z][\w.]+)\s", asm, re.MULTILINE)) - {".reg"}
         assert ops <= known, ops - known

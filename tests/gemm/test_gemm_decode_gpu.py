@@ -1,4 +1,4 @@
-"""The 2-byte decode (``asm2``) and the SM12x config table on an NVIDIA GPU: the decoded
+"""The 2-byte decodes (``asm2``, ``asm2m``) and the SM12x config table on an NVIDIA GPU: the decoded
 operand bit-exact against the oracle, GEMMs against the oracle's bound with poisoned outputs,
 and bitwise equal to the same tile with the other decodes (same operand values, same MMA order).
 Skipped without a CUDA GPU."""
@@ -33,12 +33,13 @@ def _run(wo, x, cfg, out_dtype=jnp.float32):
                          poison=True)
 
 
-def test_dequant_asm2_exhaustive_codes_and_scales():
+@pytest.mark.parametrize("decode", ["asm2", "asm2m"])
+def test_dequant_2byte_exhaustive_codes_and_scales(decode):
     codes = np.tile(np.arange(256, dtype=np.uint8), (128, 1))
     scales = np.resize(np.concatenate([np.arange(0, 127), np.arange(128, 255)]).astype(np.uint8),
                        (128, 32))
     t = oracle.NVFP4(codes, scales, np.float64(1.0))
-    got = dequantize_pallas(jnp.asarray(codes), jnp.asarray(scales), config=Config(decode="asm2"))
+    got = dequantize_pallas(jnp.asarray(codes), jnp.asarray(scales), config=Config(decode=decode))
     np.testing.assert_array_equal(
         np.asarray(got, np.float64), oracle.dequantize(t, include_decode_scale=False)
     )
@@ -53,16 +54,17 @@ def test_dequant_asm2_exhaustive_codes_and_scales():
         (64, 3000, 2048, (64, 128, 128, 1, 8, 3)),
     ],
 )
-def test_asm2_gemm_equals_asm_and_bits_bitwise(m, n, k, tile):
+def test_2byte_gemms_equal_asm_and_bits_bitwise(m, n, k, tile):
     """Same tile, three decodes: the MMA sees the same operand values in the same order, so
     the fp32 outputs agree bit for bit (the decodes' power-of-two post scale is exact)."""
     rng = np.random.default_rng(m * n + k)
     wo, x = _case(rng, m, n, k)
     outs = {d: np.asarray(_run(wo, x, Config(*tile, decode=d, load2d=True)))
-            for d in ("asm2", "asm", "bits")}
+            for d in ("asm2", "asm2m", "asm", "bits")}
     assert_gemm_close(outs["asm2"], np.asarray(x, np.float32), wo, out_dtype="float32",
                       splits=16)
     np.testing.assert_array_equal(outs["asm2"], outs["bits"])
+    np.testing.assert_array_equal(outs["asm2m"], outs["bits"])
     np.testing.assert_array_equal(outs["asm"], outs["bits"])
 
 

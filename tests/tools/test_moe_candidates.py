@@ -44,6 +44,7 @@ def test_candidates_are_valid_configs(shape, t):
                          gated=gated)
     assert cands[0] == ("default", lib)
     assert dict(cands)["default_asm2"] == lib.with_decode("asm2")
+    assert dict(cands)["default_asm2m"] == lib.with_decode("asm2m")
     for label, cfg in cands:
         assert isinstance(cfg, MoEConfig), label
         MoEConfig(cfg.fc1, cfg.fc2, cfg.mma)  # the MoE's own checks (equal block_m, mma)
@@ -54,7 +55,9 @@ def test_candidates_are_valid_configs(shape, t):
         if gated:  # two accumulators: default_config's register limit
             assert cfg.fc1.block_n == 64 and cfg.fc1.block_m <= 64, label
         assert cfg.fc1.block_m == 16, label  # T <= 64: decode regime, one expert per 16 rows
-        if label != "default":
+        if label == "default_asm2m":
+            assert cfg.fc1.decode == cfg.fc2.decode == "asm2m", label
+        elif label != "default":
             assert cfg.fc1.decode == cfg.fc2.decode == "asm2", label
 
 
@@ -65,7 +68,8 @@ def test_candidates_smoke_run_records_errors_and_the_reference(tmp_path, monkeyp
     monkeypatch.setattr(mb, "NROT", 1)
     monkeypatch.setattr(mb, "INNER_ROUNDS", 1)
     cands = mb.moe_sweep_candidates("tiny", 1)
-    broken = cands[2][1]
+    broken = cands[3][1]  # a tile variant: in interpret mode (decode "bits") the decode-only
+    # candidates run the default's config, which must not fail
     real_layer = mb.nvfp4_layer
 
     def layer(activation, backend="pallas", config=None, **select):
@@ -86,13 +90,13 @@ def test_candidates_smoke_run_records_errors_and_the_reference(tmp_path, monkeyp
     recs = {r["label"]: r for r in doc["records"]}
     assert list(recs) == ["mosaic"] + [label for label, _ in cands[:4]]
     assert "sm_90" in recs["mosaic"]["skipped"] and "median_us" not in recs["mosaic"]
-    bad = recs[cands[2][0]]
+    bad = recs[cands[3][0]]
     assert "injected failure" in bad["error"] and "median_us" not in bad
     for label, cfg in cands[:4]:
         r = recs[label]
         assert r["shape"] == "tiny" and r["T"] == 1 and r["backend"] == "pallas"
         assert r["fc1"]["block_n"] == cfg.fc1.block_n and r["fc2"]["decode"] == cfg.fc2.decode
-        if label == cands[2][0]:
+        if label == cands[3][0]:
             continue
         assert r["decode_run"] == "bits" and r["ratio_vs_mosaic"] is None
         assert len(r["rounds_us"]) == 2 and r["median_us"] == float(np.median(r["rounds_us"]))

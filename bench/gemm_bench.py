@@ -260,7 +260,7 @@ def check(out_dir):
     scales = np.resize(sb, (128, 32)).astype(np.uint8)
     t = oracle.NVFP4(codes, scales, np.float64(1.0))
     ref = oracle.dequantize(t, include_decode_scale=False)
-    for mode in ("asm", "asm2", "asm16", "bits"):
+    for mode in ("asm", "asmm", "asm2m", "asm16", "bits"):
         wd = dequantize_pallas(jnp.asarray(codes), jnp.asarray(scales), config=Config(decode=mode))
         res[f"dequant_exhaustive_{mode}"] = bool(np.array_equal(np.asarray(wd, np.float64), ref))
     for m, n, k in [(1, 200, 528), (37, 130, 4112), (300, 333, 1040)]:
@@ -282,7 +282,8 @@ def check(out_dir):
             Config(block_m=32, block_n=128, block_k=128, load2d=True),
             Config(block_m=64, block_n=64, block_k=64, decode="bits", split_k=2),
             Config(block_m=16, block_n=64, block_k=256, decode="asm16", load2d=True),
-            Config(block_m=16, block_n=128, block_k=128, decode="asm2", load2d=True),
+            Config(block_m=16, block_n=128, block_k=128, decode="asm2m", load2d=True),
+            Config(block_m=16, block_n=128, block_k=128, decode="asmm", load2d=True),
         ]:
             out = matmul_pallas(
                 xb,
@@ -403,27 +404,27 @@ CAND_MS = [1, 16, 64]
 
 def sweep_candidates(m, n, k) -> list[tuple[str, Config]]:
     """(label, Config) timed by ``--candidates`` at one shape: the library's sm_90 and sm_12x
-    table entries, the sm_90 entry with each 2-byte decode (``asm2``, ``asm2m``) and tiles with more
-    resident warps (bench/results/gemm-decode-variants.md), ``asm2`` as on sm_90."""
+    table entries, the sm_90 entry with each other bf16 decode (``asm``, ``asmm``, ``asm2m``) and tiles with more
+    resident warps (bench/results/gemm-decode-variants.md), ``asm2m`` as on sm_90."""
     import dataclasses
 
     lib = configs.get_config(m, n, k, family="sm90")
     out = [("sm90_table", lib), ("sm12x_table", configs.get_config(m, n, k, family="sm12x"))]
     if lib.algo == "fused":
-        for d in ("asm2", "asm2m"):
+        for d in ("asm", "asmm", "asm2m"):
             if lib.decode != d:
                 out.append((f"sm90_table_{d}", dataclasses.replace(lib, decode=d, measured="")))
     if m <= 16:
         tiles = [(128, 128, 4, 3), (64, 256, 4, 3), (128, 128, 8, 3), (256, 128, 8, 3)]
         # split-K up to 8 (the XLA sum of [split_k, M, N] fp32 partials grows with it)
-        out += [(f"m16_n{bn}_k{bk}_w{w}_st{st}_asm2",
-                 Config(16, bn, bk, min(8, split_for(n, k, bn, bk)), w, st, decode="asm2",
+        out += [(f"m16_n{bn}_k{bk}_w{w}_st{st}_asm2m",
+                 Config(16, bn, bk, min(8, split_for(n, k, bn, bk)), w, st, decode="asm2m",
                         load2d=True))
                 for bn, bk, w, st in tiles]
     elif m <= 64:
         tiles = [(128, 128, 8, 3), (64, 128, 4, 3), (64, 256, 4, 3)]
-        out += [(f"m64_n{bn}_k{bk}_w{w}_st{st}_asm2",
-                 Config(64, bn, bk, 1, w, st, decode="asm2", load2d=True))
+        out += [(f"m64_n{bn}_k{bk}_w{w}_st{st}_asm2m",
+                 Config(64, bn, bk, 1, w, st, decode="asm2m", load2d=True))
                 for bn, bk, w, st in tiles]
     return out
 

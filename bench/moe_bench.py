@@ -303,8 +303,8 @@ def shape_of(shape) -> dict:
 def moe_sweep_candidates(shape, t: int) -> list[tuple[str, MoEConfig]]:
     """(label, MoEConfig) that ``--candidates`` times for ``shape`` (a name or a ``SHAPES``
     dict) at ``t`` tokens: the library default (``default_config``, what ``moe`` runs with
-    ``config=None``), the default with each 2-byte decode (``asm2``: 14-19 % faster in the
-    dense GEMM on sm_90; ``asm2m``: its placement by multiply), and tile variants of the ``asm2`` default: the output tile (BN 64 <-> 128;
+    ``config=None``), the default with each other bf16 decode (``asm``, ``asmm``, ``asm2m``),
+    and tile variants of the ``asm2`` default: the output tile (BN 64 <-> 128;
     gated FC1 keeps its BN 64, the register limit of its two accumulators), BK 128, 8 warps,
     3 and 5 pipeline stages, and BN flipped with 8 warps; BM 16 where the default's BM is
     larger. Configs equal to an earlier one are left out; labels are unique."""
@@ -312,7 +312,7 @@ def moe_sweep_candidates(shape, t: int) -> list[tuple[str, MoEConfig]]:
     e, h, i, k = s["experts"], s["hidden"], s["inter"], s["top_k"]
     gated = s["activation"] == "swiglu"
     lib = default_config(t * k, e, inter=i, hidden=h, gated=gated)
-    base = lib.with_decode("asm2")
+    base = lib.with_decode("asm2m")
 
     def flip(bn: int) -> int:
         return 128 if bn == 64 else 64
@@ -328,7 +328,8 @@ def moe_sweep_candidates(shape, t: int) -> list[tuple[str, MoEConfig]]:
                 tiles(num_stages=5), tiles(bn1, bn2, num_warps=8)]
     if base.fc1.block_m != 16:
         variants.append(tiles(block_m=16))
-    out = [("default", lib), ("default_asm2", base), ("default_asm2m", lib.with_decode("asm2m"))]
+    out = [("default", lib)] + [(f"default_{d}", lib.with_decode(d))
+                                for d in ("asm", "asmm", "asm2m") if d != lib.fc1.decode]
     for cfg in variants:
         c1, c2 = cfg.fc1, cfg.fc2
         label = (f"m{c1.block_m}_n{c1.block_n}-{c2.block_n}_k{c1.block_k}_w{c1.num_warps}"

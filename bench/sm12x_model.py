@@ -290,7 +290,8 @@ def ipw_for(sass: list[dict], config: dict, moe: dict | None = None) -> tuple[fl
 #: the FP4-MMA builds, most preferred first: ``xla`` is the Triton XLA bundles (what
 #: ``nvfp4_jax.matmul`` and the MoE compile with under JAX), ``pip`` the pip Triton package
 FP4_SIDES = ("xla", "pip")
-_FP4_TILE_KEYS = ("block_m", "block_n", "block_k", "num_warps", "num_stages", "decode", "load2d")
+# no "decode": the FP4 MMA takes the codes as they are, whatever a config names for bf16
+_FP4_TILE_KEYS = ("block_m", "block_n", "block_k", "num_warps", "num_stages", "load2d")
 
 
 def fp4_build_ipw(entry: dict, build: dict) -> tuple[float | None, str]:

@@ -5,7 +5,7 @@ Two families, two tables: ``"sm90"`` (``TUNED``: autotuned on one H200) and ``"s
 config costs: sm_120 has 100 KB of shared memory per SM (99 KB per CTA) against the H200's
 228 KB, 1536 resident threads per SM against 2048, and Triton lays the decoded operand out for
 ``mma.sync`` (4 consecutive bytes per thread) instead of ``wgmma`` (2), so the decode grouping
-differs too (decode.py: ``asm`` vs ``asm2``). An H200-tuned tile can fail to launch on SM12x
+differs too (decode.py: ``asmm`` vs ``asm2m``). An H200-tuned tile can fail to launch on SM12x
 (shared memory) or leave one warp per scheduler there.
 
 Key: (M bucket, N, K). M is rounded up to the next bucket (16, 64, 256, 1024, 4096; M <= 16
@@ -27,25 +27,25 @@ M_BUCKETS = (16, 64, 256, 1024, 4096)
 _SMALL_M = {"block_m": 16, "num_warps": 4, "num_stages": 4, "load2d": True}
 TUNED: dict[tuple[int, int, int], Config] = {
     (16, 28672, 8192): Config(
-        block_n=128, block_k=256, split_k=1, **_SMALL_M, decode="asm2",
-        measured="M=1/16: 83.8/84.5 us vs bf16 113/119, decode asm 97.9/96.6, bn 64 st 3 "
-                 "82.8/83.6, 4 other tiles 119-140 (h200, 2026-12-01, gemm-candidates-h200.json)"),
+        block_n=128, block_k=256, split_k=1, **_SMALL_M, decode="asm2m",
+        measured="M=1: 73.1 us vs bf16 113.5, decode asm2 (shifts) 84.4, bn 64 st 3 83.6, 4 other "
+                 "tiles 121-137 (h200, 2026-12-02, gemm-candidates-h200.json)"),
     (16, 14336, 4096): Config(
         block_n=64, block_k=256, split_k=2, block_m=16, num_warps=4, num_stages=3, load2d=True,
-        decode="asm2",
-        measured="M=1: 26.0 us vs bf16 42.3, the 4096x4096 tiles 32.1 (asm) / 30.8 (asm2), "
-                 "4 other tiles 31-38 (h200, 2026-12-01, gemm-candidates-h200.json)"),
+        decode="asm2m",
+        measured="M=1: 25.1 us vs bf16 43.0, decode asm2 (shifts) 25.4, 4 other tiles 27-39 "
+                 "(h200, 2026-12-02, gemm-candidates-h200.json)"),
     # split-K 8 fills the 132 SMs
     (16, 4096, 4096): Config(
-        block_n=64, block_k=128, split_k=8, **_SMALL_M, decode="asm2",
-        measured="7.9 us vs bf16 13.5-16 (h200, 2026-11-29); decode asm2 on these tiles at "
-                 "14336x4096 M=1: 30.8 vs 32.1 us (h200, 2026-12-01)"),
-    # the 4096x4096 tiles, which this shape used as its nearest entry before 14336x4096 was
-    # tuned (same weight count, so listed to keep them)
+        block_n=64, block_k=128, split_k=8, **_SMALL_M, decode="asm2m",
+        measured="7.9 us vs bf16 13.5-16 (h200, 2026-11-29, decode asm); decode asm2m by its "
+                 "wins at the two swept shapes"),
+    # the 4096x4096 tiles (same weight count as 14336x4096, whose tiles it would pick as the
+    # nearest entry otherwise)
     (16, 4096, 14336): Config(
-        block_n=64, block_k=128, split_k=8, **_SMALL_M, decode="asm2",
-        measured="tiles not swept at this shape; asm2 on them at 14336x4096 M=1: 30.8 vs "
-                 "32.1 us (h200, 2026-12-01)"),
+        block_n=64, block_k=128, split_k=8, **_SMALL_M, decode="asm2m",
+        measured="tiles not swept at this shape; decode asm2m by its wins at the two swept "
+                 "shapes"),
     (64, 28672, 8192): Config(
         block_m=64, block_n=128, block_k=256, split_k=1, num_warps=8, num_stages=3, load2d=True,
         measured="145 us vs bf16 123, 7 other configs 145-408 (h200, 2026-11-29)"),
@@ -68,24 +68,29 @@ TUNED: dict[tuple[int, int, int], Config] = {
 # sm_120a compile allows it (pip Triton 3.6, bench/sm12x_compile.py --variants: registers,
 # shared memory, main-loop instructions; bench/results/gemm-decode-variants.md). Predicted,
 # not measured: no SM12x GPU has run them.
-_SM12X_SMALL_M = {"block_m": 16, "num_warps": 4, "num_stages": 3, "load2d": True}
+_SM12X_SMALL_M = {"block_m": 16, "num_warps": 4, "num_stages": 3, "load2d": True,
+                  "decode": "asmm"}
 TUNED_SM12X: dict[tuple[int, int, int], Config] = {
     # split-K 2: 448 CTAs keep the RTX 5090's 170 SMs x 3 resident CTAs busy
     (16, 28672, 8192): Config(
         block_n=128, block_k=128, split_k=2, **_SM12X_SMALL_M,
-        measured="predicted: sm_120a 597 instr/step (4.66 per weight per lane), 123 regs, "
-                 "26 KB, 3 CTAs/SM (the sm90 entry: 78 KB, 1 CTA/SM)"),
+        measured="predicted: sm_120a 566 instr/step with decode asmm (597 asm, 699 asm2m), "
+                 "127 regs, 26 KB, 3 CTAs/SM (the sm90 entry: 78 KB, 1 CTA/SM)"),
     (16, 4096, 4096): Config(
         block_n=64, block_k=128, split_k=8, **_SM12X_SMALL_M,
-        measured="predicted: sm_120a 5.22 per weight per lane, 80 regs, 17 KB, 5 CTAs/SM"),
+        measured="predicted: sm_120a 320 instr/step with decode asmm (334 asm), 74 regs, "
+                 "17 KB, 5 CTAs/SM"),
     (64, 28672, 8192): Config(
         block_m=64, block_n=64, block_k=128, split_k=1, num_warps=4, num_stages=3, load2d=True,
-        measured="predicted: sm_120a 9.28 per weight per lane, 168 regs, 41 KB, 2 CTAs/SM "
-                 "(the sm90 entry needs 100 KB: over the 99 KB per CTA, it cannot launch)"),
+        decode="asmm",
+        measured="predicted: sm_120a 586 instr/step with decode asmm (594 asm), 168 regs, 41 KB, "
+                 "2 CTAs/SM (the sm90 entry needs 100 KB: over the 99 KB per CTA, it cannot "
+                 "launch)"),
     (64, 4096, 4096): Config(
         block_m=64, block_n=64, block_k=128, split_k=8, num_warps=4, num_stages=3, load2d=True,
-        measured="predicted: sm_120a 9.09 per weight per lane, 160 regs, 41 KB, 2 CTAs/SM "
-                 "(the sm90 entry: 62 KB, 1 CTA/SM)"),
+        decode="asmm",
+        measured="predicted: sm_120a 565 instr/step with decode asmm (582 asm), 162 regs, 41 KB, "
+                 "2 CTAs/SM (the sm90 entry: 62 KB, 1 CTA/SM)"),
     (256, 28672, 8192): TUNED[(256, 28672, 8192)],
     (1024, 28672, 8192): TUNED[(1024, 28672, 8192)],
 }

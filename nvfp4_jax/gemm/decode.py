@@ -24,11 +24,15 @@ Implementations (all give the same operand values):
   about 1.2 instructions per weight; fp16 operands fall back to ``"asm16"``. One block per 4
   bytes: the right grouping where each thread holds 4 consecutive bytes of a row (the
   ``mma.sync`` operand layout Triton picks on sm_120a/sm_80+, ``kWidth = 4``);
-* ``"asm2"`` (bf16 operands): the same arithmetic, one block per 2 bytes: the right grouping
-  where each thread holds 2 consecutive bytes (the ``wgmma`` register operand on sm_90a,
-  ``kWidth = 2``): a 4-byte pack there mixes two rows, which costs a byte unpack and repack per
-  pack (sm_90a main loop, M <= 16 tile of 28672x8192: 1445 -> 1221 instructions per warp and
-  step). On sm_120a the 2-byte grouping costs more than it saves (1104 -> 1347).
+* ``"asm2m"`` (bf16 operands): one block per 2 bytes, the right grouping where each thread
+  holds 2 consecutive bytes (the ``wgmma`` register operand on sm_90a, ``kWidth = 2``; a 4-byte
+  pack there mixes two rows, which costs a byte unpack and repack per pack). ``prmt`` spreads
+  the two bytes 16 bits apart, then per nibble half ``and, mul.lo, and`` places sign and
+  magnitude (the Mosaic kernel's placement, mosaic.py) and one ``fma.rn.bf16x2`` scales:
+  1163 main-loop instructions per warp and step on sm_90a (M <= 16 tile of 28672x8192) against
+  1227 for the same grouping with placement by shifts and masks (73.1 against 84.4 us on the
+  H200, bench/results/gemm-candidates-h200.json). On sm_120a the 4-byte ``"asm"`` stays
+  cheaper (1104 against 1297).
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-DECODE_MODES = ("asm", "asm2", "asm2m", "asm16", "bits")
+DECODE_MODES = ("asm", "asmm", "asm2m", "asm16", "bits")
 
 
 def check_tile_config(cfg, power_of_two: tuple[str, ...]) -> None:
@@ -132,25 +136,6 @@ _ASM_BF16_HI = (
     .replace("SHIFTS01", _HI_SHIFTS)
     .replace("SHIFTS23", _HI_SHIFTS)
 )
-# ``"asm2"``: one block per 2 bytes (a 16-bit register: the two bytes a thread holds next to
-# each other in the MMA operand layout), one bf16x2 result (low or high nibbles of both bytes),
-# so Triton hands the loaded 16-bit pair straight in and the result is already the operand's
-# register pair (no byte unpack/repack around a 4-byte pack).
-_ASM2_BF16 = """
-{
-.reg .b32 w, t, a, b, z;
-mov.b32 z, 0x80008000;
-cvt.u32.u16 w, $1;
-prmt.b32 t, w, 0, 0x1404;
-SHIFTS
-and.b32 a, a, 0x80008000;
-and.b32 b, b, 0x01C001C0;
-or.b32 a, a, b;
-fma.rn.bf16x2 $0, a, $2, z;
-}
-"""
-_ASM2_BF16_LO = _ASM2_BF16.replace("SHIFTS", _LO_SHIFTS)
-_ASM2_BF16_HI = _ASM2_BF16.replace("SHIFTS", _HI_SHIFTS)
 # ``"asm2m"``: the 2-byte grouping with the Mosaic kernel's placement by multiply
 # (mosaic.py ``_DECODE_WORD``): ``prmt`` spreads the two bytes 16 bits apart ([0 b1 0 b0]),
 # then per nibble half ``and, mul.lo, and``: (t & 0x000F000F) * 4160 = (y << 12) + (y << 6)
@@ -170,11 +155,29 @@ fma.rn.bf16x2 $0, t, $2, z;
 """
 _ASM2M_BF16_LO = _ASM2M_BF16.replace("MASK", "0x000F000F").replace("MUL", "4160")
 _ASM2M_BF16_HI = _ASM2M_BF16.replace("MASK", "0x00F000F0").replace("MUL", "260")
+_ASMM_BF16 = """
+{
+.reg .b32 t, z;
+mov.b32 z, 0x80008000;
+prmt.b32 t, $2, 0, 0x4140;
+and.b32 t, t, MASK;
+mul.lo.u32 t, t, MUL;
+and.b32 t, t, 0x81C081C0;
+fma.rn.bf16x2 $0, t, $3, z;
+prmt.b32 t, $2, 0, 0x4342;
+and.b32 t, t, MASK;
+mul.lo.u32 t, t, MUL;
+and.b32 t, t, 0x81C081C0;
+fma.rn.bf16x2 $1, t, $4, z;
+}
+"""
+_ASMM_BF16_LO = _ASMM_BF16.replace("MASK", "0x000F000F").replace("MUL", "4160")
+_ASMM_BF16_HI = _ASMM_BF16.replace("MASK", "0x00F000F0").replace("MUL", "260")
 #: the bf16 decode blocks by mode and nibble ({"lo": even elements, "hi": odd elements})
 BF16_ASM = {
     "asm": {"lo": _ASM_BF16_LO, "hi": _ASM_BF16_HI},
-    "asm2": {"lo": _ASM2_BF16_LO, "hi": _ASM2_BF16_HI},
     "asm2m": {"lo": _ASM2M_BF16_LO, "hi": _ASM2M_BF16_HI},
+    "asmm": {"lo": _ASMM_BF16_LO, "hi": _ASMM_BF16_HI},
 }
 BF16_SCALE_BIAS = 2.0**119
 BF16_POST_SCALE = 2.0**7
@@ -182,7 +185,7 @@ BF16_POST_SCALE = 2.0**7
 
 def nibbles_to_f16(codes: jax.Array, mode: str) -> tuple[jax.Array, jax.Array]:
     """uint8 codes [...] -> (even, odd) fp16 [...] holding ``e2m1 * 2^-14`` exactly."""
-    if mode in ("asm", "asm2", "asm2m", "asm16"):
+    if mode in ("asm", "asmm", "asm2m", "asm16"):
         from jax.experimental.pallas import triton as plgpu
 
         out = [jax.ShapeDtypeStruct(codes.shape, jnp.float16)]
@@ -206,7 +209,7 @@ def nibbles_to_f16(codes: jax.Array, mode: str) -> tuple[jax.Array, jax.Array]:
 
 def post_scale(mode: str, dtype) -> float:
     """Power of two by which a kernel multiplies its fp32 accumulator for this decode."""
-    bf16_asm = mode in ("asm", "asm2", "asm2m") and jnp.dtype(dtype) == jnp.bfloat16
+    bf16_asm = mode in ("asm", "asmm", "asm2m") and jnp.dtype(dtype) == jnp.bfloat16
     return BF16_POST_SCALE if bf16_asm else 1.0
 
 
@@ -232,7 +235,7 @@ def decode_block(
         if not per_elem:
             sb = jnp.broadcast_to(sb[..., None], codes.shape)
         out = [jax.ShapeDtypeStruct(codes.shape, jnp.bfloat16)]
-        if mode in ("asm2", "asm2m"):
+        if mode == "asm2m":
             (lo,) = plgpu.elementwise_inline_asm(
                 BF16_ASM[mode]["lo"], args=[codes, sb], constraints="=r,h,r", pack=2,
                 result_shape_dtypes=out)
@@ -241,14 +244,14 @@ def decode_block(
                 result_shape_dtypes=out)
             return lo, hi, BF16_POST_SCALE
         (lo,) = plgpu.elementwise_inline_asm(
-            _ASM_BF16_LO,
+            BF16_ASM[mode]["lo"],
             args=[codes, sb],
             constraints="=r,=r,r,r,r",
             pack=4,
             result_shape_dtypes=out,
         )
         (hi,) = plgpu.elementwise_inline_asm(
-            _ASM_BF16_HI,
+            BF16_ASM[mode]["hi"],
             args=[codes, sb],
             constraints="=r,=r,r,r,r",
             pack=4,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from ..device import is_sm90
 from ..gemm.decode import check_tile_config
 from ..gemm.fp4mma import MMAS, default_mma
 
@@ -75,7 +76,9 @@ def default_config(num_routes: int, num_experts: int, *, inter: int = 2048, hidd
     The values follow the dense NVFP4 GEMM's sweep (``gemm.configs.TUNED``: M <= 16 best at
     BN 128, BK 256, 4 warps, 4 stages; M = 256 best at BM 128, BN 64, BK 128, 4 warps, 3
     stages); the MoE itself has no sweep of its own. BN is 128 only for BM <= 32 and when that still gives two programs per SM (132 SMs);
-    gated FC1 (two accumulators) keeps BN 64 and BM <= 64 to stay within registers.
+    gated FC1 (two accumulators) keeps BN 64 and BM <= 64 to stay within registers. Decode
+    ``asm2m`` on sm_90 (1.65-1.67x the Mosaic MoE at T = 1 against 1.84-1.90x with ``asm``,
+    bench/results/moe-candidates-h200.json), ``asmm`` elsewhere (gemm/decode.py).
     """
     blocks = max(1, min(num_experts, num_routes))
     rows_per_expert = num_routes / blocks
@@ -89,6 +92,9 @@ def default_config(num_routes: int, num_experts: int, *, inter: int = 2048, hidd
         bm, bk, warps, stages = 32, 128, 4, 3
     else:  # prefill: amortize the decode over more rows
         bm, bk, warps, stages = (64 if gated else 128), 128, 4, 3
-    fc1 = Config(bm, 64 if gated else bn_for(inter, bm), bk, warps, stages)
-    fc2 = Config(bm, bn_for(hidden, bm), bk, warps, stages)
+    # the bf16 decode by operand layout (gemm/decode.py): 2-byte packs for sm_90's wgmma,
+    # 4-byte packs for mma.sync (SM 8.x / 12.x; the FP4 MMA decodes nothing)
+    dec = "asm2m" if is_sm90() else "asmm"
+    fc1 = Config(bm, 64 if gated else bn_for(inter, bm), bk, warps, stages, decode=dec)
+    fc2 = Config(bm, bn_for(hidden, bm), bk, warps, stages, decode=dec)
     return MoEConfig(fc1, fc2, default_mma() if mma is None else mma)

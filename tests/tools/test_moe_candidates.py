@@ -43,8 +43,8 @@ def test_candidates_are_valid_configs(shape, t):
     lib = default_config(t * s["top_k"], s["experts"], inter=s["inter"], hidden=s["hidden"],
                          gated=gated)
     assert cands[0] == ("default", lib)
-    assert dict(cands)["default_asm2"] == lib.with_decode("asm2")
-    assert dict(cands)["default_asm2m"] == lib.with_decode("asm2m")
+    for d in {"asm", "asmm", "asm2m"} - {lib.fc1.decode}:
+        assert dict(cands)[f"default_{d}"] == lib.with_decode(d)
     for label, cfg in cands:
         assert isinstance(cfg, MoEConfig), label
         MoEConfig(cfg.fc1, cfg.fc2, cfg.mma)  # the MoE's own checks (equal block_m, mma)
@@ -55,10 +55,10 @@ def test_candidates_are_valid_configs(shape, t):
         if gated:  # two accumulators: default_config's register limit
             assert cfg.fc1.block_n == 64 and cfg.fc1.block_m <= 64, label
         assert cfg.fc1.block_m == 16, label  # T <= 64: decode regime, one expert per 16 rows
-        if label == "default_asm2m":
-            assert cfg.fc1.decode == cfg.fc2.decode == "asm2m", label
+        if label.startswith("default_"):
+            assert cfg.fc1.decode == cfg.fc2.decode == label.split("_", 1)[1], label
         elif label != "default":
-            assert cfg.fc1.decode == cfg.fc2.decode == "asm2", label
+            assert cfg.fc1.decode == cfg.fc2.decode == "asm2m", label
 
 
 def test_candidates_smoke_run_records_errors_and_the_reference(tmp_path, monkeypatch):
@@ -159,7 +159,7 @@ def test_candidates_compute_the_default_layer(shape, t):
 @pytest.mark.parametrize("shape", ["qwen3_30b", "nemotron"])
 def test_candidates_on_gpu_match_the_oracle_and_the_default(shape):
     """On the GPU, every distinct candidate of T = 1, 8, 64, with its own decode ("asm" /
-    "asm2" inline PTX), is within the oracle's bounds and equal bit for bit to the default
+    "asmm" / "asm2m" inline PTX), is within the oracle's bounds and equal bit for bit to the default
     config's output."""
     cands = {}
     for t in (1, 8, 64):

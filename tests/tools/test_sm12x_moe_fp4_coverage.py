@@ -63,7 +63,9 @@ def test_every_predicted_moe_gemm_has_one_compiled_kernel(model, stored):
             missing.append(f"{layer} T={t} {gemm}: {len(serving)} kernels serve it")
             continue
         (e,) = serving
-        if e["config"] != tiles:
+        # the FP4 MMA decodes nothing: a config's bf16 decode flavour does not change it
+        if ({k: v for k, v in e["config"].items() if k != "decode"}
+                != {k: v for k, v in tiles.items() if k != "decode"}):
             missing.append(f"{layer} T={t} {gemm}: compiled {e['config']}, default {tiles}")
         for build in builds:
             r = e.get(build) or {"error": "not built"}

@@ -56,7 +56,8 @@ for s in $STEPS; do
       for f in ${TEST_FILES:-tests}; do  # a module name is found wherever it lives
         if [ -e "$f" ]; then files="$files $f"; else files="$files $(find tests -name "$f" | head -1)"; fi
       done
-      env -u XLA_FLAGS ${flags:+XLA_FLAGS="$flags"} timeout "$T_TESTS" \
+      # SIGINT at the limit: pytest stops and still prints the failures it has collected
+      env -u XLA_FLAGS ${flags:+XLA_FLAGS="$flags"} timeout -s INT -k 30 "$T_TESTS" \
         python3 -m pytest -m gpu -v -p no:cacheprovider -rs ${TEST_K:+-k "$TEST_K"} $files 2>&1 \
         | tee "$OUT/$s.log" | tail -40 | tee -a "$OUT/run.log" ;;
     selftest)

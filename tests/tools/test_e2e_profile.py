@@ -20,6 +20,8 @@ def test_cpu_run_writes_both_layouts_and_says_there_are_no_device_events(tmp_pat
     assert set(recs) == {"scan", "unrolled"}
     for r in recs.values():
         assert r["model"] == "llama-3-8b" and r["layers"] == 2 and r["wall_ms_per_step"] > 0
+        # the untraced step and the host's share of it (until each call returned)
+        assert 0 < r["host_ms_per_step"] <= r["untraced_wall_ms_per_step"]
         assert r["device_events"] == 0 and "no GPU device events" in r["note"]
         assert "kernels" not in r and "busy_ms_per_step" not in r  # nothing made up
 

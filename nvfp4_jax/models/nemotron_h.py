@@ -43,6 +43,7 @@ Entry points: ``load_model(dir)`` (``models.loader``) returns a :class:`Nemotron
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -297,6 +298,33 @@ def moe(p: dict, x: jax.Array, backend: str = "auto", w4a4: bool = True) -> jax.
     return routed + relu2_mlp(p["shared"], x, backend, w4a4)
 
 
+#: the longest repeated unit of layers ``segment_layers`` looks for
+MAX_UNIT = 8
+
+
+def segment_layers(tokens: Sequence) -> tuple[tuple[int, int], ...]:
+    """Cover a layer sequence with repeated units, greedily from the front: at each position
+    the unit of 1..``MAX_UNIT`` layers whose back-to-back repeats cover the most layers (two
+    repeats at least; else one layer). ``tokens``: one comparable item per layer (its kind
+    and parameter structure). Returns ((unit length, repeats), ...) in order; e.g.
+    Nemotron-3-Nano's 52-layer pattern gives 6 segments, "MEMEM*E" x 5 the first."""
+    out, i, n_all = [], 0, len(tokens)
+    while i < n_all:
+        best = (1, 1)
+        for u in range(1, MAX_UNIT + 1):
+            if i + 2 * u > n_all:
+                break
+            unit = tokens[i:i + u]
+            n = 1
+            while tokens[i + n * u:i + (n + 1) * u] == unit:
+                n += 1
+            if n >= 2 and u * n > best[0] * best[1]:
+                best = (u, n)
+        out.append(best)
+        i += best[0] * best[1]
+    return tuple(out)
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class NemotronHModel:
@@ -307,6 +335,13 @@ class NemotronHModel:
     o_proj: ``decoder.fuse_projections``), ``mlp`` (up_proj, down_proj) or ``moe``
     {"routed": ``nn.MoE``, "shared": {up_proj, down_proj}}; linears are ``nn.Linear`` (NVFP4)
     or bf16 [N, K]. norm: bf16 [H]; lm_head: bf16 [V, H] or ``nn.Linear``.
+
+    ``segments``: None (``layers`` one dict per layer), or the ((unit length, repeats), ...)
+    of :func:`segment_layers` (``stacked()``): then ``layers`` holds one entry per segment, a
+    list of the unit's layer dicts whose arrays carry a leading ``repeats`` axis, run by one
+    ``lax.scan`` (one layer dict per position, no extra axis, where repeats is 1). A GPU runs
+    a scan's body as one CUDA graph; unrolled layers pay ~15-20 us of host time per kernel
+    launch (docs/models.md).
     """
 
     embed: jax.Array
@@ -314,6 +349,40 @@ class NemotronHModel:
     norm: jax.Array
     lm_head: object
     config: NemotronHConfig = dataclasses.field(metadata={"static": True})
+    segments: tuple | None = dataclasses.field(default=None, metadata={"static": True})
+
+    def stacked(self) -> NemotronHModel:
+        """The same model with its repeated layer units stacked (``segments``). Layers repeat
+        when their kind and parameter structure (pytree and array shapes) match. The stacked
+        arrays are copies: both forms are alive until the caller drops this one."""
+        if self.segments is not None:
+            return self
+        toks = [(kind, jax.tree_util.tree_structure(p),
+                 tuple((a.shape, a.dtype) for a in jax.tree_util.tree_leaves(p)))
+                for kind, p in zip(self.config.layer_types, self.layers)]
+        segs = segment_layers(toks)
+        layers, i = [], 0
+        for u, n in segs:
+            if n == 1:
+                layers.append(list(self.layers[i:i + u]))
+            else:
+                layers.append([jax.tree_util.tree_map(
+                    lambda *a: jnp.stack(a), *self.layers[i + j:i + u * n:u]) for j in range(u)])
+            i += u * n
+        return dataclasses.replace(self, layers=layers, segments=segs)
+
+    def unstacked(self) -> NemotronHModel:
+        """One layer dict per layer (the inverse of ``stacked``)."""
+        if self.segments is None:
+            return self
+        layers = []
+        for (u, n), unit in zip(self.segments, self.layers):
+            if n == 1:
+                layers += list(unit)
+            else:
+                layers += [jax.tree_util.tree_map(lambda a, r=r: a[r], unit[j])
+                           for r in range(n) for j in range(u)]
+        return dataclasses.replace(self, layers=layers, segments=None)
 
     def forward(self, tokens: jax.Array, cache: HybridCache, *, backend: str = "auto",
                 w4a4: bool = True,
@@ -330,25 +399,75 @@ class NemotronHModel:
         pos = jnp.broadcast_to(start + jnp.arange(t, dtype=jnp.int32), (b, t))
         x = self.embed[tokens]
         k_all, v_all = cache.k, cache.v
-        convs, ssms = [], []
-        ai = mi = 0
-        for kind, p in zip(cfg.layer_types, self.layers):
+        convs, ssms = [], []  # per segment, [Mamba layers, ...] each
+        ai = mi = li = 0
+
+        def layer(kind, p, x, k_all, v_all, conv, ssm, ai):
+            """One layer: (x, k_all, v_all, new conv or None, new ssm or None)."""
             h = norm(x, p["norm"], cfg.layer_norm_epsilon)
+            c = s = None
             if kind == "M":
-                out, c, s = mamba2(cfg, p["mamba"], h, cache.conv[mi], cache.ssm[mi], backend,
-                                   w4a4)
-                convs.append(c)
-                ssms.append(s)
-                mi += 1
+                out, c, s = mamba2(cfg, p["mamba"], h, conv, ssm, backend, w4a4)
             elif kind == "*":
                 out, k_all, v_all = attention(cfg, p["self_attn"], h, pos, k_all, v_all, ai,
                                               start, None, backend, w4a4)
-                ai += 1
             elif kind == "-":
                 out = relu2_mlp(p["mlp"], h, backend, w4a4)
             else:
                 out = moe(p["moe"], h, backend, w4a4)
-            x = x + out
+            return x + out, k_all, v_all, c, s
+
+        segments = self.segments or ((1, 1),) * len(self.layers)
+        units = self.layers if self.segments else [[p] for p in self.layers]
+        for (u, n), unit in zip(segments, units):
+            kinds = cfg.layer_types[li:li + u]
+            mu, au = kinds.count("M"), kinds.count("*")
+            if n == 1:
+                cs, ss = [], []
+                for kind, p in zip(kinds, unit):
+                    x, k_all, v_all, c, s_ = layer(kind, p, x, k_all, v_all,
+                                                   cache.conv[mi + len(cs)] if kind == "M"
+                                                   else None,
+                                                   cache.ssm[mi + len(cs)] if kind == "M"
+                                                   else None, ai)
+                    ai += kind == "*"
+                    if c is not None:
+                        cs.append(c)
+                        ss.append(s_)
+                if cs:
+                    convs.append(jnp.stack(cs))
+                    ssms.append(jnp.stack(ss))
+            else:
+                def body(carry, xs, kinds=kinds, mu=mu, au=au, ai0=ai):
+                    x, k_all, v_all = carry
+                    ps, conv, ssm, r = xs
+                    cs, ss, m, a = [], [], 0, 0
+                    for kind, p in zip(kinds, ps):
+                        x, k_all, v_all, c, s_ = layer(
+                            kind, p, x, k_all, v_all, conv[m] if kind == "M" else None,
+                            ssm[m] if kind == "M" else None, ai0 + r * au + a)
+                        a += kind == "*"
+                        if c is not None:
+                            cs.append(c)
+                            ss.append(s_)
+                            m += 1
+                    ys = (jnp.stack(cs), jnp.stack(ss)) if cs else None
+                    return (x, k_all, v_all), ys
+
+                def per_repeat(a):  # [n * mu, ...] -> [n, mu, ...]
+                    return a.reshape(n, mu, *a.shape[1:])
+
+                conv_in = per_repeat(cache.conv[mi:mi + n * mu]) if mu else None
+                ssm_in = per_repeat(cache.ssm[mi:mi + n * mu]) if mu else None
+                (x, k_all, v_all), ys = jax.lax.scan(
+                    body, (x, k_all, v_all),
+                    (unit, conv_in, ssm_in, jnp.arange(n, dtype=jnp.int32)))
+                if mu:
+                    convs.append(ys[0].reshape(n * mu, *ys[0].shape[2:]))
+                    ssms.append(ys[1].reshape(n * mu, *ys[1].shape[2:]))
+                ai += n * au
+            mi += n * mu
+            li += u * n
         x = norm(x, self.norm, cfg.layer_norm_epsilon)
         if isinstance(self.lm_head, nn.Linear):
             logits = nn.linear(self.lm_head, x, backend=backend, w4a4=w4a4)
@@ -356,6 +475,6 @@ class NemotronHModel:
             logits = jax.lax.dot_general(x, self.lm_head, (((2,), (1,)), ((), ())),
                                          preferred_element_type=jnp.float32)
         logits = logits.astype(jnp.bfloat16).astype(jnp.float32)
-        conv = jnp.stack(convs) if convs else cache.conv
-        ssm = jnp.stack(ssms) if ssms else cache.ssm
+        conv = jnp.concatenate(convs) if convs else cache.conv
+        ssm = jnp.concatenate(ssms) if ssms else cache.ssm
         return logits, HybridCache(k_all, v_all, conv, ssm, start + t)

@@ -232,8 +232,11 @@ FLT_MAX = float(np.finfo(np.float32).max)
 
 
 def f32(v) -> np.ndarray:
-    """Round float64 to the nearest float32 (RNE) and return it as float64."""
-    return np.asarray(v, dtype=np.float64).astype(np.float32).astype(np.float64)
+    """Round float64 to the nearest float32 (RNE) and return it as float64. Beyond the float32
+    range the result is +-inf, as IEEE rounding gives (numpy's overflow warning is silenced:
+    it is the defined result, not an error)."""
+    with np.errstate(over="ignore"):
+        return np.asarray(v, dtype=np.float64).astype(np.float32).astype(np.float64)
 
 
 def f32_mul(a, b) -> np.ndarray:

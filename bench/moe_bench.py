@@ -304,7 +304,7 @@ def moe_sweep_candidates(shape, t: int) -> list[tuple[str, MoEConfig]]:
     """(label, MoEConfig) that ``--candidates`` times for ``shape`` (a name or a ``SHAPES``
     dict) at ``t`` tokens: the library default (``default_config``, what ``moe`` runs with
     ``config=None``), the default with each other bf16 decode (``asm``, ``asmm``, ``asm2m``),
-    and tile variants of the ``asm2`` default: the output tile (BN 64 <-> 128;
+    and tile variants of the ``asm2m`` default: the output tile (BN 64 <-> 128;
     gated FC1 keeps its BN 64, the register limit of its two accumulators), BK 128, 8 warps,
     3 and 5 pipeline stages, and BN flipped with 8 warps; BM 16 where the default's BM is
     larger. Configs equal to an earlier one are left out; labels are unique."""

@@ -136,48 +136,40 @@ _ASM_BF16_HI = (
     .replace("SHIFTS01", _HI_SHIFTS)
     .replace("SHIFTS23", _HI_SHIFTS)
 )
-# ``"asm2m"``: the 2-byte grouping with the Mosaic kernel's placement by multiply
-# (mosaic.py ``_DECODE_WORD``): ``prmt`` spreads the two bytes 16 bits apart ([0 b1 0 b0]),
+
+
+def _placed_by_mul(out: str, src: str, sel: str, scale: str) -> str:
+    """One bf16x2 result: ``prmt`` spreads the two bytes of ``src`` picked by ``sel`` 16 bits
+    apart, then ``and, mul.lo, and`` (MASK / MUL: the nibble half) and the scale ``fma``."""
+    return (f"prmt.b32 t, {src}, 0, {sel};\nand.b32 t, t, MASK;\nmul.lo.u32 t, t, MUL;\n"
+            f"and.b32 t, t, 0x81C081C0;\nfma.rn.bf16x2 {out}, t, {scale}, z;\n")
+
+
+def _nibble_halves(asm: str) -> dict[str, str]:
+    """{"lo", "hi"}: ``asm`` for the low nibbles (even elements) and the high ones (odd)."""
+    return {"lo": asm.replace("MASK", "0x000F000F").replace("MUL", "4160"),
+            "hi": asm.replace("MASK", "0x00F000F0").replace("MUL", "260")}
+
+
+# ``"asm2m"`` (2-byte grouping) and ``"asmm"`` (4-byte): the Mosaic kernel's placement by
+# multiply (mosaic.py ``_DECODE_WORD``): ``prmt`` spreads two bytes 16 bits apart ([0 b1 0 b0]),
 # then per nibble half ``and, mul.lo, and``: (t & 0x000F000F) * 4160 = (y << 12) + (y << 6)
 # puts the sign at lane bit 15 and e1 e0 m at bits 8..6 (no overlap, no carry);
 # 260 = 2^8 + 2^2 does the same for the nibbles at bits 4..7.
-_ASM2M_BF16 = """
-{
-.reg .b32 w, t, z;
-mov.b32 z, 0x80008000;
-cvt.u32.u16 w, $1;
-prmt.b32 t, w, 0, 0x4140;
-and.b32 t, t, MASK;
-mul.lo.u32 t, t, MUL;
-and.b32 t, t, 0x81C081C0;
-fma.rn.bf16x2 $0, t, $2, z;
-}
-"""
-_ASM2M_BF16_LO = _ASM2M_BF16.replace("MASK", "0x000F000F").replace("MUL", "4160")
-_ASM2M_BF16_HI = _ASM2M_BF16.replace("MASK", "0x00F000F0").replace("MUL", "260")
-_ASMM_BF16 = """
-{
-.reg .b32 t, z;
-mov.b32 z, 0x80008000;
-prmt.b32 t, $2, 0, 0x4140;
-and.b32 t, t, MASK;
-mul.lo.u32 t, t, MUL;
-and.b32 t, t, 0x81C081C0;
-fma.rn.bf16x2 $0, t, $3, z;
-prmt.b32 t, $2, 0, 0x4342;
-and.b32 t, t, MASK;
-mul.lo.u32 t, t, MUL;
-and.b32 t, t, 0x81C081C0;
-fma.rn.bf16x2 $1, t, $4, z;
-}
-"""
-_ASMM_BF16_LO = _ASMM_BF16.replace("MASK", "0x000F000F").replace("MUL", "4160")
-_ASMM_BF16_HI = _ASMM_BF16.replace("MASK", "0x00F000F0").replace("MUL", "260")
+# 2-byte pack: $1 the 16-bit pair, $2 the bf16x2 scale; 4-byte pack: $2 the word, $3 / $4
+# the scales of bytes 0-1 / 2-3.
+_ASM2M_BF16 = _nibble_halves(
+    "\n{\n.reg .b32 w, t, z;\nmov.b32 z, 0x80008000;\ncvt.u32.u16 w, $1;\n"
+    + _placed_by_mul("$0", "w", "0x4140", "$2") + "}\n")
+_ASMM_BF16 = _nibble_halves(
+    "\n{\n.reg .b32 t, z;\nmov.b32 z, 0x80008000;\n"
+    + _placed_by_mul("$0", "$2", "0x4140", "$3") + _placed_by_mul("$1", "$2", "0x4342", "$4")
+    + "}\n")
 #: the bf16 decode blocks by mode and nibble ({"lo": even elements, "hi": odd elements})
 BF16_ASM = {
     "asm": {"lo": _ASM_BF16_LO, "hi": _ASM_BF16_HI},
-    "asm2m": {"lo": _ASM2M_BF16_LO, "hi": _ASM2M_BF16_HI},
-    "asmm": {"lo": _ASMM_BF16_LO, "hi": _ASMM_BF16_HI},
+    "asm2m": _ASM2M_BF16,
+    "asmm": _ASMM_BF16,
 }
 BF16_SCALE_BIAS = 2.0**119
 BF16_POST_SCALE = 2.0**7

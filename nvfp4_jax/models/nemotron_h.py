@@ -422,50 +422,42 @@ class NemotronHModel:
         for (u, n), unit in zip(segments, units):
             kinds = cfg.layer_types[li:li + u]
             mu, au = kinds.count("M"), kinds.count("*")
-            if n == 1:
-                cs, ss = [], []
-                for kind, p in zip(kinds, unit):
-                    x, k_all, v_all, c, s_ = layer(kind, p, x, k_all, v_all,
-                                                   cache.conv[mi + len(cs)] if kind == "M"
-                                                   else None,
-                                                   cache.ssm[mi + len(cs)] if kind == "M"
-                                                   else None, ai)
-                    ai += kind == "*"
+
+            def run_unit(carry, xs, kinds=kinds, au=au, ai0=ai):
+                """One repeat ``r`` of the unit: its layers in order, the Mamba states of
+                repeat r in and out ([mu, ...] each, None without Mamba layers)."""
+                x, k_all, v_all = carry
+                ps, conv, ssm, r = xs
+                cs, ss, a = [], [], 0
+                for kind, p in zip(kinds, ps):
+                    m = len(cs)
+                    x, k_all, v_all, c, s_ = layer(
+                        kind, p, x, k_all, v_all, conv[m] if kind == "M" else None,
+                        ssm[m] if kind == "M" else None, ai0 + r * au + a)
+                    a += kind == "*"
                     if c is not None:
                         cs.append(c)
                         ss.append(s_)
-                if cs:
-                    convs.append(jnp.stack(cs))
-                    ssms.append(jnp.stack(ss))
+                return (x, k_all, v_all), ((jnp.stack(cs), jnp.stack(ss)) if cs else None)
+
+            conv_in = cache.conv[mi:mi + n * mu] if mu else None
+            ssm_in = cache.ssm[mi:mi + n * mu] if mu else None
+            if n == 1:  # no scan around a single repeat
+                (x, k_all, v_all), ys = run_unit((x, k_all, v_all), (unit, conv_in, ssm_in, 0))
             else:
-                def body(carry, xs, kinds=kinds, mu=mu, au=au, ai0=ai):
-                    x, k_all, v_all = carry
-                    ps, conv, ssm, r = xs
-                    cs, ss, m, a = [], [], 0, 0
-                    for kind, p in zip(kinds, ps):
-                        x, k_all, v_all, c, s_ = layer(
-                            kind, p, x, k_all, v_all, conv[m] if kind == "M" else None,
-                            ssm[m] if kind == "M" else None, ai0 + r * au + a)
-                        a += kind == "*"
-                        if c is not None:
-                            cs.append(c)
-                            ss.append(s_)
-                            m += 1
-                    ys = (jnp.stack(cs), jnp.stack(ss)) if cs else None
-                    return (x, k_all, v_all), ys
-
                 def per_repeat(a):  # [n * mu, ...] -> [n, mu, ...]
-                    return a.reshape(n, mu, *a.shape[1:])
+                    return None if a is None else a.reshape(n, mu, *a.shape[1:])
 
-                conv_in = per_repeat(cache.conv[mi:mi + n * mu]) if mu else None
-                ssm_in = per_repeat(cache.ssm[mi:mi + n * mu]) if mu else None
                 (x, k_all, v_all), ys = jax.lax.scan(
-                    body, (x, k_all, v_all),
-                    (unit, conv_in, ssm_in, jnp.arange(n, dtype=jnp.int32)))
+                    run_unit, (x, k_all, v_all),
+                    (unit, per_repeat(conv_in), per_repeat(ssm_in),
+                     jnp.arange(n, dtype=jnp.int32)))
                 if mu:
-                    convs.append(ys[0].reshape(n * mu, *ys[0].shape[2:]))
-                    ssms.append(ys[1].reshape(n * mu, *ys[1].shape[2:]))
-                ai += n * au
+                    ys = tuple(y.reshape(n * mu, *y.shape[2:]) for y in ys)
+            if mu:
+                convs.append(ys[0])
+                ssms.append(ys[1])
+            ai += n * au
             mi += n * mu
             li += u * n
         x = norm(x, self.norm, cfg.layer_norm_epsilon)

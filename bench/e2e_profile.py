@@ -52,29 +52,27 @@ def profile_decode(model, context: int, steps: int) -> dict:
         logits, cache = models.decode_step(model, tok, cache)
         return jnp.argmax(logits, axis=-1).astype(jnp.int32), cache
 
-    for _ in range(2):
-        tok, cache = step(tok, cache)
-    jax.block_until_ready((tok, cache))
-    # untraced: the wall time per step, and the host's share of it (until each call returns;
-    # dispatch is asynchronous, so host ~= wall means the host, not the GPU, sets the pace)
-    host = 0.0
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        t1 = time.perf_counter()
-        tok, cache = step(tok, cache)
-        host += time.perf_counter() - t1
-    jax.block_until_ready((tok, cache))
-    untraced = (time.perf_counter() - t0) / steps
+    def run(n, tok, cache):
+        """n steps: (tok, cache, wall s per step, host s per step until each call returns)."""
+        host = 0.0
+        t0 = time.perf_counter()
+        for _ in range(n):
+            t1 = time.perf_counter()
+            tok, cache = step(tok, cache)
+            host += time.perf_counter() - t1
+        jax.block_until_ready((tok, cache))
+        return tok, cache, (time.perf_counter() - t0) / n, host / n
+
+    tok, cache, _, _ = run(2, tok, cache)  # warm-up
+    # untraced: the wall time per step, and the host's share of it (dispatch is asynchronous,
+    # so host ~= wall means the host, not the GPU, sets the pace)
+    tok, cache, untraced, host = run(steps, tok, cache)
     with tempfile.TemporaryDirectory() as d:
         with jax.profiler.trace(d, create_perfetto_trace=True):
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                tok, cache = step(tok, cache)
-            jax.block_until_ready((tok, cache))
-            wall = (time.perf_counter() - t0) / steps
+            tok, cache, wall, _ = run(steps, tok, cache)
         evs, tracks = device_events(d)
     rows, busy, span = kernel_table(evs, steps)
-    rec = {"untraced_wall_ms_per_step": untraced * 1e3, "host_ms_per_step": host / steps * 1e3,
+    rec = {"untraced_wall_ms_per_step": untraced * 1e3, "host_ms_per_step": host * 1e3,
            "wall_ms_per_step": wall * 1e3, "device_events": len(evs), "tracks": tracks[:20]}
     if not evs:
         rec["note"] = f"no GPU device events in the trace ({jax.default_backend()} backend)"

@@ -158,6 +158,84 @@ def build_model(cfg: DecoderConfig, precision: str, seed: int = 0, fuse: bool = 
     return model
 
 
+#: Nemotron-3-Nano-30B-A3B's architecture (its HF config.json; 52 layers: Mamba2 "M", MoE
+#: "E", attention "*"), for the NVFP4 step profile (e2e_profile.py; no bf16 twin is built)
+NEMOTRON_H = {
+    "nemotron-3-nano": dict(
+        vocab_size=131072, hidden_size=2688,
+        layer_types=tuple("MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME"),
+        num_heads=32, num_kv_heads=2, head_dim=128, mamba_num_heads=64, mamba_head_dim=64,
+        ssm_state_size=128, n_groups=8, conv_kernel=4, num_experts=128, num_experts_per_tok=6,
+        moe_intermediate_size=1856, moe_shared_expert_intermediate_size=3712,
+        routed_scaling_factor=2.5),
+}
+NEMOTRON_H_TINY = {
+    "nemotron-3-nano": dict(
+        vocab_size=512, hidden_size=128, layer_types=tuple("MEMEM*E" * 2), num_heads=4,
+        num_kv_heads=2, head_dim=32, mamba_num_heads=8, mamba_head_dim=16, ssm_state_size=16,
+        n_groups=2, conv_kernel=4, num_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=64, moe_shared_expert_intermediate_size=128,
+        routed_scaling_factor=2.5),
+}
+
+
+def _nemotron_h_layer(key, kind: str, cfg) -> dict:
+    """One random NVFP4 Nemotron-H layer of ``kind`` (norms, conv, SSM parameters bf16)."""
+    ks = jax.random.split(key, 8)
+    h = cfg.hidden_size
+    layer = {"norm": jnp.ones((h,), jnp.bfloat16)}
+    if kind == "M":
+        nh, cdim = cfg.mamba_num_heads, cfg.conv_dim
+        dt = jnp.exp(jnp.linspace(np.log(1e-3), np.log(1e-1), nh))
+        layer["mamba"] = {
+            "in_proj": _linear(ks[0], cfg.mamba_inner + cdim + nh, h, "nvfp4"),
+            "out_proj": _linear(ks[1], h, cfg.mamba_inner, "nvfp4"),
+            "conv_weight": _bf16(ks[2], (cdim, cfg.conv_kernel), exponent=0x3E80),
+            "conv_bias": jnp.zeros((cdim,), jnp.bfloat16),
+            "A_log": jnp.log(jnp.arange(1, nh + 1, dtype=jnp.float32)).astype(jnp.bfloat16),
+            "D": jnp.ones((nh,), jnp.bfloat16),
+            "dt_bias": (dt + jnp.log(-jnp.expm1(-dt))).astype(jnp.bfloat16),
+            "norm": jnp.ones((cfg.mamba_inner,), jnp.bfloat16)}
+    elif kind == "*":
+        nq = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+        layer["self_attn"] = {"qkv_proj": _linear(ks[0], nq, h, "nvfp4"),
+                              "o_proj": _linear(ks[1], h, cfg.num_heads * cfg.head_dim, "nvfp4")}
+    elif kind == "-":
+        layer["mlp"] = {"up_proj": _linear(ks[0], cfg.intermediate_size, h, "nvfp4"),
+                        "down_proj": _linear(ks[1], h, cfg.intermediate_size, "nvfp4")}
+    else:
+        e, i = cfg.num_experts, cfg.moe_intermediate_size
+        s = jnp.full((e,), INPUT_SCALE, jnp.float32)
+        routed = nn.MoE(_bf16(ks[2], (e, h), exponent=0x3E00), _nvfp4(ks[0], (e, i, h)),
+                        _nvfp4(ks[1], (e, h, i)), s, s,
+                        correction_bias=_bf16(ks[3], (e,), exponent=0x3D00).astype(jnp.float32),
+                        top_k=cfg.num_experts_per_tok, routing="sigmoid_bias", renormalize=True,
+                        routed_scaling_factor=cfg.routed_scaling_factor, activation="relu2")
+        m = cfg.moe_shared_expert_intermediate_size
+        layer["moe"] = {"routed": routed,
+                        "shared": {"up_proj": _linear(ks[4], m, h, "nvfp4"),
+                                   "down_proj": _linear(ks[5], h, m, "nvfp4")}}
+    return layer
+
+
+def build_nemotron_h(cfg, seed: int = 0):
+    """A random NVFP4 ``models.NemotronHModel`` of ``cfg`` (a ``NemotronHConfig``), unrolled
+    (one layer dict per layer; ``.stacked()`` scans its repeated units), built on the device
+    one layer at a time."""
+    key = jax.random.key(seed)
+    kl, ke, kh = jax.random.split(key, 3)
+    build = {kind: jax.jit(functools.partial(_nemotron_h_layer, kind=kind, cfg=cfg))
+             for kind in set(cfg.layer_types)}
+    layers = [build[kind](k) for kind, k in
+              zip(cfg.layer_types, jax.random.split(kl, cfg.num_layers))]
+    embed = _bf16(ke, (cfg.vocab_size, cfg.hidden_size), exponent=0x3F00)
+    head = _bf16(kh, (cfg.vocab_size, cfg.hidden_size))
+    model = models.NemotronHModel(embed, layers, jnp.ones((cfg.hidden_size,), jnp.bfloat16),
+                                  head, cfg)
+    jax.block_until_ready(model)
+    return model
+
+
 # ------------------------------------------------------------------------------------------
 # measurements
 # ------------------------------------------------------------------------------------------

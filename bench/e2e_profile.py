@@ -1,11 +1,12 @@
 """Where does a decoder's batch-1 step go? Device kernels of ``models.decode_step`` from a
 profiler trace, stacked layers (``lax.scan``) against unrolled ones.
 
-Usage: python3 bench/e2e_profile.py --out DIR [--models llama-3-8b,qwen3-30b-a3b] [--layers 4]
-[--layouts scan,unrolled] [--steps 8] [--context 1024] [--tiny]
+Usage: python3 bench/e2e_profile.py --out DIR [--models llama-3-8b,qwen3-30b-a3b,nemotron-3-nano]
+[--layers 4] [--layouts scan,unrolled] [--steps 8] [--context 1024] [--tiny]
 
-For each model and layout: the random NVFP4 model of ``e2e_bench.build_model`` (``--layers``
-overrides its depth), ``--steps`` greedy decode steps at batch 1 under
+For each model and layout: the random NVFP4 model of ``e2e_bench.build_model`` (or
+``build_nemotron_h``, whose "scan" layout is ``stacked()``: its repeated layer units scanned;
+``--layers`` overrides the depth, for Nemotron-H the first layers of its pattern), ``--steps`` greedy decode steps at batch 1 under
 ``jax.profiler.trace`` after a warm-up, and per step: the wall time, the device time summed over
 kernels ("busy"), first kernel start to last kernel end ("span"), kernel launches, and the
 kernels by device time; before the trace, the untraced wall time per step and the host time
@@ -95,6 +96,8 @@ def main(argv=None) -> int:
     ap.add_argument("--tiny", action="store_true", help="tiny shapes (CPU smoke test)")
     args = ap.parse_args(argv)
     shapes = e2e_bench.TINY if args.tiny else e2e_bench.SHAPES
+    hybrid = e2e_bench.NEMOTRON_H_TINY if args.tiny else e2e_bench.NEMOTRON_H
+    shapes = {**shapes, **hybrid}
     names = [m for m in args.models.split(",") if m]
     layouts = [x for x in args.layouts.split(",") if x]
     if not names or set(names) - set(shapes):
@@ -109,14 +112,25 @@ def main(argv=None) -> int:
                         "batch": 1, "tiny": args.tiny}, "records": []}
     path = os.path.join(args.out, "e2e-profile.json")
     for name in names:
-        shape = {**shapes[name], **({"num_layers": args.layers} if args.layers else {})}
-        model = e2e_bench.build_model(e2e_bench.config_of(shape), "nvfp4")
+        if name in hybrid:
+            shape = dict(shapes[name])
+            if args.layers:
+                shape["layer_types"] = shape["layer_types"][:args.layers]
+            model = e2e_bench.build_nemotron_h(models.NemotronHConfig(**shape))
+        else:
+            shape = {**shapes[name], **({"num_layers": args.layers} if args.layers else {})}
+            model = e2e_bench.build_model(e2e_bench.config_of(shape), "nvfp4")
+        depth = model.config.num_layers
         for layout in layouts:
-            m = model.unstacked() if layout == "unrolled" else model
-            rec = {"model": name, "layout": layout, "layers": shape["num_layers"],
+            if layout == "unrolled":
+                m = model.unstacked()
+            else:
+                m = model.stacked() if name in hybrid else model
+            rec = {"model": name, "layout": layout, "layers": depth,
+                   **({"segments": list(m.segments)} if getattr(m, "segments", None) else {}),
                    **profile_decode(m, args.context, args.steps)}
             doc["records"].append(rec)
-            print(f"{name} {layout} ({shape['num_layers']} layers): untraced "
+            print(f"{name} {layout} ({depth} layers): untraced "
                   f"{rec['untraced_wall_ms_per_step']:.3f} ms wall ({rec['host_ms_per_step']:.3f} "
                   f"until the call returns); traced {rec['wall_ms_per_step']:.3f} ms wall"
                   + (f", {rec['busy_ms_per_step']:.3f} busy, {rec['span_ms_per_step']:.3f} span, "
@@ -127,6 +141,8 @@ def main(argv=None) -> int:
                       f"{k['name'][:100]}", flush=True)
             with open(path, "w") as f:
                 json.dump(doc, f, indent=1)
+            del m
+        del model
     return 0
 
 

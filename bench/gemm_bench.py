@@ -404,25 +404,26 @@ CAND_MS = [1, 16, 64]
 
 def sweep_candidates(m, n, k) -> list[tuple[str, Config]]:
     """(label, Config) timed by ``--candidates`` at one shape: the library's sm_90 and sm_12x
-    table entries, the sm_90 entry with each other bf16 decode (``asm``, ``asmm``, ``asm2m``) and tiles with more
-    resident warps (bench/results/gemm-decode-variants.md), ``asm2m`` as on sm_90."""
+    table entries, the sm_90 entry with the ``asm2m`` decode where it has another, and tiles
+    around the sm_90 winner (BK 256-512: BK 128 tiles ran 1.6-1.8x slower at M = 1 and 16,
+    gemm-candidates-h200.json of 2026-12-01/02), with more resident warps (8) or deeper
+    pipelines."""
     import dataclasses
 
     lib = configs.get_config(m, n, k, family="sm90")
     out = [("sm90_table", lib), ("sm12x_table", configs.get_config(m, n, k, family="sm12x"))]
-    if lib.algo == "fused":
-        for d in ("asm", "asmm", "asm2m"):
-            if lib.decode != d:
-                out.append((f"sm90_table_{d}", dataclasses.replace(lib, decode=d, measured="")))
+    if lib.algo == "fused" and lib.decode != "asm2m":
+        out.append(("sm90_table_asm2m", dataclasses.replace(lib, decode="asm2m", measured="")))
     if m <= 16:
-        tiles = [(128, 128, 4, 3), (64, 256, 4, 3), (128, 128, 8, 3), (256, 128, 8, 3)]
+        tiles = [(128, 256, 8, 4), (64, 512, 4, 3), (128, 512, 8, 3), (64, 256, 4, 4),
+                 (64, 512, 8, 4)]
         # split-K up to 8 (the XLA sum of [split_k, M, N] fp32 partials grows with it)
         out += [(f"m16_n{bn}_k{bk}_w{w}_st{st}_asm2m",
                  Config(16, bn, bk, min(8, split_for(n, k, bn, bk)), w, st, decode="asm2m",
                         load2d=True))
                 for bn, bk, w, st in tiles]
     elif m <= 64:
-        tiles = [(128, 128, 8, 3), (64, 128, 4, 3), (64, 256, 4, 3)]
+        tiles = [(128, 128, 8, 3), (64, 128, 4, 3), (64, 256, 4, 3), (128, 256, 8, 3)]
         out += [(f"m64_n{bn}_k{bk}_w{w}_st{st}_asm2m",
                  Config(64, bn, bk, 1, w, st, decode="asm2m", load2d=True))
                 for bn, bk, w, st in tiles]

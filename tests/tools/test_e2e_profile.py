@@ -41,3 +41,16 @@ def test_kernel_table_sums_device_time_per_step():
     rows, busy, span = moe_profile.kernel_table(evs, 2)  # two steps
     assert rows == [(30.0, 1.0, "gemm"), (5.0, 1.0, "norm")]
     assert busy == 35.0 and span == 72.5  # (145 - 0) / 2: gaps count in the span only
+
+
+def test_nemotron_h_runs_unrolled_and_with_its_units_scanned(tmp_path):
+    """The hybrid model's "scan" layout is ``stacked()``: its record names the segments, which
+    cover the tiny pattern "MEMEM*E" x 2 (14 layers) as one unit repeated twice."""
+    assert e2e_profile.main(["--tiny", "--out", str(tmp_path), "--models", "nemotron-3-nano",
+                             "--layers", "0", "--steps", "1", "--context", "4"]) == 0
+    doc = json.loads((tmp_path / "e2e-profile.json").read_text())
+    recs = {r["layout"]: r for r in doc["records"]}
+    assert set(recs) == {"scan", "unrolled"} and "segments" not in recs["unrolled"]
+    segs = recs["scan"]["segments"]
+    assert segs == [[7, 2]] and recs["scan"]["layers"] == recs["unrolled"]["layers"] == 14
+    assert all(r["wall_ms_per_step"] > 0 for r in recs.values())

@@ -2,7 +2,7 @@
 profiler trace, stacked layers (``lax.scan``) against unrolled ones.
 
 Usage: python3 bench/e2e_profile.py --out DIR [--models llama-3-8b,qwen3-30b-a3b,nemotron-3-nano]
-[--layers 4] [--layouts scan,unrolled] [--steps 8] [--context 1024] [--tiny]
+[--layers 4] [--layouts scan,unrolled] [--steps 8] [--context 1024] [--backend auto] [--tiny]
 
 For each model and layout: the random NVFP4 model of ``e2e_bench.build_model`` (or
 ``build_nemotron_h``, whose "scan" layout is ``stacked()``: its repeated layer units scanned;
@@ -41,7 +41,7 @@ from nvfp4_jax import models  # noqa: E402
 LAYOUTS = ("scan", "unrolled")
 
 
-def profile_decode(model, context: int, steps: int) -> dict:
+def profile_decode(model, context: int, steps: int, backend: str = "auto") -> dict:
     """``steps`` batch-1 greedy decode steps of ``model`` under the profiler (after two warm-up
     steps): wall ms per step and the device kernels per step."""
     cfg = model.config
@@ -50,7 +50,7 @@ def profile_decode(model, context: int, steps: int) -> dict:
     tok = jnp.zeros((1,), jnp.int32)
 
     def step(tok, cache):
-        logits, cache = models.decode_step(model, tok, cache)
+        logits, cache = models.decode_step(model, tok, cache, backend=backend)
         return jnp.argmax(logits, axis=-1).astype(jnp.int32), cache
 
     def run(n, tok, cache):
@@ -93,6 +93,9 @@ def main(argv=None) -> int:
     ap.add_argument("--layouts", default=",".join(LAYOUTS))
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--backend", default="auto", choices=("auto", "mosaic", "pallas", "xla"),
+                    help="kernels of the NVFP4 linears and MoE (models.decode_step's backend; "
+                         "pallas: the SM12x path)")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes (CPU smoke test)")
     args = ap.parse_args(argv)
     shapes = e2e_bench.TINY if args.tiny else e2e_bench.SHAPES
@@ -109,7 +112,7 @@ def main(argv=None) -> int:
     os.makedirs(args.out, exist_ok=True)
     doc = {**run_metadata(), "backend": jax.default_backend(),
            "settings": {"layers": args.layers, "steps": args.steps, "context": args.context,
-                        "batch": 1, "tiny": args.tiny}, "records": []}
+                        "batch": 1, "backend": args.backend, "tiny": args.tiny}, "records": []}
     path = os.path.join(args.out, "e2e-profile.json")
     for name in names:
         if name in hybrid:
@@ -128,7 +131,7 @@ def main(argv=None) -> int:
                 m = model.stacked() if name in hybrid else model
             rec = {"model": name, "layout": layout, "layers": depth,
                    **({"segments": list(m.segments)} if getattr(m, "segments", None) else {}),
-                   **profile_decode(m, args.context, args.steps)}
+                   **profile_decode(m, args.context, args.steps, args.backend)}
             doc["records"].append(rec)
             print(f"{name} {layout} ({depth} layers): untraced "
                   f"{rec['untraced_wall_ms_per_step']:.3f} ms wall ({rec['host_ms_per_step']:.3f} "

@@ -78,6 +78,14 @@ class MoE:
     correction_bias: float32 [E] for ``routing="sigmoid_bias"``, else None. Static: top_k,
     routing ("softmax" | "sigmoid_bias"), renormalize (Qwen3's ``norm_topk_prob``),
     routed_scaling_factor, activation ("swiglu" | "relu2").
+
+    layer: None, or an int32 scalar ``r`` when fc1 / fc2 hold the experts of ``n`` stacked
+    layers ([n, E, R, H] / [n, E, H, I]) and the other fields are layer ``r``'s: how a scan
+    over stacked layers hands :func:`moe_block` the whole expert stack (a loop invariant)
+    instead of a per-layer slice, which XLA copies whole on every call into a Pallas-Triton
+    kernel (the Nemotron-3-Nano step spent 3.3 of its 5.1 ms of device time copying expert
+    stacks; ``nvfp4_jax.models`` scans do this). :func:`moe_block` uses the stack on the
+    Pallas-Triton path while the routes (tokens x top_k) are at most E, else the layer's slice.
     """
 
     router: jax.Array
@@ -86,6 +94,7 @@ class MoE:
     fc1_input_scale: jax.Array
     fc2_input_scale: jax.Array
     correction_bias: jax.Array | None = None
+    layer: jax.Array | None = None
     top_k: int = dataclasses.field(default=2, metadata={"static": True})
     routing: str = dataclasses.field(default="softmax", metadata={"static": True})
     renormalize: bool = dataclasses.field(default=True, metadata={"static": True})
@@ -156,12 +165,74 @@ def moe_block(p: MoE | MoEBF16, x: jax.Array, *, backend: str = "auto") -> jax.A
     if isinstance(p, MoEBF16):
         return moe_block_bf16(p, x)
     logits = router_logits(p, x)
-    return moe_pkg.moe(x, fc1=p.fc1, fc2=p.fc2, fc1_input_scale=p.fc1_input_scale,
-                   fc2_input_scale=p.fc2_input_scale, router_logits=logits, top_k=p.top_k,
-                   routing=p.routing, renormalize=p.renormalize,
-                   correction_bias=p.correction_bias,
-                   routed_scaling_factor=p.routed_scaling_factor, activation=p.activation,
-                   gate_up_order="up_gate", mode="trtllm_cutlass", backend=backend)
+    kw = dict(fc1_input_scale=p.fc1_input_scale, fc2_input_scale=p.fc2_input_scale,
+              activation=p.activation, gate_up_order="up_gate", mode="trtllm_cutlass")
+    route = dict(top_k=p.top_k, routing=p.routing, renormalize=p.renormalize,
+                 correction_bias=p.correction_bias,
+                 routed_scaling_factor=p.routed_scaling_factor)
+    if p.layer is None:
+        return moe_pkg.moe(x, fc1=p.fc1, fc2=p.fc2, router_logits=logits, backend=backend,
+                           **route, **kw)
+    n, e = p.fc1.codes.shape[0], p.router.shape[0]
+    routes = x.shape[0] * p.top_k
+    impl = moe_pkg.choose_backend(backend, None, routes=routes, hidden=x.shape[1])
+    # the layer's slice: for the Mosaic kernels and XLA (no copy seen there), and with more
+    # routes than E (prefill), where the kernels' routing would grow with n * E while the
+    # copy costs little beside the GEMMs
+    if impl != "pallas" or routes > e:
+        fc1, fc2 = (jax.tree_util.tree_map(lambda a: a[p.layer], w) for w in (p.fc1, p.fc2))
+        return moe_pkg.moe(x, fc1=fc1, fc2=fc2, router_logits=logits, backend=impl,
+                           **route, **kw)
+    # the experts of all n layers as one stack of n * E (a free reshape); layer r's are
+    # r * E .. r * E + E - 1; the input scales tiled n times keep layer r's values and max
+    ids, w = moe_pkg.select_experts(logits, p.top_k, **{k: v for k, v in route.items()
+                                                        if k != "top_k"})
+    kw["fc1_input_scale"] = jnp.tile(jnp.broadcast_to(p.fc1_input_scale, (e,)), n)
+    kw["fc2_input_scale"] = jnp.tile(jnp.broadcast_to(p.fc2_input_scale, (e,)), n)
+    return moe_pkg.moe(x, fc1=_merge_layers(p.fc1), fc2=_merge_layers(p.fc2),
+                       topk_ids=ids + p.layer * e, topk_weights=w, backend=impl, **kw)
+
+
+def _merge_layers(w: NVFP4Array) -> NVFP4Array:
+    """NVFP4Array [n, E, N, K] -> [n * E, N, K] (leading axes merged; a free reshape)."""
+    leaves = [a.reshape(-1, *a.shape[2:]) for a in (w.codes, w.scales, w.decode_scale)]
+    return NVFP4Array.tree_unflatten(((leaves[0].shape[0],) + tuple(w.shape[2:]), w.layout),
+                                     leaves)
+
+
+def _is_moe(v) -> bool:
+    return isinstance(v, MoE)
+
+
+def split_experts(stacked):
+    """Split a pytree of stacked layers (leading axis n) for ``lax.scan``: returns (the tree
+    with every :class:`MoE`'s fc1 and fc2 left out, to scan over as ``xs``; the list of those
+    [n, E, ...] expert stacks, for the scan body to close over and hand back with
+    :func:`join_experts`). Scanning the stacks as ``xs`` would slice them per layer, and XLA
+    copies such a slice whole into a Pallas-Triton kernel on every step."""
+    stacks = []
+
+    def take(v):
+        if _is_moe(v):
+            stacks.append((v.fc1, v.fc2))
+            return dataclasses.replace(v, fc1=None, fc2=None)
+        return v
+
+    return jax.tree_util.tree_map(take, stacked, is_leaf=_is_moe), stacks
+
+
+def join_experts(p, stacks: list, layer: jax.Array):
+    """Inside a scan body: layer ``layer``'s params ``p`` (from :func:`split_experts`' tree)
+    with each :class:`MoE` given back its whole expert stacks and ``layer`` (see MoE.layer)."""
+    it = iter(stacks)
+
+    def put(v):
+        if _is_moe(v):
+            fc1, fc2 = next(it)
+            return dataclasses.replace(v, fc1=fc1, fc2=fc2, layer=layer)
+        return v
+
+    return jax.tree_util.tree_map(put, p, is_leaf=_is_moe)
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:

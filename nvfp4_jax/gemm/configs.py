@@ -43,9 +43,11 @@ TUNED: dict[tuple[int, int, int], Config] = {
     # the 4096x4096 tiles (same weight count as 14336x4096, whose tiles it would pick as the
     # nearest entry otherwise)
     (16, 4096, 14336): Config(
-        block_n=64, block_k=128, split_k=8, **_SMALL_M, decode="asm2m",
-        measured="tiles not swept at this shape; decode asm2m by its wins at the two swept "
-                 "shapes"),
+        block_m=16, block_n=64, block_k=512, split_k=8, num_warps=4, num_stages=3, load2d=True,
+        decode="asm2m",
+        measured="M=1: 24.2 us vs bf16 34.2, BN 64 BK 128 st 4 (the 4096x4096 tiles) 31.3, "
+                 "BN 128 BK 256 8 warps 25.5, 3 other tiles 27-54 (h200, 2026-12-02, "
+                 "gemm-candidates-h200.json)"),
     (64, 28672, 8192): Config(
         block_m=64, block_n=128, block_k=256, split_k=1, num_warps=8, num_stages=3, load2d=True,
         measured="145 us vs bf16 123, 7 other configs 145-408 (h200, 2026-11-29)"),

@@ -431,15 +431,18 @@ def forward(model: Model, tokens: jax.Array, cache: KVCache, *, backend: str = "
         else:
             n = jax.tree_util.tree_leaves(g)[0].shape[0]
 
-            def body(carry, xs):
+            g_xs, experts = nn.split_experts(g)  # expert stacks stay whole (nn.MoE.layer)
+
+            def body(carry, xs, experts=experts, li=li):
                 x, k_all, v_all = carry
                 p, i = xs
+                p = nn.join_experts(p, experts, i - li)
                 x, k_all, v_all = _layer(cfg, p, x, pos, k_all, v_all, i, start, inv_freq,
                                          backend, w4a4, ablate)
                 return (x, k_all, v_all), None
 
             idx = jnp.arange(li, li + n, dtype=jnp.int32)
-            (x, k_all, v_all), _ = jax.lax.scan(body, (x, k_all, v_all), (g, idx))
+            (x, k_all, v_all), _ = jax.lax.scan(body, (x, k_all, v_all), (g_xs, idx))
             li += n
     x = nn.rms_norm(x, model.norm, cfg.rms_norm_eps)
     if isinstance(model.lm_head, nn.Linear):

@@ -423,11 +423,16 @@ class NemotronHModel:
             kinds = cfg.layer_types[li:li + u]
             mu, au = kinds.count("M"), kinds.count("*")
 
-            def run_unit(carry, xs, kinds=kinds, au=au, ai0=ai):
+            # scanned: the expert stacks stay whole, closed over (nn.MoE.layer)
+            unit_xs, experts = nn.split_experts(unit) if n > 1 else (unit, None)
+
+            def run_unit(carry, xs, kinds=kinds, au=au, ai0=ai, experts=experts):
                 """One repeat ``r`` of the unit: its layers in order, the Mamba states of
                 repeat r in and out ([mu, ...] each, None without Mamba layers)."""
                 x, k_all, v_all = carry
                 ps, conv, ssm, r = xs
+                if experts is not None:
+                    ps = nn.join_experts(ps, experts, r)
                 cs, ss, a = [], [], 0
                 for kind, p in zip(kinds, ps):
                     m = len(cs)
@@ -450,7 +455,7 @@ class NemotronHModel:
 
                 (x, k_all, v_all), ys = jax.lax.scan(
                     run_unit, (x, k_all, v_all),
-                    (unit, per_repeat(conv_in), per_repeat(ssm_in),
+                    (unit_xs, per_repeat(conv_in), per_repeat(ssm_in),
                      jnp.arange(n, dtype=jnp.int32)))
                 if mu:
                     ys = tuple(y.reshape(n * mu, *y.shape[2:]) for y in ys)

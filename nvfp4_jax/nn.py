@@ -34,11 +34,14 @@ class Linear:
 
     w: NVFP4Array [N, K] (linear scale layout; decode_scale = ModelOpt ``weight_scale_2``).
     input_scale: float32 scalar (ModelOpt ``input_scale``, decode form amax/2688) for W4A4, or
-    None for W4A16.
+    None for W4A16. layer: None, or an int32 scalar ``r`` when ``w`` is a stack [L, N, K] of L
+    layers' weights and this linear is layer r's (``matmul``'s ``layer``; how a scan over
+    stacked layers avoids a per-layer copy: :func:`split_stacks`).
     """
 
     w: NVFP4Array
     input_scale: jax.Array | None = None
+    layer: jax.Array | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -63,7 +66,7 @@ def linear(p: Linear | jax.Array, x: jax.Array, *, backend: str = "auto",
                                 preferred_element_type=jnp.float32)
         return y.astype(jnp.bfloat16)
     s = p.input_scale if w4a4 else None
-    return matmul(x, p.w, input_scale=s, backend=backend)
+    return matmul(x, p.w, input_scale=s, backend=backend, layer=p.layer)
 
 
 @jax.tree_util.register_dataclass
@@ -84,7 +87,7 @@ class MoE:
     over stacked layers hands :func:`moe_block` the whole expert stack (a loop invariant)
     instead of a per-layer slice, which XLA copies whole on every call into a Pallas-Triton
     kernel (the Nemotron-3-Nano step spent 3.3 of its 5.1 ms of device time copying expert
-    stacks; ``nvfp4_jax.models`` scans do this). :func:`moe_block` uses the stack on the
+    stacks; ``nvfp4_jax.models`` scans do this: :func:`split_stacks`). :func:`moe_block` uses the stack on the
     Pallas-Triton path while the routes (tokens x top_k) are at most E, else the layer's slice.
     """
 
@@ -200,39 +203,47 @@ def _merge_layers(w: NVFP4Array) -> NVFP4Array:
                                      leaves)
 
 
-def _is_moe(v) -> bool:
-    return isinstance(v, MoE)
+def _is_stacked_param(v) -> bool:
+    return isinstance(v, (Linear, MoE))
 
 
-def split_experts(stacked):
+def split_stacks(stacked):
     """Split a pytree of stacked layers (leading axis n) for ``lax.scan``: returns (the tree
-    with every :class:`MoE`'s fc1 and fc2 left out, to scan over as ``xs``; the list of those
-    [n, E, ...] expert stacks, for the scan body to close over and hand back with
-    :func:`join_experts`). Scanning the stacks as ``xs`` would slice them per layer, and XLA
-    copies such a slice whole into a Pallas-Triton kernel on every step."""
+    with the NVFP4 weights of every :class:`Linear` (``w``) and :class:`MoE` (fc1, fc2) left
+    out, to scan over as ``xs``; the list of those [n, ...] weight stacks, for the scan body
+    to close over and hand back with :func:`join_stacks`). Scanning the weights as ``xs``
+    slices them per layer, and XLA copies such a slice whole into a Pallas-Triton kernel on
+    every step (the Nemotron-3-Nano step spent 3.3 of 5.1 ms of device time copying expert
+    stacks, Llama-3-8B on the Pallas path 25 %: bench/results/e2e-profile-h200.json)."""
     stacks = []
 
     def take(v):
-        if _is_moe(v):
+        if isinstance(v, Linear):
+            stacks.append((v.w,))
+            return dataclasses.replace(v, w=None)
+        if isinstance(v, MoE):
             stacks.append((v.fc1, v.fc2))
             return dataclasses.replace(v, fc1=None, fc2=None)
         return v
 
-    return jax.tree_util.tree_map(take, stacked, is_leaf=_is_moe), stacks
+    return jax.tree_util.tree_map(take, stacked, is_leaf=_is_stacked_param), stacks
 
 
-def join_experts(p, stacks: list, layer: jax.Array):
-    """Inside a scan body: layer ``layer``'s params ``p`` (from :func:`split_experts`' tree)
-    with each :class:`MoE` given back its whole expert stacks and ``layer`` (see MoE.layer)."""
+def join_stacks(p, stacks: list, layer: jax.Array):
+    """Inside a scan body: layer ``layer``'s params ``p`` (from :func:`split_stacks`' tree)
+    with each :class:`Linear` and :class:`MoE` given back its whole weight stacks and
+    ``layer``."""
     it = iter(stacks)
 
     def put(v):
-        if _is_moe(v):
+        if isinstance(v, Linear):
+            return dataclasses.replace(v, w=next(it)[0], layer=layer)
+        if isinstance(v, MoE):
             fc1, fc2 = next(it)
             return dataclasses.replace(v, fc1=fc1, fc2=fc2, layer=layer)
         return v
 
-    return jax.tree_util.tree_map(put, p, is_leaf=_is_moe)
+    return jax.tree_util.tree_map(put, p, is_leaf=_is_stacked_param)
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:

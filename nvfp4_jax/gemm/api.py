@@ -223,6 +223,7 @@ def matmul(
     backend: str = "auto",
     config: Config | Fp4MmaConfig | None = None,
     mma: str | None = None,
+    layer: jax.Array | None = None,
 ) -> jax.Array:
     """NVFP4 GEMM ``out[..., N] = x[..., K] @ W[N, K]^T`` with fp32 accumulation.
 
@@ -236,11 +237,28 @@ def matmul(
     Pallas kernel that runs (``pallas_triton.Config`` or ``fp4mma.Fp4MmaConfig``), None for
     the defaults. mma: "fp4" or "bf16" (``fp4mma.MMAS``), the tensor-core instruction of W4A4
     on the Pallas backend; None: "fp4" on SM 12.x GPUs, "bf16" elsewhere (``_pick_mma``).
+    layer: None, or an int32 scalar ``r`` with ``w`` a stack [L, N, K] of L layers' weights
+    (linear scales, decode_scale [L]): the product with layer r. The Pallas-Triton kernels
+    read layer r in place; a per-layer slice of a stack inside a scan would be copied whole
+    by XLA on every call into them (the Mosaic kernel and XLA take the slice, uncopied).
     Bad values (docs/input-policy.md): concrete non-finite ``x``, a non-positive
     ``input_scale`` or an inconsistent ``w`` raise ValueError/TypeError; traced, they are
     checked under :func:`nvfp4_jax.checked`, and unchecked a non-finite x gives non-finite
     (W4A4: NaN) output rows.
     """
+    stack = None
+    if layer is not None:
+        if not isinstance(w, NVFP4Array) or len(w.shape) != 3:
+            raise ValueError("w: with layer, expected an NVFP4Array stack [L, N, K], got "
+                             + (f"shape {w.shape}" if isinstance(w, NVFP4Array)
+                                else type(w).__name__))
+        layer = jnp.asarray(layer)
+        if layer.ndim or not jnp.issubdtype(layer.dtype, jnp.integer):
+            raise ValueError(f"layer: expected an integer scalar, got {layer.dtype}{layer.shape}")
+        # the slice serves validation, shapes and the backends that take it; the Pallas-Triton
+        # kernels read the stack (linear scales) and XLA drops the unused slice
+        stack, w = (w if w.layout == "linear" else None), jax.tree_util.tree_map(
+            lambda a: a[layer], w)
     _check_weight(w)
     n, k = w.shape
     if k % 16:
@@ -293,8 +311,9 @@ def matmul(
             xs = x_nv.linear_scales().reshape(m, k // 16)
         else:  # one kernel, IEEE divisions whatever XLA's flags
             xc, xs = w4a4_codes(x.reshape(m, k), s_in, interpret=pallas_interpret())
-        out = gemm_fp4mma(xc, xs, w.codes, w_scales, alpha, out_dtype=out_dtype,
-                          config=config, interpret=pallas_interpret())
+        wc, ws = (w.codes, w_scales) if stack is None else (stack.codes, stack.scales)
+        out = gemm_fp4mma(xc, xs, wc, ws, alpha, out_dtype=out_dtype, config=config,
+                          interpret=pallas_interpret(), layer=None if stack is None else layer)
         return out.reshape(lead + (n,))
     if x_op is None:
         x_op = dequantize(x_nv, jnp.bfloat16, include_decode_scale=False)  # exact
@@ -323,7 +342,7 @@ def matmul(
         cfg = config or configs.get_config(m, n, k)
         if interpret:
             cfg = Config(**{**cfg.__dict__, "decode": "bits"})
-        out = matmul_pallas(
-            x2, w.codes, w_scales, alpha, out_dtype=out_dtype, config=cfg, interpret=interpret
-        )
+        wc, ws = (w.codes, w_scales) if stack is None else (stack.codes, stack.scales)
+        out = matmul_pallas(x2, wc, ws, alpha, out_dtype=out_dtype, config=cfg,
+                            interpret=interpret, layer=None if stack is None else layer)
     return out.reshape(lead + (n,))

@@ -201,8 +201,12 @@ def default_config(m: int) -> Fp4MmaConfig:
     return Fp4MmaConfig(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=3)
 
 
-def _kernel(xc_ref, xs_ref, wc_ref, ws_ref, alpha_ref, o_ref, *, cfg: Fp4MmaConfig,
+def _kernel(xc_ref, xs_ref, wc_ref, ws_ref, alpha_ref, *refs, cfg: Fp4MmaConfig,
             M: int, N: int, K: int):
+    o_ref = refs[-1]
+    # a stack's layer (refs = (row0_ref, o_ref)): W's rows start at row0 of the flattened
+    # [L * N, ...] codes and scales
+    w0 = refs[0][0] if len(refs) == 2 else 0
     BM, BN, BK = cfg.block_m, cfg.block_n, cfg.block_k
     BK2, BKS = BK // 2, BK // BLOCK
     K2, KS = K // 2, K // BLOCK
@@ -215,9 +219,9 @@ def _kernel(xc_ref, xs_ref, wc_ref, ws_ref, alpha_ref, o_ref, *, cfg: Fp4MmaConf
         acc, nan_rows = carry
         k2_live = (i * BK2 + jnp.arange(BK2)) < K2
         ks_live = (i * BKS + jnp.arange(BKS)) < KS
-        wc = plgpu.load(wc_ref.at[pl.ds(n0, BN), pl.ds(i * BK2, BK2)],
+        wc = plgpu.load(wc_ref.at[pl.ds(w0 + n0, BN), pl.ds(i * BK2, BK2)],
                         mask=n_mask[:, None] & k2_live[None, :], other=0)
-        ws = plgpu.load(ws_ref.at[pl.ds(n0, BN), pl.ds(i * BKS, BKS)],
+        ws = plgpu.load(ws_ref.at[pl.ds(w0 + n0, BN), pl.ds(i * BKS, BKS)],
                         mask=n_mask[:, None] & ks_live[None, :], other=0)
         xc = plgpu.load(xc_ref.at[pl.ds(m0, BM), pl.ds(i * BK2, BK2)],
                         mask=m_mask[:, None] & k2_live[None, :], other=0)
@@ -256,11 +260,14 @@ def gemm_fp4mma(
     out_dtype=jnp.bfloat16,
     config: Fp4MmaConfig | None = None,
     interpret: bool = False,
+    layer: jax.Array | None = None,
 ) -> jax.Array:
     """``alpha * A @ W^T`` on FP4 tensor cores, A and W NVFP4 with linear-layout scales.
 
     x_codes: uint8 [M, K/2]; x_scales: E4M3 [M, K/16] (float8_e4m3fn or its uint8 bytes);
-    w_codes: uint8 [N, K/2]; w_scales: E4M3 [N, K/16]; alpha: fp32 scalar (x.decode_scale *
+    w_codes: uint8 [N, K/2]; w_scales: E4M3 [N, K/16] (or, with ``layer``, an int32 scalar,
+    stacks [L, N, K/2] and [L, N, K/16] of which the kernel reads layer ``layer`` in place:
+    no per-layer slice to copy in a scan); alpha: fp32 scalar (x.decode_scale *
     w.decode_scale). K: a multiple of 16. Returns out_dtype (bf16, fp16 or fp32) [M, N]; a row
     of x with a NaN scale byte (0x7F/0xFF: a block that held NaN/Inf) gives a NaN output row.
     config: tile (default :func:`default_config` of M). interpret: Pallas interpret mode (CPU
@@ -270,10 +277,11 @@ def gemm_fp4mma(
     if x_codes.ndim != 2 or x_codes.dtype != jnp.uint8:
         raise ValueError(f"x_codes: expected uint8 [M, K/2], got {x_codes.dtype}"
                          f"{list(x_codes.shape)}")
-    if w_codes.ndim != 2 or w_codes.dtype != jnp.uint8:
-        raise ValueError(f"w_codes: expected uint8 [N, K/2], got {w_codes.dtype}"
-                         f"{list(w_codes.shape)}")
-    (M, K2), (N, wk2) = x_codes.shape, w_codes.shape
+    stacked = layer is not None
+    if w_codes.ndim != 2 + stacked or w_codes.dtype != jnp.uint8:
+        raise ValueError(f"w_codes: expected uint8 {'[L, N, K/2]' if stacked else '[N, K/2]'}"
+                         f", got {w_codes.dtype}{list(w_codes.shape)}")
+    (M, K2), (N, wk2) = x_codes.shape, w_codes.shape[-2:]
     K = 2 * K2
     if wk2 != K2:
         raise ValueError(f"w_codes: K mismatch, x has K={K}, w has K={2 * wk2}")
@@ -283,8 +291,9 @@ def gemm_fp4mma(
     ws = _as_bytes(jnp.asarray(w_scales), "w_scales")
     if xs.shape != (M, K // BLOCK):
         raise ValueError(f"x_scales: expected shape {(M, K // BLOCK)}, got {xs.shape}")
-    if ws.shape != (N, K // BLOCK):
-        raise ValueError(f"w_scales: expected shape {(N, K // BLOCK)}, got {ws.shape}")
+    if ws.shape != w_codes.shape[:-2] + (N, K // BLOCK):
+        raise ValueError(f"w_scales: expected shape {w_codes.shape[:-2] + (N, K // BLOCK)}, "
+                         f"got {ws.shape}")
     if jnp.dtype(out_dtype) not in (jnp.bfloat16, jnp.float16, jnp.float32):
         raise ValueError(f"out_dtype: expected bfloat16, float16 or float32, got {out_dtype}")
     alpha_arr = jnp.asarray(alpha, jnp.float32).reshape(-1)
@@ -302,7 +311,8 @@ def gemm_fp4mma(
         compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
         interpret=interpret,
         name="nvfp4_gemm_fp4mma",
-    )(x_codes, xs, w_codes, ws, alpha_arr)
+    )(x_codes, xs, w_codes.reshape(-1, K2), ws.reshape(-1, K // BLOCK), alpha_arr,
+      *([(jnp.asarray(layer, jnp.int32) * N).reshape(1)] if stacked else []))
 
 
 def matmul_fp4mma(

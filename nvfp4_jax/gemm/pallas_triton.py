@@ -81,8 +81,11 @@ def _gemm_kernel(
     K: int,
     tiles_per_split: int,
     partial: bool,
+    stacked: bool,
 ):
-    o_ref = refs[-1]  # refs = (o_ref,) or (poisoned_out_alias, o_ref)
+    o_ref = refs[-1]  # refs = ([row0_ref,] [poisoned_out_alias,] o_ref)
+    # a stack's layer: W's rows start at row0 of the flattened [L * N, ...] codes and scales
+    w0 = refs[0][0] if stacked else 0
     BM, BN, BK = cfg.block_m, cfg.block_n, cfg.block_k
     BKB, BK2 = BK // 16, BK // 2
     KB, K2 = K // 16, K // 2
@@ -110,13 +113,14 @@ def _gemm_kernel(
         k2_mask = n_mask[:, None] & ((kb0 * 8 + jnp.arange(BK2)) < K2)[None, :]
         if cfg.load2d:
             codes = plgpu.load(
-                c_ref.at[pl.ds(n0, BN), pl.ds(kb0 * 8, BK2)], mask=k2_mask, other=0
+                c_ref.at[pl.ds(w0 + n0, BN), pl.ds(kb0 * 8, BK2)], mask=k2_mask, other=0
             ).reshape(BN, BKB, 8)
         else:
             codes = plgpu.load(
-                c_ref.at[pl.ds(n0, BN), pl.ds(kb0, BKB), :], mask=w_mask[:, :, None], other=0
-            )
-        scales = plgpu.load(s_ref.at[pl.ds(n0, BN), pl.ds(kb0, BKB)], mask=w_mask, other=0)
+                c_ref.at[pl.ds(w0 + n0, BN), pl.ds(kb0, BKB), :], mask=w_mask[:, :, None],
+                other=0)
+        scales = plgpu.load(s_ref.at[pl.ds(w0 + n0, BN), pl.ds(kb0, BKB)], mask=w_mask,
+                            other=0)
         w_even, w_odd, _ = decode_block(codes, scales, cfg.decode, xe_ref.dtype)
         x_mask = m_mask[:, None] & ((kb0 * 8 + jnp.arange(BK2)) < K2)[None, :]
         xe = plgpu.load(xe_ref.at[pl.ds(m0, BM), pl.ds(kb0 * 8, BK2)], mask=x_mask, other=0)
@@ -155,13 +159,17 @@ def matmul_pallas(
     interpret: bool = False,
     x_even_odd: tuple[jax.Array, jax.Array] | None = None,
     poison: bool = False,
+    layer: jax.Array | None = None,
 ) -> jax.Array:
     """``alpha * x @ W^T`` with fp32 accumulation.
 
     x: bf16 [M, K] (or pass ``x_even_odd`` = (x[:, 0::2], x[:, 1::2]) bf16 [M, K/2] and x=None).
     w_codes: uint8 [N, K/2] (element 2j in the low nibble). w_scales: E4M3 [N, K/16], as
-    float8_e4m3fn or raw uint8 bytes, linear layout. alpha: fp32 scalar (weight_scale_2, or
-    input_scale * weight_scale_2 for W4A4). Returns out_dtype [M, N].
+    float8_e4m3fn or raw uint8 bytes, linear layout. Or, with ``layer`` (an int32 scalar), a
+    stack of L such weights, [L, N, K/2] and [L, N, K/16], of which the kernel reads layer
+    ``layer`` in place (a scan's loop-invariant stack: no per-layer slice to copy).
+    alpha: fp32 scalar (weight_scale_2, or input_scale * weight_scale_2 for W4A4). Returns
+    out_dtype [M, N].
     poison: tests only: the kernel writes into a NaN-filled buffer (input_output_aliases), so
     any tile it fails to write shows up as NaN.
     """
@@ -170,14 +178,21 @@ def matmul_pallas(
     else:
         xe, xo = x_even_odd
     M, K2 = xe.shape
-    N = w_codes.shape[0]
+    N = w_codes.shape[-2]
     K = 2 * K2
-    if w_codes.shape != (N, K2) or w_scales.shape != (N, K // 16):
-        raise ValueError(f"w: codes {w_codes.shape} / scales {w_scales.shape} do not match K={K}")
+    lead = w_codes.shape[:-2]
+    if (len(lead) != (layer is not None) or w_codes.shape != lead + (N, K2)
+            or w_scales.shape != lead + (N, K // 16)):
+        raise ValueError(f"w: codes {w_codes.shape} / scales {w_scales.shape} do not match K={K}"
+                         + (" and a stack [L, N, ...] with layer" if layer is not None else ""))
     if w_scales.dtype != jnp.uint8:
         w_scales = lax.bitcast_convert_type(w_scales, jnp.uint8)
     cfg = config
-    codes3 = w_codes if cfg.load2d else w_codes.reshape(N, K // 16, 8)
+    if layer is not None and cfg.algo == "dequant_dot":  # large M: the slice costs little
+        w_codes, w_scales, layer = w_codes[layer], w_scales[layer], None
+    if layer is not None:  # flatten the stack; the kernel starts at row layer * N
+        w_codes, w_scales = w_codes.reshape(-1, K2), w_scales.reshape(-1, K // 16)
+    codes3 = w_codes if cfg.load2d else w_codes.reshape(-1, K // 16, 8)
     op_dtype = jnp.float16 if (x if x is not None else xe).dtype == jnp.float16 else jnp.bfloat16
     # the decode may hand the MMA e2m1*e4m3 / 2^j (decode.py); fold 2^j into alpha (exact)
     alpha_arr = (jnp.asarray(alpha, jnp.float32) * post_scale(cfg.decode, op_dtype)).reshape(1)
@@ -198,10 +213,12 @@ def matmul_pallas(
         else jax.ShapeDtypeStruct((M, N), out_dtype)
     )
     kernel = functools.partial(
-        _gemm_kernel, cfg=cfg, M=M, N=N, K=K, tiles_per_split=tiles_per_split, partial=partial
-    )
+        _gemm_kernel, cfg=cfg, M=M, N=N, K=K, tiles_per_split=tiles_per_split, partial=partial,
+        stacked=layer is not None)
     grid = (_cdiv(M, cfg.block_m) * _cdiv(N, cfg.block_n), split)
     args = [xe.astype(op_dtype), xo.astype(op_dtype), codes3, w_scales, alpha_arr]
+    if layer is not None:
+        args.append((jnp.asarray(layer, jnp.int32) * N).reshape(1))
     aliases = {}
     if poison:
         args.append(jnp.full(out_shape.shape, jnp.nan, out_shape.dtype))

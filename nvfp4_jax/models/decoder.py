@@ -431,12 +431,12 @@ def forward(model: Model, tokens: jax.Array, cache: KVCache, *, backend: str = "
         else:
             n = jax.tree_util.tree_leaves(g)[0].shape[0]
 
-            g_xs, experts = nn.split_experts(g)  # expert stacks stay whole (nn.MoE.layer)
+            g_xs, stacks = nn.split_stacks(g)  # the weight stacks stay whole, closed over
 
-            def body(carry, xs, experts=experts, li=li):
+            def body(carry, xs, stacks=stacks, li=li):
                 x, k_all, v_all = carry
                 p, i = xs
-                p = nn.join_experts(p, experts, i - li)
+                p = nn.join_stacks(p, stacks, i - li)
                 x, k_all, v_all = _layer(cfg, p, x, pos, k_all, v_all, i, start, inv_freq,
                                          backend, w4a4, ablate)
                 return (x, k_all, v_all), None

@@ -423,16 +423,16 @@ class NemotronHModel:
             kinds = cfg.layer_types[li:li + u]
             mu, au = kinds.count("M"), kinds.count("*")
 
-            # scanned: the expert stacks stay whole, closed over (nn.MoE.layer)
-            unit_xs, experts = nn.split_experts(unit) if n > 1 else (unit, None)
+            # scanned: the weight stacks stay whole, closed over (nn.split_stacks)
+            unit_xs, stacks = nn.split_stacks(unit) if n > 1 else (unit, None)
 
-            def run_unit(carry, xs, kinds=kinds, au=au, ai0=ai, experts=experts):
+            def run_unit(carry, xs, kinds=kinds, au=au, ai0=ai, stacks=stacks):
                 """One repeat ``r`` of the unit: its layers in order, the Mamba states of
                 repeat r in and out ([mu, ...] each, None without Mamba layers)."""
                 x, k_all, v_all = carry
                 ps, conv, ssm, r = xs
-                if experts is not None:
-                    ps = nn.join_experts(ps, experts, r)
+                if stacks is not None:
+                    ps = nn.join_stacks(ps, stacks, r)
                 cs, ss, a = [], [], 0
                 for kind, p in zip(kinds, ps):
                     m = len(cs)

@@ -123,7 +123,10 @@ class RowParallelLinear:
             return lax.all_gather(y, self.axis, axis=y.ndim - 1, tiled=True)
         if isinstance(self.p, nn.Linear):
             s = self.p.input_scale if w4a4 else None
-            return par.row_parallel_matmul(x, self.p.w, axis=self.axis, input_scale=s,
+            w = self.p.w  # a stack's layer (nn.split_stacks) is sliced here
+            if self.p.layer is not None:
+                w = jax.tree_util.tree_map(lambda a: a[self.p.layer], w)
+            return par.row_parallel_matmul(x, w, axis=self.axis, input_scale=s,
                                            backend=backend)
         # a bf16 weight (left unquantized by the checkpoint): nn.linear's dot, K split
         part = lax.dot_general(x, self.p.astype(x.dtype), (((x.ndim - 1,), (1,)), ((), ())),

@@ -1,0 +1,150 @@
+"""Scans over stacked layers hand the kernels whole weight stacks (``nn.Linear.layer``,
+``nn.MoE.layer``, ``nn.split_stacks`` / ``nn.join_stacks``, ``matmul(..., layer=)``) instead
+of per-layer slices, which XLA copies whole into a Pallas-Triton kernel on every step. The
+stack form must compute exactly what the layer alone computes, bit for bit: the GEMM kernels
+reading rows ``layer * N ..`` of the flattened stack (bf16-MMA and FP4-MMA kernels, split-K,
+both code loads), the MoE the experts ``layer * E ..`` with the layer's input scales (tiled,
+so the per-layer max of the TensorRT-LLM CUTLASS arithmetic stays that layer's); on the
+Pallas-Triton path (interpreted here) and the XLA path (which slices)."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import nvfp4_jax as nj
+from nvfp4_jax import nn
+from nvfp4_jax.gemm.pallas_triton import Config
+
+N_LAYERS, E, H, I = 3, 4, 64, 32
+
+
+def _layers(routing: str, activation: str) -> list[nn.MoE]:
+    """Three MoE layers with different experts, routers and input scales (the scales differ
+    by layer, so a max taken across layers would change the result)."""
+    rng = np.random.default_rng(3)
+    out = []
+    for r in range(N_LAYERS):
+        rows = 2 * I if activation == "swiglu" else I
+        fc1 = nj.quantize_experts(jnp.asarray(rng.standard_normal((E, rows, H)) * 0.3,
+                                              jnp.float32), "modelopt")
+        fc2 = nj.quantize_experts(jnp.asarray(rng.standard_normal((E, H, I)) * 0.3,
+                                              jnp.float32), "modelopt")
+        s1 = jnp.asarray((1.0 + r + rng.random(E)) * 4 / 2688, jnp.float32)
+        s2 = jnp.asarray((2.0 + r + rng.random(E)) * 8 / 2688, jnp.float32)
+        bias = (jnp.asarray(rng.standard_normal(E) * 0.1, jnp.float32)
+                if routing == "sigmoid_bias" else None)
+        out.append(nn.MoE(jnp.asarray(rng.standard_normal((E, H)), jnp.bfloat16), fc1, fc2, s1,
+                          s2, correction_bias=bias, top_k=2, routing=routing,
+                          renormalize=True, activation=activation,
+                          routed_scaling_factor=2.5 if routing == "sigmoid_bias" else 1.0))
+    return out
+
+
+@pytest.mark.parametrize("backend, t", [("pallas", 2), ("pallas", 5), ("xla", 2)])
+@pytest.mark.parametrize("routing, activation", [("softmax", "swiglu"),
+                                                 ("sigmoid_bias", "relu2")])
+def test_moe_on_the_expert_stack_equals_the_layer_alone(backend, t, routing, activation):
+    """t = 2: 4 routes <= E, the kernels run on the stack; t = 5: 10 routes > E, on the
+    layer's slice (as on the XLA path)."""
+    layers = _layers(routing, activation)
+    x = jnp.asarray(np.random.default_rng(4).standard_normal((t, H)) * 2, jnp.bfloat16)
+    stacked = jax.tree_util.tree_map(lambda *a: jnp.stack(a), *layers)
+    xs, experts = nn.split_stacks(stacked)
+    assert len(experts) == 1 and xs.fc1 is None and xs.fc2 is None
+
+    @jax.jit
+    def scanned(x):
+        def body(c, xs_r):
+            p, r = xs_r
+            return c, nn.moe_block(nn.join_stacks(p, experts, r), x, backend=backend)
+        return jax.lax.scan(body, 0, (xs, jnp.arange(N_LAYERS, dtype=jnp.int32)))[1]
+
+    got = np.asarray(scanned(x), np.float32)
+    alone = jax.jit(nn.moe_block, static_argnames="backend")
+    for r, p in enumerate(layers):
+        want = np.asarray(alone(p, x, backend=backend), np.float32)
+        assert np.isfinite(want).all() and np.abs(want).max() > 0
+        np.testing.assert_array_equal(got[r], want, err_msg=f"layer {r}")
+    # the layers differ, so equal outputs cannot come from one layer's experts serving all
+    assert not np.array_equal(got[0], got[1]) and not np.array_equal(got[1], got[2])
+
+
+def test_join_stacks_hands_back_the_stacks_in_order():
+    layers = _layers("softmax", "swiglu")
+    tree = {"a": {"moe": jax.tree_util.tree_map(lambda *a: jnp.stack(a), *layers)},
+            "b": {"moe": jax.tree_util.tree_map(lambda *a: jnp.stack(a[::-1]), *layers)}}
+    xs, experts = nn.split_stacks(tree)
+    back = nn.join_stacks(xs, experts, jnp.int32(1))
+    for key in "ab":
+        m = back[key]["moe"]
+        assert m.fc1 is tree[key]["moe"].fc1 and m.fc2 is tree[key]["moe"].fc2
+        assert int(m.layer) == 1 and m.router is xs[key]["moe"].router
+
+
+def _linear_stack(n_layers=3, n=48, k=96):
+    rng = np.random.default_rng(5)
+    ws = [nj.quantize(jnp.asarray(rng.standard_normal((n, k)) * (0.1 + r), jnp.float32),
+                      "modelopt") for r in range(n_layers)]
+    return ws, jax.tree_util.tree_map(lambda *a: jnp.stack(a), *ws)
+
+
+@pytest.mark.parametrize("backend, mma, config", [
+    ("pallas", "bf16", None),
+    ("pallas", "bf16", Config(16, 32, 32, split_k=2, decode="bits", load2d=True)),
+    ("pallas", "bf16", Config(16, 16, 32, decode="bits", load2d=False)),
+    ("pallas", "fp4", None),
+    ("xla", None, None)])
+@pytest.mark.parametrize("w4a4", [False, True])
+def test_matmul_on_a_stack_equals_the_layer_alone(backend, mma, config, w4a4):
+    ws, stack = _linear_stack()
+    x = jnp.asarray(np.random.default_rng(6).standard_normal((3, 96)) * 3, jnp.bfloat16)
+    if mma == "fp4" and not w4a4:
+        pytest.skip("the FP4 MMA multiplies W4A4 only")
+    s_in = jnp.float32(4.0 / 2688) if w4a4 else None
+    f = jax.jit(lambda x, w, layer: nj.matmul(x, w, input_scale=s_in, backend=backend, mma=mma,
+                                              config=config, layer=layer))
+    outs = []
+    for r, w in enumerate(ws):
+        got = np.asarray(f(x, stack, jnp.int32(r)), np.float32)
+        want = np.asarray(f(x, w, None), np.float32)
+        assert np.isfinite(want).all() and np.abs(want).max() > 0
+        np.testing.assert_array_equal(got, want, err_msg=f"layer {r}")
+        outs.append(got)
+    assert not np.array_equal(outs[0], outs[1])
+
+
+def test_linear_in_a_scan_reads_its_layer_of_the_stack():
+    ws, stack = _linear_stack()
+    x = jnp.asarray(np.random.default_rng(7).standard_normal((2, 96)), jnp.bfloat16)
+    s = jnp.asarray([1.0, 2.0, 3.0], jnp.float32) / 2688
+    xs, stacks = nn.split_stacks({"proj": nn.Linear(stack, s)})
+    assert xs["proj"].w is None and stacks[0][0] is stack
+
+    @jax.jit
+    def scanned(x):
+        def body(c, xs_r):
+            p, r = xs_r
+            p = nn.join_stacks(p, stacks, r)
+            return c, nn.linear(p["proj"], x, backend="pallas")
+        return jax.lax.scan(body, 0, (xs, jnp.arange(3, dtype=jnp.int32)))[1]
+
+    got = np.asarray(scanned(x), np.float32)
+    for r, w in enumerate(ws):
+        want = np.asarray(nn.linear(nn.Linear(w, s[r]), x, backend="pallas"), np.float32)
+        np.testing.assert_array_equal(got[r], want, err_msg=f"layer {r}")
+
+
+@pytest.mark.parametrize("bad, what", [
+    (lambda ws, stack: (ws[0], jnp.int32(0)), "expected an NVFP4Array stack [L, N, K]"),
+    (lambda ws, stack: (stack, jnp.zeros((2,), jnp.int32)), "layer: expected an integer scalar"),
+    (lambda ws, stack: (stack, jnp.float32(1)), "layer: expected an integer scalar")])
+def test_matmul_layer_rejects_what_is_not_a_stack_and_an_index(bad, what):
+    ws, stack = _linear_stack()
+    w, layer = bad(ws, stack)
+    with pytest.raises(ValueError, match=re.escape(what)):
+        nj.matmul(jnp.ones((1, 96), jnp.bfloat16), w, layer=layer, backend="xla")

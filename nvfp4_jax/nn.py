@@ -82,13 +82,9 @@ class MoE:
     routing ("softmax" | "sigmoid_bias"), renormalize (Qwen3's ``norm_topk_prob``),
     routed_scaling_factor, activation ("swiglu" | "relu2").
 
-    layer: None, or an int32 scalar ``r`` when fc1 / fc2 hold the experts of ``n`` stacked
-    layers ([n, E, R, H] / [n, E, H, I]) and the other fields are layer ``r``'s: how a scan
-    over stacked layers hands :func:`moe_block` the whole expert stack (a loop invariant)
-    instead of a per-layer slice, which XLA copies whole on every call into a Pallas-Triton
-    kernel (the Nemotron-3-Nano step spent 3.3 of its 5.1 ms of device time copying expert
-    stacks; ``nvfp4_jax.models`` scans do this: :func:`split_stacks`). :func:`moe_block` uses the stack on the
-    Pallas-Triton path while the routes (tokens x top_k) are at most E, else the layer's slice.
+    layer: None, or an int32 scalar ``r`` when fc1 / fc2 are stacks of ``n`` layers' experts
+    ([n, E, R, H] / [n, E, H, I]) and the other fields are layer ``r``'s (``nvfp4_jax.moe``'s
+    ``layer``; how a scan over stacked layers avoids a per-layer copy: :func:`split_stacks`).
     """
 
     router: jax.Array
@@ -168,39 +164,13 @@ def moe_block(p: MoE | MoEBF16, x: jax.Array, *, backend: str = "auto") -> jax.A
     if isinstance(p, MoEBF16):
         return moe_block_bf16(p, x)
     logits = router_logits(p, x)
-    kw = dict(fc1_input_scale=p.fc1_input_scale, fc2_input_scale=p.fc2_input_scale,
-              activation=p.activation, gate_up_order="up_gate", mode="trtllm_cutlass")
-    route = dict(top_k=p.top_k, routing=p.routing, renormalize=p.renormalize,
-                 correction_bias=p.correction_bias,
-                 routed_scaling_factor=p.routed_scaling_factor)
-    if p.layer is None:
-        return moe_pkg.moe(x, fc1=p.fc1, fc2=p.fc2, router_logits=logits, backend=backend,
-                           **route, **kw)
-    n, e = p.fc1.codes.shape[0], p.router.shape[0]
-    routes = x.shape[0] * p.top_k
-    impl = moe_pkg.choose_backend(backend, None, routes=routes, hidden=x.shape[1])
-    # the layer's slice: for the Mosaic kernels and XLA (no copy seen there), and with more
-    # routes than E (prefill), where the kernels' routing would grow with n * E while the
-    # copy costs little beside the GEMMs
-    if impl != "pallas" or routes > e:
-        fc1, fc2 = (jax.tree_util.tree_map(lambda a: a[p.layer], w) for w in (p.fc1, p.fc2))
-        return moe_pkg.moe(x, fc1=fc1, fc2=fc2, router_logits=logits, backend=impl,
-                           **route, **kw)
-    # the experts of all n layers as one stack of n * E (a free reshape); layer r's are
-    # r * E .. r * E + E - 1; the input scales tiled n times keep layer r's values and max
-    ids, w = moe_pkg.select_experts(logits, p.top_k, **{k: v for k, v in route.items()
-                                                        if k != "top_k"})
-    kw["fc1_input_scale"] = jnp.tile(jnp.broadcast_to(p.fc1_input_scale, (e,)), n)
-    kw["fc2_input_scale"] = jnp.tile(jnp.broadcast_to(p.fc2_input_scale, (e,)), n)
-    return moe_pkg.moe(x, fc1=_merge_layers(p.fc1), fc2=_merge_layers(p.fc2),
-                       topk_ids=ids + p.layer * e, topk_weights=w, backend=impl, **kw)
-
-
-def _merge_layers(w: NVFP4Array) -> NVFP4Array:
-    """NVFP4Array [n, E, N, K] -> [n * E, N, K] (leading axes merged; a free reshape)."""
-    leaves = [a.reshape(-1, *a.shape[2:]) for a in (w.codes, w.scales, w.decode_scale)]
-    return NVFP4Array.tree_unflatten(((leaves[0].shape[0],) + tuple(w.shape[2:]), w.layout),
-                                     leaves)
+    return moe_pkg.moe(x, fc1=p.fc1, fc2=p.fc2, fc1_input_scale=p.fc1_input_scale,
+                       fc2_input_scale=p.fc2_input_scale, router_logits=logits, top_k=p.top_k,
+                       routing=p.routing, renormalize=p.renormalize,
+                       correction_bias=p.correction_bias,
+                       routed_scaling_factor=p.routed_scaling_factor, activation=p.activation,
+                       gate_up_order="up_gate", mode="trtllm_cutlass", backend=backend,
+                       layer=p.layer)
 
 
 def _is_stacked_param(v) -> bool:

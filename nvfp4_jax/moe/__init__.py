@@ -17,13 +17,13 @@ without hiding ``nvfp4_jax.moe.routing`` and friends.
 import sys
 import types
 
-from .api import BACKENDS, choose_backend, moe
+from .api import BACKENDS, moe
 from .configs import Config, MoEConfig
 from .routing import BlockRouting, block_routing, select_experts
 from .weights import pad_fc2
 
-__all__ = ["BACKENDS", "BlockRouting", "Config", "MoEConfig", "block_routing", "choose_backend",
-           "moe", "pad_fc2", "select_experts"]
+__all__ = ["BACKENDS", "BlockRouting", "Config", "MoEConfig", "block_routing", "moe", "pad_fc2",
+           "select_experts"]
 
 
 class _CallableModule(types.ModuleType):

@@ -152,6 +152,7 @@ def moe(
     activation_scale: str | None = None,
     backend: str = "auto",
     config: MoEConfig | MosaicMoEConfig | None = None,
+    layer: jax.Array | None = None,
 ) -> jax.Array:
     """Routed NVFP4 mixture-of-experts layer -> bf16 [T, H]. Jittable for any T; no host sync.
 
@@ -170,6 +171,12 @@ def moe(
     stays on Pallas-Triton when I % 256 is neither 0 nor 128). Off the GPU the Pallas kernels
     run in interpret mode. ``config``: ``MoEConfig`` (Pallas-Triton tiles) or
     ``moe.mosaic.MosaicMoEConfig`` (Mosaic tiles), None for the defaults.
+    ``layer``: None, or an int32 scalar ``r`` with fc1 / fc2 stacks of L layers' experts
+    ([L, E, R, H] / [L, E, H, I], decode_scale [L, E]; the input scales and routing are layer
+    r's): the MoE of layer r. The Pallas-Triton kernels read layer r's experts in place
+    (linear scales, unpadded fc2; else the slice, logged); inside a scan a per-layer slice
+    would be copied whole by XLA on every call into them. The Mosaic kernels and XLA take the
+    slice (uncopied there).
 
     Bad values (docs/input-policy.md): a concrete non-finite ``hidden``, ``topk_ids`` outside
     [0, E), input scales not finite and > 0, or inconsistent ``fc1``/``fc2`` raise; traced, they
@@ -177,6 +184,18 @@ def moe(
     are NaN.
     """
     hidden = jnp.asarray(hidden)
+    stacks = None
+    if layer is not None:
+        bad = [name for name, w in (("fc1", fc1), ("fc2", fc2))
+               if not isinstance(w, NVFP4Array) or len(w.shape) != 4]
+        if bad:
+            raise ValueError(f"{bad[0]}: with layer, expected an NVFP4Array stack [L, E, N, K]")
+        layer = jnp.asarray(layer)
+        if layer.ndim or not jnp.issubdtype(layer.dtype, jnp.integer):
+            raise ValueError(f"layer: expected an integer scalar, got {layer.dtype}{layer.shape}")
+        stacks = (fc1, fc2)
+        # the slices serve validation and the backends that take them; unused, XLA drops them
+        fc1, fc2 = (jax.tree_util.tree_map(lambda a: a[layer], w) for w in stacks)
     if activation_scale is None:
         activation_scale = "scalar" if mode == "trtllm_cutlass" else "per_expert"
     s1 = jnp.asarray(fc1_input_scale)
@@ -227,5 +246,13 @@ def moe(
             log.info("nvfp4_jax.moe: backend mosaic off the GPU -> XLA emulation of the kernels")
         return moe_mosaic(hidden, topk_ids, topk_weights, fc1, fc2, s1, s2, config=config,
                           reference=interpret, **kw)
+    if stacks is not None:
+        inter = intermediate_size(fc1.shape[1], activation)
+        if all(w.layout == "linear" for w in stacks) and stacks[1].shape[-1] == inter:
+            fc1, fc2 = stacks
+        else:
+            log.info("nvfp4_jax.moe: layer of a stack with swizzled scales or padded fc2: the "
+                     "kernels read the layer's slice (a copy of its experts on every call)")
+            layer = None
     return moe_pallas(hidden, topk_ids, topk_weights, fc1, fc2, s1, s2, config=config,
-                      interpret=interpret, **kw)
+                      interpret=interpret, layer=layer, **kw)

@@ -664,7 +664,7 @@ def moe_mosaic(
     g1, rg1, a1, g2, rg2, a2 = sv
     em = br.sorted_route.shape[0]
     assert em // bm == max_blocks(n_routes, e, bm)
-    meta = (br.block_expert, br.num_blocks)
+    meta = (br.block_expert, br.num_blocks, br.block_expert)
 
     def scales_u8(w: NVFP4Array, cfg: MosaicConfig, name: str):
         """(uint8 scales, their layout) as the grouped kernel reads them: swizzled_128x4

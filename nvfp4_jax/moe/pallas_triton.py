@@ -151,25 +151,28 @@ def _block_and_tile(n_tiles: int):
     return pid // n_tiles, pid % n_tiles
 
 
-def _fc1_kernel(be_ref, nb_ref, xe_ref, xo_ref, c_ref, s_ref, a1_ref, g2_ref, rg2_ref,
+def _fc1_kernel(be_ref, nb_ref, bw_ref, xe_ref, xo_ref, c_ref, s_ref, a1_ref, g2_ref, rg2_ref,
                 he_ref, ho_ref, *h_ref, cfg: Config, H: int, I: int, activation: str,
                 gate_up_order: str, mode: str, exact_asm: bool, fp4: bool = False):
     """fp4: (xe, xo) are the NVFP4 operand (codes, scale bytes) and (he, ho) receive FC2's
-    (codes [EM, I/2], scale bytes [EM, I/16]); else even/odd bf16 ``q * sf`` halves."""
+    (codes [EM, I/2], scale bytes [EM, I/16]); else even/odd bf16 ``q * sf`` halves.
+    be_ref: each block's expert (its alphas and scales); bw_ref: its weights' index in the
+    codes and scales (``layer * E +`` the expert for a stack of layers, else the expert)."""
     BM, BN = cfg.block_m, cfg.block_n
     b, n = _block_and_tile(cdiv(I, BN))
     grouped_tiles = _grouped_tiles_fp4 if fp4 else _grouped_tiles
 
     @pl.when(b < nb_ref[0])
     def _():
-        e = be_ref[b]
+        e, ew = be_ref[b], bw_ref[b]
         m0, n0 = b * BM, n * BN
         n_valid = I - n0
         if activation == "swiglu":
-            first, second = grouped_tiles(xe_ref, xo_ref, c_ref, s_ref, e, m0, (n0, I + n0),
+            first, second = grouped_tiles(xe_ref, xo_ref, c_ref, s_ref, ew, m0, (n0, I + n0),
                                           n_valid, H, cfg)
         else:
-            (first,) = grouped_tiles(xe_ref, xo_ref, c_ref, s_ref, e, m0, (n0,), n_valid, H, cfg)
+            (first,) = grouped_tiles(xe_ref, xo_ref, c_ref, s_ref, ew, m0, (n0,), n_valid, H,
+                                     cfg)
         h = fc1_activation(first, second if activation == "swiglu" else None, a1_ref[e],
                            activation=activation, gate_up_order=gate_up_order, mode=mode,
                            exact_asm=exact_asm)
@@ -194,7 +197,7 @@ def _fc1_kernel(be_ref, nb_ref, xe_ref, xo_ref, c_ref, s_ref, a1_ref, g2_ref, rg
                     od.reshape(BM, BN // 2).astype(jnp.bfloat16), mask=half_mask)
 
 
-def _fc2_kernel(be_ref, nb_ref, xe_ref, xo_ref, c_ref, s_ref, a2_ref, w_ref, o_ref, *,
+def _fc2_kernel(be_ref, nb_ref, bw_ref, xe_ref, xo_ref, c_ref, s_ref, a2_ref, w_ref, o_ref, *,
                 cfg: Config, H: int, I: int, mode: str, exact_asm: bool, fp4: bool = False):
     BM, BN = cfg.block_m, cfg.block_n
     b, n = _block_and_tile(cdiv(H, BN))
@@ -204,7 +207,8 @@ def _fc2_kernel(be_ref, nb_ref, xe_ref, xo_ref, c_ref, s_ref, a2_ref, w_ref, o_r
     def _():
         e = be_ref[b]
         m0, n0 = b * BM, n * BN
-        (acc,) = grouped_tiles(xe_ref, xo_ref, c_ref, s_ref, e, m0, (n0,), H - n0, I, cfg)
+        (acc,) = grouped_tiles(xe_ref, xo_ref, c_ref, s_ref, bw_ref[b], m0, (n0,), H - n0, I,
+                               cfg)
         d = acc * a2_ref[e]
         if mode == "trtllm_cutlass":  # GEMM2 output is bf16 in TRT-LLM CUTLASS
             d = bf16_rne(d, exact_asm)
@@ -218,7 +222,9 @@ def fc2_triton(meta, he, ho, fc2: NVFP4Array, a2, wt, *, cfg: Config, em: int, h
                inter: int, mode: str, interpret: bool, fp4: bool = False) -> jax.Array:
     """Pallas-Triton grouped FC2 (+ alpha2, bf16 in trtllm_cutlass, router weight) -> fp32 [EM, H].
 
-    meta: (block_expert [NB], num_blocks [1]); he/ho: even/odd K columns of the FC2 operand
+    meta: (block_expert [NB], num_blocks [1], block_weight [NB]: each block's index into the
+    fc2 codes and scales, see :func:`_fc1_kernel`); fc2: [E, H, I], or a stack of layers
+    [L, E, H, I]; he/ho: even/odd K columns of the FC2 operand
     (``q * sf`` bf16 [EM, I/2]), or with ``fp4`` its codes uint8 [EM, I/2] and E4M3 scale
     bytes uint8 [EM, I/16] (FP4 MMA); wt: fp32 router weight per sorted row [EM]."""
     codes, scales = _stack(fc2, cfg, fp4)
@@ -234,9 +240,12 @@ def fc2_triton(meta, he, ho, fc2: NVFP4Array, a2, wt, *, cfg: Config, em: int, h
 
 
 def _stack(w: NVFP4Array, cfg: Config, fp4: bool = False):
+    """Codes and scale bytes of [E, N, K] experts (or [L, E, N, K]: flattened to L * E)."""
     flat = cfg.load2d or fp4  # the FP4 MMA takes [BN, BK/2] code tiles
-    codes = w.codes if flat else w.codes.reshape(w.shape[0], w.shape[1], w.shape[2] // 16, 8)
-    return codes, lax.bitcast_convert_type(w.linear_scales(), jnp.uint8)
+    n, k = w.shape[-2:]
+    codes = w.codes.reshape(-1, n, k // 2) if flat else w.codes.reshape(-1, n, k // 16, 8)
+    scales = w.linear_scales().reshape(-1, n, k // 16)
+    return codes, lax.bitcast_convert_type(scales, jnp.uint8)
 
 
 def moe_pallas(
@@ -255,18 +264,25 @@ def moe_pallas(
     config: MoEConfig | None = None,
     interpret: bool = False,
     return_intermediates: bool = False,
+    layer: jax.Array | None = None,
 ):
     """Pallas-Triton MoE -> bf16 [T, H] (and per-route ``h`` [T*k, I] with ``return_intermediates``).
 
     Arguments as :func:`nvfp4_jax.moe` (validated there); fc1/fc2 scales in the linear layout.
     ``config``: ``MoEConfig`` (tiles) or None (``configs.default_config``). ``interpret``:
-    Pallas interpret mode (CPU).
+    Pallas interpret mode (CPU). ``layer``: None, or an int32 scalar with fc1/fc2 stacks of
+    layers [L, E, ...] (linear scales, unpadded fc2): the kernels read layer ``layer``'s
+    experts in place; routing, scales and tiles are the layer's (E experts).
     """
     t, k = topk_ids.shape
-    e, r, h_dim = fc1.shape
+    e, r, h_dim = fc1.shape[-3:]
     inter = intermediate_size(r, activation)
     n_routes = t * k
-    fc2 = unpad_fc2(fc2, inter)  # these kernels read K = I (a padded stack is sliced, logged)
+    if layer is None:
+        fc2 = unpad_fc2(fc2, inter)  # these kernels read K = I (a padded stack is sliced, logged)
+        ds1, ds2 = fc1.decode_scale, fc2.decode_scale
+    else:
+        ds1, ds2 = fc1.decode_scale[layer], fc2.decode_scale[layer]
     if config is None:
         config = default_config(n_routes, e, inter=inter, hidden=h_dim, gated=activation == "swiglu")
         if interpret:
@@ -287,7 +303,7 @@ def moe_pallas(
     # the encode scales, alphas and 1/G2 (the trtllm recipe's) from one launch with IEEE
     # divisions (in XLA they are 11-14 small fusions per layer)
     g1, rg1, a1, g2, rg2, a2 = moe_scales_kernel(
-        fc1.decode_scale, fc2.decode_scale, fc1_input_scale, fc2_input_scale, num_experts=e,
+        ds1, ds2, fc1_input_scale, fc2_input_scale, num_experts=e,
         mode=mode, activation_scale=activation_scale, interpret=interpret)
     br = block_routing(topk_ids, e, bm)
     em = br.sorted_route.shape[0]
@@ -303,7 +319,8 @@ def moe_pallas(
     xe, xo = xv if fp4 else (xv[:, 0::2], xv[:, 1::2])  # fp4: (codes, scale bytes)
 
     c1c, c1s = _stack(fc1, c1, fp4)
-    meta = (br.block_expert, br.num_blocks)
+    bw = br.block_expert if layer is None else br.block_expert + layer * e
+    meta = (br.block_expert, br.num_blocks, bw)
 
     out1 = [jax.ShapeDtypeStruct((em, inter // 2), jnp.bfloat16)] * 2
     if fp4:

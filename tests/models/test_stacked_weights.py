@@ -3,9 +3,9 @@
 of per-layer slices, which XLA copies whole into a Pallas-Triton kernel on every step. The
 stack form must compute exactly what the layer alone computes, bit for bit: the GEMM kernels
 reading rows ``layer * N ..`` of the flattened stack (bf16-MMA and FP4-MMA kernels, split-K,
-both code loads), the MoE the experts ``layer * E ..`` with the layer's input scales (tiled,
-so the per-layer max of the TensorRT-LLM CUTLASS arithmetic stays that layer's); on the
-Pallas-Triton path (interpreted here) and the XLA path (which slices)."""
+both code loads), the MoE kernels the weights of expert ``layer * E + e`` while routing,
+scales and alphas stay the layer's; on the Pallas-Triton path (interpreted here) and the XLA
+path (which slices)."""
 
 from __future__ import annotations
 
@@ -49,8 +49,7 @@ def _layers(routing: str, activation: str) -> list[nn.MoE]:
 @pytest.mark.parametrize("routing, activation", [("softmax", "swiglu"),
                                                  ("sigmoid_bias", "relu2")])
 def test_moe_on_the_expert_stack_equals_the_layer_alone(backend, t, routing, activation):
-    """t = 2: 4 routes <= E, the kernels run on the stack; t = 5: 10 routes > E, on the
-    layer's slice (as on the XLA path)."""
+    """t = 2 and 5: fewer and more routes than experts (4 and 10 against E = 4)."""
     layers = _layers(routing, activation)
     x = jnp.asarray(np.random.default_rng(4).standard_normal((t, H)) * 2, jnp.bfloat16)
     stacked = jax.tree_util.tree_map(lambda *a: jnp.stack(a), *layers)
@@ -148,3 +147,19 @@ def test_matmul_layer_rejects_what_is_not_a_stack_and_an_index(bad, what):
     w, layer = bad(ws, stack)
     with pytest.raises(ValueError, match=re.escape(what)):
         nj.matmul(jnp.ones((1, 96), jnp.bfloat16), w, layer=layer, backend="xla")
+
+
+@pytest.mark.parametrize("bad, what", [
+    (lambda st, one: dict(fc1=one.fc1, fc2=one.fc2, layer=jnp.int32(0)),
+     "fc1: with layer, expected an NVFP4Array stack [L, E, N, K]"),
+    (lambda st, one: dict(fc1=st.fc1, fc2=st.fc2, layer=jnp.zeros((1,), jnp.int32)),
+     "layer: expected an integer scalar")])
+def test_moe_layer_rejects_what_is_not_a_stack_and_an_index(bad, what):
+    layers = _layers("softmax", "swiglu")
+    stacked = jax.tree_util.tree_map(lambda *a: jnp.stack(a), *layers)
+    one = layers[0]
+    with pytest.raises(ValueError, match=re.escape(what)):
+        nj.moe(jnp.ones((2, H), jnp.bfloat16), fc1_input_scale=one.fc1_input_scale,
+               fc2_input_scale=one.fc2_input_scale, topk_ids=jnp.zeros((2, 2), jnp.int32),
+               topk_weights=jnp.ones((2, 2), jnp.float32), activation="swiglu",
+               gate_up_order="up_gate", backend="xla", **bad(stacked, one))

@@ -306,7 +306,7 @@ def moe_sweep_candidates(shape, t: int) -> list[tuple[str, MoEConfig]]:
     ``config=None``), the default with each other bf16 decode (``asm``, ``asmm``, ``asm2m``),
     and tile variants of the ``asm2m`` default: the output tile (BN 64 <-> 128;
     gated FC1 keeps its BN 64, the register limit of its two accumulators), BK 128, 8 warps,
-    3 and 5 pipeline stages, and BN flipped with 8 warps; BM 16 where the default's BM is
+    3 and 5 pipeline stages, and BN flipped with 8 warps and with 3 stages; BM 16 where the default's BM is
     larger. Configs equal to an earlier one are left out; labels are unique."""
     s = shape_of(shape)
     e, h, i, k = s["experts"], s["hidden"], s["inter"], s["top_k"]
@@ -325,7 +325,7 @@ def moe_sweep_candidates(shape, t: int) -> list[tuple[str, MoEConfig]]:
     bn1 = base.fc1.block_n if gated else flip(base.fc1.block_n)
     bn2 = flip(base.fc2.block_n)
     variants = [tiles(bn1, bn2), tiles(block_k=128), tiles(num_warps=8), tiles(num_stages=3),
-                tiles(num_stages=5), tiles(bn1, bn2, num_warps=8)]
+                tiles(num_stages=5), tiles(bn1, bn2, num_warps=8), tiles(bn1, bn2, num_stages=3)]
     if base.fc1.block_m != 16:
         variants.append(tiles(block_m=16))
     out = [("default", lib)] + [(f"default_{d}", lib.with_decode(d))

@@ -216,6 +216,19 @@ def join_stacks(p, stacks: list, layer: jax.Array):
     return jax.tree_util.tree_map(put, p, is_leaf=_is_stacked_param)
 
 
+def layer_of(p):
+    """A :class:`Linear` or :class:`MoE` with ``layer`` set -> the same with its weight stacks
+    cut to that layer and ``layer`` None (inside a scan: a copy, for code paths that take one
+    layer's arrays only, e.g. ``nvfp4_jax.parallel``); anything else is returned as it is."""
+    if not isinstance(p, (Linear, MoE)) or p.layer is None:
+        return p
+    if isinstance(p, Linear):
+        return dataclasses.replace(p, w=jax.tree_util.tree_map(lambda a: a[p.layer], p.w),
+                                   layer=None)
+    cut = [jax.tree_util.tree_map(lambda a: a[p.layer], w) for w in (p.fc1, p.fc2)]
+    return dataclasses.replace(p, fc1=cut[0], fc2=cut[1], layer=None)
+
+
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     """RMSNorm over the last axis in fp32, as HF's Llama/Qwen3 RMSNorm: ``x [..., D]`` ->
     ``weight * (x / rms(x))`` in x's dtype (weight bf16 [D])."""

@@ -123,11 +123,9 @@ class RowParallelLinear:
             return lax.all_gather(y, self.axis, axis=y.ndim - 1, tiled=True)
         if isinstance(self.p, nn.Linear):
             s = self.p.input_scale if w4a4 else None
-            w = self.p.w  # a stack's layer (nn.split_stacks) is sliced here
-            if self.p.layer is not None:
-                w = jax.tree_util.tree_map(lambda a: a[self.p.layer], w)
-            return par.row_parallel_matmul(x, w, axis=self.axis, input_scale=s,
-                                           backend=backend)
+            # a stack's layer (nn.split_stacks) is cut here: parallel takes one layer's arrays
+            return par.row_parallel_matmul(x, nn.layer_of(self.p).w, axis=self.axis,
+                                           input_scale=s, backend=backend)
         # a bf16 weight (left unquantized by the checkpoint): nn.linear's dot, K split
         part = lax.dot_general(x, self.p.astype(x.dtype), (((x.ndim - 1,), (1,)), ((), ())),
                                preferred_element_type=jnp.float32)
@@ -161,7 +159,7 @@ class ExpertParallelMoE:
         """x bf16 [T, H] (every token, the same on every device) -> bf16 [T, H], bit for bit
         ``nn.moe_block`` of the unsharded layer (same routing, per-route arithmetic and fp32
         top-k sum) unless a route falls past the capacity (its token's row is then NaN)."""
-        m, d, axis = self.moe, self.devices, self.axis
+        m, d, axis = nn.layer_of(self.moe), self.devices, self.axis  # one layer's experts
         t, h = x.shape
         k = m.top_k
         ids, wts = select_experts(nn.router_logits(m, x), k, routing=m.routing,

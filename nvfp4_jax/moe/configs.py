@@ -78,12 +78,19 @@ def default_config(num_routes: int, num_experts: int, *, inter: int = 2048, hidd
     stages); the MoE itself has no sweep of its own. BN is 128 only for BM <= 32 and when that still gives two programs per SM (132 SMs);
     gated FC1 (two accumulators) keeps BN 64 and BM <= 64 to stay within registers. Decode
     ``asm2m`` on sm_90 (1.65-1.67x the Mosaic MoE at T = 1 against 1.84-1.90x with ``asm``,
-    bench/results/moe-candidates-h200.json), ``asmm`` elsewhere (gemm/decode.py).
+    bench/results/moe-candidates-h200.json), ``asmm`` elsewhere (gemm/decode.py). On sm_90
+    the decode tiles (BM 16) take BN 64 for both GEMMs: nemotron T = 8 / 64 327 / 946 us
+    against 364 / 1025 with FC1/FC2 BN 128, qwen3_30b 123 / 252 against 126 / 254 with FC2
+    BN 128 (the same file); the SM12x rule stays unmeasured (no SM12x GPU).
     """
     blocks = max(1, min(num_experts, num_routes))
     rows_per_expert = num_routes / blocks
 
+    sm90 = is_sm90()
+
     def bn_for(n: int, bm: int) -> int:
+        if sm90 and bm == 16:  # measured: BN 64 (bench/results/moe-candidates-h200.json)
+            return 64
         return 128 if blocks * -(-n // 128) >= 264 and bm <= 32 else 64
 
     if rows_per_expert <= 16:  # decode: weight streaming
@@ -94,7 +101,7 @@ def default_config(num_routes: int, num_experts: int, *, inter: int = 2048, hidd
         bm, bk, warps, stages = (64 if gated else 128), 128, 4, 3
     # the bf16 decode by operand layout (gemm/decode.py): 2-byte packs for sm_90's wgmma,
     # 4-byte packs for mma.sync (SM 8.x / 12.x; the FP4 MMA decodes nothing)
-    dec = "asm2m" if is_sm90() else "asmm"
+    dec = "asm2m" if sm90 else "asmm"
     fc1 = Config(bm, 64 if gated else bn_for(inter, bm), bk, warps, stages, decode=dec)
     fc2 = Config(bm, bn_for(hidden, bm), bk, warps, stages, decode=dec)
     return MoEConfig(fc1, fc2, default_mma() if mma is None else mma)

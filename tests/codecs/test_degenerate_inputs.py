@@ -255,13 +255,19 @@ def test_matmul_degenerate_matches_oracle(backend, w4a4, xkind, wkind, recipe, s
     wo = _w_oracle(wkind, seed + 1, recipe)
     w = nj.from_oracle(wo)
     xb = jnp.asarray(x, jnp.bfloat16)
-    if w4a4:
-        s = _input_scale(x)
-        out = _matmul_fn(backend, True)(xb, w, jnp.float32(s))
+    s = _input_scale(x) if w4a4 else None
+    out = (_matmul_fn(backend, True)(xb, w, jnp.float32(s)) if w4a4
+           else _matmul_fn(backend, False)(xb, w))
+    try:
         assert_gemm_close(out, x.astype(np.float64), wo, input_scale=s, out_dtype="float32")
-    else:
-        out = _matmul_fn(backend, False)(xb, w)
-        assert_gemm_close(out, x.astype(np.float64), wo, out_dtype="float32")
+    except AssertionError:
+        # XLA:CPU computes with denormals-are-zero on some of its threads and not on others
+        # (test_quantize.py::test_xla_cpu_flushes_fp32_subnormals; which thread runs a dot is
+        # its runtime's choice): off the GPU the oracle of the flushed input is right too
+        if jax.default_backend() != "cpu" or not (np.abs(x) < 2.0**-126).any():
+            raise
+        xf = np.where(np.abs(x) < 2.0**-126, 0.0, x.astype(np.float64))
+        assert_gemm_close(out, xf, wo, input_scale=s, out_dtype="float32")
     if "zeros" in (xkind, wkind):
         assert not np.asarray(out).any()
 

@@ -176,3 +176,18 @@ def test_config_errors_name_the_field():
                     jnp.zeros((1,), jnp.int32), jnp.ones((1,), jnp.int32), jnp.ones((1,)),
                     jnp.ones((1,)), top_k=1, block_m=16, recipe="trtllm", per_expert=False,
                     codes=True)
+
+
+def test_default_decode_tiles_per_family(monkeypatch):
+    """Decode tiles (BM 16): on sm_90 BN 64 for both GEMMs and the 2-byte decode (measured,
+    moe-candidates-h200.json); elsewhere the SM12x rule (BN 128 where two programs per SM
+    remain) and the 4-byte decode. Nemotron-shaped at T = 8 (48 routes of 128 experts)."""
+    from nvfp4_jax.moe import configs as moe_configs
+
+    kw = dict(inter=1856, hidden=2688, gated=False, mma="bf16")
+    monkeypatch.setattr(moe_configs, "is_sm90", lambda: True)
+    c = default_config(48, 128, **kw)
+    assert (c.fc1.block_m, c.fc1.block_n, c.fc2.block_n, c.fc1.decode) == (16, 64, 64, "asm2m")
+    monkeypatch.setattr(moe_configs, "is_sm90", lambda: False)
+    c = default_config(48, 128, **kw)
+    assert (c.fc1.block_m, c.fc1.block_n, c.fc2.block_n, c.fc1.decode) == (16, 128, 128, "asmm")

@@ -18,6 +18,7 @@ temperature sampling, timings).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 import time
@@ -304,11 +305,29 @@ def unfuse_projections(layer: dict, cfg: DecoderConfig) -> dict:
     return out
 
 
-def stack_layers(layers: list[dict]) -> list[tuple[str, Any]]:
+def stack_trees(trees: list, *, consume: bool = False):
+    """Trees of one structure -> one tree whose leaves are ``jnp.stack`` of theirs (a leading
+    axis). ``consume``: the caller gives the trees up; each leaf's source arrays are deleted
+    once its stack exists, so stacking holds one leaf's stack on top of the trees at a time
+    instead of all of them (arrays that appear more than once are kept)."""
+    cols = list(zip(*(jax.tree_util.tree_leaves(t) for t in trees)))
+    seen = collections.Counter(id(a) for col in cols for a in col)
+    out = []
+    for col in cols:
+        out.append(jnp.stack(col))
+        if consume:
+            for a in col:
+                if isinstance(a, jax.Array) and seen[id(a)] == 1 and not a.is_deleted():
+                    a.delete()  # freed once the stack has read it
+    return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(trees[0]), out)
+
+
+def stack_layers(layers: list[dict], *, consume: bool = False) -> list[tuple[str, Any]]:
     """Group consecutive layers of one pytree structure: ``[("scan", stacked) | ("one", p)]``.
 
     Stacked leaves gain a leading layer axis; NVFP4Array metadata (logical shape) stays that of
-    one layer, so ``lax.scan`` hands each step a valid per-layer array.
+    one layer, so ``lax.scan`` hands each step a valid per-layer array. ``consume``: see
+    :func:`stack_trees` (the stacked layers' arrays are deleted as they are stacked).
     """
     groups: list[list[dict]] = []
     for p in layers:
@@ -323,7 +342,7 @@ def stack_layers(layers: list[dict]) -> list[tuple[str, Any]]:
         if len(g) == 1:
             out.append(("one", g[0]))
         else:
-            out.append(("scan", jax.tree_util.tree_map(lambda *a: jnp.stack(a), *g)))
+            out.append(("scan", stack_trees(g, consume=consume)))
     return out
 
 
@@ -349,14 +368,16 @@ class Model:
 
     @staticmethod
     def build(config: DecoderConfig, embed, layers: list[dict], norm, lm_head, *,
-              stack: bool = True, fuse: bool = True) -> Model:
+              stack: bool = True, fuse: bool = True, consume: bool = False) -> Model:
         """A Model from per-layer dicts: stacked for ``lax.scan`` where consecutive layers
         share a structure (``stack``), else one unrolled layer each (separate weight buffers,
         longer compiles). ``fuse``: q/k/v and gate/up as one linear each where their scales
-        agree (:func:`fuse_projections`)."""
+        agree (:func:`fuse_projections`). ``consume``: ``layers`` are given up, their arrays
+        deleted as they are stacked (:func:`stack_trees`; how ``load_model`` bounds memory)."""
         if fuse:
             layers = [fuse_projections(p) for p in layers]
-        groups = stack_layers(layers) if stack else [("one", p) for p in layers]
+        groups = (stack_layers(layers, consume=consume) if stack
+                  else [("one", p) for p in layers])
         return Model(embed, [g for _, g in groups], norm, lm_head, config,
                      tuple(k for k, _ in groups))
 

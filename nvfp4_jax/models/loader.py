@@ -163,16 +163,23 @@ def load_model(path: str, *, progress: Callable[[str], None] | None = None,
     """Read a ModelOpt NVFP4 export (see module docstring) into a Model on the default device.
 
     ``progress``: called with one line per loaded layer (e.g. ``print``); None for silence.
-    ``stack``: stack layers of one structure for ``lax.scan`` (``Model.build``); stacking
-    holds the layers twice on the device for a moment. ``fuse``: q/k/v and gate/up as one
-    linear each where their scales agree (``decoder.fuse_projections``; ModelOpt exports make
-    them agree). A ``NemotronHForCausalLM`` checkpoint gives a
-    :class:`~nvfp4_jax.models.nemotron_h.NemotronHModel` (layers unrolled; ``stack`` unused).
+    ``stack``: stack layers of one structure for ``lax.scan`` (``Model.build``; for a
+    ``NemotronHForCausalLM`` checkpoint, which gives a
+    :class:`~nvfp4_jax.models.nemotron_h.NemotronHModel`, its repeated layer units:
+    ``NemotronHModel.stacked``); the loaded layers' arrays are freed as they are stacked, so
+    stacking holds one weight's stack on top of the model at a time. Unrolled layers run
+    host-bound on a GPU (docs/models.md). ``fuse``: q/k/v and gate/up as one linear each where
+    their scales agree (``decoder.fuse_projections``; ModelOpt exports make them agree).
     """
     check_config_file(path)
     ck = ckpt.load(path)
     if architecture(ck.config) == "NemotronHForCausalLM":
-        return _load_nemotron_h(ck, progress or (lambda msg: None), fuse)
+        say = progress or (lambda msg: None)
+        model = _load_nemotron_h(ck, say, fuse)
+        if stack:
+            say("stacking repeated layer units")
+            model = model.stacked(consume=True)
+        return model
     cfg = config_from_hf(ck.config)
     r = _Reader(ck)
     check_tensors(ck, cfg)
@@ -206,7 +213,7 @@ def load_model(path: str, *, progress: Callable[[str], None] | None = None,
                          "is false")
     if stack:
         say("stacking layers")
-    return Model.build(cfg, embed, layers, norm, head, stack=stack, fuse=fuse)
+    return Model.build(cfg, embed, layers, norm, head, stack=stack, fuse=fuse, consume=True)
 
 
 def _f32(r: _Reader, name: str) -> jax.Array:

@@ -49,7 +49,7 @@ import jax
 import jax.numpy as jnp
 
 from .. import nn
-from .decoder import attention
+from .decoder import attention, stack_trees
 
 #: HF ``layers_block_type`` names and their pattern characters
 LAYER_TYPES = {"linear_attention": "M", "moe": "E", "full_attention": "*", "mlp": "-"}
@@ -351,23 +351,28 @@ class NemotronHModel:
     config: NemotronHConfig = dataclasses.field(metadata={"static": True})
     segments: tuple | None = dataclasses.field(default=None, metadata={"static": True})
 
-    def stacked(self) -> NemotronHModel:
+    def stacked(self, *, consume: bool = False) -> NemotronHModel:
         """The same model with its repeated layer units stacked (``segments``). Layers repeat
-        when their kind and parameter structure (pytree and array shapes) match. The stacked
-        arrays are copies: both forms are alive until the caller drops this one."""
+        when their kind and parameter structure (pytree and array shapes) match (no repeats:
+        the model itself). The stacked
+        arrays are copies: both forms are alive until the caller drops this one, unless
+        ``consume`` (this model is given up: its stacked layers' arrays are deleted as they
+        are stacked, ``decoder.stack_trees``; how ``load_model`` bounds memory)."""
         if self.segments is not None:
             return self
         toks = [(kind, jax.tree_util.tree_structure(p),
                  tuple((a.shape, a.dtype) for a in jax.tree_util.tree_leaves(p)))
                 for kind, p in zip(self.config.layer_types, self.layers)]
         segs = segment_layers(toks)
+        if all(n == 1 for _, n in segs):  # no unit repeats: nothing to scan
+            return self
         layers, i = [], 0
         for u, n in segs:
             if n == 1:
                 layers.append(list(self.layers[i:i + u]))
             else:
-                layers.append([jax.tree_util.tree_map(
-                    lambda *a: jnp.stack(a), *self.layers[i + j:i + u * n:u]) for j in range(u)])
+                layers.append([stack_trees(self.layers[i + j:i + u * n:u], consume=consume)
+                               for j in range(u)])
             i += u * n
         return dataclasses.replace(self, layers=layers, segments=segs)
 

@@ -490,3 +490,34 @@ def test_segment_layers_finds_the_repeated_units():
     assert segment_layers(nano) == ((7, 5), (2, 3), (1, 1), (1, 1), (2, 4), (1, 1))
     assert segment_layers("ME*-ME") == ((1, 1),) * 6
     assert segment_layers("MMMM-") == ((1, 4), (1, 1))
+
+
+def test_stacking_can_consume_the_layers(model):
+    """``stacked(consume=True)`` (what ``load_model`` does) gives the same stacks as
+    ``stacked()`` and deletes the stacked layers' own arrays as it goes, so loading never holds
+    the model twice; an array two layers share is kept, and a pattern without repeats is the
+    model itself."""
+    import dataclasses
+
+    from nvfp4_jax.models.decoder import stack_trees
+
+    m0, e1, a2, d3, m4, e5 = model.layers
+
+    def fresh(p):  # this layer's own copies
+        return jax.tree_util.tree_map(lambda a: jnp.array(a, copy=True), p)
+
+    pattern = "MEME"
+    layers = [fresh(m0), fresh(e1), fresh(m4), fresh(e5)]
+    flat = dataclasses.replace(model, layers=layers, config=dataclasses.replace(
+        model.config, layer_types=tuple(pattern)))
+    want = flat.stacked()
+    got = flat.stacked(consume=True)
+    assert got.segments == want.segments == ((2, 2),)
+    for a, b in zip(jax.tree_util.tree_leaves(got.layers), jax.tree_util.tree_leaves(want.layers)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert all(a.is_deleted() for a in jax.tree_util.tree_leaves(layers))
+    shared = jnp.ones((4,), jnp.float32)
+    out = stack_trees([{"a": shared, "b": jnp.zeros(2)}, {"a": shared, "b": jnp.ones(2)}],
+                      consume=True)
+    assert not shared.is_deleted() and out["a"].shape == (2, 4)
+    assert model.stacked(consume=True) is model  # "ME*-ME": no unit repeats

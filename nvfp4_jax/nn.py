@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from . import moe as moe_pkg
+from .device import is_sm90, on_gpu
 from .gemm.api import matmul
 from .quantize import NVFP4Array
 
@@ -34,13 +35,14 @@ class Linear:
 
     w: NVFP4Array [N, K] (linear scale layout; decode_scale = ModelOpt ``weight_scale_2``).
     input_scale: float32 scalar (ModelOpt ``input_scale``, decode form amax/2688) for W4A4, or
-    None for W4A16. layer: None, or an int32 scalar ``r`` when ``w`` is a stack [L, N, K] of L
-    layers' weights and this linear is layer r's (``matmul``'s ``layer``; how a scan over
-    stacked layers avoids a per-layer copy: :func:`split_stacks`).
+    None for W4A16. stack, layer: None, or inside a scan over stacked layers the whole stack
+    [L, N, K] that ``w`` is layer ``layer`` (int32 scalar) of (``matmul``'s ``stack`` and
+    ``layer``: the Pallas-Triton kernels read it in place; :func:`join_stacks` sets them).
     """
 
     w: NVFP4Array
     input_scale: jax.Array | None = None
+    stack: NVFP4Array | None = None
     layer: jax.Array | None = None
 
     @property
@@ -66,7 +68,7 @@ def linear(p: Linear | jax.Array, x: jax.Array, *, backend: str = "auto",
                                 preferred_element_type=jnp.float32)
         return y.astype(jnp.bfloat16)
     s = p.input_scale if w4a4 else None
-    return matmul(x, p.w, input_scale=s, backend=backend, layer=p.layer)
+    return matmul(x, p.w, input_scale=s, backend=backend, stack=p.stack, layer=p.layer)
 
 
 @jax.tree_util.register_dataclass
@@ -82,9 +84,10 @@ class MoE:
     routing ("softmax" | "sigmoid_bias"), renormalize (Qwen3's ``norm_topk_prob``),
     routed_scaling_factor, activation ("swiglu" | "relu2").
 
-    layer: None, or an int32 scalar ``r`` when fc1 / fc2 are stacks of ``n`` layers' experts
-    ([n, E, R, H] / [n, E, H, I]) and the other fields are layer ``r``'s (``nvfp4_jax.moe``'s
-    ``layer``; how a scan over stacked layers avoids a per-layer copy: :func:`split_stacks`).
+    stacks, layer: None, or inside a scan over stacked layers the whole expert stacks
+    (fc1 [n, E, R, H], fc2 [n, E, H, I]) that fc1 / fc2 are layer ``layer`` (int32 scalar) of
+    (``nvfp4_jax.moe``'s ``stacks`` and ``layer``: the Pallas-Triton kernels read them in
+    place; :func:`join_stacks` sets them).
     """
 
     router: jax.Array
@@ -93,6 +96,7 @@ class MoE:
     fc1_input_scale: jax.Array
     fc2_input_scale: jax.Array
     correction_bias: jax.Array | None = None
+    stacks: tuple | None = None
     layer: jax.Array | None = None
     top_k: int = dataclasses.field(default=2, metadata={"static": True})
     routing: str = dataclasses.field(default="softmax", metadata={"static": True})
@@ -170,63 +174,82 @@ def moe_block(p: MoE | MoEBF16, x: jax.Array, *, backend: str = "auto") -> jax.A
                        correction_bias=p.correction_bias,
                        routed_scaling_factor=p.routed_scaling_factor, activation=p.activation,
                        gate_up_order="up_gate", mode="trtllm_cutlass", backend=backend,
-                       layer=p.layer)
+                       stacks=p.stacks, layer=p.layer)
 
 
 def _is_stacked_param(v) -> bool:
     return isinstance(v, (Linear, MoE))
 
 
-def split_stacks(stacked):
-    """Split a pytree of stacked layers (leading axis n) for ``lax.scan``: returns (the tree
-    with the NVFP4 weights of every :class:`Linear` (``w``) and :class:`MoE` (fc1, fc2) left
-    out, to scan over as ``xs``; the list of those [n, ...] weight stacks, for the scan body
-    to close over and hand back with :func:`join_stacks`). Scanning the weights as ``xs``
-    slices them per layer, and XLA copies such a slice whole into a Pallas-Triton kernel on
-    every step (the Nemotron-3-Nano step spent 3.3 of 5.1 ms of device time copying expert
-    stacks, Llama-3-8B on the Pallas path 25 %: bench/results/e2e-profile-h200.json)."""
-    stacks = []
+def stacks_read_in_place(backend: str) -> bool:
+    """Whether the NVFP4 kernels that ``backend`` picks for every weight are the Pallas-Triton
+    ones, which read a layer of a weight stack in place: ``"pallas"``, or ``"auto"`` on a GPU
+    other than sm_90 (SM12x). A scan over stacked layers then closes over the weight stacks
+    (:func:`strip_stacks`, :func:`weight_stacks`, :func:`join_stacks`): XLA copies a per-layer
+    slice of a stack whole into every Pallas-Triton kernel that reads it, on every step (the
+    Qwen3-30B-A3B decode step on that path: 14.2 ms, 8.4 of them copies; docs/models.md). The
+    Mosaic kernels and XLA's dots take scanned slices uncopied, and there the scan keeps them."""
+    if backend == "pallas":
+        return True
+    return backend == "auto" and on_gpu() and not is_sm90()
+
+
+def weight_stacks(stacked) -> list:
+    """The NVFP4 weight stacks of a pytree of stacked layers (leading axis n): every
+    :class:`Linear`'s ``w`` and every :class:`MoE`'s (fc1, fc2), in tree order, for a scan's
+    body to close over and hand to :func:`join_stacks`."""
+    out = []
 
     def take(v):
         if isinstance(v, Linear):
-            stacks.append((v.w,))
+            out.append(v.w)
+        elif isinstance(v, MoE):
+            out.append((v.fc1, v.fc2))
+        return v
+
+    jax.tree_util.tree_map(take, stacked, is_leaf=_is_stacked_param)
+    return out
+
+
+def strip_stacks(stacked):
+    """The pytree of stacked layers without its NVFP4 weights (:class:`Linear` ``w``,
+    :class:`MoE` fc1/fc2 set to None): what a scan slices per layer when its body closes over
+    the :func:`weight_stacks`."""
+
+    def strip(v):
+        if isinstance(v, Linear):
             return dataclasses.replace(v, w=None)
         if isinstance(v, MoE):
-            stacks.append((v.fc1, v.fc2))
             return dataclasses.replace(v, fc1=None, fc2=None)
         return v
 
-    return jax.tree_util.tree_map(take, stacked, is_leaf=_is_stacked_param), stacks
+    return jax.tree_util.tree_map(strip, stacked, is_leaf=_is_stacked_param)
 
 
 def join_stacks(p, stacks: list, layer: jax.Array):
-    """Inside a scan body: layer ``layer``'s params ``p`` (from :func:`split_stacks`' tree)
-    with each :class:`Linear` and :class:`MoE` given back its whole weight stacks and
-    ``layer``."""
+    """Inside a scan body: layer ``layer``'s params ``p`` (the scan's slice of the tree
+    :func:`weight_stacks` read, or of its :func:`strip_stacks`) with each :class:`Linear` and
+    :class:`MoE` given the whole weight stacks and ``layer``; weights stripped from ``p`` come
+    back as slices of the stacks (for shapes and for the kernels that take slices; unused,
+    XLA drops them)."""
     it = iter(stacks)
+
+    def cut(w):
+        return jax.tree_util.tree_map(lambda a: a[layer], w)
 
     def put(v):
         if isinstance(v, Linear):
-            return dataclasses.replace(v, w=next(it)[0], layer=layer)
+            st = next(it)
+            return dataclasses.replace(v, w=cut(st) if v.w is None else v.w, stack=st,
+                                       layer=layer)
         if isinstance(v, MoE):
-            fc1, fc2 = next(it)
-            return dataclasses.replace(v, fc1=fc1, fc2=fc2, layer=layer)
+            st = next(it)
+            fc1 = cut(st[0]) if v.fc1 is None else v.fc1
+            fc2 = cut(st[1]) if v.fc2 is None else v.fc2
+            return dataclasses.replace(v, fc1=fc1, fc2=fc2, stacks=st, layer=layer)
         return v
 
     return jax.tree_util.tree_map(put, p, is_leaf=_is_stacked_param)
-
-
-def layer_of(p):
-    """A :class:`Linear` or :class:`MoE` with ``layer`` set -> the same with its weight stacks
-    cut to that layer and ``layer`` None (inside a scan: a copy, for code paths that take one
-    layer's arrays only, e.g. ``nvfp4_jax.parallel``); anything else is returned as it is."""
-    if not isinstance(p, (Linear, MoE)) or p.layer is None:
-        return p
-    if isinstance(p, Linear):
-        return dataclasses.replace(p, w=jax.tree_util.tree_map(lambda a: a[p.layer], p.w),
-                                   layer=None)
-    cut = [jax.tree_util.tree_map(lambda a: a[p.layer], w) for w in (p.fc1, p.fc2)]
-    return dataclasses.replace(p, fc1=cut[0], fc2=cut[1], layer=None)
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:

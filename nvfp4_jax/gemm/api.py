@@ -214,6 +214,27 @@ def _check_weight(w) -> None:
         )
 
 
+def _check_stack(w: NVFP4Array, stack, layer):
+    """``stack`` when the Pallas-Triton kernels can read ``w`` in place from it, else None."""
+    if (stack is None) != (layer is None):
+        raise ValueError("stack, layer: pass both (w is layer `layer` of `stack`) or neither")
+    if stack is None:
+        return None
+    if not isinstance(stack, NVFP4Array) or tuple(stack.shape[1:]) != tuple(w.shape) \
+            or len(stack.shape) != 3:
+        raise ValueError(f"stack: expected an NVFP4Array [L, {w.shape[0]}, {w.shape[1]}] holding "
+                         f"w, got " + (f"shape {stack.shape}" if isinstance(stack, NVFP4Array)
+                                       else type(stack).__name__))
+    layer = jnp.asarray(layer)
+    if layer.ndim or not jnp.issubdtype(layer.dtype, jnp.integer):
+        raise ValueError(f"layer: expected an integer scalar, got {layer.dtype}{layer.shape}")
+    if stack.layout != "linear":
+        log.info("nvfp4_jax.matmul: a stack with %s scales: the kernels read w, the layer's "
+                 "slice (inside a scan a copy on every call)", stack.layout)
+        return None
+    return stack
+
+
 def matmul(
     x,
     w: NVFP4Array,
@@ -223,6 +244,7 @@ def matmul(
     backend: str = "auto",
     config: Config | Fp4MmaConfig | None = None,
     mma: str | None = None,
+    stack: NVFP4Array | None = None,
     layer: jax.Array | None = None,
 ) -> jax.Array:
     """NVFP4 GEMM ``out[..., N] = x[..., K] @ W[N, K]^T`` with fp32 accumulation.
@@ -237,29 +259,18 @@ def matmul(
     Pallas kernel that runs (``pallas_triton.Config`` or ``fp4mma.Fp4MmaConfig``), None for
     the defaults. mma: "fp4" or "bf16" (``fp4mma.MMAS``), the tensor-core instruction of W4A4
     on the Pallas backend; None: "fp4" on SM 12.x GPUs, "bf16" elsewhere (``_pick_mma``).
-    layer: None, or an int32 scalar ``r`` with ``w`` a stack [L, N, K] of L layers' weights
-    (linear scales, decode_scale [L]): the product with layer r. The Pallas-Triton kernels
-    read layer r in place; a per-layer slice of a stack inside a scan would be copied whole
-    by XLA on every call into them (the Mosaic kernel and XLA take the slice, uncopied).
+    stack, layer: None, or together: ``w`` is layer ``layer`` (an int32 scalar) of ``stack``
+    (NVFP4Array [L, N, K], linear scales; a scan over stacked layers). The Pallas-Triton
+    kernels then read the stack in place: XLA copies a per-layer slice of a stack whole into
+    every Pallas-Triton kernel that reads it, on every step of the scan (the Mosaic kernel and
+    XLA take ``w``, the slice, uncopied, and XLA drops whichever form goes unused).
     Bad values (docs/input-policy.md): concrete non-finite ``x``, a non-positive
     ``input_scale`` or an inconsistent ``w`` raise ValueError/TypeError; traced, they are
     checked under :func:`nvfp4_jax.checked`, and unchecked a non-finite x gives non-finite
     (W4A4: NaN) output rows.
     """
-    stack = None
-    if layer is not None:
-        if not isinstance(w, NVFP4Array) or len(w.shape) != 3:
-            raise ValueError("w: with layer, expected an NVFP4Array stack [L, N, K], got "
-                             + (f"shape {w.shape}" if isinstance(w, NVFP4Array)
-                                else type(w).__name__))
-        layer = jnp.asarray(layer)
-        if layer.ndim or not jnp.issubdtype(layer.dtype, jnp.integer):
-            raise ValueError(f"layer: expected an integer scalar, got {layer.dtype}{layer.shape}")
-        # the slice serves validation, shapes and the backends that take it; the Pallas-Triton
-        # kernels read the stack (linear scales) and XLA drops the unused slice
-        stack, w = (w if w.layout == "linear" else None), jax.tree_util.tree_map(
-            lambda a: a[layer], w)
     _check_weight(w)
+    stack = _check_stack(w, stack, layer)
     n, k = w.shape
     if k % 16:
         raise ValueError(f"w: K must be a multiple of 16, got shape {w.shape}")

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import math
 import time
 from typing import Any
@@ -452,18 +453,20 @@ def forward(model: Model, tokens: jax.Array, cache: KVCache, *, backend: str = "
         else:
             n = jax.tree_util.tree_leaves(g)[0].shape[0]
 
-            g_xs, stacks = nn.split_stacks(g)  # the weight stacks stay whole, closed over
-
-            def body(carry, xs, stacks=stacks, li=li):
+            def body(carry, xs, stacks=None, li=li):
                 x, k_all, v_all = carry
                 p, i = xs
-                p = nn.join_stacks(p, stacks, i - li)
+                if stacks is not None:
+                    p = nn.join_stacks(p, stacks, i - li)
                 x, k_all, v_all = _layer(cfg, p, x, pos, k_all, v_all, i, start, inv_freq,
                                          backend, w4a4, ablate)
                 return (x, k_all, v_all), None
 
             idx = jnp.arange(li, li + n, dtype=jnp.int32)
-            (x, k_all, v_all), _ = jax.lax.scan(body, (x, k_all, v_all), (g_xs, idx))
+            if nn.stacks_read_in_place(backend):  # the kernels read the stacks in place
+                body = functools.partial(body, stacks=nn.weight_stacks(g))
+                g = nn.strip_stacks(g)
+            (x, k_all, v_all), _ = jax.lax.scan(body, (x, k_all, v_all), (g, idx))
             li += n
     x = nn.rms_norm(x, model.norm, cfg.rms_norm_eps)
     if isinstance(model.lm_head, nn.Linear):

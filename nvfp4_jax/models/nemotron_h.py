@@ -43,6 +43,7 @@ Entry points: ``load_model(dir)`` (``models.loader``) returns a :class:`Nemotron
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 
 import jax
@@ -428,12 +429,9 @@ class NemotronHModel:
             kinds = cfg.layer_types[li:li + u]
             mu, au = kinds.count("M"), kinds.count("*")
 
-            # scanned: the weight stacks stay whole, closed over (nn.split_stacks)
-            unit_xs, stacks = nn.split_stacks(unit) if n > 1 else (unit, None)
-
-            def run_unit(carry, xs, kinds=kinds, au=au, ai0=ai, stacks=stacks):
-                """One repeat ``r`` of the unit: its layers in order, the Mamba states of
-                repeat r in and out ([mu, ...] each, None without Mamba layers)."""
+            def run_unit(carry, xs, kinds=kinds, au=au, ai0=ai, stacks=None):
+                """Repeat ``r`` of the unit: its layers in order, the Mamba states of repeat r
+                in and out ([mu, ...] each, None without Mamba layers)."""
                 x, k_all, v_all = carry
                 ps, conv, ssm, r = xs
                 if stacks is not None:
@@ -450,20 +448,27 @@ class NemotronHModel:
                         ss.append(s_)
                 return (x, k_all, v_all), ((jnp.stack(cs), jnp.stack(ss)) if cs else None)
 
-            conv_in = cache.conv[mi:mi + n * mu] if mu else None
-            ssm_in = cache.ssm[mi:mi + n * mu] if mu else None
+            # [n * mu, ...] -> [n, mu, ...]: repeat r's Mamba states
+            conv_in = cache.conv[mi:mi + n * mu].reshape(n, mu, *cache.conv.shape[1:]) \
+                if mu else None
+            ssm_in = cache.ssm[mi:mi + n * mu].reshape(n, mu, *cache.ssm.shape[1:]) \
+                if mu else None
             if n == 1:  # no scan around a single repeat
-                (x, k_all, v_all), ys = run_unit((x, k_all, v_all), (unit, conv_in, ssm_in, 0))
+                (x, k_all, v_all), ys = run_unit(
+                    (x, k_all, v_all), (unit, None if conv_in is None else conv_in[0],
+                                        None if ssm_in is None else ssm_in[0], 0))
+                ys = ys if ys is None else tuple(y[None] for y in ys)
             else:
-                def per_repeat(a):  # [n * mu, ...] -> [n, mu, ...]
-                    return None if a is None else a.reshape(n, mu, *a.shape[1:])
-
+                # the kernels read the weight stacks in place (closed over, not sliced):
+                # Nemotron-H runs its relu2 MoE and most GEMMs on Pallas-Triton, which gets a
+                # copy of every scanned slice (nn.stacks_read_in_place)
+                body = functools.partial(run_unit, stacks=nn.weight_stacks(unit))
                 (x, k_all, v_all), ys = jax.lax.scan(
-                    run_unit, (x, k_all, v_all),
-                    (unit_xs, per_repeat(conv_in), per_repeat(ssm_in),
-                     jnp.arange(n, dtype=jnp.int32)))
-                if mu:
-                    ys = tuple(y.reshape(n * mu, *y.shape[2:]) for y in ys)
+                    body, (x, k_all, v_all),
+                    (nn.strip_stacks(unit), conv_in, ssm_in, jnp.arange(n, dtype=jnp.int32)))
+            conv_out, ssm_out = ys if mu else (None, None)
+            ys = ((conv_out.reshape(n * mu, *conv_out.shape[2:]),
+                   ssm_out.reshape(n * mu, *ssm_out.shape[2:])) if mu else None)
             if mu:
                 convs.append(ys[0])
                 ssms.append(ys[1])

@@ -123,9 +123,8 @@ class RowParallelLinear:
             return lax.all_gather(y, self.axis, axis=y.ndim - 1, tiled=True)
         if isinstance(self.p, nn.Linear):
             s = self.p.input_scale if w4a4 else None
-            # a stack's layer (nn.split_stacks) is cut here: parallel takes one layer's arrays
-            return par.row_parallel_matmul(x, nn.layer_of(self.p).w, axis=self.axis,
-                                           input_scale=s, backend=backend)
+            return par.row_parallel_matmul(x, self.p.w, axis=self.axis, input_scale=s,
+                                           backend=backend)
         # a bf16 weight (left unquantized by the checkpoint): nn.linear's dot, K split
         part = lax.dot_general(x, self.p.astype(x.dtype), (((x.ndim - 1,), (1,)), ((), ())),
                                preferred_element_type=jnp.float32)
@@ -159,7 +158,7 @@ class ExpertParallelMoE:
         """x bf16 [T, H] (every token, the same on every device) -> bf16 [T, H], bit for bit
         ``nn.moe_block`` of the unsharded layer (same routing, per-route arithmetic and fp32
         top-k sum) unless a route falls past the capacity (its token's row is then NaN)."""
-        m, d, axis = nn.layer_of(self.moe), self.devices, self.axis  # one layer's experts
+        m, d, axis = self.moe, self.devices, self.axis
         t, h = x.shape
         k = m.top_k
         ids, wts = select_experts(nn.router_logits(m, x), k, routing=m.routing,

@@ -152,6 +152,7 @@ def moe(
     activation_scale: str | None = None,
     backend: str = "auto",
     config: MoEConfig | MosaicMoEConfig | None = None,
+    stacks: tuple[NVFP4Array, NVFP4Array] | None = None,
     layer: jax.Array | None = None,
 ) -> jax.Array:
     """Routed NVFP4 mixture-of-experts layer -> bf16 [T, H]. Jittable for any T; no host sync.
@@ -171,12 +172,12 @@ def moe(
     stays on Pallas-Triton when I % 256 is neither 0 nor 128). Off the GPU the Pallas kernels
     run in interpret mode. ``config``: ``MoEConfig`` (Pallas-Triton tiles) or
     ``moe.mosaic.MosaicMoEConfig`` (Mosaic tiles), None for the defaults.
-    ``layer``: None, or an int32 scalar ``r`` with fc1 / fc2 stacks of L layers' experts
-    ([L, E, R, H] / [L, E, H, I], decode_scale [L, E]; the input scales and routing are layer
-    r's): the MoE of layer r. The Pallas-Triton kernels read layer r's experts in place
-    (linear scales, unpadded fc2; else the slice, logged); inside a scan a per-layer slice
-    would be copied whole by XLA on every call into them. The Mosaic kernels and XLA take the
-    slice (uncopied there).
+    ``stacks``, ``layer``: None, or together: fc1 and fc2 are layer ``layer`` (an int32
+    scalar) of ``stacks`` = (fc1 stack [L, E, R, H], fc2 stack [L, E, H, I]), a scan over
+    stacked layers. The Pallas-Triton kernels then read layer ``layer``'s experts in place
+    (linear scales, unpadded fc2; else fc1/fc2, logged): XLA copies a per-layer slice of a
+    stack whole into every Pallas-Triton kernel that reads it, on every step of the scan. The
+    Mosaic kernels and XLA take fc1/fc2 (uncopied there); XLA drops the form left unused.
 
     Bad values (docs/input-policy.md): a concrete non-finite ``hidden``, ``topk_ids`` outside
     [0, E), input scales not finite and > 0, or inconsistent ``fc1``/``fc2`` raise; traced, they
@@ -184,18 +185,21 @@ def moe(
     are NaN.
     """
     hidden = jnp.asarray(hidden)
-    stacks = None
-    if layer is not None:
-        bad = [name for name, w in (("fc1", fc1), ("fc2", fc2))
-               if not isinstance(w, NVFP4Array) or len(w.shape) != 4]
-        if bad:
-            raise ValueError(f"{bad[0]}: with layer, expected an NVFP4Array stack [L, E, N, K]")
+    if (stacks is None) != (layer is None):
+        raise ValueError("stacks, layer: pass both (fc1/fc2 are layer `layer` of `stacks`) or "
+                         "neither")
+    if stacks is not None:
+        if not isinstance(stacks, (tuple, list)) or len(stacks) != 2:
+            raise ValueError("stacks: expected (fc1 stack, fc2 stack)")
+        for name, w, st in (("fc1", fc1, stacks[0]), ("fc2", fc2, stacks[1])):
+            if (not isinstance(st, NVFP4Array) or len(st.shape) != 4
+                    or not isinstance(w, NVFP4Array) or tuple(st.shape[1:]) != tuple(w.shape)):
+                raise ValueError(f"stacks: expected the {name} stack, an NVFP4Array [L, "
+                                 f"{', '.join(map(str, getattr(w, 'shape', ('E', 'N', 'K'))))}]"
+                                 f", got {getattr(st, 'shape', type(st).__name__)}")
         layer = jnp.asarray(layer)
         if layer.ndim or not jnp.issubdtype(layer.dtype, jnp.integer):
             raise ValueError(f"layer: expected an integer scalar, got {layer.dtype}{layer.shape}")
-        stacks = (fc1, fc2)
-        # the slices serve validation and the backends that take them; unused, XLA drops them
-        fc1, fc2 = (jax.tree_util.tree_map(lambda a: a[layer], w) for w in stacks)
     if activation_scale is None:
         activation_scale = "scalar" if mode == "trtllm_cutlass" else "per_expert"
     s1 = jnp.asarray(fc1_input_scale)
@@ -251,8 +255,8 @@ def moe(
         if all(w.layout == "linear" for w in stacks) and stacks[1].shape[-1] == inter:
             fc1, fc2 = stacks
         else:
-            log.info("nvfp4_jax.moe: layer of a stack with swizzled scales or padded fc2: the "
-                     "kernels read the layer's slice (a copy of its experts on every call)")
+            log.info("nvfp4_jax.moe: a stack with swizzled scales or padded fc2: the kernels "
+                     "read fc1/fc2, the layer's slice (inside a scan a copy on every call)")
             layer = None
     return moe_pallas(hidden, topk_ids, topk_weights, fc1, fc2, s1, s2, config=config,
                       interpret=interpret, layer=layer, **kw)

@@ -1,7 +1,8 @@
-"""Scans over stacked layers hand the kernels whole weight stacks (``nn.Linear.layer``,
-``nn.MoE.layer``, ``nn.split_stacks`` / ``nn.join_stacks``, ``matmul(..., layer=)``) instead
-of per-layer slices, which XLA copies whole into a Pallas-Triton kernel on every step. The
-stack form must compute exactly what the layer alone computes, bit for bit: the GEMM kernels
+"""Scans over stacked layers also hand the kernels the whole weight stacks
+(``nn.weight_stacks`` / ``nn.join_stacks``, ``matmul(..., stack=, layer=)``,
+``moe(..., stacks=, layer=)``): the Pallas-Triton kernels read the layer in place, since XLA
+copies a per-layer slice whole into such a kernel on every step. The stack form must compute
+exactly what the layer alone computes, bit for bit: the GEMM kernels
 reading rows ``layer * N ..`` of the flattened stack (bf16-MMA and FP4-MMA kernels, split-K,
 both code loads), the MoE kernels the weights of expert ``layer * E + e`` while routing,
 scales and alphas stay the layer's; on the Pallas-Triton path (interpreted here) and the XLA
@@ -9,7 +10,10 @@ path (which slices)."""
 
 from __future__ import annotations
 
+import dataclasses
+import pathlib
 import re
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -53,15 +57,15 @@ def test_moe_on_the_expert_stack_equals_the_layer_alone(backend, t, routing, act
     layers = _layers(routing, activation)
     x = jnp.asarray(np.random.default_rng(4).standard_normal((t, H)) * 2, jnp.bfloat16)
     stacked = jax.tree_util.tree_map(lambda *a: jnp.stack(a), *layers)
-    xs, experts = nn.split_stacks(stacked)
-    assert len(experts) == 1 and xs.fc1 is None and xs.fc2 is None
+    experts = nn.weight_stacks(stacked)
+    assert len(experts) == 1 and experts[0][0] is stacked.fc1 and experts[0][1] is stacked.fc2
 
     @jax.jit
     def scanned(x):
         def body(c, xs_r):
             p, r = xs_r
             return c, nn.moe_block(nn.join_stacks(p, experts, r), x, backend=backend)
-        return jax.lax.scan(body, 0, (xs, jnp.arange(N_LAYERS, dtype=jnp.int32)))[1]
+        return jax.lax.scan(body, 0, (stacked, jnp.arange(N_LAYERS, dtype=jnp.int32)))[1]
 
     got = np.asarray(scanned(x), np.float32)
     alone = jax.jit(nn.moe_block, static_argnames="backend")
@@ -77,18 +81,47 @@ def test_join_stacks_hands_back_the_stacks_in_order():
     layers = _layers("softmax", "swiglu")
     tree = {"a": {"moe": jax.tree_util.tree_map(lambda *a: jnp.stack(a), *layers)},
             "b": {"moe": jax.tree_util.tree_map(lambda *a: jnp.stack(a[::-1]), *layers)}}
-    xs, experts = nn.split_stacks(tree)
-    back = nn.join_stacks(xs, experts, jnp.int32(1))
+    stacks = nn.weight_stacks(tree)
+    back = nn.join_stacks(tree, stacks, jnp.int32(1))
     for key in "ab":
         m = back[key]["moe"]
-        assert m.fc1 is tree[key]["moe"].fc1 and m.fc2 is tree[key]["moe"].fc2
-        assert int(m.layer) == 1 and m.router is xs[key]["moe"].router
+        assert m.stacks[0] is tree[key]["moe"].fc1 and m.stacks[1] is tree[key]["moe"].fc2
+        assert int(m.layer) == 1 and m.fc1 is tree[key]["moe"].fc1
 
 
-def _linear_stack(n_layers=3, n=48, k=96):
+def test_the_pallas_kernels_read_the_stack_and_the_others_the_slice():
+    """Probe with an inconsistent pair (w is layer 0, ``layer`` says 1): the Pallas-Triton
+    GEMM and MoE compute layer 1 (they read the stack), XLA layer 0 (it reads the slice).
+    The GEMM's layers share one decode scale (alpha comes from w)."""
+    ws, stack = _linear_stack(same_amax=True)
+    assert len({float(w.decode_scale) for w in ws}) == 1
+    x = jnp.asarray(np.random.default_rng(8).standard_normal((2, 96)), jnp.bfloat16)
+    for backend, want in (("pallas", 1), ("xla", 0)):
+        got = nj.matmul(x, ws[0], stack=stack, layer=jnp.int32(1), backend=backend)
+        np.testing.assert_array_equal(np.asarray(got, np.float32),
+                                      np.asarray(nj.matmul(x, ws[want], backend=backend),
+                                                 np.float32), err_msg=backend)
+    layers = _layers("softmax", "swiglu")
+    stacked = jax.tree_util.tree_map(lambda *a: jnp.stack(a), *layers)
+    xm = jnp.asarray(np.random.default_rng(9).standard_normal((2, H)), jnp.bfloat16)
+    for backend, want in (("pallas", 1), ("xla", 0)):
+        probe = dataclasses.replace(layers[0], stacks=(stacked.fc1, stacked.fc2),
+                                    layer=jnp.int32(1))
+        got = nn.moe_block(probe, xm, backend=backend)
+        ref = nn.moe_block(dataclasses.replace(layers[want], router=layers[0].router,
+                                               fc1_input_scale=layers[0].fc1_input_scale,
+                                               fc2_input_scale=layers[0].fc2_input_scale),
+                           xm, backend=backend)
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(ref, np.float32),
+                                      err_msg=backend)
+
+
+def _linear_stack(n_layers=3, n=48, k=96, same_amax=False):
     rng = np.random.default_rng(5)
-    ws = [nj.quantize(jnp.asarray(rng.standard_normal((n, k)) * (0.1 + r), jnp.float32),
-                      "modelopt") for r in range(n_layers)]
+    raw = [rng.standard_normal((n, k)) * (0.1 + r) for r in range(n_layers)]
+    if same_amax:
+        raw = [a * (3.0 / np.abs(a).max()) for a in raw]
+    ws = [nj.quantize(jnp.asarray(a, jnp.float32), "modelopt") for a in raw]
     return ws, jax.tree_util.tree_map(lambda *a: jnp.stack(a), *ws)
 
 
@@ -105,12 +138,13 @@ def test_matmul_on_a_stack_equals_the_layer_alone(backend, mma, config, w4a4):
     if mma == "fp4" and not w4a4:
         pytest.skip("the FP4 MMA multiplies W4A4 only")
     s_in = jnp.float32(4.0 / 2688) if w4a4 else None
-    f = jax.jit(lambda x, w, layer: nj.matmul(x, w, input_scale=s_in, backend=backend, mma=mma,
-                                              config=config, layer=layer))
+    f = jax.jit(lambda x, w, stack, layer: nj.matmul(
+        x, w, input_scale=s_in, backend=backend, mma=mma, config=config, stack=stack,
+        layer=layer))
     outs = []
     for r, w in enumerate(ws):
-        got = np.asarray(f(x, stack, jnp.int32(r)), np.float32)
-        want = np.asarray(f(x, w, None), np.float32)
+        got = np.asarray(f(x, w, stack, jnp.int32(r)), np.float32)
+        want = np.asarray(f(x, w, None, None), np.float32)
         assert np.isfinite(want).all() and np.abs(want).max() > 0
         np.testing.assert_array_equal(got, want, err_msg=f"layer {r}")
         outs.append(got)
@@ -121,8 +155,9 @@ def test_linear_in_a_scan_reads_its_layer_of_the_stack():
     ws, stack = _linear_stack()
     x = jnp.asarray(np.random.default_rng(7).standard_normal((2, 96)), jnp.bfloat16)
     s = jnp.asarray([1.0, 2.0, 3.0], jnp.float32) / 2688
-    xs, stacks = nn.split_stacks({"proj": nn.Linear(stack, s)})
-    assert xs["proj"].w is None and stacks[0][0] is stack
+    tree = {"proj": nn.Linear(stack, s)}
+    stacks = nn.weight_stacks(tree)
+    assert len(stacks) == 1 and stacks[0] is stack
 
     @jax.jit
     def scanned(x):
@@ -130,7 +165,7 @@ def test_linear_in_a_scan_reads_its_layer_of_the_stack():
             p, r = xs_r
             p = nn.join_stacks(p, stacks, r)
             return c, nn.linear(p["proj"], x, backend="pallas")
-        return jax.lax.scan(body, 0, (xs, jnp.arange(3, dtype=jnp.int32)))[1]
+        return jax.lax.scan(body, 0, (tree, jnp.arange(3, dtype=jnp.int32)))[1]
 
     got = np.asarray(scanned(x), np.float32)
     for r, w in enumerate(ws):
@@ -139,27 +174,60 @@ def test_linear_in_a_scan_reads_its_layer_of_the_stack():
 
 
 @pytest.mark.parametrize("bad, what", [
-    (lambda ws, stack: (ws[0], jnp.int32(0)), "expected an NVFP4Array stack [L, N, K]"),
-    (lambda ws, stack: (stack, jnp.zeros((2,), jnp.int32)), "layer: expected an integer scalar"),
-    (lambda ws, stack: (stack, jnp.float32(1)), "layer: expected an integer scalar")])
-def test_matmul_layer_rejects_what_is_not_a_stack_and_an_index(bad, what):
+    (dict(layer=jnp.int32(0)), "stack, layer: pass both"),
+    (dict(stack="ws0", layer=jnp.int32(0)), "stack: expected an NVFP4Array [L, 48, 96]"),
+    (dict(stack="stack", layer=jnp.zeros((2,), jnp.int32)), "layer: expected an integer scalar"),
+    (dict(stack="stack", layer=jnp.float32(1)), "layer: expected an integer scalar")])
+def test_matmul_stack_rejects_what_is_not_a_stack_and_an_index(bad, what):
     ws, stack = _linear_stack()
-    w, layer = bad(ws, stack)
+    kw = {k: {"ws0": ws[0], "stack": stack}.get(v, v) if isinstance(v, str) else v
+          for k, v in bad.items()}
     with pytest.raises(ValueError, match=re.escape(what)):
-        nj.matmul(jnp.ones((1, 96), jnp.bfloat16), w, layer=layer, backend="xla")
+        nj.matmul(jnp.ones((1, 96), jnp.bfloat16), ws[0], backend="xla", **kw)
 
 
 @pytest.mark.parametrize("bad, what", [
-    (lambda st, one: dict(fc1=one.fc1, fc2=one.fc2, layer=jnp.int32(0)),
-     "fc1: with layer, expected an NVFP4Array stack [L, E, N, K]"),
-    (lambda st, one: dict(fc1=st.fc1, fc2=st.fc2, layer=jnp.zeros((1,), jnp.int32)),
+    (lambda st, one: dict(layer=jnp.int32(0)), "stacks, layer: pass both"),
+    (lambda st, one: dict(stacks=(one.fc1, one.fc2), layer=jnp.int32(0)),
+     "stacks: expected the fc1 stack, an NVFP4Array [L, 4, 64, 64]"),
+    (lambda st, one: dict(stacks=(st.fc1,), layer=jnp.int32(0)),
+     "stacks: expected (fc1 stack, fc2 stack)"),
+    (lambda st, one: dict(stacks=(st.fc1, st.fc2), layer=jnp.zeros((1,), jnp.int32)),
      "layer: expected an integer scalar")])
-def test_moe_layer_rejects_what_is_not_a_stack_and_an_index(bad, what):
+def test_moe_stacks_reject_what_is_not_a_stack_and_an_index(bad, what):
     layers = _layers("softmax", "swiglu")
     stacked = jax.tree_util.tree_map(lambda *a: jnp.stack(a), *layers)
     one = layers[0]
     with pytest.raises(ValueError, match=re.escape(what)):
-        nj.moe(jnp.ones((2, H), jnp.bfloat16), fc1_input_scale=one.fc1_input_scale,
-               fc2_input_scale=one.fc2_input_scale, topk_ids=jnp.zeros((2, 2), jnp.int32),
-               topk_weights=jnp.ones((2, 2), jnp.float32), activation="swiglu",
-               gate_up_order="up_gate", backend="xla", **bad(stacked, one))
+        nj.moe(jnp.ones((2, H), jnp.bfloat16), fc1=one.fc1, fc2=one.fc2,
+               fc1_input_scale=one.fc1_input_scale, fc2_input_scale=one.fc2_input_scale,
+               topk_ids=jnp.zeros((2, 2), jnp.int32), topk_weights=jnp.ones((2, 2), jnp.float32),
+               activation="swiglu", gate_up_order="up_gate", backend="xla",
+               **bad(stacked, one))
+
+
+@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "llama-3-8b"])
+def test_decoder_scan_on_the_stacks_equals_the_scan_on_slices(name, monkeypatch):
+    """``backend="pallas"`` (``nn.stacks_read_in_place``): the decoder's scan closes over the
+    weight stacks; with the stacks left in the scanned tree (the layout the Mosaic path keeps)
+    the same model gives the same logits and caches bit for bit (tiny shapes, 3 layers,
+    interpreted kernels)."""
+    sys.path.insert(0, str(pathlib.Path(__file__).parents[2] / "bench"))
+    import e2e_bench
+
+    from nvfp4_jax import models
+
+    cfg = e2e_bench.config_of({**e2e_bench.TINY[name], "num_layers": 3})
+    model = e2e_bench.build_model(cfg, "nvfp4")
+    ids = jnp.asarray([[3, 1, 4, 1, 5]], jnp.int32)
+    outs = []
+    for in_place in (True, False):
+        monkeypatch.setattr(nn, "stacks_read_in_place", lambda backend, v=in_place: v)
+        jax.clear_caches()
+        cache = models.init_cache(cfg, 1, 8)
+        logits, cache = models.prefill(model, ids, cache, backend="pallas", all_logits=True)
+        step, cache = models.decode_step(model, ids[:, 0], cache, backend="pallas")
+        outs.append([np.asarray(a, np.float32) for a in (logits, step, cache.k, cache.v)])
+    for a, b in zip(*outs):
+        assert np.isfinite(a).all()
+        np.testing.assert_array_equal(a, b)

@@ -664,7 +664,7 @@ def moe_mosaic(
     g1, rg1, a1, g2, rg2, a2 = sv
     em = br.sorted_route.shape[0]
     assert em // bm == max_blocks(n_routes, e, bm)
-    meta = (br.block_expert, br.num_blocks, br.block_expert)
+    meta = (br.block_expert, br.num_blocks)
 
     def scales_u8(w: NVFP4Array, cfg: MosaicConfig, name: str):
         """(uint8 scales, their layout) as the grouped kernel reads them: swizzled_128x4
@@ -741,7 +741,7 @@ def moe_mosaic(
         hf = bf16_round(activate(u, activation, gate_up_order))  # bf16 values of h, in fp32
         hb = hf.astype(jnp.bfloat16)  # [EM, I], exact
         hv = quantized_values(hf, g2[row_expert], recipe)  # q * sf, bf16 (exact)
-        contrib = fc2_triton(meta, hv[:, 0::2], hv[:, 1::2], fc2, a2, wt, cfg=tcfg, em=em,
+        contrib = fc2_triton(meta + (br.block_expert,), hv[:, 0::2], hv[:, 1::2], fc2, a2, wt, cfg=tcfg, em=em,
                              h_dim=h_dim, inter=inter, mode=mode, interpret=reference)
         out = contrib[br.route_pos].reshape(t, k, h_dim).sum(axis=1).astype(jnp.bfloat16)
     if return_intermediates:

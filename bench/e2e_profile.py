@@ -6,14 +6,16 @@ Usage: python3 bench/e2e_profile.py --out DIR [--models llama-3-8b,qwen3-30b-a3b
 
 For each model and layout: the random NVFP4 model of ``e2e_bench.build_model`` (or
 ``build_nemotron_h``, whose "scan" layout is ``stacked()``: its repeated layer units scanned;
-``--layers`` overrides the depth, for Nemotron-H the first layers of its pattern), ``--steps`` greedy decode steps at batch 1 under
-``jax.profiler.trace`` after a warm-up, and per step: the wall time, the device time summed over
-kernels ("busy"), first kernel start to last kernel end ("span"), kernel launches, and the
-kernels by device time; before the trace, the untraced wall time per step and the host time
-until each step's call returns. Busy against span says whether time goes to kernels or to gaps
-between them; span against wall whether the host keeps up. Writes DIR/e2e-profile.json.
-Without a GPU the trace holds no device events: the records say so and carry the wall time
-only.
+``--layers`` overrides the depth, for Nemotron-H the first layers of its pattern),
+``--steps`` greedy decode steps at batch 1 under ``jax.profiler.trace`` after a warm-up, and
+per step: the wall time, the device time summed over kernels ("busy"), of it the time in
+copy kernels (memcpy and pure dynamic-slice fusions: weights copied out of a stack, which
+reading stacks in place avoids), first kernel start to last kernel end ("span"), kernel
+launches, and the kernels by device time; before the trace, the untraced wall time per step
+and the host time until each step's call returns. Busy against span says whether time goes
+to kernels or to gaps between them; span against wall whether the host keeps up. Writes
+DIR/e2e-profile.json. Without a GPU the trace holds no device events: the records say so and
+carry the wall time only.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import sys
 import tempfile
 import time
@@ -39,6 +42,16 @@ from run_meta import run_metadata  # noqa: E402
 from nvfp4_jax import models  # noqa: E402
 
 LAYOUTS = ("scan", "unrolled")
+
+
+#: kernels that only copy: XLA's memcpy thunks and its pure dynamic-slice fusions (a scanned
+#: layer's weights copied for a kernel that cannot take the slice in place)
+COPY_KERNEL = re.compile(r"^(memcpy\w*|MemcpyD2D|loop_dynamic_slice_fusion(_\d+)?)$")
+
+
+def copies_us(rows) -> float:
+    """Device us per step in copy kernels (``COPY_KERNEL``) of a ``kernel_table``."""
+    return sum(us for us, _, name in rows if COPY_KERNEL.match(name))
 
 
 def profile_decode(model, context: int, steps: int, backend: str = "auto") -> dict:
@@ -79,6 +92,7 @@ def profile_decode(model, context: int, steps: int, backend: str = "auto") -> di
         rec["note"] = f"no GPU device events in the trace ({jax.default_backend()} backend)"
         return rec
     rec.update({"busy_ms_per_step": busy / 1e3, "span_ms_per_step": span / 1e3,
+                "copies_ms_per_step": copies_us(rows) / 1e3,
                 "launches_per_step": sum(c for _, c, _ in rows),
                 "kernels": [{"name": n[:200], "us_per_step": u, "calls_per_step": c}
                             for u, c, n in rows[:60]]})
@@ -136,7 +150,8 @@ def main(argv=None) -> int:
             print(f"{name} {layout} ({depth} layers): untraced "
                   f"{rec['untraced_wall_ms_per_step']:.3f} ms wall ({rec['host_ms_per_step']:.3f} "
                   f"until the call returns); traced {rec['wall_ms_per_step']:.3f} ms wall"
-                  + (f", {rec['busy_ms_per_step']:.3f} busy, {rec['span_ms_per_step']:.3f} span, "
+                  + (f", {rec['busy_ms_per_step']:.3f} busy ({rec['copies_ms_per_step']:.3f} in "
+                     f"copies), {rec['span_ms_per_step']:.3f} span, "
                      f"{rec['launches_per_step']:.0f} launches per step" if "kernels" in rec
                      else f" ({rec['note']})"), flush=True)
             for k in rec.get("kernels", [])[:12]:

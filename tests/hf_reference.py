@@ -171,7 +171,27 @@ def fake_quant(x, input_scale: float):
 
 
 class HFReference:
-    """transformers running a ModelOpt NVFP4 export with exactly dequantized weights."""
+    """transformers running a ModelOpt NVFP4 export with exactly dequantized weights.
+
+    One loader for every architecture: a subclass names what differs (class attributes and
+    :meth:`source`): the checkpoint name of an HF tensor, the HF expert tensors and the
+    per-expert projections each is built from, the experts module, and the experts' forward.
+    """
+
+    #: config.json keys dropped before building the plain HF architecture
+    CONFIG_DROP = ("quantization_config",)
+    #: HF stacked expert tensor (name suffix) -> the checkpoint projections of each expert whose
+    #: dequantized weights it holds, concatenated along rows (the first entry is FC1)
+    EXPERT_ROWS = {"experts.gate_up_proj": ("gate_proj", "up_proj"),
+                   "experts.down_proj": ("down_proj",)}
+
+    def source(self, name: str) -> str:
+        """The checkpoint name of an HF tensor or module name."""
+        return name
+
+    def is_experts(self, mod) -> bool:
+        """Whether ``mod`` is the architecture's stacked-experts module."""
+        return type(mod).__name__.endswith("Experts") and hasattr(mod, "gate_up_proj")
 
     def __init__(self, path: str, dtype: str = "float32", w4a4: bool = True):
         import torch
@@ -182,10 +202,11 @@ class HFReference:
         self.torch = torch
         with open(os.path.join(path, "config.json")) as f:
             raw = json.load(f)
-        raw.pop("quantization_config", None)  # build the plain architecture, fill it below
-        cfg = AutoConfig.for_model(**raw)
+        for key in self.CONFIG_DROP:  # build the plain architecture, fill it below
+            raw.pop(key, None)
         tdtype = getattr(torch, dtype)
-        self.model = AutoModelForCausalLM.from_config(cfg, dtype=tdtype).eval()
+        self.model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**raw),
+                                                      dtype=tdtype).eval()
         ck = ckpt.load(path)
         names = set(ck.names())
         self.hooks = []
@@ -199,38 +220,43 @@ class HFReference:
                 a = (a.astype(np.uint32) << 16).view(np.float32)
             return torch.from_numpy(np.asarray(a, np.float32)).to(tdtype)
 
+        experts = tuple(self.EXPERT_ROWS)
+        filled = set()  # tied tensors (one storage under two names) are filled once
         with torch.no_grad():
-            for name, prm in self.model.named_parameters():
-                if name.endswith("experts.gate_up_proj") or name.endswith("experts.down_proj"):
-                    base = name.rsplit(".", 1)[0]
-                    e_n = prm.shape[0]
-                    if name.endswith("gate_up_proj"):  # HF rows [gate; up]
-                        w = torch.stack([torch.cat([deq(f"{base}.{e}.gate_proj"),
-                                                    deq(f"{base}.{e}.up_proj")])
-                                         for e in range(e_n)])
-                    else:
-                        w = torch.stack([deq(f"{base}.{e}.down_proj") for e in range(e_n)])
-                elif name.endswith(".weight") and f"{name[:-7]}.weight_scale_2" in names:
-                    w = deq(name[:-7])
+            for name, t in self.model.state_dict().items():
+                if t.data_ptr() in filled:
+                    continue
+                filled.add(t.data_ptr())
+                src = self.source(name)
+                if src.endswith(experts):
+                    base, suffix = src.rsplit(".", 2)[0], ".".join(src.rsplit(".", 2)[1:])
+                    w = torch.stack([torch.cat([deq(f"{base}.experts.{e}.{p}")
+                                                for p in self.EXPERT_ROWS[suffix]])
+                                     for e in range(t.shape[0])])
+                elif src.endswith(".weight") and f"{src[:-7]}.weight_scale_2" in names:
+                    w = deq(src[:-7])
                 else:
-                    w = plain(name)
-                if tuple(w.shape) != tuple(prm.shape):
+                    w = plain(src)
+                if tuple(w.shape) != tuple(t.shape):
                     raise ValueError(f"{name}: checkpoint shape {tuple(w.shape)} != "
-                                     f"{tuple(prm.shape)}")
-                prm.copy_(w)
+                                     f"{tuple(t.shape)}")
+                t.copy_(w.to(t.dtype))
+
+        def scale(name):
+            return float(np.asarray(ck.get(name)).reshape(-1)[0])
+
+        fc1_projs = self.EXPERT_ROWS[experts[0]]
         for mname, mod in self.model.named_modules():
-            if w4a4 and isinstance(mod, torch.nn.Linear) and f"{mname}.input_scale" in names:
-                s = float(np.asarray(ck.get(f"{mname}.input_scale")).reshape(-1)[0])
+            src = self.source(mname)
+            if w4a4 and isinstance(mod, torch.nn.Linear) and f"{src}.input_scale" in names:
+                s = scale(f"{src}.input_scale")
                 self.hooks.append(mod.register_forward_pre_hook(
                     lambda m, args, s=s: (fake_quant(args[0], s),) + tuple(args[1:])))
-            if type(mod).__name__.endswith("Experts") and hasattr(mod, "gate_up_proj"):
-                e_n = mod.gate_up_proj.shape[0]
-                def scale(name):
-                    return float(np.asarray(ck.get(name)).reshape(-1)[0])
-
-                s1 = max(scale(f"{mname}.{e}.{p}.input_scale")
-                         for e in range(e_n) for p in ("gate_proj", "up_proj"))
-                s2 = max(scale(f"{mname}.{e}.down_proj.input_scale") for e in range(e_n))
+            if self.is_experts(mod):
+                e_n = next(mod.parameters()).shape[0]
+                s1 = max(scale(f"{src}.{e}.{p}.input_scale") for e in range(e_n)
+                         for p in fc1_projs)
+                s2 = max(scale(f"{src}.{e}.down_proj.input_scale") for e in range(e_n))
                 mod.forward = self._experts_forward(mod, s1, s2)
 
     def _experts_forward(self, mod, s1: float, s2: float):

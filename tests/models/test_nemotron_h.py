@@ -180,57 +180,19 @@ def make_checkpoint(path: str, seed: int = 0, init: float = 0.02,
 
 
 class NemotronHReference(HFReference):
-    """HF's NemotronHForCausalLM running a ModelOpt NVFP4 export with dequantized weights."""
+    """HF's NemotronHForCausalLM running a ModelOpt NVFP4 export with dequantized weights
+    (tensors under ``backbone.`` in the checkpoint, ``model.`` in HF; relu2 experts with
+    separate up/down stacks)."""
 
-    def __init__(self, path: str, dtype: str = "float32", w4a4: bool = True):
-        import torch
-        from transformers import AutoConfig, AutoModelForCausalLM
+    CONFIG_DROP = ("quantization_config",
+                   "time_step_limit")  # JSON-encoded infinity; HF's mixer does not read it
+    EXPERT_ROWS = {"experts.up_proj": ("up_proj",), "experts.down_proj": ("down_proj",)}
 
-        from nvfp4_jax import checkpoint as ckpt
+    def source(self, name: str) -> str:
+        return "backbone." + name[len("model."):] if name.startswith("model.") else name
 
-        self.torch = torch
-        with open(os.path.join(path, "config.json")) as f:
-            raw = json.load(f)
-        raw.pop("quantization_config", None)
-        raw.pop("time_step_limit", None)  # JSON-encoded infinity; HF's mixer does not read it
-        tdtype = getattr(torch, dtype)
-        self.model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**raw),
-                                                      dtype=tdtype).eval()
-        ck = ckpt.load(path)
-        names = set(ck.names())
-
-        def deq(prefix):
-            return torch.from_numpy(oracle.dequantize(ck.linear(prefix).to_oracle()))
-
-        def plain(name):
-            return torch.from_numpy(np.asarray(ck.get(name), np.float32))
-
-        state = self.model.state_dict()
-        with torch.no_grad():
-            for name, t in state.items():
-                src = "backbone." + name[len("model."):] if name.startswith("model.") else name
-                if src.endswith(("experts.up_proj", "experts.down_proj")):
-                    base, proj = src.rsplit(".", 1)
-                    w = torch.stack([deq(f"{base}.{e}.{proj}") for e in range(t.shape[0])])
-                elif src.endswith(".weight") and f"{src[:-7]}.weight_scale_2" in names:
-                    w = deq(src[:-7])
-                else:
-                    w = plain(src)
-                if tuple(w.shape) != tuple(t.shape):
-                    raise ValueError(f"{name}: checkpoint shape {tuple(w.shape)} != "
-                                     f"{tuple(t.shape)}")
-                t.copy_(w.to(t.dtype))
-        for mname, mod in self.model.named_modules():
-            src = "backbone." + mname[len("model."):] if mname.startswith("model.") else mname
-            if w4a4 and isinstance(mod, torch.nn.Linear) and f"{src}.input_scale" in names:
-                s = float(np.asarray(ck.get(f"{src}.input_scale")).reshape(-1)[0])
-                mod.register_forward_pre_hook(
-                    lambda m, args, s=s: (fake_quant(args[0], s),) + tuple(args[1:]))
-            if type(mod).__name__ == "NemotronHExperts":
-                e_n = mod.up_proj.shape[0]
-                s1, s2 = (max(float(np.asarray(ck.get(f"{src}.{e}.{p}.input_scale")).reshape(-1)[0])
-                              for e in range(e_n)) for p in ("up_proj", "down_proj"))
-                mod.forward = self._experts_forward(mod, s1, s2)
+    def is_experts(self, mod) -> bool:
+        return type(mod).__name__ == "NemotronHExperts"
 
     def _experts_forward(self, mod, s1: float, s2: float):
         """HF's relu2 expert loop with W4A4 activations (TensorRT-LLM: one scale per layer)."""

@@ -54,3 +54,10 @@ def test_nemotron_h_runs_unrolled_and_with_its_units_scanned(tmp_path):
     segs = recs["scan"]["segments"]
     assert segs == [[7, 2]] and recs["scan"]["layers"] == recs["unrolled"]["layers"] == 14
     assert all(r["wall_ms_per_step"] > 0 for r in recs.values())
+
+
+def test_copy_kernels_are_memcpys_and_pure_dynamic_slices():
+    rows = [(100.0, 2.0, "memcpy128"), (5.0, 1.0, "memcpy32_post"), (7.0, 1.0, "MemcpyD2D"),
+            (40.0, 1.0, "loop_dynamic_slice_fusion_5"), (3.0, 1.0, "loop_dynamic_slice_fusion"),
+            (50.0, 1.0, "loop_dynamic_slice_multiply_fusion_9"), (60.0, 1.0, "nvfp4_gemm")]
+    assert e2e_profile.copies_us(rows) == 155.0

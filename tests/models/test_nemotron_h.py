@@ -40,7 +40,6 @@ fair demand).
 from __future__ import annotations
 
 import json
-import os
 
 import numpy as np
 import pytest
@@ -53,7 +52,6 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from hf_reference import HFReference, export_nvfp4, fake_quant  # noqa: E402
 
-import oracle  # noqa: E402
 from nvfp4_jax import NVFP4Array, models, nn  # noqa: E402
 
 LAYERS = ["linear_attention", "moe", "full_attention", "mlp", "linear_attention", "moe"]

@@ -198,17 +198,9 @@ def weight_stacks(stacked) -> list:
     """The NVFP4 weight stacks of a pytree of stacked layers (leading axis n): every
     :class:`Linear`'s ``w`` and every :class:`MoE`'s (fc1, fc2), in tree order, for a scan's
     body to close over and hand to :func:`join_stacks`."""
-    out = []
-
-    def take(v):
-        if isinstance(v, Linear):
-            out.append(v.w)
-        elif isinstance(v, MoE):
-            out.append((v.fc1, v.fc2))
-        return v
-
-    jax.tree_util.tree_map(take, stacked, is_leaf=_is_stacked_param)
-    return out
+    return [v.w if isinstance(v, Linear) else (v.fc1, v.fc2)
+            for v in jax.tree_util.tree_leaves(stacked, is_leaf=_is_stacked_param)
+            if _is_stacked_param(v)]
 
 
 def strip_stacks(stacked):

@@ -155,6 +155,20 @@ def check_array(name: str, a: Any, *, ndim: int | None = None) -> None:
                              f"{name}.scales: expected E4M3 block scales, got NaN bytes")
 
 
+def check_stack(name: str, stack: Any, of: Any, layer: Any, what: str = "an NVFP4Array") -> None:
+    """A stack of layers (an NVFP4Array [L, *of.shape]) that ``of`` is layer ``layer`` of,
+    and ``layer`` an integer scalar (``matmul``'s ``stack``, ``moe``'s ``stacks``)."""
+    dims = tuple(getattr(of, "shape", ("E", "N", "K")))
+    shape = getattr(stack, "shape", None)
+    if (not hasattr(stack, "codes") or shape is None or len(shape) != len(dims) + 1
+            or tuple(shape[1:]) != dims):
+        raise ValueError(f"{name}: expected {what} [L, {', '.join(map(str, dims))}], got "
+                         + (f"shape {shape}" if shape is not None else type(stack).__name__))
+    layer = jnp.asarray(layer)
+    if layer.ndim or not jnp.issubdtype(layer.dtype, jnp.integer):
+        raise ValueError(f"layer: expected an integer scalar, got {layer.dtype}{layer.shape}")
+
+
 def check_matmul_args(x: Any, w: Any, input_scale: Any) -> None:
     """``matmul``'s arguments: w a consistent 2-D NVFP4Array with K > 0; x (array) bf16/fp16,
     finite; ``input_scale`` finite and > 0. Shapes are checked by ``matmul`` itself."""

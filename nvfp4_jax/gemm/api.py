@@ -220,14 +220,7 @@ def _check_stack(w: NVFP4Array, stack, layer):
         raise ValueError("stack, layer: pass both (w is layer `layer` of `stack`) or neither")
     if stack is None:
         return None
-    if not isinstance(stack, NVFP4Array) or tuple(stack.shape[1:]) != tuple(w.shape) \
-            or len(stack.shape) != 3:
-        raise ValueError(f"stack: expected an NVFP4Array [L, {w.shape[0]}, {w.shape[1]}] holding "
-                         f"w, got " + (f"shape {stack.shape}" if isinstance(stack, NVFP4Array)
-                                       else type(stack).__name__))
-    layer = jnp.asarray(layer)
-    if layer.ndim or not jnp.issubdtype(layer.dtype, jnp.integer):
-        raise ValueError(f"layer: expected an integer scalar, got {layer.dtype}{layer.shape}")
+    validate.check_stack("stack", stack, w, layer)
     if stack.layout != "linear":
         log.info("nvfp4_jax.matmul: a stack with %s scales: the kernels read w, the layer's "
                  "slice (inside a scan a copy on every call)", stack.layout)
@@ -284,6 +277,8 @@ def matmul(
                     w.layout)
     w_scales = w.linear_scales() if w.layout != "linear" else w.scales
     w_decode = jnp.asarray(w.decode_scale, jnp.float32)
+    # what the Pallas-Triton kernels read: the stack in place, or w
+    wc, ws, wl = (w.codes, w_scales, None) if stack is None else (stack.codes, stack.scales, layer)
 
     s_in = None  # W4A4 on the fly: x is quantized below, where the backend is known
     x_nv = None  # W4A4 with x already NVFP4
@@ -322,9 +317,8 @@ def matmul(
             xs = x_nv.linear_scales().reshape(m, k // 16)
         else:  # one kernel, IEEE divisions whatever XLA's flags
             xc, xs = w4a4_codes(x.reshape(m, k), s_in, interpret=pallas_interpret())
-        wc, ws = (w.codes, w_scales) if stack is None else (stack.codes, stack.scales)
         out = gemm_fp4mma(xc, xs, wc, ws, alpha, out_dtype=out_dtype, config=config,
-                          interpret=pallas_interpret(), layer=None if stack is None else layer)
+                          interpret=pallas_interpret(), layer=wl)
         return out.reshape(lead + (n,))
     if x_op is None:
         x_op = dequantize(x_nv, jnp.bfloat16, include_decode_scale=False)  # exact
@@ -353,7 +347,6 @@ def matmul(
         cfg = config or configs.get_config(m, n, k)
         if interpret:
             cfg = Config(**{**cfg.__dict__, "decode": "bits"})
-        wc, ws = (w.codes, w_scales) if stack is None else (stack.codes, stack.scales)
         out = matmul_pallas(x2, wc, ws, alpha, out_dtype=out_dtype, config=cfg,
-                            interpret=interpret, layer=None if stack is None else layer)
+                            interpret=interpret, layer=wl)
     return out.reshape(lead + (n,))

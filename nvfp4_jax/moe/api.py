@@ -192,14 +192,7 @@ def moe(
         if not isinstance(stacks, (tuple, list)) or len(stacks) != 2:
             raise ValueError("stacks: expected (fc1 stack, fc2 stack)")
         for name, w, st in (("fc1", fc1, stacks[0]), ("fc2", fc2, stacks[1])):
-            if (not isinstance(st, NVFP4Array) or len(st.shape) != 4
-                    or not isinstance(w, NVFP4Array) or tuple(st.shape[1:]) != tuple(w.shape)):
-                raise ValueError(f"stacks: expected the {name} stack, an NVFP4Array [L, "
-                                 f"{', '.join(map(str, getattr(w, 'shape', ('E', 'N', 'K'))))}]"
-                                 f", got {getattr(st, 'shape', type(st).__name__)}")
-        layer = jnp.asarray(layer)
-        if layer.ndim or not jnp.issubdtype(layer.dtype, jnp.integer):
-            raise ValueError(f"layer: expected an integer scalar, got {layer.dtype}{layer.shape}")
+            validate.check_stack("stacks", st, w, layer, what=f"the {name} stack, an NVFP4Array")
     if activation_scale is None:
         activation_scale = "scalar" if mode == "trtllm_cutlass" else "per_expert"
     s1 = jnp.asarray(fc1_input_scale)

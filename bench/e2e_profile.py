@@ -3,6 +3,7 @@ profiler trace, stacked layers (``lax.scan``) against unrolled ones.
 
 Usage: python3 bench/e2e_profile.py --out DIR [--models llama-3-8b,qwen3-30b-a3b,nemotron-3-nano]
 [--layers 4] [--layouts scan,unrolled] [--steps 8] [--context 1024] [--backend auto] [--tiny]
+[--hlo]
 
 For each model and layout: the random NVFP4 model of ``e2e_bench.build_model`` (or
 ``build_nemotron_h``, whose "scan" layout is ``stacked()``: its repeated layer units scanned;
@@ -21,7 +22,10 @@ carry the wall time only.
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
+import glob
+import gzip
 import json
 import os
 import re
@@ -54,9 +58,35 @@ def copies_us(rows) -> float:
     return sum(us for us, _, name in rows if COPY_KERNEL.match(name))
 
 
-def profile_decode(model, context: int, steps: int, backend: str = "auto") -> dict:
+def host_events(trace_dir: str, steps: int, top: int = 25) -> list[dict]:
+    """The host side of a trace: complete events off the GPU's tracks (XLA's thunks, the
+    runtime's launches; not Python's frames), by name, ms per step summed over threads, largest first (nested events
+    count in each of their parents' names too: a table of where host time goes, not a sum)."""
+    paths = glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True)
+    if not paths:
+        return []
+    with gzip.open(paths[0]) as f:
+        doc = json.load(f)
+    events = doc["traceEvents"] if isinstance(doc, dict) else doc
+    pname = {e["pid"]: e["args"].get("name", "") for e in events
+             if e.get("ph") == "M" and e.get("name") == "process_name" and "args" in e}
+    per = collections.defaultdict(lambda: [0.0, 0])
+    for e in events:
+        if (e.get("ph") == "X" and "gpu" not in pname.get(e.get("pid"), "").lower()
+                and not str(e.get("name", "")).startswith("$")):  # not the Python tracer's
+            name = re.sub(r"\d+", "#", str(e.get("name", "")))[:120]
+            per[name][0] += float(e.get("dur", 0.0))
+            per[name][1] += 1
+    rows = sorted(per.items(), key=lambda kv: -kv[1][0])[:top]
+    return [{"name": n, "ms_per_step": v[0] / 1e3 / steps, "calls_per_step": v[1] / steps}
+            for n, v in rows]
+
+
+def profile_decode(model, context: int, steps: int, backend: str = "auto",
+                   hlo_path: str | None = None) -> dict:
     """``steps`` batch-1 greedy decode steps of ``model`` under the profiler (after two warm-up
-    steps): wall ms per step and the device kernels per step."""
+    steps): wall ms per step, the device kernels and the host events per step. ``hlo_path``:
+    also write the step's optimized HLO there."""
     cfg = model.config
     cache = models.init_cache(cfg, 1, context + steps + 4)  # ``context`` tokens already cached
     cache = dataclasses.replace(cache, length=jnp.asarray(context, jnp.int32))
@@ -78,6 +108,11 @@ def profile_decode(model, context: int, steps: int, backend: str = "auto") -> di
         return tok, cache, (time.perf_counter() - t0) / n, host / n
 
     tok, cache, _, _ = run(2, tok, cache)  # warm-up
+    if hlo_path:
+        with open(hlo_path, "w") as f:
+            # the model an argument, as decode_step takes it (closed over, its weights would be
+            # constants of another program)
+            f.write(models.decode_step.lower(model, tok, cache, backend=backend).compile().as_text())
     # untraced: the wall time per step, and the host's share of it (dispatch is asynchronous,
     # so host ~= wall means the host, not the GPU, sets the pace)
     tok, cache, untraced, host = run(steps, tok, cache)
@@ -85,9 +120,11 @@ def profile_decode(model, context: int, steps: int, backend: str = "auto") -> di
         with jax.profiler.trace(d, create_perfetto_trace=True):
             tok, cache, wall, _ = run(steps, tok, cache)
         evs, tracks = device_events(d)
+        host_rows = host_events(d, steps)
     rows, busy, span = kernel_table(evs, steps)
     rec = {"untraced_wall_ms_per_step": untraced * 1e3, "host_ms_per_step": host * 1e3,
-           "wall_ms_per_step": wall * 1e3, "device_events": len(evs), "tracks": tracks[:20]}
+           "wall_ms_per_step": wall * 1e3, "device_events": len(evs), "tracks": tracks[:20],
+           "host_events": host_rows}
     if not evs:
         rec["note"] = f"no GPU device events in the trace ({jax.default_backend()} backend)"
         return rec
@@ -111,6 +148,8 @@ def main(argv=None) -> int:
                     help="kernels of the NVFP4 linears and MoE (models.decode_step's backend; "
                          "pallas: the SM12x path)")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes (CPU smoke test)")
+    ap.add_argument("--hlo", action="store_true",
+                    help="also write each step's optimized HLO: OUT/e2e-hlo-MODEL-LAYOUT.txt")
     args = ap.parse_args(argv)
     shapes = e2e_bench.TINY if args.tiny else e2e_bench.SHAPES
     hybrid = e2e_bench.NEMOTRON_H_TINY if args.tiny else e2e_bench.NEMOTRON_H
@@ -145,7 +184,9 @@ def main(argv=None) -> int:
                 m = model.stacked() if name in hybrid else model
             rec = {"model": name, "layout": layout, "layers": depth,
                    **({"segments": list(m.segments)} if getattr(m, "segments", None) else {}),
-                   **profile_decode(m, args.context, args.steps, args.backend)}
+                   **profile_decode(m, args.context, args.steps, args.backend,
+                                     os.path.join(args.out, f"e2e-hlo-{name}-{layout}.txt")
+                                     if args.hlo else None)}
             doc["records"].append(rec)
             print(f"{name} {layout} ({depth} layers): untraced "
                   f"{rec['untraced_wall_ms_per_step']:.3f} ms wall ({rec['host_ms_per_step']:.3f} "
@@ -157,6 +198,9 @@ def main(argv=None) -> int:
             for k in rec.get("kernels", [])[:12]:
                 print(f"    {k['us_per_step']:9.1f} us x{k['calls_per_step']:5.1f}  "
                       f"{k['name'][:100]}", flush=True)
+            for h in rec.get("host_events", [])[:8]:
+                print(f"    host {h['ms_per_step']:8.3f} ms x{h['calls_per_step']:6.1f}  "
+                      f"{h['name'][:90]}", flush=True)
             with open(path, "w") as f:
                 json.dump(doc, f, indent=1)
             del m

@@ -306,8 +306,9 @@ def moe_sweep_candidates(shape, t: int) -> list[tuple[str, MoEConfig]]:
     ``config=None``), the default with each other bf16 decode (``asm``, ``asmm``, ``asm2m``),
     and tile variants of the ``asm2m`` default: the output tile (BN 64 <-> 128;
     gated FC1 keeps its BN 64, the register limit of its two accumulators), BK 128, 8 warps,
-    3 and 5 pipeline stages, and BN flipped with 8 warps and with 3 stages; BM 16 where the default's BM is
-    larger. Configs equal to an earlier one are left out; labels are unique."""
+    3 and 5 pipeline stages, BN flipped with 8 warps and with 3 stages, BN 32 for both GEMMs
+    (twice the programs at decode; mma.sync instead of wgmma, so also with the ``asmm`` decode
+    and with 2 warps); BM 16 where the default's BM is larger. Configs equal to an earlier one are left out; labels are unique."""
     s = shape_of(shape)
     e, h, i, k = s["experts"], s["hidden"], s["inter"], s["top_k"]
     gated = s["activation"] == "swiglu"
@@ -325,7 +326,8 @@ def moe_sweep_candidates(shape, t: int) -> list[tuple[str, MoEConfig]]:
     bn1 = base.fc1.block_n if gated else flip(base.fc1.block_n)
     bn2 = flip(base.fc2.block_n)
     variants = [tiles(bn1, bn2), tiles(block_k=128), tiles(num_warps=8), tiles(num_stages=3),
-                tiles(num_stages=5), tiles(bn1, bn2, num_warps=8), tiles(bn1, bn2, num_stages=3)]
+                tiles(num_stages=5), tiles(bn1, bn2, num_warps=8), tiles(bn1, bn2, num_stages=3),
+                tiles(32, 32), tiles(32, 32, decode="asmm"), tiles(32, 32, num_warps=2, decode="asmm")]
     if base.fc1.block_m != 16:
         variants.append(tiles(block_m=16))
     out = [("default", lib)] + [(f"default_{d}", lib.with_decode(d))
@@ -366,7 +368,7 @@ def make_moe_timer(run, hidden, ids, wts, params, *, target_s: float = 0.05, rep
     return one_round
 
 
-def candidates_sweep(out_path, shapes, tokens, budget_s, repeats=3, target_s=0.05):
+def candidates_sweep(out_path, shapes, tokens, budget_s, repeats=3, target_s=0.05, labels=None):
     """Time ``moe_sweep_candidates`` (the Pallas-Triton MoE, ``backend="pallas"``, linear
     weight scales) and the Mosaic MoE (``backend="mosaic"``, swizzled scales: the Hopper
     path, on sm_90 only) per shape and T on one random routing set, interleaved: every timer
@@ -375,7 +377,8 @@ def candidates_sweep(out_path, shapes, tokens, budget_s, repeats=3, target_s=0.0
     ``budget_s`` is spent (``"skipped": "budget"``; the compiled ones still run); a candidate
     that raises is recorded with its error and the others go on. Off the GPU the kernels run
     in interpret mode with the portable decode "bits" (recorded as ``decode_run``; times mean
-    nothing there). Writes ``out_path`` after each T."""
+    nothing there). ``labels``: only the candidates so labelled (and the Mosaic MoE). Writes
+    ``out_path`` after each T."""
     from nvfp4_jax.device import is_sm90, on_gpu
 
     t0 = time.time()
@@ -399,7 +402,8 @@ def candidates_sweep(out_path, shapes, tokens, budget_s, repeats=3, target_s=0.0
             ids_d, wts_d = device_routings(ids, wts)
             base = {"shape": sname, "T": t}
             timers, recs = [], []
-            todo = [("mosaic", None)] + moe_sweep_candidates(s, t)
+            todo = [("mosaic", None)] + [(lb, c) for lb, c in moe_sweep_candidates(s, t)
+                                         if labels is None or lb in labels]
             for label, cfg in todo:
                 rec = {**base, "label": label, "backend": "mosaic" if cfg is None else "pallas"}
                 if cfg is not None:
@@ -516,6 +520,9 @@ def main():
                          "the Mosaic MoE (sm_90 only), interleaved rounds, random routing "
                          "(--budget-s caps compiles) -> OUT/moe-candidates-<gpu>.json")
     ap.add_argument("--repeats", type=int, default=3, help="--candidates: interleaved rounds")
+    ap.add_argument("--labels", default="",
+                    help="--candidates: only these candidate labels (comma-separated; --dry-run "
+                         "lists them)")
     args = ap.parse_args()
     if args.candidates:
         shapes = (args.shapes or ",".join(CAND_SHAPES)).split(",")
@@ -535,7 +542,8 @@ def main():
         tag = gpu_tag(jax.devices()[0].device_kind)
         path = os.path.join(args.out, f"moe-candidates-{tag}.json")
         doc = candidates_sweep(path, shapes, tokens, args.budget_s or float("inf"),
-                               repeats=args.repeats, target_s=0.02 if args.quick else 0.05)
+                               repeats=args.repeats, target_s=0.02 if args.quick else 0.05,
+                               labels=set(args.labels.split(",")) if args.labels else None)
         log("wrote", path)
         log(moe_candidates_table(doc))
         return

@@ -25,7 +25,7 @@
 #            (CAND_SHAPES, CAND_MS narrow it); T_CAND seconds (300).
 #   mcand:   bench/moe_bench.py --candidates, the Pallas-Triton MoE's tile/decode candidates
 #            against the Mosaic MoE (MCAND_SHAPES, MCAND_TOKENS narrow it; default qwen3_30b,
-#            nemotron at T = 1,8,64); T_MCAND seconds (420).
+#            nemotron at T = 1,8,64; MCAND_LABELS: only these candidates); T_MCAND seconds (420).
 #   qdiv:    nvfp4_jax.quantize with its exact division vs XLA's plain one (gemm_bench.py
 #            --quantize-division; QDIV_SIZES: M x K list); T_QDIV seconds (120).
 #   profile: bench/moe_profile.py, per-kernel device time of one MoE layer (PROFILE_CASES).
@@ -102,7 +102,7 @@ for s in $STEPS; do
       step "MoE tile/decode candidates vs the Mosaic MoE (no XLA flags)"
       env -u XLA_FLAGS timeout "${T_MCAND:-420}" python3 bench/moe_bench.py --candidates \
         --out "$OUT" --budget-s $((${T_MCAND:-420} - 60)) --shapes "${MCAND_SHAPES:-qwen3_30b,nemotron}" \
-        --tokens "${MCAND_TOKENS:-1,8,64}" 2>&1 | grep -v Warning | tail -70 | tee -a "$OUT/run.log" ;;
+        --tokens "${MCAND_TOKENS:-1,8,64}" --labels "${MCAND_LABELS:-}" 2>&1 | grep -v Warning | tail -70 | tee -a "$OUT/run.log" ;;
     qdiv)
       step "quantize: exact division vs XLA's plain division (XLA_FLAGS='${XLA_FLAGS:-}')"
       timeout "${T_QDIV:-120}" python3 bench/gemm_bench.py --quantize-division --out "$OUT" \

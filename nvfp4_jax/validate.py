@@ -5,12 +5,15 @@ Two regimes, chosen per value:
 * **concrete** values (numpy arrays, Python scalars, committed ``jax.Array`` s outside
   ``jit``/``vmap``): a bad value raises ``ValueError`` at once, naming the argument, what was
   expected and what was got (for non-finite values: how many and where the first one is);
-* **traced** values (inside ``jax.jit``, ``vmap``, ...): the same conditions are emitted as
-  ``checkify.debug_check`` s. They cost nothing and do nothing unless the computation runs under
-  :func:`checked` (``jax.experimental.checkify``), where a failed check raises
-  ``checkify.JaxRuntimeError`` with the same message. Unchecked, the library's documented
-  result for bad values applies (non-finite input -> NaN output, out-of-range expert ids ->
-  NaN output rows; docs/input-policy.md).
+* **traced** values (inside ``jax.jit``, ``vmap``, ...): under :func:`checked` the same
+  conditions are emitted as ``checkify.debug_check`` s, and a failed check raises
+  ``checkify.JaxRuntimeError`` with the same message. Elsewhere nothing is emitted: a check is
+  an effect in the jaxpr, and any effect turns off ``jax.jit``'s C++ dispatch for the whole
+  jitted function (every call then runs JAX's Python dispatch: milliseconds of host time per
+  decode step). Which of the two a trace gets is part of ``jit``'s cache key
+  (``jax.make_user_context``), so a function traced before ``checked`` is traced again under
+  it. Unchecked, the library's documented result for bad values applies (non-finite input ->
+  NaN output, out-of-range expert ids -> NaN output rows; docs/input-policy.md).
 
 Only shapes, dtypes and scalars are checked on every call; a concrete array's values are read
 with one device reduction and one scalar transfer (only outside ``jit``, where every operation
@@ -43,6 +46,17 @@ __all__ = [
 ]
 
 FLOAT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
+
+#: True while :func:`checked` traces: traced checks are emitted then only. A ``jit`` cache key
+#: (a trace made without checks is never reused under ``checked``, nor the other way round).
+_CHECKING = jax.make_user_context(False)
+
+
+def _debug_check(pred: Any, msg: str, *fmt_args: Any) -> None:
+    """``checkify.debug_check(pred, msg, *fmt_args)`` under :func:`checked`; nothing otherwise
+    (an effect in every trace would cost each jitted caller its C++ dispatch)."""
+    if _CHECKING.value:
+        checkify.debug_check(pred, msg, *fmt_args)
 
 
 def is_concrete(*xs: Any) -> bool:
@@ -90,9 +104,9 @@ def check_finite(name: str, x: Any) -> None:
                                  f"{xa.size} ({_first_bad(bad, xa)})")
         return
     if jnp.issubdtype(x.dtype, jnp.floating):
-        checkify.debug_check(jnp.all(jnp.isfinite(x)),
-                             f"{name}: expected finite values, got {{}} non-finite",
-                             jnp.sum(~jnp.isfinite(x)))
+        _debug_check(jnp.all(jnp.isfinite(x)),
+                     f"{name}: expected finite values, got {{}} non-finite",
+                     jnp.sum(~jnp.isfinite(x)))
 
 
 def check_positive_scale(name: str, s: Any, *, bounds: tuple[float, float] | None = None) -> None:
@@ -111,8 +125,8 @@ def check_positive_scale(name: str, s: Any, *, bounds: tuple[float, float] | Non
         return
     a = jnp.asarray(s, jnp.float32)
     ok = jnp.isfinite(a) & (a > 0) & (a >= lo) & (a <= hi)
-    checkify.debug_check(jnp.all(ok), f"{name}: expected {want}, got min {{}} max {{}}",
-                         jnp.min(a), jnp.max(a))
+    _debug_check(jnp.all(ok), f"{name}: expected {want}, got min {{}} max {{}}",
+                 jnp.min(a), jnp.max(a))
 
 
 def check_topk_ids(topk_ids: Any, num_experts: int) -> None:
@@ -125,9 +139,9 @@ def check_topk_ids(topk_ids: Any, num_experts: int) -> None:
             raise ValueError(f"topk_ids: expected expert ids in [0, {num_experts}), got "
                              f"{int(bad.sum())} outside (first at index {first}: {ids[first]})")
         return
-    checkify.debug_check(jnp.all((topk_ids >= 0) & (topk_ids < num_experts)),
-                         f"topk_ids: expected expert ids in [0, {num_experts}), got min {{}} "
-                         "max {}", jnp.min(topk_ids), jnp.max(topk_ids))
+    _debug_check(jnp.all((topk_ids >= 0) & (topk_ids < num_experts)),
+                 f"topk_ids: expected expert ids in [0, {num_experts}), got min {{}} "
+                 "max {}", jnp.min(topk_ids), jnp.max(topk_ids))
 
 
 def check_array(name: str, a: Any, *, ndim: int | None = None) -> None:
@@ -151,8 +165,8 @@ def check_array(name: str, a: Any, *, ndim: int | None = None) -> None:
             raise ValueError(f"{name}.scales: expected E4M3 block scales, got {n} NaN bytes "
                              "(0x7F/0xFF)")
     else:
-        checkify.debug_check(~jnp.any(jnp.isnan(scales.astype(jnp.float32))),
-                             f"{name}.scales: expected E4M3 block scales, got NaN bytes")
+        _debug_check(~jnp.any(jnp.isnan(scales.astype(jnp.float32))),
+                     f"{name}.scales: expected E4M3 block scales, got NaN bytes")
 
 
 def check_stack(name: str, stack: Any, of: Any, layer: Any, what: str = "an NVFP4Array") -> None:
@@ -205,7 +219,8 @@ def checked(fn: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(fn)
     def run(*args, **kwargs):
-        err, out = cf(*args, **kwargs)
+        with _CHECKING(True):  # traces (and jit cache entries) with the checks
+            err, out = cf(*args, **kwargs)
         err.throw()
         return out
 

@@ -68,6 +68,19 @@ class MoEConfig:
         return default_mma() if self.mma is None else self.mma
 
 
+#: sm_90 decode tiles (BM 16: at most 16 routed rows per expert) of both GEMMs, by whether FC1
+#: is gated: the fastest of ``bench/moe_bench.py --candidates`` on the H200 at T = 1, 8, 64
+SM90_DECODE = {
+    True: Config(16, 64, 256, 4, 3, decode="asm2m"),  # wgmma, 3 stages
+    False: Config(16, 32, 256, 2, 4, decode="asmm"),  # twice the programs; mma.sync
+}
+SM90_DECODE_PROVENANCE = (
+    "bench/results/moe-candidates-h200.json (bench/moe_bench.py --candidates): qwen3_30b "
+    "(gated) T = 1 / 8 / 64: 43.2 / 110.6 / 228.5 us, 1.66x the Mosaic MoE (BN 64 with 4 "
+    "stages: 43.9 / 123.4 / 250.4); nemotron (relu2) 67.2 / 279.0 / 800.1 us, 1.51 / 1.61 / "
+    "1.53x (BN 64, 4 warps: 75.5 / 328.6 / 951.8)")
+
+
 def default_config(num_routes: int, num_experts: int, *, inter: int = 2048, hidden: int = 2048,
                    gated: bool = False, mma: str | None = None) -> MoEConfig:
     """Tiles from the average rows per expert and the launch size (static shapes only); ``mma``
@@ -75,22 +88,22 @@ def default_config(num_routes: int, num_experts: int, *, inter: int = 2048, hidd
 
     The values follow the dense NVFP4 GEMM's sweep (``gemm.configs.TUNED``: M <= 16 best at
     BN 128, BK 256, 4 warps, 4 stages; M = 256 best at BM 128, BN 64, BK 128, 4 warps, 3
-    stages); the MoE itself has no sweep of its own. BN is 128 only for BM <= 32 and when that still gives two programs per SM (132 SMs);
-    gated FC1 (two accumulators) keeps BN 64 and BM <= 64 to stay within registers. Decode
-    ``asm2m`` on sm_90 (1.65-1.67x the Mosaic MoE at T = 1 against 1.84-1.90x with ``asm``,
-    bench/results/moe-candidates-h200.json), ``asmm`` elsewhere (gemm/decode.py). On sm_90
-    the decode tiles (BM 16) take BN 64 for both GEMMs: nemotron T = 8 / 64 327 / 946 us
-    against 364 / 1025 with FC1/FC2 BN 128, qwen3_30b 123 / 252 against 126 / 254 with FC2
-    BN 128 (the same file); the SM12x rule stays unmeasured (no SM12x GPU).
+    stages). BN is 128 only for BM <= 32 and when that still gives two programs per SM (132
+    SMs); gated FC1 (two accumulators) keeps BN 64 and BM <= 64 to stay within registers.
+    Decode ``asmm`` (4-byte packs for mma.sync: SM 8.x / 12.x) off sm_90. On sm_90 the decode
+    tiles (BM 16) are measured ones, ``SM90_DECODE`` by whether FC1 is gated; the SM12x rule
+    stays unmeasured (no SM12x GPU).
     """
     blocks = max(1, min(num_experts, num_routes))
     rows_per_expert = num_routes / blocks
 
     sm90 = is_sm90()
+    mma = default_mma() if mma is None else mma
+    if sm90 and rows_per_expert <= 16:
+        tile = SM90_DECODE[gated]
+        return MoEConfig(tile, tile, mma)
 
     def bn_for(n: int, bm: int) -> int:
-        if sm90 and bm == 16:  # measured: BN 64 (bench/results/moe-candidates-h200.json)
-            return 64
         return 128 if blocks * -(-n // 128) >= 264 and bm <= 32 else 64
 
     if rows_per_expert <= 16:  # decode: weight streaming
@@ -104,4 +117,4 @@ def default_config(num_routes: int, num_experts: int, *, inter: int = 2048, hidd
     dec = "asm2m" if sm90 else "asmm"
     fc1 = Config(bm, 64 if gated else bn_for(inter, bm), bk, warps, stages, decode=dec)
     fc2 = Config(bm, bn_for(hidden, bm), bk, warps, stages, decode=dec)
-    return MoEConfig(fc1, fc2, default_mma() if mma is None else mma)
+    return MoEConfig(fc1, fc2, mma)

@@ -337,6 +337,33 @@ def test_matmul_arguments():
 
 
 # ---------------------------------------------------------------------------------------
+def _effects(f, *args) -> set:
+    return set(jax.make_jaxpr(f)(*args).effects)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_unchecked_traces_carry_no_effects(backend):
+    """Unchecked, a jitted caller of quantize / matmul / moe holds no effect: any effect
+    (a checkify check among them) turns off jit's C++ dispatch for the whole caller, and every
+    call then pays JAX's Python dispatch (milliseconds per decode step). Under ``checked`` the
+    same jitted function is traced again, with its checks (its earlier trace is not reused)."""
+    x = jnp.asarray(degenerate("constant", (M, K), 0), jnp.bfloat16)
+    w = nj.from_oracle(_w_oracle("constant", 0))
+    assert _effects(_matmul_fn(backend, True), x, w, jnp.float32(0.001)) == set()
+    assert _effects(_matmul_fn(backend, False), x, w) == set()
+    assert _effects(functools.partial(_jquantize, recipe="trtllm"), x) == set()
+    hidden, ids, wts, fc1, fc2, s1, s2 = _moe_case("constant", 0)
+    args = (jnp.asarray(hidden, jnp.bfloat16), jnp.asarray(ids), jnp.asarray(wts), fc1, fc2,
+            jnp.asarray(s1), jnp.asarray(s2))
+    assert _effects(_moe_fn(backend, "b12x"), *args) == set()
+    # the same jitted function, traced and run unchecked above, checks its values when checked
+    f = _matmul_fn(backend, True)
+    f(x, w, jnp.float32(0.001))
+    with pytest.raises(checkify.JaxRuntimeError, match="input_scale: expected finite and > 0"):
+        nj.checked(f)(x, w, jnp.float32(-1.0))
+    assert np.isfinite(np.asarray(f(x, w, jnp.float32(0.001)))).all()  # unchecked again
+
+
 # moe
 # ---------------------------------------------------------------------------------------
 

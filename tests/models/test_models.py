@@ -290,6 +290,19 @@ def test_loader_keeps_weights_nvfp4(loaded, checkpoint_dir):
     np.testing.assert_array_equal(np.asarray(moe.fc1.codes[0, 2, :32]), up)  # rows [up; gate]
 
 
+@pytest.mark.parametrize("kind", ["moe", "dense"])
+def test_steps_carry_no_effects(loaded, kind):
+    """The jitted prefill and decode step hold no effect, so each call takes jit's C++
+    dispatch (an effect, e.g. a checkify check, sends every call through JAX's Python
+    dispatch, host time that a batch-1 decode step cannot hide)."""
+    model = loaded(kind)
+    cache = models.init_cache(model.config, 1, 8)
+    tok = jnp.zeros((1,), jnp.int32)
+    assert jax.make_jaxpr(lambda m, t, c: models.decode_step(m, t, c))(model, tok, cache).effects == set()
+    assert jax.make_jaxpr(lambda m, t, c: models.prefill(m, t, c))(
+        model, jnp.zeros((1, 4), jnp.int32), cache).effects == set()
+
+
 def test_sampling(loaded):
     # wide margins, so a cold temperature samples the greedy tokens (no exact bf16 ties); N_NEW
     # tokens after a [1, 12] prompt: the shapes the greedy tests compiled already

@@ -338,6 +338,18 @@ def test_prefill_then_decode_equals_full_forward(model, reference):
     assert err <= bound / 4, f"prefill + decode vs full forward: {err:.4g} > {bound / 4:.4g}"
 
 
+def test_steps_carry_no_effects(model):
+    """The jitted prefill and decode step hold no effect, so each call takes jit's C++
+    dispatch (an effect, e.g. a checkify check, sends every call through JAX's Python
+    dispatch: ~5 ms of host time per Nemotron-3-Nano step on the H200 against 4 ms on the
+    device)."""
+    cache = models.init_cache(model.config, 1, 8)
+    tok = jnp.zeros((1,), jnp.int32)
+    assert jax.make_jaxpr(lambda m, t, c: models.decode_step(m, t, c))(model, tok, cache).effects == set()
+    assert jax.make_jaxpr(lambda m, t, c: models.prefill(m, t, c))(
+        model, jnp.zeros((1, 4), jnp.int32), cache).effects == set()
+
+
 @pytest.mark.parametrize("w4a4", [True, False])
 def test_greedy_identical_to_hf_generate(checkpoints, reference, w4a4):
     prompt = SUCCESSOR_PROMPT

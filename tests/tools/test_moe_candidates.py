@@ -53,12 +53,12 @@ def test_candidates_are_valid_configs(shape, t):
             assert c.decode in DECODE_MODES and c.num_stages >= 2, label
             assert (c.num_stages - 1) * _stage_bytes(c) <= H200_SMEM, label
         if gated:  # two accumulators: default_config's register limit
-            assert cfg.fc1.block_n == 64 and cfg.fc1.block_m <= 64, label
+            assert cfg.fc1.block_n <= 64 and cfg.fc1.block_m <= 64, label
         assert cfg.fc1.block_m == 16, label  # T <= 64: decode regime, one expert per 16 rows
         if label.startswith("default_"):
             assert cfg.fc1.decode == cfg.fc2.decode == label.split("_", 1)[1], label
-        elif label != "default":
-            assert cfg.fc1.decode == cfg.fc2.decode == "asm2m", label
+        elif label != "default":  # the label ends with the decode
+            assert cfg.fc1.decode == cfg.fc2.decode == label.rsplit("_", 1)[1], label
 
 
 def test_candidates_smoke_run_records_errors_and_the_reference(tmp_path, monkeypatch):

@@ -4,8 +4,9 @@ Public API:
 
 * :class:`NVFP4Array` (a pytree), :func:`quantize`, :func:`quantize_experts`, :func:`dequantize`,
   :func:`from_oracle`, :func:`to_oracle`;
-* :func:`checked` (the library's value checks under ``jit``, via ``checkify``; see
-  docs/input-policy.md and :mod:`nvfp4_jax.validate`);
+* :func:`checked`, :func:`checkified` (the library's value checks under ``jit``, via
+  ``checkify``; unchecked code carries none; see docs/input-policy.md and
+  :mod:`nvfp4_jax.validate`);
 * :func:`matmul` (NVFP4 GEMM, W4A16 / W4A4; Pallas-Triton on NVIDIA GPUs, XLA elsewhere);
 * :func:`moe` (routed NVFP4 mixture of experts).
 """
@@ -27,7 +28,7 @@ from .quantize import (  # noqa: E402
     quantize_experts,
     to_oracle,
 )
-from .validate import checked  # noqa: E402
+from .validate import checked, checkified  # noqa: E402
 
-__all__ = ["JAX_RECIPES", "NVFP4Array", "checked", "dequantize", "from_oracle", "matmul", "moe",
+__all__ = ["JAX_RECIPES", "NVFP4Array", "checked", "checkified", "dequantize", "from_oracle", "matmul", "moe",
            "quantize", "quantize_experts", "to_oracle"]

@@ -5,7 +5,8 @@ Two regimes, chosen per value:
 * **concrete** values (numpy arrays, Python scalars, committed ``jax.Array`` s outside
   ``jit``/``vmap``): a bad value raises ``ValueError`` at once, naming the argument, what was
   expected and what was got (for non-finite values: how many and where the first one is);
-* **traced** values (inside ``jax.jit``, ``vmap``, ...): under :func:`checked` the same
+* **traced** values (inside ``jax.jit``, ``vmap``, ...): under :func:`checked` (or
+  :func:`checkified`) the same
   conditions are emitted as ``checkify.debug_check`` s, and a failed check raises
   ``checkify.JaxRuntimeError`` with the same message. Elsewhere nothing is emitted: a check is
   an effect in the jaxpr, and any effect turns off ``jax.jit``'s C++ dispatch for the whole
@@ -41,6 +42,7 @@ __all__ = [
     "check_positive_scale",
     "check_topk_ids",
     "checked",
+    "checkified",
     "dtype_of",
     "is_concrete",
 ]
@@ -209,18 +211,33 @@ def check_moe_args(hidden: Any, fc1: Any, fc2: Any, fc1_input_scale: Any, fc2_in
         check_topk_ids(topk_ids, fc1.shape[0])
 
 
-def checked(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` with the library's value checks on, also under ``jit``: ``nvfp4_jax.checked(f)(*a)``
-    runs ``f`` under ``checkify`` (user checks) and raises ``checkify.JaxRuntimeError`` naming the
-    argument when a check fails; otherwise returns ``f``'s result. ``f`` may be jitted (or
-    contain jitted code); wrap the jitted function, ``checked(jax.jit(f))``, to keep one
-    compilation."""
+def checkified(fn: Callable[..., Any]) -> Callable[..., tuple[checkify.Error, Any]]:
+    """``fn`` under ``checkify`` (user checks) with the library's value checks emitted:
+    ``err, out = nvfp4_jax.checkified(f)(*a)``, ``err.throw()`` raising
+    ``checkify.JaxRuntimeError`` naming the argument when a check failed. Jittable:
+    ``jax.jit(checkified(f))`` compiles once and returns the error as a value (a hot loop
+    calls it and throws outside)."""
     cf = checkify.checkify(fn, errors=checkify.user_checks)
 
     @functools.wraps(fn)
     def run(*args, **kwargs):
         with _CHECKING(True):  # traces (and jit cache entries) with the checks
-            err, out = cf(*args, **kwargs)
+            return cf(*args, **kwargs)
+
+    return run
+
+
+def checked(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` with the library's value checks on, also under ``jit``: ``nvfp4_jax.checked(f)(*a)``
+    runs ``f`` under ``checkify`` (user checks) and raises ``checkify.JaxRuntimeError`` naming the
+    argument when a check fails; otherwise returns ``f``'s result. ``f`` may be jitted (or
+    contain jitted code; its unchecked trace is not reused: the check mode is part of ``jit``'s
+    cache key); wrap the jitted function, ``checked(jax.jit(f))``, to keep one compilation."""
+    cf = checkified(fn)
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        err, out = cf(*args, **kwargs)
         err.throw()
         return out
 

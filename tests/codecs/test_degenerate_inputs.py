@@ -362,6 +362,13 @@ def test_unchecked_traces_carry_no_effects(backend):
     with pytest.raises(checkify.JaxRuntimeError, match="input_scale: expected finite and > 0"):
         nj.checked(f)(x, w, jnp.float32(-1.0))
     assert np.isfinite(np.asarray(f(x, w, jnp.float32(0.001)))).all()  # unchecked again
+    # jitted checkified: the error comes back as a value
+    g = jax.jit(nj.checkified(_matmul_fn(backend, True)))
+    err, _ = g(x, w, jnp.float32(-1.0))
+    with pytest.raises(checkify.JaxRuntimeError, match="input_scale: expected finite and > 0"):
+        err.throw()
+    err, out = g(x, w, jnp.float32(0.001))
+    assert err.get() is None and np.isfinite(np.asarray(out)).all()
 
 
 # moe

@@ -179,18 +179,23 @@ NEMOTRON_H_TINY = {
 }
 
 
-def _nemotron_h_layer(key, kind: str, cfg) -> dict:
-    """One random NVFP4 Nemotron-H layer of ``kind`` (norms, conv, SSM parameters bf16)."""
-    ks = jax.random.split(key, 8)
+def nemotron_h_layer(ks, kind: str, cfg, linear, experts, dense,
+                     input_scale: float = INPUT_SCALE) -> dict:
+    """One random Nemotron-H layer of ``kind`` from 8 keys ``ks``, its weights made by the
+    factories: ``linear(key, n, k)`` an ``nn.Linear`` [N, K], ``experts(key, (E, N, K))`` an
+    expert stack, ``dense(key, shape, role)`` the Mamba conv weight ("conv"), the router
+    ("router") and its correction bias ("bias"); ``input_scale`` the experts' activation scale;
+    norms, biases and the SSM's own parameters are fixed. The benchmark's model and the GPU
+    test's (Gaussian weights quantized) share it."""
     h = cfg.hidden_size
     layer = {"norm": jnp.ones((h,), jnp.bfloat16)}
     if kind == "M":
         nh, cdim = cfg.mamba_num_heads, cfg.conv_dim
         dt = jnp.exp(jnp.linspace(np.log(1e-3), np.log(1e-1), nh))
         layer["mamba"] = {
-            "in_proj": _linear(ks[0], cfg.mamba_inner + cdim + nh, h, "nvfp4"),
-            "out_proj": _linear(ks[1], h, cfg.mamba_inner, "nvfp4"),
-            "conv_weight": _bf16(ks[2], (cdim, cfg.conv_kernel), exponent=0x3E80),
+            "in_proj": linear(ks[0], cfg.mamba_inner + cdim + nh, h),
+            "out_proj": linear(ks[1], h, cfg.mamba_inner),
+            "conv_weight": dense(ks[2], (cdim, cfg.conv_kernel), "conv"),
             "conv_bias": jnp.zeros((cdim,), jnp.bfloat16),
             "A_log": jnp.log(jnp.arange(1, nh + 1, dtype=jnp.float32)).astype(jnp.bfloat16),
             "D": jnp.ones((nh,), jnp.bfloat16),
@@ -198,24 +203,40 @@ def _nemotron_h_layer(key, kind: str, cfg) -> dict:
             "norm": jnp.ones((cfg.mamba_inner,), jnp.bfloat16)}
     elif kind == "*":
         nq = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
-        layer["self_attn"] = {"qkv_proj": _linear(ks[0], nq, h, "nvfp4"),
-                              "o_proj": _linear(ks[1], h, cfg.num_heads * cfg.head_dim, "nvfp4")}
+        layer["self_attn"] = {"qkv_proj": linear(ks[0], nq, h),
+                              "o_proj": linear(ks[1], h, cfg.num_heads * cfg.head_dim)}
     elif kind == "-":
-        layer["mlp"] = {"up_proj": _linear(ks[0], cfg.intermediate_size, h, "nvfp4"),
-                        "down_proj": _linear(ks[1], h, cfg.intermediate_size, "nvfp4")}
+        layer["mlp"] = {"up_proj": linear(ks[0], cfg.intermediate_size, h),
+                        "down_proj": linear(ks[1], h, cfg.intermediate_size)}
     else:
         e, i = cfg.num_experts, cfg.moe_intermediate_size
-        s = jnp.full((e,), INPUT_SCALE, jnp.float32)
-        routed = nn.MoE(_bf16(ks[2], (e, h), exponent=0x3E00), _nvfp4(ks[0], (e, i, h)),
-                        _nvfp4(ks[1], (e, h, i)), s, s,
-                        correction_bias=_bf16(ks[3], (e,), exponent=0x3D00).astype(jnp.float32),
+        s = jnp.full((e,), input_scale, jnp.float32)
+        routed = nn.MoE(dense(ks[2], (e, h), "router"), experts(ks[0], (e, i, h)),
+                        experts(ks[1], (e, h, i)), s, s,
+                        correction_bias=dense(ks[3], (e,), "bias"),
                         top_k=cfg.num_experts_per_tok, routing="sigmoid_bias", renormalize=True,
                         routed_scaling_factor=cfg.routed_scaling_factor, activation="relu2")
         m = cfg.moe_shared_expert_intermediate_size
         layer["moe"] = {"routed": routed,
-                        "shared": {"up_proj": _linear(ks[4], m, h, "nvfp4"),
-                                   "down_proj": _linear(ks[5], h, m, "nvfp4")}}
+                        "shared": {"up_proj": linear(ks[4], m, h),
+                                   "down_proj": linear(ks[5], h, m)}}
     return layer
+
+
+#: the benchmark's bf16 values by role: (binade exponent bits, dtype)
+_NEMOTRON_DENSE = {"conv": (0x3E80, jnp.bfloat16), "router": (0x3E00, jnp.bfloat16),
+                   "bias": (0x3D00, jnp.float32)}
+
+
+def _nemotron_h_layer(key, kind: str, cfg) -> dict:
+    """One random NVFP4 Nemotron-H layer of ``kind``: random codes and scales
+    (``_nvfp4``), bf16 values of one binade (``_bf16``)."""
+    def dense(k, shape, role):
+        exponent, dtype = _NEMOTRON_DENSE[role]
+        return _bf16(k, shape, exponent=exponent).astype(dtype)
+
+    return nemotron_h_layer(jax.random.split(key, 8), kind, cfg,
+                            lambda k, n, kk: _linear(k, n, kk, "nvfp4"), _nvfp4, dense)
 
 
 def build_nemotron_h(cfg, seed: int = 0):

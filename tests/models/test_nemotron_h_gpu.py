@@ -19,7 +19,10 @@ import numpy as np
 import pytest
 
 import nvfp4_jax as nj
+from bench_modules import fresh
 from nvfp4_jax import models, nn
+
+e2e_bench = fresh("e2e_bench")
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(jax.default_backend() != "gpu",
@@ -40,49 +43,27 @@ def _lin(key, n, k, std=0.02):
     return nn.Linear(nj.quantize(w, "modelopt"), jnp.float32(INPUT_SCALE))
 
 
+def _experts(key, shape):
+    return nj.quantize_experts(jax.random.normal(key, shape) * 0.02, "modelopt")
+
+
+def _dense(key, shape, role):
+    """Gaussian conv weight (bf16), router (fp32) and correction bias (fp32)."""
+    if role == "conv":
+        return (jax.random.normal(key, shape) * 0.3).astype(jnp.bfloat16)
+    return jax.random.normal(key, shape, jnp.float32) * 0.05
+
+
 def random_nemotron_h(cfg: models.NemotronHConfig, seed: int = 0) -> models.NemotronHModel:
-    """Random Nemotron-H weights (NVFP4 linears and experts, bf16/fp32 as a ModelOpt export
-    holds the rest)."""
+    """Random Nemotron-H weights (Gaussian, the NVFP4 linears and experts quantized as a
+    ModelOpt export holds them; bf16/fp32 the rest), layers from the benchmark's builder."""
     key = jax.random.key(seed)
     h = cfg.hidden_size
     layers = []
     for kind in cfg.layer_types:
         key, *ks = jax.random.split(key, 8)
-        layer = {"norm": jnp.ones((h,), jnp.bfloat16)}
-        if kind == "M":
-            nh, cdim = cfg.mamba_num_heads, cfg.conv_dim
-            dt = jnp.exp(jnp.linspace(np.log(1e-3), np.log(1e-1), nh))
-            layer["mamba"] = {
-                "in_proj": _lin(ks[0], cfg.mamba_inner + cdim + nh, h),
-                "out_proj": _lin(ks[1], h, cfg.mamba_inner),
-                "conv_weight": (jax.random.normal(ks[2], (cdim, cfg.conv_kernel)) * 0.3
-                                ).astype(jnp.bfloat16),
-                "conv_bias": jnp.zeros((cdim,), jnp.bfloat16),
-                "A_log": jnp.log(jnp.arange(1, nh + 1, dtype=jnp.float32)).astype(jnp.bfloat16),
-                "D": jnp.ones((nh,), jnp.bfloat16),
-                "dt_bias": (dt + jnp.log(-jnp.expm1(-dt))).astype(jnp.bfloat16),
-                "norm": jnp.ones((cfg.mamba_inner,), jnp.bfloat16)}
-        elif kind == "*":
-            nq = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
-            layer["self_attn"] = {"qkv_proj": _lin(ks[0], nq, h),
-                                  "o_proj": _lin(ks[1], h, cfg.num_heads * cfg.head_dim)}
-        elif kind == "-":
-            layer["mlp"] = {"up_proj": _lin(ks[0], cfg.intermediate_size, h),
-                            "down_proj": _lin(ks[1], h, cfg.intermediate_size)}
-        else:
-            e, i = cfg.num_experts, cfg.moe_intermediate_size
-            s = jnp.full((e,), INPUT_SCALE, jnp.float32)
-            fc1 = nj.quantize_experts(jax.random.normal(ks[0], (e, i, h)) * 0.02, "modelopt")
-            fc2 = nj.quantize_experts(jax.random.normal(ks[1], (e, h, i)) * 0.02, "modelopt")
-            routed = nn.MoE(jax.random.normal(ks[2], (e, h), jnp.float32) * 0.05, fc1, fc2, s, s,
-                            correction_bias=jax.random.normal(ks[3], (e,)) * 0.05,
-                            top_k=cfg.num_experts_per_tok, routing="sigmoid_bias",
-                            renormalize=True, routed_scaling_factor=cfg.routed_scaling_factor,
-                            activation="relu2")
-            m = cfg.moe_shared_expert_intermediate_size
-            layer["moe"] = {"routed": routed, "shared": {"up_proj": _lin(ks[4], m, h),
-                                                         "down_proj": _lin(ks[5], h, m)}}
-        layers.append(layer)
+        layers.append(e2e_bench.nemotron_h_layer(ks, kind, cfg, _lin, _experts, _dense,
+                                                 INPUT_SCALE))
     k1, k2 = jax.random.split(key)
     embed = jax.random.normal(k1, (cfg.vocab_size, h), jnp.bfloat16)
     head = (jax.random.normal(k2, (cfg.vocab_size, h)) * 0.02).astype(jnp.bfloat16)

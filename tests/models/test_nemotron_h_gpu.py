@@ -17,9 +17,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from bench_modules import fresh
 
 import nvfp4_jax as nj
-from bench_modules import fresh
 from nvfp4_jax import models, nn
 
 e2e_bench = fresh("e2e_bench")

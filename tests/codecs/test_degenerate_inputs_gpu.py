@@ -65,3 +65,24 @@ def test_gpu_moe_nonfinite_hidden_and_bad_ids(backend):
     out = np.asarray(f(jnp.asarray(hid, jnp.bfloat16), jnp.asarray(ids)).astype(jnp.float32))
     assert np.isnan(out[4]).all(), f"row 4: {int(np.isfinite(out[4]).sum())} finite"
     assert np.isfinite(np.delete(out, 4, 0)).all(), "another row is not finite"
+
+
+@pytest.mark.parametrize("backend", ["pallas", "mosaic", "auto"])
+def test_gpu_jitted_callers_carry_no_effects(backend):
+    """On the GPU too (the Mosaic kernels trace only here), a jitted caller of matmul and moe
+    holds no effect: each call keeps jit's C++ dispatch (docs/input-policy.md)."""
+    rng = np.random.default_rng(2)
+    t, h, i, e, k = 4, 512, 256, 8, 2
+    w = nj.quantize(jnp.asarray(rng.standard_normal((N, K)), jnp.float32), "modelopt")
+    x = jnp.asarray(rng.standard_normal((M, K)), jnp.bfloat16)
+    for kw in ({}, {"input_scale": 0.002}):
+        f = jax.jit(lambda v, kw=kw: nj.matmul(v, w, backend=backend, **kw))
+        assert jax.make_jaxpr(f)(x).effects == set(), kw
+    fc1 = nj.quantize_experts(jnp.asarray(rng.standard_normal((e, 2 * i, h)) / 16, jnp.float32))
+    fc2 = nj.quantize_experts(jnp.asarray(rng.standard_normal((e, h, i)) / 16, jnp.float32))
+    s = jnp.full((e,), 0.002, jnp.float32)
+    ids = jnp.asarray(np.stack([rng.permutation(e)[:k] for _ in range(t)]).astype(np.int32))
+    g = jax.jit(lambda hid: nj.moe(hid, fc1=fc1, fc2=fc2, fc1_input_scale=s, fc2_input_scale=s,
+                                   topk_ids=ids, topk_weights=jnp.full((t, k), 0.5),
+                                   activation="swiglu", backend=backend))
+    assert jax.make_jaxpr(g)(jnp.asarray(rng.standard_normal((t, h)), jnp.bfloat16)).effects == set()

@@ -179,15 +179,20 @@ def test_config_errors_name_the_field():
 
 
 def test_default_decode_tiles_per_family(monkeypatch):
-    """Decode tiles (BM 16): on sm_90 BN 64 for both GEMMs and the 2-byte decode (measured,
-    moe-candidates-h200.json); elsewhere the SM12x rule (BN 128 where two programs per SM
-    remain) and the 4-byte decode. Nemotron-shaped at T = 8 (48 routes of 128 experts)."""
+    """Decode tiles (BM 16): on sm_90 the measured ``SM90_DECODE`` entry of the layer's FC1
+    kind for both GEMMs (moe-candidates-h200.json), prefill tiles untouched by it; elsewhere
+    the SM12x rule (BN 128 where two programs per SM remain) and the 4-byte decode.
+    Nemotron-shaped at T = 8 (48 routes of 128 experts), Qwen3-shaped gated."""
     from nvfp4_jax.moe import configs as moe_configs
 
     kw = dict(inter=1856, hidden=2688, gated=False, mma="bf16")
     monkeypatch.setattr(moe_configs, "is_sm90", lambda: True)
-    c = default_config(48, 128, **kw)
-    assert (c.fc1.block_m, c.fc1.block_n, c.fc2.block_n, c.fc1.decode) == (16, 64, 64, "asm2m")
+    for gated in (False, True):
+        c = default_config(48, 128, **{**kw, "gated": gated})
+        assert c.fc1 == c.fc2 == moe_configs.SM90_DECODE[gated] and c.fc1.block_m == 16
+        assert c.mma == "bf16"
+    c = default_config(4096 * 8, 128, inter=768, hidden=2048, gated=True, mma="bf16")
+    assert c.fc1.block_m == 64 and c.fc1.decode == "asm2m"  # prefill: the general rule
     monkeypatch.setattr(moe_configs, "is_sm90", lambda: False)
     c = default_config(48, 128, **kw)
     assert (c.fc1.block_m, c.fc1.block_n, c.fc2.block_n, c.fc1.decode) == (16, 128, 128, "asmm")

@@ -3,10 +3,11 @@ JAX starts with 8 host devices (``XLA_FLAGS=--xla_force_host_platform_device_cou
 set before JAX starts its backends; the rest of the suite runs without it). The subprocess runs
 the test module as a script (:func:`main`), which prints one JSON object of
 ``{check name: {"ok": bool, "detail": str}}``; the module's ``results`` fixture
-(:func:`run_module`) reads it back."""
+(:func:`run_module`) reads it back, once per session."""
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import subprocess
@@ -60,8 +61,24 @@ def expect_value_errors(cases) -> tuple[bool, str]:
     return not msgs, "; ".join(msgs) or f"{len(cases)} clear ValueErrors"
 
 
-def run_module(path: str, what: str) -> dict:
-    """Run the test module ``path`` as a script on 8 host devices; its checks' results."""
+def run_module(path: str, what: str, tmp_path_factory=None) -> dict:
+    """Run the test module ``path`` as a script on 8 host devices; its checks' results.
+    ``tmp_path_factory`` (pytest's): the results are shared by the session's xdist workers
+    (a file under their common base, written under a lock), so the subprocess runs once per
+    module however the module's tests are spread over workers."""
+    if tmp_path_factory is not None:
+        base = tmp_path_factory.getbasetemp()
+        if os.environ.get("PYTEST_XDIST_WORKER"):
+            base = base.parent  # the session's directory, shared by its workers
+        stem = os.path.splitext(os.path.basename(path))[0]
+        out = base / f"{stem}-results.json"
+        with open(base / f"{stem}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when closed
+            if out.exists():
+                return json.loads(out.read_text())
+            res = run_module(path, what)
+            out.write_text(json.dumps(res))
+            return res
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
                JAX_PLATFORMS="cpu", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run([sys.executable, os.path.abspath(path)], env=env, cwd=ROOT,

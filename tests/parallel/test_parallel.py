@@ -266,8 +266,8 @@ def run_checks() -> dict:
 
 
 @pytest.fixture(scope="module")
-def results() -> dict:
-    return run_module(__file__, "parallel checks")
+def results(tmp_path_factory) -> dict:
+    return run_module(__file__, "parallel checks", tmp_path_factory)
 
 
 @pytest.mark.parametrize("name", check_names())

@@ -373,8 +373,8 @@ def _with(model, **cfg):
 
 
 @pytest.fixture(scope="module")
-def results() -> dict:
-    return run_module(__file__, "parallel model checks")
+def results(tmp_path_factory) -> dict:
+    return run_module(__file__, "parallel model checks", tmp_path_factory)
 
 
 @pytest.mark.parametrize("name", check_names())

@@ -24,8 +24,6 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
-import glob
-import gzip
 import json
 import os
 import re
@@ -40,7 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import e2e_bench  # noqa: E402
-from moe_profile import device_events, kernel_table  # noqa: E402
+from moe_profile import device_events, kernel_table, load_trace  # noqa: E402
 from run_meta import run_metadata  # noqa: E402
 
 from nvfp4_jax import models  # noqa: E402
@@ -58,18 +56,12 @@ def copies_us(rows) -> float:
     return sum(us for us, _, name in rows if COPY_KERNEL.match(name))
 
 
-def host_events(trace_dir: str, steps: int, top: int = 25) -> list[dict]:
-    """The host side of a trace: complete events off the GPU's tracks (XLA's thunks, the
-    runtime's launches; not Python's frames), by name, ms per step summed over threads, largest first (nested events
-    count in each of their parents' names too: a table of where host time goes, not a sum)."""
-    paths = glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True)
-    if not paths:
-        return []
-    with gzip.open(paths[0]) as f:
-        doc = json.load(f)
-    events = doc["traceEvents"] if isinstance(doc, dict) else doc
-    pname = {e["pid"]: e["args"].get("name", "") for e in events
-             if e.get("ph") == "M" and e.get("name") == "process_name" and "args" in e}
+def host_events(trace: tuple[list[dict], dict, dict], steps: int, top: int = 25) -> list[dict]:
+    """The host side of a ``load_trace``: complete events off the GPU's tracks (XLA's thunks,
+    the runtime's launches; not Python's frames), by name, ms per step summed over threads,
+    largest first (nested events count in each of their parents' names too: a table of where
+    host time goes, not a sum)."""
+    events, pname, _ = trace
     per = collections.defaultdict(lambda: [0.0, 0])
     for e in events:
         if (e.get("ph") == "X" and "gpu" not in pname.get(e.get("pid"), "").lower()
@@ -119,8 +111,9 @@ def profile_decode(model, context: int, steps: int, backend: str = "auto",
     with tempfile.TemporaryDirectory() as d:
         with jax.profiler.trace(d, create_perfetto_trace=True):
             tok, cache, wall, _ = run(steps, tok, cache)
-        evs, tracks = device_events(d)
-        host_rows = host_events(d, steps)
+        trace = load_trace(d)
+    evs, tracks = device_events(trace)
+    host_rows = host_events(trace, steps)
     rows, busy, span = kernel_table(evs, steps)
     rec = {"untraced_wall_ms_per_step": untraced * 1e3, "host_ms_per_step": host * 1e3,
            "wall_ms_per_step": wall * 1e3, "device_events": len(evs), "tracks": tracks[:20],

@@ -41,10 +41,9 @@ from moe_bench import (
 )
 
 
-def device_events(trace_dir: str) -> tuple[list[dict], list[str]]:
-    """Complete events on the GPU's stream tracks of the perfetto trace JAX wrote (a device's
-    "XLA Ops"/"XLA Modules" tracks repeat the same time as ops, so only "Stream" tracks count;
-    all tracks if none is named so)."""
+def load_trace(trace_dir: str) -> tuple[list[dict], dict, dict]:
+    """The perfetto trace JAX wrote under ``trace_dir``: (its events, process names by pid,
+    thread names by (pid, tid))."""
     paths = glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True)
     paths += glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True)
     if not paths:
@@ -56,6 +55,14 @@ def device_events(trace_dir: str) -> tuple[list[dict], list[str]]:
     pname = {e["pid"]: e["args"].get("name", "") for e in meta if e.get("name") == "process_name"}
     tname = {(e["pid"], e.get("tid")): e["args"].get("name", "") for e in meta
              if e.get("name") == "thread_name"}
+    return events, pname, tname
+
+
+def device_events(trace: tuple[list[dict], dict, dict]) -> tuple[list[dict], list[str]]:
+    """Complete events on the GPU's stream tracks of a ``load_trace`` (a device's
+    "XLA Ops"/"XLA Modules" tracks repeat the same time as ops, so only "Stream" tracks count;
+    all tracks if none is named so)."""
+    events, pname, tname = trace
     gpu = {pid for pid, n in pname.items() if "gpu" in n.lower()}
     streams = {key for key, n in tname.items() if key[0] in gpu and "stream" in n.lower()}
     keep = [e for e in events if e.get("ph") == "X" and e.get("pid") in gpu
@@ -73,7 +80,7 @@ def traced_events(step, state, reps: int) -> tuple[list[dict], list[str]]:
             for _ in range(reps):
                 state = step(state)
             jax.block_until_ready(state)
-        return device_events(d)
+        return device_events(load_trace(d))
 
 
 def kernel_table(evs: list[dict], units: int) -> tuple[list[tuple[float, float, str]], float, float]:

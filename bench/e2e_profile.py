@@ -104,7 +104,8 @@ def profile_decode(model, context: int, steps: int, backend: str = "auto",
         with open(hlo_path, "w") as f:
             # the model an argument, as decode_step takes it (closed over, its weights would be
             # constants of another program)
-            f.write(models.decode_step.lower(model, tok, cache, backend=backend).compile().as_text())
+            lowered = models.decode_step.lower(model, tok, cache, backend=backend)
+            f.write(lowered.compile().as_text())
     # untraced: the wall time per step, and the host's share of it (dispatch is asynchronous,
     # so host ~= wall means the host, not the GPU, sets the pace)
     tok, cache, untraced, host = run(steps, tok, cache)

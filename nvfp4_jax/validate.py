@@ -6,9 +6,9 @@ Two regimes, chosen per value:
   ``jit``/``vmap``): a bad value raises ``ValueError`` at once, naming the argument, what was
   expected and what was got (for non-finite values: how many and where the first one is);
 * **traced** values (inside ``jax.jit``, ``vmap``, ...): under :func:`checked` (or
-  :func:`checkified`) the same
-  conditions are emitted as ``checkify.debug_check`` s, and a failed check raises
-  ``checkify.JaxRuntimeError`` with the same message. Elsewhere nothing is emitted: a check is
+  :func:`checkified`) the same conditions are emitted as ``checkify.debug_check`` s, and a
+  failed check raises ``checkify.JaxRuntimeError`` with the same message. Elsewhere nothing
+  is emitted (neither the check nor its operands): a check is
   an effect in the jaxpr, and any effect turns off ``jax.jit``'s C++ dispatch for the whole
   jitted function (every call then runs JAX's Python dispatch: milliseconds of host time per
   decode step). Which of the two a trace gets is part of ``jit``'s cache key
@@ -54,10 +54,12 @@ FLOAT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 _CHECKING = jax.make_user_context(False)
 
 
-def _debug_check(pred: Any, msg: str, *fmt_args: Any) -> None:
-    """``checkify.debug_check(pred, msg, *fmt_args)`` under :func:`checked`; nothing otherwise
-    (an effect in every trace would cost each jitted caller its C++ dispatch)."""
+def _debug_check(msg: str, make: Callable[[], tuple]) -> None:
+    """Under :func:`checked`: ``checkify.debug_check(pred, msg, *fmt_args)`` with
+    ``(pred, *fmt_args) = make()``; otherwise nothing, not even the check's operands (an effect
+    in every trace would cost each jitted caller its C++ dispatch)."""
     if _CHECKING.value:
+        pred, *fmt_args = make()
         checkify.debug_check(pred, msg, *fmt_args)
 
 
@@ -106,9 +108,8 @@ def check_finite(name: str, x: Any) -> None:
                                  f"{xa.size} ({_first_bad(bad, xa)})")
         return
     if jnp.issubdtype(x.dtype, jnp.floating):
-        _debug_check(jnp.all(jnp.isfinite(x)),
-                     f"{name}: expected finite values, got {{}} non-finite",
-                     jnp.sum(~jnp.isfinite(x)))
+        _debug_check(f"{name}: expected finite values, got {{}} non-finite",
+                     lambda: (jnp.all(jnp.isfinite(x)), jnp.sum(~jnp.isfinite(x))))
 
 
 def check_positive_scale(name: str, s: Any, *, bounds: tuple[float, float] | None = None) -> None:
@@ -125,10 +126,13 @@ def check_positive_scale(name: str, s: Any, *, bounds: tuple[float, float] | Non
             where = "" if a.ndim == 0 else f" at index {tuple(int(i) for i in np.argwhere(~ok)[0])}"
             raise ValueError(f"{name}: expected {want}, got {bad[0]}{where}")
         return
-    a = jnp.asarray(s, jnp.float32)
-    ok = jnp.isfinite(a) & (a > 0) & (a >= lo) & (a <= hi)
-    _debug_check(jnp.all(ok), f"{name}: expected {want}, got min {{}} max {{}}",
-                 jnp.min(a), jnp.max(a))
+
+    def make():
+        a = jnp.asarray(s, jnp.float32)
+        ok = jnp.isfinite(a) & (a > 0) & (a >= lo) & (a <= hi)
+        return jnp.all(ok), jnp.min(a), jnp.max(a)
+
+    _debug_check(f"{name}: expected {want}, got min {{}} max {{}}", make)
 
 
 def check_topk_ids(topk_ids: Any, num_experts: int) -> None:
@@ -141,9 +145,9 @@ def check_topk_ids(topk_ids: Any, num_experts: int) -> None:
             raise ValueError(f"topk_ids: expected expert ids in [0, {num_experts}), got "
                              f"{int(bad.sum())} outside (first at index {first}: {ids[first]})")
         return
-    _debug_check(jnp.all((topk_ids >= 0) & (topk_ids < num_experts)),
-                 f"topk_ids: expected expert ids in [0, {num_experts}), got min {{}} "
-                 "max {}", jnp.min(topk_ids), jnp.max(topk_ids))
+    _debug_check(f"topk_ids: expected expert ids in [0, {num_experts}), got min {{}} max {{}}",
+                 lambda: (jnp.all((topk_ids >= 0) & (topk_ids < num_experts)),
+                          jnp.min(topk_ids), jnp.max(topk_ids)))
 
 
 def check_array(name: str, a: Any, *, ndim: int | None = None) -> None:
@@ -167,8 +171,8 @@ def check_array(name: str, a: Any, *, ndim: int | None = None) -> None:
             raise ValueError(f"{name}.scales: expected E4M3 block scales, got {n} NaN bytes "
                              "(0x7F/0xFF)")
     else:
-        _debug_check(~jnp.any(jnp.isnan(scales.astype(jnp.float32))),
-                     f"{name}.scales: expected E4M3 block scales, got NaN bytes")
+        _debug_check(f"{name}.scales: expected E4M3 block scales, got NaN bytes",
+                     lambda: (~jnp.any(jnp.isnan(scales.astype(jnp.float32))),))
 
 
 def check_stack(name: str, stack: Any, of: Any, layer: Any, what: str = "an NVFP4Array") -> None:

@@ -404,9 +404,15 @@ def candidates_sweep(out_path, shapes, tokens, budget_s, repeats=3, target_s=0.0
             timers, recs = [], []
             todo = [("mosaic", None)] + [(lb, c) for lb, c in moe_sweep_candidates(s, t)
                                          if labels is None or lb in labels]
+            if p_mos is not None:  # the Mosaic MoE's own tiles with mma.sync (the SM 12.x form)
+                todo.append(("mosaic_sync", mosaic_sync_config(s, t)))
             for label, cfg in todo:
-                rec = {**base, "label": label, "backend": "mosaic" if cfg is None else "pallas"}
-                if cfg is not None:
+                sync = label == "mosaic_sync"
+                rec = {**base, "label": label,
+                       "backend": "mosaic" if cfg is None or sync else "pallas"}
+                if sync:
+                    rec.update(fc1=dataclasses.asdict(cfg.fc1), fc2=dataclasses.asdict(cfg.fc2))
+                elif cfg is not None:
                     rec.update(fc1=dataclasses.asdict(cfg.fc1), fc2=dataclasses.asdict(cfg.fc2),
                                mma=cfg.resolved_mma())
                     if not gpu:  # the inline-asm decodes need the GPU
@@ -422,8 +428,8 @@ def candidates_sweep(out_path, shapes, tokens, budget_s, repeats=3, target_s=0.0
                     recs.append({**rec, "skipped": "budget"})
                     continue
                 try:
-                    if cfg is None:
-                        fn, params = nvfp4_layer(act, **mos_sel), p_mos
+                    if cfg is None or sync:
+                        fn, params = nvfp4_layer(act, config=cfg, **mos_sel), p_mos
                     else:
                         fn, params = nvfp4_layer(act, config=cfg, **tri_sel), p_tri
                     run = timed_loop(fn, per_layer_scales)
@@ -455,6 +461,18 @@ def candidates_sweep(out_path, shapes, tokens, budget_s, repeats=3, target_s=0.0
     return doc
 
 
+def mosaic_sync_config(shape, t: int):
+    """The Mosaic MoE's config for this layer and T (``moe.mosaic.auto_config``) with both
+    grouped GEMMs on ``mma.sync`` (one warpgroup, no overlap)."""
+    from nvfp4_jax.moe import mosaic as moe_mosaic
+
+    rows1 = (2 if shape["activation"] == "swiglu" else 1) * shape["inter"]
+    cfg = moe_mosaic.auto_config(t * shape["top_k"], shape["experts"], hidden=shape["hidden"],
+                                 rows1=rows1, inter=shape["inter"])
+    sync = lambda c: dataclasses.replace(c, mma="sync", overlap=False, consumers=1, measured="")
+    return dataclasses.replace(cfg, fc1=sync(cfg.fc1), fc2=sync(cfg.fc2), measured="")
+
+
 def moe_candidates_table(doc) -> str:
     """Markdown: per shape and T, each timed entry's median us and its ratio to the Mosaic
     MoE, fastest first; then the candidates that were skipped or failed."""
@@ -471,8 +489,12 @@ def moe_candidates_table(doc) -> str:
         for r in sorted(rs, key=lambda r: r["median_us"]):
             c1, c2 = r.get("fc1"), r.get("fc2")
             ran = f" (ran {r['decode_run']})" if r.get("decode_run") else ""
-            tiles = (f"{c1['block_n']}/{c2['block_n']} | {c1['block_k']} | {c1['num_warps']} | "
-                     f"{c1['num_stages']} | {c1['decode']}{ran}" if c1 else "- | - | - | - | -")
+            if c1 and "mma" in c1:  # a Mosaic config (mosaic_sync): one warpgroup, PTX decode
+                tiles = (f"{c1['block_n']}/{c2['block_n']} | {c1['block_k']} | 4 | "
+                         f"{c1['num_stages']} | mosaic ({c1['mma']})")
+            else:
+                tiles = (f"{c1['block_n']}/{c2['block_n']} | {c1['block_k']} | {c1['num_warps']} | "
+                         f"{c1['num_stages']} | {c1['decode']}{ran}" if c1 else "- | - | - | - | -")
             ratio = f"{r['ratio_vs_mosaic']:.2f}" if r.get("ratio_vs_mosaic") else "-"
             lines.append(f"| {shape} | {t} | {r['label']} | {tiles} | {r['median_us']:.1f} | "
                          f"{ratio} |")

@@ -6,12 +6,14 @@ Backends (``backend=``):
   capability >= 8.9 (the kernel converts E4M3 scales in registers); on CPU it runs in Pallas
   interpret mode (slow, for tests);
 * ``"xla"``: exact dequantize, then ``jnp.dot`` with fp32 accumulation (xla.py), any device;
-* ``"mosaic"``: the Mosaic GPU kernel (mosaic.py, Hopper sm_90, M <= 64, K % 256 == 0, bf16
-  activations); other shapes or devices fall back to ``"pallas"`` (logged);
-* ``"auto"``: ``"pallas"`` on a supported NVIDIA GPU, else ``"xla"``; on sm_90 every shape the
-  Mosaic kernel runs (M <= 64, K % 256 == 0) uses ``"mosaic"`` (faster than Pallas-Triton at
-  every shape measured), with the tuned tiles of ``mosaic.AUTO_SM90`` where listed. The choice
-  is logged.
+* ``"mosaic"``: the Mosaic GPU kernel (mosaic.py, M <= 64, K % 256 == 0, bf16 activations):
+  wgmma on sm_90; on SM 12.x (RTX 50xx, DGX Spark) the same kernel on warp-level
+  ``mma.sync`` (``MosaicConfig(mma="sync")``, JAX >= 0.11); other shapes or devices fall back to
+  ``"pallas"`` (logged);
+* ``"auto"``: ``"pallas"`` on a supported NVIDIA GPU, else ``"xla"``; on sm_90 and SM 12.x
+  every shape the Mosaic kernel runs (M <= 64, K % 256 == 0, bf16 x: W4A16, and W4A4 on the
+  bf16 MMA) uses ``"mosaic"`` (faster than Pallas-Triton at every shape measured on the H200,
+  in both forms), with the tiles of ``mosaic.config_for``. The choice is logged.
 
 W4A4 on the Pallas backend multiplies on one of two MMAs (``mma=``, ``fp4mma.MMAS``):
 ``"fp4"``, the block-scaled FP4 MMA (``fp4mma.gemm_fp4mma`` on the codes and E4M3 scale bytes
@@ -129,32 +131,49 @@ def resolve_backend(backend: str) -> str:
     return "xla"
 
 
+def _mosaic_family(cc: int | None) -> str | None:
+    """Why the Mosaic kernel cannot run on compute capability ``cc``, or None if it can: sm_90
+    (wgmma), SM 12.x with ``plgpu.mma`` (JAX >= 0.11; the ``mma="sync"`` form)."""
+    if cc == 90:
+        return None
+    if cc is not None and 120 <= cc < 130:
+        return None if mosaic.has_mma_sync() else (
+            f"sm_{cc}: the Mosaic kernel's SM 12.x form needs plgpu.mma (JAX >= 0.11), this is "
+            f"JAX {jax.__version__}")
+    return f"the Mosaic kernel needs an sm_90 or SM 12.x GPU, found {cc}"
+
+
 def _pick_mosaic(backend: str, impl: str, m: int, n: int, k: int, x_dtype,
                  config=None) -> str:
     """"mosaic" where it applies: explicitly asked for (else fall back to "pallas", logged), or
-    "auto" on sm_90 for every shape the kernel runs (M <= 64, K % 256 == 0), with the tuned
-    tiles of ``mosaic.AUTO_SM90`` where the (M bucket, N, K) is listed, else
-    ``mosaic.default_config``, unless a Pallas-Triton ``config`` was given (its tiles are
-    what the caller asked for). Otherwise ``impl`` unchanged."""
+    "auto" on sm_90 and on SM 12.x (with ``plgpu.mma``: JAX >= 0.11) for every shape the
+    kernel runs (M <= 64, K % 256 == 0, bf16 activations), with ``mosaic.config_for``'s
+    tiles, unless a Pallas-Triton ``config`` was given (its tiles are what the caller asked
+    for). Otherwise ``impl`` unchanged; an SM 12.x GPU without ``plgpu.mma`` says so (logged)."""
+    cc = gpu_compute_capability()
     if backend == "auto":
-        if impl != "pallas" or gpu_compute_capability() != 90 or x_dtype != jnp.bfloat16:
+        if impl != "pallas" or x_dtype != jnp.bfloat16 or isinstance(config, Config):
             return impl
-        if isinstance(config, Config):
+        if cc != 90 and (cc is None or not 120 <= cc < 130):
             return impl
         try:
             mosaic.check_supported(m, n, k)
         except ValueError:
             return impl
+        why = _mosaic_family(cc)
+        if why is not None:
+            log.info("nvfp4_jax.matmul: backend auto -> pallas (%s)", why)
+            return impl
         tiles = "tuned" if mosaic.auto_config(m, n, k) is not None else "default_config tiles"
-        log.info("nvfp4_jax.matmul: backend auto -> mosaic (sm_90, M=%d N=%d K=%d, %s)",
-                 m, n, k, tiles)
+        log.info("nvfp4_jax.matmul: backend auto -> mosaic (sm_%d%s, M=%d N=%d K=%d, %s)",
+                 cc, "" if cc == 90 else ", mma.sync", m, n, k, tiles)
         return "mosaic"
     if impl != "mosaic":
         return impl
-    cc = gpu_compute_capability()
     try:
-        if cc != 90:
-            raise ValueError(f"backend: the Mosaic kernel needs an sm_90 GPU, found {cc}")
+        why = _mosaic_family(cc)
+        if why is not None:
+            raise ValueError(f"backend: {why}")
         if x_dtype != jnp.bfloat16:
             raise ValueError(f"x: the Mosaic kernel takes bfloat16 activations, got {x_dtype}")
         mosaic.check_supported(m, n, k)
@@ -326,7 +345,7 @@ def matmul(
     # the W4A4 operand is bf16 whatever x's dtype (e2m1 * e4m3 values)
     impl = _pick_mosaic(backend, impl, m, n, k, jnp.bfloat16 if w4a4 else x2.dtype, config)
     if impl == "mosaic":
-        mcfg = mosaic.auto_config(m, n, k) or mosaic.default_config(m, n, k)
+        mcfg = mosaic.config_for(m, n, k, gpu_compute_capability())
         if w4a4:  # quantized, K-permuted and padded to the token tile in one kernel (IEEE divisions)
             xp = w4a4_operand(x2, s_in, rows=mosaic.token_tile(m), permute=True)
             out = mosaic.matmul_mosaic(xp, w.codes, w_scales, alpha, out_dtype=out_dtype, config=mcfg,

@@ -40,6 +40,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from ..device import is_sm12x
+
 log = logging.getLogger(__name__)
 
 MAX_M = 64
@@ -47,6 +49,8 @@ TOKEN_TILES = (8, 16, 32, 64)
 BLOCK_K = 256  # smallest K per pipeline step (scales tile = 16 bytes per row: the TMA minimum)
 BLOCK_KS = (256, 512)
 SMEM_LIMIT = 227 * 1024  # shared memory one CTA may use on sm_90
+SM12X_SMEM_LIMIT = 99 * 1024  # ... on SM 12.x (RTX 50xx, DGX Spark)
+MMAS = ("wgmma", "sync")  # MosaicConfig.mma
 POST_SCALE = 2.0**7  # the decode hands wgmma e2m1 * e4m3 * 2^-7 (see module docstring)
 
 # K permutation within each 128-element group: fragment column p = 32w + 8j + 2c + l holds
@@ -74,6 +78,11 @@ class MosaicConfig:
     with ``consumers`` compute warpgroups of ``block_n`` weight rows each, sharing every x stage,
     and a producer warpgroup that issues the TMA copies. Dense and grouped kernels; K % 256 ==
     0 or swizzled_128x4 scales (no whole-K buffer).
+    mma: "wgmma" (Hopper) or "sync": Ampere-style ``mma.sync.m16n8k16`` per warp (each warp
+    its 16 rows of every 64-row block), x read from the swizzled stage into the MMA's B
+    registers (``_x_fragment_fn``), the accumulator a loop carry; no wgmma, so the same kernel
+    source is the one SM 12.x (RTX 50xx, DGX Spark: TMA and ``mma.sync``, no wgmma) can run.
+    One warpgroup, no overlap; needs ``plgpu.mma`` (JAX >= 0.11).
     bf16_store: dense kernel, split_k 1, bf16 output: the kernel multiplies its accumulator by
     alpha and stores bf16 (the same fp32 multiply and round to nearest even as the XLA
     epilogue it replaces, one launch and half the output bytes fewer); elsewhere (a split, an
@@ -90,6 +99,7 @@ class MosaicConfig:
     overlap: bool = False
     consumers: int = 1
     bf16_store: bool = False
+    mma: str = "wgmma"
     measured: str = dataclasses.field(default="", compare=False)
 
     def __post_init__(self) -> None:
@@ -104,6 +114,11 @@ class MosaicConfig:
         for name in ("overlap", "bf16_store"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"MosaicConfig.{name}: expected a bool, got {getattr(self, name)!r}")
+        if self.mma not in MMAS:
+            raise ValueError(f"MosaicConfig.mma: expected one of {MMAS}, got {self.mma!r}")
+        if self.mma == "sync" and (self.consumers != 1 or self.overlap):
+            raise ValueError("MosaicConfig.mma: 'sync' runs one warpgroup without overlap, got "
+                             f"consumers={self.consumers}, overlap={self.overlap}")
         if self.consumers not in (1, 2, 3):
             # 4 compute warpgroups hang on the H200. By arithmetic: 5 warpgroups (640 threads)
             # launch with 96 registers per thread (65536 / 640 rounded down to a multiple of 8),
@@ -187,6 +202,45 @@ def auto_config(m: int, n: int, k: int) -> MosaicConfig | None:
         return AUTO_SM90[(8, n, k)]
     b = 16 if m <= 16 else 64
     return AUTO_SM90.get((b, n, k))
+
+
+def has_mma_sync() -> bool:
+    """Whether this JAX's Pallas Mosaic GPU has warp-level MMA (``plgpu.mma``, JAX >= 0.11):
+    what ``mma="sync"`` needs, so what the Mosaic kernels need on SM 12.x."""
+    _, plgpu = pallas_mosaic_gpu()
+    return hasattr(plgpu, "mma")
+
+
+def smem_limit() -> int:
+    """Shared memory one CTA may use on the default device: 99 KB on SM 12.x, else sm_90's."""
+    return SM12X_SMEM_LIMIT if is_sm12x() else SMEM_LIMIT
+
+
+def for_sm12x(cfg: MosaicConfig, m_tile: int, whole_k: int | None = None) -> MosaicConfig:
+    """``cfg`` in the form SM 12.x runs: ``mma="sync"``, one warpgroup, no overlap, within
+    ``SM12X_SMEM_LIMIT`` (fewer stages down to 2, then block_k 256, then block_n 64). The
+    tiles stay the sm_90 table's otherwise: no SM 12.x GPU has measured its own."""
+    c = dataclasses.replace(cfg, mma="sync", overlap=False, consumers=1, measured="")
+    while c.smem_bytes(m_tile, whole_k) > SM12X_SMEM_LIMIT:
+        if c.num_stages > 2:
+            c = dataclasses.replace(c, num_stages=c.num_stages - 1)
+        elif c.block_k > BLOCK_K:
+            c = dataclasses.replace(c, block_k=BLOCK_K)
+        elif c.block_n > 64:
+            c = dataclasses.replace(c, block_n=64)
+        else:
+            break
+    return c
+
+
+def config_for(m: int, n: int, k: int, cc: int | None) -> MosaicConfig:
+    """The config ``matmul``'s Mosaic backend runs for (M, N, K) on compute capability ``cc``:
+    ``auto_config``, else ``default_config``; on SM 12.x (cc 120..129) that config
+    ``for_sm12x``."""
+    cfg = auto_config(m, n, k) or default_config(m, n, k)
+    if cc is not None and 120 <= cc < 130:
+        return for_sm12x(cfg, token_tile(m))
+    return cfg
 
 
 def default_config(m: int, n: int, k: int) -> MosaicConfig:
@@ -285,7 +339,7 @@ fma.rn.bf16x2 $0, t, c2, $4;
 
 
 def _decode_fn(block_n: int, g: int, block_k: int = BLOCK_K, scale_stride: int | None = None,
-               swizzled: bool = False):
+               swizzled: bool = False, sync: bool = False):
     """inline_mgpu body: (codes_smem [block_n, block_k/2] u8, scales_smem [block_n, block_k/16]
     u8) -> the bf16 WGMMA-layout fragment [block_n, 128] of 128-deep K group ``g`` of the step.
     scale_stride: whole-K scale mode (``accumulate_tile``): the scales ref points at the step's
@@ -384,7 +438,64 @@ def _decode_fn(block_n: int, g: int, block_k: int = BLOCK_K, scale_stride: int |
                     for j in range(4):  # fragment column tile 4w + j (see PERM)
                         v = llvm.extractvalue(i32, out, [j])
                         regs[rb, 4 * w + j, 0, 0, h, 0, 0, 0, 0] = utils.bitcast(v, v2bf16)
+        if sync:  # column tile kt of 8 -> [16-deep chunk kt // 2, half kt % 2]
+            from jax.experimental.mosaic import gpu as mgpu
+
+            layout = mgpu.MMALayouts(bf16).lhs
+            shape = layout.registers_shape((block_n, 128))
+            regs = regs.reshape(nblk, 8, 2, 2).reshape(shape)
+            return fa.FragmentedArray(_registers=regs, _layout=layout, _is_signed=None)
         return fa.FragmentedArray(_registers=regs, _layout=fa.WGMMA_LAYOUT, _is_signed=None)
+
+    return body
+
+
+def _x_fragment_fn(m_tile: int, block_k: int, g: int):
+    """inline_mgpu body (``mma="sync"``): the x stage [m_tile, block_k] bf16 (K-permuted by
+    ``PERM`` like the A fragment's columns; as TMA writes it for ``_x_spec``: [m_tile/8,
+    block_k/64] tiles of 8 x 64 elements, 1 KB each, the 16-byte chunk c of row r at chunk
+    c ^ r) -> the B operand [128, m_tile] = x^T of 128-deep group ``g`` in ``MMALayouts.rhs``
+    (every warp holds all of it): per 16-deep chunk and 8 tokens, lane 4r + t reads token r's
+    columns 2t, 2t + 1 and 2t + 8, 2t + 9, one 32-bit load each. The swizzle puts the 8 rows'
+    words in 8 different 16-byte bank groups, so the 32 lanes hit 32 banks."""
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import arith, llvm
+    from jax.experimental.mosaic import gpu as mgpu
+    from jax.experimental.mosaic.gpu import fragmented_array as fa
+    from jax.experimental.mosaic.gpu import utils
+
+    tiles_k = block_k // 64
+
+    def body(_launch_ctx, x_ref):
+        i32 = ir.IntegerType.get_signless(32)
+        i64 = ir.IntegerType.get_signless(64)
+        bf16 = ir.BF16Type.get()
+        v2bf16 = ir.VectorType.get((2,), bf16)
+
+        def c32(v):
+            return arith.constant(i32, ir.IntegerAttr.get(i32, v))
+
+        lane = arith.remui(utils.thread_idx(), c32(32))
+        r = arith.divui(lane, c32(4))
+        row = arith.addi(arith.muli(r, c32(128)), arith.muli(arith.remui(lane, c32(4)), c32(4)))
+        # 16-byte chunk c (8 columns) of row r sits at chunk c ^ r of the tile row
+        chunk = [arith.muli(arith.xori(c32(c), r), c32(16)) for c in range(8)]
+        xptr = utils.memref_ptr(x_ref)
+        layout = mgpu.MMALayouts(bf16).rhs
+        regs = np.empty((8, m_tile // 8, 2), dtype=object)
+        for kc in range(8):
+            for nt in range(m_tile // 8):
+                tile = 1024 * (nt * tiles_k + 2 * g + kc // 4)
+                for half in range(2):
+                    off = arith.addi(arith.addi(row, chunk[2 * (kc % 4) + half]), c32(tile))
+                    p = llvm.inttoptr(
+                        xptr.type,
+                        llvm.add(llvm.ptrtoint(i64, xptr), arith.extui(i64, off),
+                                 overflow_flags=llvm.IntegerOverflowFlags.none),
+                    )
+                    regs[kc, nt, half] = utils.bitcast(llvm.load(i32, p, alignment=4), v2bf16)
+        regs = regs.reshape(layout.registers_shape((128, m_tile)))
+        return fa.FragmentedArray(_registers=regs, _layout=layout, _is_signed=None)
 
     return body
 
@@ -423,10 +534,11 @@ def check_config(cfg: MosaicConfig, k: int, m_tile: int, *, swizzled: bool = Fal
     if not whole and k % cfg.block_k:
         raise ValueError(f"config: block_k={cfg.block_k} does not divide K={k}")
     smem = cfg.smem_bytes(m_tile, whole_k=k if whole and not swizzled else None)
-    if smem > SMEM_LIMIT:
+    if smem > smem_limit():
         raise ValueError(
             f"config: {cfg} needs {smem} bytes of shared memory with a {m_tile}-row token tile, "
-            f"more than the {SMEM_LIMIT} a CTA can have; use fewer stages or consumers, block_n 64 or block_k 256"
+            f"more than the {smem_limit()} a CTA can have here; use fewer stages or consumers, "
+            f"block_n 64 or block_k 256"
         )
     if whole and not swizzled:
         return 1
@@ -510,32 +622,65 @@ def whole_k_supported(n: int, k: int) -> bool:
 
 
 def _x_spec(m_tile: int, block_k: int):
-    """The pipeline's x tile [m_tile, block_k] bf16, 128-byte swizzled (the wgmma B operand)."""
+    """The pipeline's x tile [m_tile, block_k] bf16, 128-byte swizzled (the wgmma B operand;
+    with ``mma="sync"`` read into registers by ``_x_fragment_fn``)."""
     _, plgpu = pallas_mosaic_gpu()
-    return plgpu.BlockSpec((m_tile, block_k), lambda i: (0, i),
-                           transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))
+    return plgpu.BlockSpec((m_tile, block_k), lambda i: (0, i), transforms=x_transforms(plgpu))
 
 
-def _step_mma(cfg: MosaicConfig, *, scale_stride: int | None = None, swizzled: bool = False):
+def x_transforms(plgpu):  # noqa: N802 - a constant of the plgpu module handed in
+    """The x stage's SMEM transforms: tiles of 8 x 64 bf16 (128-byte rows), 128-byte swizzle."""
+    return (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+
+
+def _step_mma(cfg: MosaicConfig, *, scale_stride: int | None = None, swizzled: bool = False,
+              m_tile: int | None = None):
     """One pipeline step's work for one warpgroup, shared by ``accumulate_tile`` and
     ``accumulate_tiles_ws``: ``mma(acc_ref, codes_smem, scales_smem, x_smem)`` decodes each
-    128-deep group of the step (``_decode_fn``) and runs its wgmma against x."""
+    128-deep group of the step (``_decode_fn``) and runs its wgmma against x. With
+    ``cfg.mma == "sync"`` (``m_tile`` given): ``mma(acc, ...) -> acc``, the accumulator a
+    value (``MMA_ACC`` layout, the same registers as ``WGMMA``) and x^T loaded into the B
+    registers per group (``_x_fragment_fn``)."""
     pl, plgpu = pallas_mosaic_gpu()
     bn, bk = cfg.block_n, cfg.block_k
     groups = bk // 128
+    sync = cfg.mma == "sync"
+    if sync and not hasattr(plgpu, "mma"):
+        raise ValueError(f"config: mma='sync' needs plgpu.mma (JAX >= 0.11), this is JAX {jax.__version__}")
+    a_layout = plgpu.Layout.MMA_LHS(jnp.bfloat16) if sync else plgpu.Layout.WGMMA
     decode = [
         plgpu.inline_mgpu(
             arg_types=(plgpu.RefType(), plgpu.RefType()),
-            return_type=plgpu.ShapeDtypeStruct((bn, 128), jnp.bfloat16, layout=plgpu.Layout.WGMMA),
-        )(_decode_fn(bn, g, bk, scale_stride=scale_stride, swizzled=swizzled))
+            return_type=plgpu.ShapeDtypeStruct((bn, 128), jnp.bfloat16, layout=a_layout),
+        )(_decode_fn(bn, g, bk, scale_stride=scale_stride, swizzled=swizzled, sync=sync))
         for g in range(groups)
     ]
 
-    def mma(acc_ref, c_smem, s_smem, x_smem, s_off=None):
+    def scale_view(s_smem, s_off):
         # s_off (swizzled, block_n 64): the bytes of the 128-row scale tile's second half of
         # rows start s_off = 8 bytes on (r // 32 = 2, 3 instead of 0, 1)
-        if s_off is not None:
-            s_smem = s_smem.at[:, pl.ds(s_off, s_smem.shape[1] - 8)]
+        return s_smem if s_off is None else s_smem.at[:, pl.ds(s_off, s_smem.shape[1] - 8)]
+
+    if sync:
+        x_frag = [
+            plgpu.inline_mgpu(  # the x stage as _x_spec allocates it
+                arg_types=(plgpu.RefType(x_transforms(plgpu)),),
+                return_type=plgpu.ShapeDtypeStruct((128, m_tile), jnp.bfloat16,
+                                                   layout=plgpu.Layout.MMA_RHS(jnp.bfloat16)),
+            )(_x_fragment_fn(m_tile, bk, g))
+            for g in range(groups)
+        ]
+
+        def mma_sync(acc, c_smem, s_smem, x_smem, s_off=None):
+            s_smem = scale_view(s_smem, s_off)
+            for g in range(groups):  # synchronous: the stage is free once the body returns
+                acc = plgpu.mma(acc, decode[g](c_smem, s_smem), x_frag[g](x_smem))
+            return acc
+
+        return mma_sync
+
+    def mma(acc_ref, c_smem, s_smem, x_smem, s_off=None):
+        s_smem = scale_view(s_smem, s_off)
         for g in range(groups):
             a = decode[g](c_smem, s_smem)
             plgpu.wgmma(acc_ref, a, x_smem.at[:, pl.ds(128 * g, 128)].T)
@@ -582,9 +727,12 @@ def accumulate_tile(sources, *, cfg: MosaicConfig, m_tile: int, steps: int,
         whole_k = None  # per-step tiles whatever K % 256
     sstride = None if whole_k is None else whole_k // 16
     chunk = None if whole_k is None else whole_k_chunk(whole_k)
-    mma = _step_mma(cfg, scale_stride=sstride, swizzled=swizzled)
+    sync = cfg.mma == "sync"
+    mma = _step_mma(cfg, scale_stride=sstride, swizzled=swizzled, m_tile=m_tile)
 
-    def acc_scope(acc_ref, s_all=None, barrier=None):
+    def acc_scope(*scratch):
+        acc_ref = None if sync else scratch[0]
+        s_all, barrier = scratch[0 if sync else 1:] or (None, None)
         if whole_k is None:
             c_src, s_src, x_src = sources()
         else:  # all the CTA's scales, once: issued before the pipeline, awaited in its first step
@@ -593,6 +741,8 @@ def accumulate_tile(sources, *, cfg: MosaicConfig, m_tile: int, steps: int,
             plgpu.copy_gmem_to_smem(s_whole, s_all, barrier)
 
         def step(idx, c_smem, *rest):
+            if sync:
+                *rest, acc = rest
             if whole_k is None:
                 s_smem, x_smem = rest
             else:
@@ -604,6 +754,8 @@ def accumulate_tile(sources, *, cfg: MosaicConfig, m_tile: int, steps: int,
 
                 off = idx[0] * 16  # the step's 16 scale bytes within every row
                 s_smem = s_all.at[:, pl.ds(off // chunk, 1), pl.ds(off % chunk, 16)]
+            if sync:
+                return mma(acc, c_smem, s_smem, x_smem, s_off)
             mma(acc_ref, c_smem, s_smem, x_smem, s_off)
 
         specs = [plgpu.BlockSpec((bn, bk // 2), lambda i: (0, i))]
@@ -612,13 +764,21 @@ def accumulate_tile(sources, *, cfg: MosaicConfig, m_tile: int, steps: int,
         elif whole_k is None:
             specs.append(plgpu.BlockSpec((bn, bk // 16), lambda i: (0, i)))
         specs.append(_x_spec(m_tile, bk))
+        operands = [a for a in (c_src, s_src, x_src) if a is not None]
+        if sync:
+            zero = plgpu.layout_cast(jnp.full((bn, m_tile), 0, jnp.float32),
+                                     plgpu.Layout.MMA_ACC(jnp.bfloat16))
+            return plgpu.emit_pipeline(
+                step, grid=(steps,), in_specs=specs, max_concurrent_steps=cfg.num_stages,
+                init_carry=zero,
+            )(*operands)
         plgpu.emit_pipeline(
             step, grid=(steps,), in_specs=specs, max_concurrent_steps=cfg.num_stages,
-        )(*(a for a in (c_src, s_src, x_src) if a is not None))
+        )(*operands)
         plgpu.wgmma_wait(0)
         return acc_ref[...]
 
-    scratch = [plgpu.ACC((bn, m_tile), jnp.float32)]
+    scratch = [] if sync else [plgpu.ACC((bn, m_tile), jnp.float32)]
     if whole_k is not None:
         scratch += [plgpu.SMEM((whole_k_pair_rows(bn, whole_k), 2 * (whole_k // 16) // chunk, chunk),
                                jnp.uint8),

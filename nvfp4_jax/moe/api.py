@@ -25,7 +25,8 @@ import jax
 import jax.numpy as jnp
 
 from .. import validate
-from ..device import is_sm90, on_gpu, pallas_interpret
+from ..device import is_sm12x, is_sm90, on_gpu, pallas_interpret
+from ..gemm.mosaic import has_mma_sync
 from ..quantize import NVFP4Array
 from .configs import MoEConfig
 from .mosaic import BLOCK_K, MAX_ROUTES, MosaicMoEConfig, check_supported, moe_mosaic
@@ -55,9 +56,10 @@ def choose_backend(backend: str, config, *, routes: int, hidden: int) -> str:
             raise ValueError("config: backend='mosaic' takes a MosaicMoEConfig (or None), got a "
                              "Pallas-Triton MoEConfig")
         check_supported(hidden, name="fc1")
-        if on_gpu() and not is_sm90():
-            raise ValueError("backend: 'mosaic' needs an sm_90 (Hopper) GPU; off the GPU it runs "
-                             "the kernels' XLA emulation")
+        if on_gpu() and not is_sm90() and not (is_sm12x() and has_mma_sync()):
+            raise ValueError("backend: 'mosaic' needs an sm_90 (Hopper) GPU, or SM 12.x with "
+                             "plgpu.mma (JAX >= 0.11); off the GPU it runs the kernels' XLA "
+                             "emulation")
         return "mosaic"
     if backend in ("pallas", "xla"):
         if isinstance(config, MosaicMoEConfig):

@@ -49,6 +49,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from ..device import is_sm12x
 from ..gemm.mosaic import (  # BLOCK_K: K % 256 for TMA; TOKEN_TILES: rows per block (wgmma N)
     BLOCK_K,
     PERM,
@@ -58,6 +59,7 @@ from ..gemm.mosaic import (  # BLOCK_K: K % 256 for TMA; TOKEN_TILES: rows per b
     MosaicConfig,
     accumulate_and_store,
     check_config,
+    for_sm12x,
     mosaic_kernel,
     pallas_mosaic_gpu,
     reads_swizzled_scales,
@@ -630,6 +632,10 @@ def moe_mosaic(
     cfg1 = fit(config.fc1, fc1, h_dim, "fc1")
     cfg2 = fit(config.fc2, fc2, k2, "fc2") if on2 else config.fc2
     bm = config.block_m
+    if is_sm12x():  # the grouped GEMMs' SM 12.x form (mma.sync, 99 KB of shared memory)
+        cfg1 = for_sm12x(cfg1, bm, None if h_dim % BLOCK_K == 0 or _reads_swizzled(fc1, cfg1) else h_dim)
+        cfg2 = for_sm12x(cfg2, bm, None if k2 % BLOCK_K == 0 or _reads_swizzled(fc2, cfg2) else k2)
+        log.info("nvfp4_jax.moe: SM 12.x: grouped GEMMs on mma.sync (fc1 %s, fc2 %s)", cfg1, cfg2)
     if not on2:
         if bm < 16:
             raise ValueError(f"config: block_m={bm}; FC2 runs on Pallas-Triton (I={inter} is not a "

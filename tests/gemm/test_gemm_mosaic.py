@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from nvfp4_jax.gemm.mosaic import (
+    AUTO_SM90,
     PERM,
     MosaicConfig,
     check_config,
@@ -197,8 +198,69 @@ def test_auto_on_sm90_picks_mosaic_for_every_shape_it_runs(monkeypatch, caplog):
     from nvfp4_jax.gemm.pallas_triton import Config
 
     assert pick("auto", "pallas", 1, 6144, 4096, bf16, Config()) == "pallas"  # tiles asked for
-    monkeypatch.setattr(api, "gpu_compute_capability", lambda: 120)
+    monkeypatch.setattr(api, "gpu_compute_capability", lambda: 89)
     assert pick("auto", "pallas", 1, 28672, 8192, bf16) == "pallas"
+
+
+def test_auto_on_sm12x_picks_the_mma_sync_form(monkeypatch, caplog):
+    """On SM 12.x ``auto`` runs the Mosaic kernel in its mma.sync form where this JAX has
+    ``plgpu.mma``, says so, and says why not where it has not (JAX 0.10)."""
+    from nvfp4_jax.gemm import api, mosaic
+
+    bf16 = jnp.bfloat16
+    pick = api._pick_mosaic  # noqa: SLF001 - the routing rule itself
+    for cc in (120, 121):
+        monkeypatch.setattr(api, "gpu_compute_capability", lambda cc=cc: cc)
+        monkeypatch.setattr(mosaic, "has_mma_sync", lambda: False)
+        caplog.clear()
+        with caplog.at_level("INFO", logger="nvfp4_jax.gemm.api"):
+            assert pick("auto", "pallas", 1, 28672, 8192, bf16) == "pallas"
+            assert pick("mosaic", "mosaic", 1, 28672, 8192, bf16) == "pallas"
+        assert "needs plgpu.mma (JAX >= 0.11)" in caplog.text
+        assert "backend mosaic -> pallas fallback" in caplog.text
+        monkeypatch.setattr(mosaic, "has_mma_sync", lambda: True)
+        caplog.clear()
+        with caplog.at_level("INFO", logger="nvfp4_jax.gemm.api"):
+            assert pick("auto", "pallas", 16, 28672, 8192, bf16) == "mosaic"
+            assert pick("mosaic", "mosaic", 16, 28672, 8192, bf16) == "mosaic"
+        assert f"auto -> mosaic (sm_{cc}, mma.sync" in caplog.text
+        assert pick("auto", "pallas", 65, 28672, 8192, bf16) == "pallas"
+
+
+@pytest.mark.parametrize("m,n,k", [(mb, n, k) for (mb, n, k) in AUTO_SM90]
+                         + [(1, 6144, 4096), (40, 1024, 2048), (64, 128256, 4096), (5, 512, 512)])
+def test_sm12x_configs_are_the_sync_form_within_99_kb(m, n, k, monkeypatch):
+    """``config_for`` on SM 12.x: the sm_90 tiles in the mma.sync form (one warpgroup, no
+    overlap), shrunk until one CTA fits 99 KB, and ``check_config`` takes them there; sm_90
+    keeps its table."""
+    from nvfp4_jax.gemm import mosaic
+
+    sm90 = mosaic.config_for(m, n, k, 90)
+    assert sm90 == (mosaic.auto_config(m, n, k) or mosaic.default_config(m, n, k))
+    mt = mosaic.token_tile(m)
+    for cc in (120, 121):
+        c = mosaic.config_for(m, n, k, cc)
+        assert (c.mma, c.consumers, c.overlap) == ("sync", 1, False)
+        assert c.smem_bytes(mt) <= mosaic.SM12X_SMEM_LIMIT
+        if sm90.smem_bytes(mt) <= mosaic.SM12X_SMEM_LIMIT:  # fits: the same tiles
+            assert (c.block_n, c.split_k, c.num_stages, c.block_k) == (
+                sm90.block_n, sm90.split_k, sm90.num_stages, sm90.block_k)
+        monkeypatch.setattr(mosaic, "is_sm12x", lambda: True)
+        mosaic.check_config(c, k, mt)
+        monkeypatch.undo()
+    big = MosaicConfig(block_n=128, num_stages=4)  # 4 x 48 KB at a 64-token tile
+    monkeypatch.setattr(mosaic, "is_sm12x", lambda: True)
+    with pytest.raises(ValueError, match="shared memory"):
+        mosaic.check_config(big, 4096, 64)
+    fitted = mosaic.for_sm12x(big, 64)
+    assert fitted.smem_bytes(64) <= mosaic.SM12X_SMEM_LIMIT and fitted.num_stages == 2
+
+
+def test_sync_config_is_checked():
+    for kw, msg in ((dict(mma="mma"), "expected one of"), (dict(mma="sync", consumers=2), "one warpgroup"),
+                    (dict(mma="sync", overlap=True), "without overlap")):
+        with pytest.raises(ValueError, match=msg):
+            MosaicConfig(**kw)
 
 
 def test_api_mosaic_backend_on_cpu_falls_back_to_pallas(caplog):

@@ -75,6 +75,18 @@ def _run(x, wo, out_dtype, cfg):
                      id="bs_m64"),
         pytest.param(37, 3000, 1024, 3.0, MosaicConfig(block_n=64, split_k=1, num_stages=2, consumers=2,
                                                        bf16_store=True), id="bs_ws2_ragged"),
+        # warp-level mma.sync (the SM 12.x form): token tiles 8..64, block_n 64 / 128, block_k
+        # 512, split-K, ragged M and N, the bf16 store
+        pytest.param(1, 4096, 4096, 1.0, MosaicConfig(block_n=128, split_k=2, num_stages=2, mma="sync"),
+                     id="sync_m1"),
+        pytest.param(5, 4000, 4096, 40.0, MosaicConfig(block_n=64, split_k=4, num_stages=3, mma="sync"),
+                     id="sync_ragged"),
+        pytest.param(16, 1000, 2048, 1e-2, MosaicConfig(block_n=64, split_k=2, num_stages=3, block_k=512,
+                                                        mma="sync"), id="sync_bk512"),
+        pytest.param(37, 3000, 1024, 1.0, MosaicConfig(block_n=128, split_k=1, num_stages=2, mma="sync"),
+                     id="sync_m37"),
+        pytest.param(64, 2048, 4096, 3.0, MosaicConfig(block_n=128, split_k=1, num_stages=2, bf16_store=True,
+                                                       mma="sync"), id="sync_bs_m64"),
     ],
 )
 @pytest.mark.parametrize("out_dtype", [jnp.float32, jnp.bfloat16])
@@ -89,9 +101,11 @@ def test_mosaic_vs_oracle_poisoned(m, n, k, x_mag, cfg, out_dtype):
     )
 
 
-def test_mosaic_exhaustive_decode():
+@pytest.mark.parametrize("mma", ["wgmma", "sync"])
+def test_mosaic_exhaustive_decode(mma):
     """Every code byte under every finite E4M3 scale byte (both signs, subnormals, zero),
-    read back exactly through one-hot activations: out[t, n] = W[n, k_t]."""
+    read back exactly through one-hot activations: out[t, n] = W[n, k_t], with either MMA."""
+    cfg = MosaicConfig(block_n=128, split_k=1, num_stages=2, mma=mma)
     sbytes = np.array([b for b in range(256) if b & 0x7F != 0x7F], np.uint8)  # 254 scales
     n, k = 2 * len(sbytes), 256
     codes = np.empty((n, k // 2), np.uint8)
@@ -105,7 +119,7 @@ def test_mosaic_exhaustive_decode():
         x[np.arange(64), 64 * q + np.arange(64)] = 1.0
         out = matmul_mosaic(
             jnp.asarray(x, jnp.bfloat16), jnp.asarray(codes), jnp.asarray(scales),
-            np.float32(1.0), out_dtype=jnp.float32, poison=True,
+            np.float32(1.0), out_dtype=jnp.float32, poison=True, config=cfg,
         )
         np.testing.assert_array_equal(
             np.asarray(out, np.float64), ref[:, 64 * q : 64 * q + 64].T
@@ -135,5 +149,33 @@ def test_every_auto_config_vs_oracle_poisoned():
         wo, x = _case(rng, m, n, k, 3.0)
         out = _run(x, wo, jnp.bfloat16, cfg)
         assert out.shape == (m, n)
+        assert_gemm_close(np.asarray(out, np.float32), np.asarray(x, np.float32), wo,
+                          out_dtype="bfloat16", splits=16)
+
+
+@pytest.mark.parametrize("arch", [(12, 0), (12, 1)])
+def test_sm12x_path_lowered_as_sm12x(arch, monkeypatch, caplog):
+    """``nvfp4_jax.matmul`` as an RTX 50xx (12.0) / DGX Spark (12.1) user gets it: ``auto``
+    picks the Mosaic kernel's mma.sync form with ``config_for``'s SM 12.x tiles, and Mosaic
+    lowers it with the capability it reads set to SM 12.x (its C++ then compiles for this
+    GPU); W4A16 at M = 1, 16, 64 on ragged shapes against the oracle's bound."""
+    import nvfp4_jax
+    from jax.experimental.mosaic.gpu import core, utils
+
+    from nvfp4_jax.gemm import api, mosaic
+
+    if not mosaic.has_mma_sync():
+        pytest.skip(f"plgpu.mma needs JAX >= 0.11, this is {jax.__version__}")
+    cc = 10 * arch[0] + arch[1]
+    monkeypatch.setattr(utils if hasattr(utils, "_infer_arch") else core, "_infer_arch", lambda: arch)
+    monkeypatch.setattr(api, "gpu_compute_capability", lambda: cc)
+    monkeypatch.setattr(mosaic, "is_sm12x", lambda: True)
+    rng = np.random.default_rng(cc)
+    for m, n, k in ((1, 4000, 14336), (16, 6144, 4096), (64, 2000, 4096)):
+        wo, x = _case(rng, m, n, k, 3.0)
+        caplog.clear()
+        with caplog.at_level("INFO", logger="nvfp4_jax.gemm.api"):
+            out = jax.jit(lambda x, w: nvfp4_jax.matmul(x, w))(x, nvfp4_jax.from_oracle(wo))
+        assert f"auto -> mosaic (sm_{cc}, mma.sync" in caplog.text
         assert_gemm_close(np.asarray(out, np.float32), np.asarray(x, np.float32), wo,
                           out_dtype="bfloat16", splits=16)

@@ -130,6 +130,16 @@ def _run(case, *, mode, activation, order="up_gate", config=None, backend="mosai
     ("nemotron_ws2_bf16_partials_trtllm", "trtllm_cutlass", {**NEMO, "t": 64, "e": 4, "k": 4}, "up_gate",
      MosaicMoEConfig(block_m=64, bf16_partials=True,
                      fc1=MosaicConfig(block_n=128, num_stages=2, consumers=2))),
+    # mma.sync grouped GEMMs (the SM 12.x form): nemotron's FC2 with whole-K scales (K % 256 ==
+    # 128), split FC1, fused routing; swiglu with subnormal scales, split FC1, block_k 512 in FC2
+    ("nemotron_sync_trtllm", "trtllm_cutlass", {**NEMO, "t": 8, "e": 24, "k": 6}, "up_gate",
+     MosaicMoEConfig(block_m=8, fc1=MosaicConfig(block_n=128, split_k=2, num_stages=2, mma="sync"),
+                     fc2=MosaicConfig(block_n=128, num_stages=2, mma="sync"), routing="fused",
+                     skip_padding=True, epilogue="routes")),
+    ("subnormal_swiglu_sync_b12x", "b12x", {"h": 768, "inter": 512, "activation": "swiglu", "t": 5,
+                                            "e": 8, "k": 3, "scale_factor": 2.0**15}, "gate_up",
+     MosaicMoEConfig(block_m=16, fc1=MosaicConfig(block_n=64, split_k=3, num_stages=3, mma="sync"),
+                     fc2=MosaicConfig(block_n=64, num_stages=2, block_k=512, mma="sync"))),
 ])
 def test_moe_mosaic_gpu_matches_oracle(name, mode, shape, order, config):
     case = make_case_fast(np.random.default_rng(len(name)), **shape)
@@ -413,3 +423,27 @@ def test_auto_sm90_qwen3_decode_entries_match_oracle(bucket, t, caplog):
     assert "converted to linear" not in caplog.text
     f = lambda a: np.asarray(a.astype(jnp.float32), np.float64)
     check_against_oracle(case, f(out), f(inter["h"]), mode="b12x", activation="swiglu")
+
+
+def test_moe_mosaic_sm12x_form_lowered_as_sm12x(monkeypatch, caplog):
+    """``moe(backend="mosaic")`` as an SM 12.x user runs it: the measured tiles in their
+    mma.sync form within 99 KB (``for_sm12x``), lowered by Mosaic as for SM 12.0, against the
+    oracle (qwen3-like swiglu at T = 8, nemotron-like relu2 with whole-K FC2 scales at T = 5)."""
+    from jax.experimental.mosaic.gpu import core, utils
+
+    from nvfp4_jax.gemm import mosaic as gemm_mosaic
+    from nvfp4_jax.moe import mosaic as moe_mosaic_mod
+
+    if not gemm_mosaic.has_mma_sync():
+        pytest.skip(f"plgpu.mma needs JAX >= 0.11, this is {jax.__version__}")
+    monkeypatch.setattr(utils if hasattr(utils, "_infer_arch") else core, "_infer_arch", lambda: (12, 0))
+    monkeypatch.setattr(moe_mosaic_mod, "is_sm12x", lambda: True)
+    monkeypatch.setattr(gemm_mosaic, "is_sm12x", lambda: True)
+    for name, shape in (("qwen", {**QWEN, "t": 8, "e": 16, "k": 8}), ("nemotron", {**NEMO, "t": 5, "e": 24, "k": 6})):
+        case = make_case_fast(np.random.default_rng(len(name)), **shape)
+        caplog.clear()
+        with caplog.at_level("INFO", logger="nvfp4_jax.moe.mosaic"):
+            out, h = _run(case, mode="trtllm_cutlass", activation=shape["activation"])
+        assert "grouped GEMMs on mma.sync" in caplog.text
+        check_against_oracle(case, out, h, mode="trtllm_cutlass", activation=shape["activation"],
+                             gate_up_order="up_gate")

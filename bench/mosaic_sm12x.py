@@ -1,0 +1,115 @@
+"""The Mosaic GEMM with ``mma.sync`` lowered as for SM 12.x, run on this (sm_90) GPU.
+
+Mosaic GPU's Python lowering reads the GPU's compute capability once per kernel
+(``jax.experimental.mosaic.gpu.core._infer_arch``) and gates its choices on it; its C++
+compiles the module for the GPU it runs on. With the capability reported as 12.0 (RTX 50xx)
+or 12.1 (DGX Spark), the kernel is lowered with every choice SM 12.x would get, compiled for
+this GPU and checked against the oracle (``assert_gemm_close``); ``MOSAIC_GPU_DUMP_TO`` keeps
+each kernel's PTX, which ``ptxas -arch=sm_120a / sm_121a`` then assembles on any machine
+(``--ptxas DIR``: registers, spills, shared memory per kernel).
+
+    python bench/mosaic_sm12x.py --out $OUT            # on the GPU
+    python bench/mosaic_sm12x.py --ptxas $OUT/ptx-12.0 --out bench/results   # anywhere
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+
+CASES = [  # (M, N, K, MosaicConfig kwargs): decode tiles of the sm_90 table, ragged shapes
+    (1, 28672, 8192, dict(block_n=64, split_k=4, num_stages=2)),
+    (16, 14336, 4096, dict(block_n=64, split_k=8, num_stages=2)),
+    (5, 4000, 4096, dict(block_n=128, split_k=4, num_stages=3)),
+    (37, 3000, 1024, dict(block_n=64, split_k=1, num_stages=2, bf16_store=True)),
+]
+
+
+def run_gpu(out_dir: str, arch: tuple[int, int]) -> dict:
+    dump = os.path.join(out_dir, f"ptx-{arch[0]}.{arch[1]}")
+    os.makedirs(dump, exist_ok=True)
+    os.environ["MOSAIC_GPU_DUMP_TO"] = dump  # read when each kernel compiles
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.experimental.mosaic.gpu import core, utils
+
+    import oracle
+    from nvfp4_jax.gemm.mosaic import MosaicConfig, matmul_mosaic
+    from nvfp4_jax.testing import assert_gemm_close
+
+    # the one switch this probe needs: utils._infer_arch in JAX 0.11.2, core's in 0.11.0
+    owner = utils if hasattr(utils, "_infer_arch") else core
+    owner._infer_arch = lambda: arch  # noqa: SLF001
+    rng = np.random.default_rng(0)
+    recs = []
+    for m, n, k, kw in CASES:
+        cfg = MosaicConfig(mma="sync", **kw)
+        mag = np.exp2(rng.uniform(-14, 5, (n, k // 16))).repeat(16, 1)
+        wo = oracle.quantize((rng.standard_normal((n, k)) * mag).astype(np.float32), "trtllm")
+        x = jnp.asarray(rng.standard_normal((m, k)).astype(np.float32)).astype(jnp.bfloat16)
+        rec = {"M": m, "N": n, "K": k, "config": kw, "arch_lowered": f"{arch[0]}.{arch[1]}"}
+        try:
+            out = matmul_mosaic(x, jnp.asarray(wo.codes), jnp.asarray(wo.scales),
+                                np.float32(wo.decode_scale), out_dtype=jnp.float32, config=cfg)
+            assert_gemm_close(np.asarray(out), np.asarray(x, np.float32), wo, out_dtype="float32",
+                              splits=16)
+            rec["oracle"] = "within bound"
+        except Exception as e:  # noqa: BLE001 - recorded
+            rec["error"] = f"{type(e).__name__}: {str(e)[:600]}"
+        print(json.dumps(rec), flush=True)
+        recs.append(rec)
+    return {"jax": jax.__version__, "device": jax.devices()[0].device_kind, "records": recs}
+
+
+def run_ptxas(ptx_dir: str, ptxas: str) -> list[dict]:
+    """Assemble every dumped PTX for sm_120a and sm_121a: registers, spills, stack, or the error."""
+    recs = []
+    for name in sorted(f for f in os.listdir(ptx_dir) if f.endswith(".ptx")):
+        src = open(os.path.join(ptx_dir, name)).read()
+        for sm in ("sm_120a", "sm_121a"):
+            path = os.path.join("/tmp", f"{name[:-4]}-{sm}.ptx")
+            with open(path, "w") as f:
+                f.write(re.sub(r"^\.target\s+\S+", f".target {sm}", src, count=1, flags=re.M))
+            r = subprocess.run([ptxas, f"-arch={sm}", "-v", "-o", path[:-4] + ".cubin", path],
+                               capture_output=True, text=True, check=False)
+            rec = {"ptx": name, "arch": sm, "rc": r.returncode}
+            info = r.stdout + r.stderr
+            for key, pat in (("registers", r"Used (\d+) registers"), ("spill_stores", r"(\d+) bytes spill stores"),
+                             ("stack_bytes", r"(\d+) bytes stack frame")):
+                mm = re.search(pat, info)
+                if mm:
+                    rec[key] = int(mm.group(1))
+            if r.returncode:
+                rec["error"] = info[-600:]
+            recs.append(rec)
+    return recs
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default="bench/results")
+    p.add_argument("--ptxas", default="", metavar="DIR", help="assemble the PTX dumped in DIR")
+    p.add_argument("--ptxas-bin", default="ptxas")
+    p.add_argument("--arch", default="12.0")
+    a = p.parse_args()
+    if a.ptxas:
+        ver = subprocess.run([a.ptxas_bin, "--version"], capture_output=True, text=True).stdout
+        doc = {"ptxas": ver.strip().splitlines()[-1], "records": run_ptxas(a.ptxas, a.ptxas_bin)}
+        path = os.path.join(a.out, "mosaic-sync-sm12x-ptxas.json")
+    else:
+        arch = tuple(int(v) for v in a.arch.split("."))
+        doc = run_gpu(a.out, arch)
+        path = os.path.join(a.out, f"mosaic-sync-lowered-{a.arch}.json")
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1)
+    print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

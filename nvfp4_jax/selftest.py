@@ -7,10 +7,10 @@ powers of two, so that E4M3 block scales reach the subnormals, underflow and sat
 * ``quantize/<recipe>`` (every JAX recipe; given and derived global scale): codes, scale
   bytes and decode scale byte for byte equal to ``oracle.quantize``;
 * ``matmul/<backend>/<w4a16|w4a4>`` (``pallas``: Pallas-Triton, interpreted on CPU; ``mosaic``
-  on sm_90; ``xla``; ``fp4mma``: W4A4 on the FP4-MMA kernel, native on SM 12.x), fp32 output:
+  on sm_90 and SM 12.x; ``xla``; ``fp4mma``: W4A4 on the FP4-MMA kernel, native on SM 12.x), fp32 output:
   within the oracle's fp32-accumulation bound
   (``explain.explain_gemm``: its verdict and margin, the largest ``|out - oracle| / bound``);
-* ``moe/<path>/<mode>/<activation>`` (``pallas-triton``, ``mosaic`` on sm_90, ``xla``): inside
+* ``moe/<path>/<mode>/<activation>`` (``pallas-triton``, ``mosaic`` on sm_90 and SM 12.x, ``xla``): inside
   ``testing.assertions.moe_bound``'s interval with zero slack in the activation quantization
   (so a code flipped by an inexact division fails).
 
@@ -407,7 +407,12 @@ def _dot_scaled(cc: int | None) -> bool:
     return cc is None or cc >= 90
 
 
-def _sm90(cc: int | None) -> bool:
+def _mosaic(cc: int | None) -> bool:
+    """The Mosaic kernels: wgmma on sm_90, the mma.sync form on SM 12.x (JAX >= 0.11)."""
+    if cc is not None and 120 <= cc < 130:
+        from .gemm.mosaic import has_mma_sync
+
+        return has_mma_sync()
     return cc == 90
 
 
@@ -424,7 +429,7 @@ def _mosaic_gemm(m: int, n: int, k: int) -> bool:
 #: arguments that select it, modes, runs on this compute capability (None: CPU), fits (M, N, K))
 MATMUL = (
     ("pallas", {"backend": "pallas"}, ("w4a16", "w4a4"), _pallas_triton, _any_gemm),
-    ("mosaic", {"backend": "mosaic"}, ("w4a16", "w4a4"), _sm90, _mosaic_gemm),
+    ("mosaic", {"backend": "mosaic"}, ("w4a16", "w4a4"), _mosaic, _mosaic_gemm),
     ("xla", {"backend": "xla"}, ("w4a16", "w4a4"), _anywhere, _any_gemm),
     # tt.dot_scaled: the FP4 MMA on SM 12.x, Triton's decomposition on sm_90
     ("fp4mma", {"backend": "pallas", "mma": "fp4"}, ("w4a4",), _dot_scaled, _any_gemm),
@@ -433,7 +438,7 @@ MATMUL = (
 MOE_PATHS = (
     ("pallas-triton", _pallas_triton, lambda h: True),
     ("pallas-triton-fp4", _dot_scaled, lambda h: True),
-    ("mosaic", _sm90, lambda h: h % 256 == 0),
+    ("mosaic", _mosaic, lambda h: h % 256 == 0),
     ("xla", _anywhere, lambda h: True),
 )
 #: shapes: "cpu" (the Pallas kernels interpreted), "gpu" (the default run on a GPU), "full"

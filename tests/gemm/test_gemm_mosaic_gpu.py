@@ -159,9 +159,9 @@ def test_sm12x_path_lowered_as_sm12x(arch, monkeypatch, caplog):
     picks the Mosaic kernel's mma.sync form with ``config_for``'s SM 12.x tiles, and Mosaic
     lowers it with the capability it reads set to SM 12.x (its C++ then compiles for this
     GPU); W4A16 at M = 1, 16, 64 on ragged shapes against the oracle's bound."""
-    import nvfp4_jax
     from jax.experimental.mosaic.gpu import core, utils
 
+    import nvfp4_jax
     from nvfp4_jax.gemm import api, mosaic
 
     if not mosaic.has_mma_sync():

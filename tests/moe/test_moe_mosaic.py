@@ -380,6 +380,15 @@ def test_choose_backend(monkeypatch):
     monkeypatch.setattr(api, "is_sm90", lambda: False)
     with pytest.raises(ValueError, match="^backend: 'mosaic' needs an sm_90"):
         api.choose_backend("mosaic", None, routes=8, hidden=2048)
+    # SM 12.x: the mma.sync form when asked for, with plgpu.mma (JAX >= 0.11); auto keeps
+    # the FP4-MMA Triton MoE
+    monkeypatch.setattr(api, "is_sm12x", lambda: True)
+    monkeypatch.setattr(api, "has_mma_sync", lambda: False)
+    with pytest.raises(ValueError, match=r"or SM 12.x with plgpu.mma \(JAX >= 0.11\)"):
+        api.choose_backend("mosaic", None, routes=8, hidden=2048)
+    monkeypatch.setattr(api, "has_mma_sync", lambda: True)
+    assert api.choose_backend("mosaic", None, routes=8, hidden=2048) == "mosaic"
+    assert api.choose_backend("auto", None, routes=8, hidden=2048) == "pallas"
 
 
 def test_validation_names_the_argument():

@@ -37,7 +37,7 @@ def test_cpu_selftest_passes_and_writes_the_json(tmp_path, capsys):
     assert not (tmp_path / "fail").exists()
 
 
-def test_the_cpu_plan_covers_every_kernel_family():
+def test_the_cpu_plan_covers_every_kernel_family(monkeypatch):
     kernels = {k for k, _, _ in selftest.plan(None)}
     assert {"quantize/trtllm", "quantize/modelopt", "quantize/jax", "quantize/b12x",
             "matmul/pallas/w4a16", "matmul/pallas/w4a4", "matmul/xla/w4a16", "matmul/xla/w4a4",
@@ -48,9 +48,17 @@ def test_the_cpu_plan_covers_every_kernel_family():
     gpu90 = {k for k, _, _ in selftest.plan(90)}
     assert "matmul/mosaic/w4a4" in gpu90 and any(k.startswith("moe/mosaic/") for k in gpu90)
     assert "matmul/fp4mma/w4a4" in gpu90  # Triton's decomposed scaled dot on sm_90
+    from nvfp4_jax.gemm import mosaic
+
+    monkeypatch.setattr(mosaic, "has_mma_sync", lambda: False)  # JAX 0.10: no plgpu.mma
     sm120 = {k for k, _, _ in selftest.plan(120)}
     assert "matmul/pallas/w4a4" in sm120 and not any("mosaic" in k for k in sm120)
     assert "matmul/fp4mma/w4a4" in sm120 and any("pallas-triton-fp4" in k for k in sm120)
+    monkeypatch.setattr(mosaic, "has_mma_sync", lambda: True)  # the mma.sync form
+    for cc in (120, 121):
+        sm12x = {k for k, _, _ in selftest.plan(cc)}
+        assert {"matmul/mosaic/w4a16", "matmul/mosaic/w4a4"} <= sm12x
+        assert any(k.startswith("moe/mosaic/") for k in sm12x)
     sm89 = {k for k, _, _ in selftest.plan(89)}  # no scaled dot in jaxlib's Triton before sm_90
     assert "matmul/pallas/w4a4" in sm89 and not any("fp4" in k for k in sm89)
 

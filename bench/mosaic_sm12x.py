@@ -6,7 +6,8 @@ compiles the module for the GPU it runs on. With the capability reported as 12.0
 or 12.1 (DGX Spark), the kernel is lowered with every choice SM 12.x would get, compiled for
 this GPU and checked against the oracle (``assert_gemm_close``); ``MOSAIC_GPU_DUMP_TO`` keeps
 each kernel's PTX, which ``ptxas -arch=sm_120a / sm_121a`` then assembles on any machine
-(``--ptxas DIR``: registers, spills, shared memory per kernel).
+(``--ptxas DIR``: registers, spills, and with ``cuobjdump`` the main loop's warp-instructions
+per weight, for sm_90a as well).
 
     python bench/mosaic_sm12x.py --out $OUT            # on the GPU
     python bench/mosaic_sm12x.py --ptxas $OUT/ptx-12.0 --out bench/results   # anywhere
@@ -66,12 +67,19 @@ def run_gpu(out_dir: str, arch: tuple[int, int]) -> dict:
     return {"jax": jax.__version__, "device": jax.devices()[0].device_kind, "records": recs}
 
 
-def run_ptxas(ptx_dir: str, ptxas: str) -> list[dict]:
-    """Assemble every dumped PTX for sm_120a and sm_121a: registers, spills, stack, or the error."""
+def run_ptxas(ptx_dir: str, ptxas: str, weights_per_warp_step: int) -> list[dict]:
+    """Assemble every dumped PTX for sm_90a, sm_120a and sm_121a: registers, spills, stack, or
+    the error; with a ``cuobjdump`` beside ``ptxas`` also the main loop (``sm12x_compile.
+    main_loop_stats``: one pipeline step of one warp) and its warp-instructions per weight
+    (``weights_per_warp_step``: 16 rows of each 64-row block x block_k)."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from sm12x_compile import main_loop_stats
+
+    cuobjdump = os.path.join(os.path.dirname(ptxas), "cuobjdump")
     recs = []
     for name in sorted(f for f in os.listdir(ptx_dir) if f.endswith(".ptx")):
         src = open(os.path.join(ptx_dir, name)).read()
-        for sm in ("sm_120a", "sm_121a"):
+        for sm in ("sm_90a", "sm_120a", "sm_121a"):
             path = os.path.join("/tmp", f"{name[:-4]}-{sm}.ptx")
             with open(path, "w") as f:
                 f.write(re.sub(r"^\.target\s+\S+", f".target {sm}", src, count=1, flags=re.M))
@@ -86,6 +94,16 @@ def run_ptxas(ptx_dir: str, ptxas: str) -> list[dict]:
                     rec[key] = int(mm.group(1))
             if r.returncode:
                 rec["error"] = info[-600:]
+            elif os.path.exists(cuobjdump):
+                d = subprocess.run([cuobjdump, "-sass", path[:-4] + ".cubin"], capture_output=True,
+                                   text=True, check=False)
+                loop = main_loop_stats(d.stdout) if d.returncode == 0 else None
+                if loop:
+                    rec["main_loop"] = {k: loop[k] for k in ("n_instructions", "mma", "shared_loads")}
+                    rec["main_loop"]["opcodes"] = dict(list(loop["opcodes"].items())[:12])
+                    rec["warp_instructions_per_weight"] = loop["n_instructions"] / weights_per_warp_step
+                else:
+                    rec["sass"] = f"cuobjdump: {d.stderr[-200:]}" if d.returncode else "no loop found"
             recs.append(rec)
     return recs
 
@@ -96,10 +114,13 @@ def main():
     p.add_argument("--ptxas", default="", metavar="DIR", help="assemble the PTX dumped in DIR")
     p.add_argument("--ptxas-bin", default="ptxas")
     p.add_argument("--arch", default="12.0")
+    p.add_argument("--weights-per-warp-step", type=int, default=16 * 256,
+                   help="--ptxas: weights one warp decodes per pipeline step (CASES[0]: 16 x 256)")
     a = p.parse_args()
     if a.ptxas:
         ver = subprocess.run([a.ptxas_bin, "--version"], capture_output=True, text=True).stdout
-        doc = {"ptxas": ver.strip().splitlines()[-1], "records": run_ptxas(a.ptxas, a.ptxas_bin)}
+        doc = {"ptxas": ver.strip().splitlines()[-1],
+               "records": run_ptxas(a.ptxas, a.ptxas_bin, a.weights_per_warp_step)}
         path = os.path.join(a.out, "mosaic-sync-sm12x-ptxas.json")
     else:
         arch = tuple(int(v) for v in a.arch.split("."))

@@ -13,12 +13,12 @@ linear form), and runs every backend on it:
   the oracle's ``flashinfer_reference`` recipe), ``trtllm_live`` (``torch.ops.trtllm``);
 * **gemm_w4a4** and **gemm_w4a16**: the output against the oracle under the derived
   fp32-accumulation bound, explained by ``nvfp4_jax.explain`` when it fails: ``jax_xla``,
-  ``jax_pallas`` (Pallas-Triton; interpret mode off the GPU), ``jax_mosaic`` (the Hopper
-  kernel; sm_90 only), ``trtllm_reenacted`` (``nvfp4_gemm``, W4A4), ``trtllm_live``;
+  ``jax_pallas`` (Pallas-Triton; interpret mode off the GPU), ``jax_mosaic`` (the Mosaic
+  kernel; sm_90, and SM 12.x in its mma.sync form), ``trtllm_reenacted`` (``nvfp4_gemm``, W4A4), ``trtllm_live``;
 * **moe_relu2** and **moe_swiglu** (``--ops moe``; a small routed layer, 8 experts, top-2,
   ``trtllm_cutlass`` semantics, T = 5): the output against ``oracle.moe`` inside the interval
   ``testing.moe_bound`` propagates through every rounding point: ``jax_xla``, ``jax_pallas``
-  (the Pallas-Triton kernels), ``jax_mosaic`` (the Mosaic grouped GEMMs; sm_90),
+  (the Pallas-Triton kernels), ``jax_mosaic`` (the Mosaic grouped GEMMs; sm_90, SM 12.x),
   ``trtllm_reenacted`` (the CUTLASS fused-MoE dataflow with its fast-math quantizer),
   ``trtllm_live`` (the fused MoE op).
 
@@ -152,13 +152,13 @@ def _moe(backend: str, c: MoECase) -> np.ndarray:
         import jax
         import jax.numpy as jnp
 
+        from .gemm.mosaic import unavailable as mosaic_unavailable
         from .moe import moe
         from .quantize import from_oracle
 
         kind = backend[4:]
-        if kind == "mosaic" and gpu_compute_capability() != 90:
-            raise Skip("the Mosaic grouped kernel is Hopper's (sm_90); this machine has "
-                       f"{jax.devices()[0].device_kind}")
+        if kind == "mosaic" and (why := mosaic_unavailable(gpu_compute_capability())):
+            raise Skip(f"{why} ({jax.devices()[0].device_kind})")
         kw = {"backend": kind}  # "pallas" runs in interpret mode off the GPU
         out = moe(jnp.asarray(c.hidden, jnp.bfloat16), fc1=from_oracle(c.fc1), fc2=from_oracle(c.fc2),
                   fc1_input_scale=jnp.asarray(c.fc1_input_scale, jnp.float32),
@@ -282,12 +282,12 @@ def _gemm(backend: str, case: GemmCase) -> np.ndarray:
         import jax.numpy as jnp
 
         from .gemm.api import matmul
+        from .gemm.mosaic import unavailable as mosaic_unavailable
         from .quantize import NVFP4Array
 
         kind = backend[4:]
-        if kind == "mosaic" and gpu_compute_capability() != 90:
-            raise Skip("the Mosaic GPU kernel is Hopper's (sm_90); this machine has "
-                       f"{jax.devices()[0].device_kind}")
+        if kind == "mosaic" and (why := mosaic_unavailable(gpu_compute_capability())):
+            raise Skip(f"{why} ({jax.devices()[0].device_kind})")
         if kind == "mosaic" and (case.shape[0] > 64 or case.shape[2] % 256):
             raise Skip(f"the Mosaic GPU kernel takes M <= 64 and K % 256 == 0, got {case.shape}")
         arr = NVFP4Array.from_parts(jnp.asarray(w.codes), jnp.asarray(w.scales).view(jnp.float8_e4m3fn),

@@ -21,8 +21,9 @@ import jax
 import jax.numpy as jnp
 
 from . import moe as moe_pkg
-from .device import is_sm90, on_gpu
+from .device import is_sm12x, is_sm90, on_gpu
 from .gemm.api import matmul
+from .gemm.mosaic import has_mma_sync
 from .quantize import NVFP4Array
 
 BACKENDS = ("auto", "mosaic", "pallas", "xla")
@@ -181,17 +182,24 @@ def _is_stacked_param(v) -> bool:
     return isinstance(v, (Linear, MoE))
 
 
-def stacks_read_in_place(backend: str) -> bool:
-    """Whether the NVFP4 kernels that ``backend`` picks for every weight are the Pallas-Triton
-    ones, which read a layer of a weight stack in place: ``"pallas"``, or ``"auto"`` on a GPU
-    other than sm_90 (SM12x). A scan over stacked layers then closes over the weight stacks
-    (:func:`strip_stacks`, :func:`weight_stacks`, :func:`join_stacks`): XLA copies a per-layer
-    slice of a stack whole into every Pallas-Triton kernel that reads it, on every step (the
-    Qwen3-30B-A3B decode step on that path: 14.2 ms, 8.4 of them copies; docs/models.md). The
-    Mosaic kernels and XLA's dots take scanned slices uncopied, and there the scan keeps them."""
+def stacks_read_in_place(backend: str, kind: str = "linear") -> bool:
+    """Whether the NVFP4 kernels that ``backend`` picks for ``kind`` ("linear" or "moe") are
+    the Pallas-Triton ones, which read a layer of a weight stack in place: ``"pallas"``; for
+    ``"auto"`` on a GPU other than sm_90, the MoE (SM12x: the FP4-MMA Triton MoE) and the
+    linears, except on SM12x with ``plgpu.mma`` (JAX >= 0.11), where decode-sized linears run
+    the Mosaic kernel's mma.sync form. A scan over stacked layers then closes over the weight
+    stacks (:func:`strip_stacks`, :func:`weight_stacks`, :func:`join_stacks`): XLA copies a
+    per-layer slice of a stack whole into every Pallas-Triton kernel that reads it, on every
+    step (the Qwen3-30B-A3B decode step on that path: 14.2 ms, 8.4 of them copies;
+    docs/models.md). The Mosaic kernels and XLA's dots take scanned slices uncopied, and there
+    the scan keeps them."""
+    if kind not in ("linear", "moe"):
+        raise ValueError(f"kind: expected 'linear' or 'moe', got {kind!r}")
     if backend == "pallas":
         return True
-    return backend == "auto" and on_gpu() and not is_sm90()
+    if backend != "auto" or not on_gpu() or is_sm90():
+        return False
+    return not (kind == "linear" and is_sm12x() and has_mma_sync())
 
 
 def weight_stacks(stacked) -> list:
@@ -203,15 +211,17 @@ def weight_stacks(stacked) -> list:
             if _is_stacked_param(v)]
 
 
-def strip_stacks(stacked):
+def strip_stacks(stacked, *, linears: bool = True, moe: bool = True):
     """The pytree of stacked layers without its NVFP4 weights (:class:`Linear` ``w``,
-    :class:`MoE` fc1/fc2 set to None): what a scan slices per layer when its body closes over
-    the :func:`weight_stacks`."""
+    :class:`MoE` fc1/fc2 set to None; only the linears' or only the MoEs' with ``moe`` or
+    ``linears`` False): what a scan slices per layer when its body closes over the
+    :func:`weight_stacks`. Weights left in stay scanned slices (:func:`join_stacks` keeps
+    them), for the kernels that take slices."""
 
     def strip(v):
-        if isinstance(v, Linear):
+        if isinstance(v, Linear) and linears:
             return dataclasses.replace(v, w=None)
-        if isinstance(v, MoE):
+        if isinstance(v, MoE) and moe:
             return dataclasses.replace(v, fc1=None, fc2=None)
         return v
 

@@ -409,11 +409,9 @@ def _dot_scaled(cc: int | None) -> bool:
 
 def _mosaic(cc: int | None) -> bool:
     """The Mosaic kernels: wgmma on sm_90, the mma.sync form on SM 12.x (JAX >= 0.11)."""
-    if cc is not None and 120 <= cc < 130:
-        from .gemm.mosaic import has_mma_sync
+    from .gemm.mosaic import unavailable
 
-        return has_mma_sync()
-    return cc == 90
+    return cc is not None and unavailable(cc) is None
 
 
 def _any_gemm(m: int, n: int, k: int) -> bool:

@@ -131,18 +131,6 @@ def resolve_backend(backend: str) -> str:
     return "xla"
 
 
-def _mosaic_family(cc: int | None) -> str | None:
-    """Why the Mosaic kernel cannot run on compute capability ``cc``, or None if it can: sm_90
-    (wgmma), SM 12.x with ``plgpu.mma`` (JAX >= 0.11; the ``mma="sync"`` form)."""
-    if cc == 90:
-        return None
-    if cc is not None and 120 <= cc < 130:
-        return None if mosaic.has_mma_sync() else (
-            f"sm_{cc}: the Mosaic kernel's SM 12.x form needs plgpu.mma (JAX >= 0.11), this is "
-            f"JAX {jax.__version__}")
-    return f"the Mosaic kernel needs an sm_90 or SM 12.x GPU, found {cc}"
-
-
 def _pick_mosaic(backend: str, impl: str, m: int, n: int, k: int, x_dtype,
                  config=None) -> str:
     """"mosaic" where it applies: explicitly asked for (else fall back to "pallas", logged), or
@@ -160,7 +148,7 @@ def _pick_mosaic(backend: str, impl: str, m: int, n: int, k: int, x_dtype,
             mosaic.check_supported(m, n, k)
         except ValueError:
             return impl
-        why = _mosaic_family(cc)
+        why = mosaic.unavailable(cc)
         if why is not None:
             log.info("nvfp4_jax.matmul: backend auto -> pallas (%s)", why)
             return impl
@@ -171,7 +159,7 @@ def _pick_mosaic(backend: str, impl: str, m: int, n: int, k: int, x_dtype,
     if impl != "mosaic":
         return impl
     try:
-        why = _mosaic_family(cc)
+        why = mosaic.unavailable(cc)
         if why is not None:
             raise ValueError(f"backend: {why}")
         if x_dtype != jnp.bfloat16:

@@ -211,6 +211,20 @@ def has_mma_sync() -> bool:
     return hasattr(plgpu, "mma")
 
 
+def unavailable(cc: int | None) -> str | None:
+    """Why the Mosaic kernels cannot run on compute capability ``cc`` (90 for 9.0), or None if
+    they can: sm_90 (wgmma), SM 12.x with ``plgpu.mma`` (JAX >= 0.11; the ``mma="sync"``
+    form)."""
+    if cc == 90:
+        return None
+    if cc is not None and 120 <= cc < 130:
+        return None if has_mma_sync() else (
+            f"sm_{cc}: the Mosaic kernels' SM 12.x form needs plgpu.mma (JAX >= 0.11), this is "
+            f"JAX {jax.__version__}")
+    found = "no NVIDIA GPU" if cc is None else f"sm_{cc}"
+    return f"the Mosaic kernels need an sm_90 or SM 12.x GPU, found {found}"
+
+
 def smem_limit() -> int:
     """Shared memory one CTA may use on the default device: 99 KB on SM 12.x, else sm_90's."""
     return SM12X_SMEM_LIMIT if is_sm12x() else SMEM_LIMIT

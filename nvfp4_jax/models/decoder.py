@@ -463,9 +463,10 @@ def forward(model: Model, tokens: jax.Array, cache: KVCache, *, backend: str = "
                 return (x, k_all, v_all), None
 
             idx = jnp.arange(li, li + n, dtype=jnp.int32)
-            if nn.stacks_read_in_place(backend):  # the kernels read the stacks in place
+            lin, moe = (nn.stacks_read_in_place(backend, kind) for kind in ("linear", "moe"))
+            if lin or moe:  # those kernels read the stacks in place; the rest keep slices
                 body = functools.partial(body, stacks=nn.weight_stacks(g))
-                g = nn.strip_stacks(g)
+                g = nn.strip_stacks(g, linears=lin, moe=moe)
             (x, k_all, v_all), _ = jax.lax.scan(body, (x, k_all, v_all), (g, idx))
             li += n
     x = nn.rms_norm(x, model.norm, cfg.rms_norm_eps)

@@ -221,13 +221,35 @@ def test_decoder_scan_on_the_stacks_equals_the_scan_on_slices(name, monkeypatch)
     model = e2e_bench.build_model(cfg, "nvfp4")
     ids = jnp.asarray([[3, 1, 4, 1, 5]], jnp.int32)
     outs = []
-    for in_place in (True, False):
-        monkeypatch.setattr(nn, "stacks_read_in_place", lambda backend, v=in_place: v)
+    # (linears, MoE) read in place: all (Pallas-Triton), none (the Mosaic path's layout), and
+    # the SM 12.x mix (Mosaic linears on scanned slices, the Triton MoE on the stacks)
+    for in_place in ((True, True), (False, False), (False, True)):
+        monkeypatch.setattr(nn, "stacks_read_in_place",
+                            lambda backend, kind, v=in_place: v[kind == "moe"])
         jax.clear_caches()
         cache = models.init_cache(cfg, 1, 8)
         logits, cache = models.prefill(model, ids, cache, backend="pallas", all_logits=True)
         step, cache = models.decode_step(model, ids[:, 0], cache, backend="pallas")
         outs.append([np.asarray(a, np.float32) for a in (logits, step, cache.k, cache.v)])
-    for a, b in zip(*outs):
+    for a, *others in zip(*outs):
         assert np.isfinite(a).all()
-        np.testing.assert_array_equal(a, b)
+        for b in others:
+            np.testing.assert_array_equal(a, b)
+
+
+def test_which_stacks_are_read_in_place(monkeypatch):
+    """``nn.stacks_read_in_place`` by device and kind: Pallas-Triton kernels read the stacks in
+    place; sm_90 keeps scanned slices for both; SM 12.x with ``plgpu.mma`` keeps them for the
+    (Mosaic) linears and reads in place for the (Triton) MoE; without it, both in place."""
+    assert nn.stacks_read_in_place("pallas", "linear") and nn.stacks_read_in_place("pallas", "moe")
+    assert not nn.stacks_read_in_place("xla", "moe")
+    assert not nn.stacks_read_in_place("auto", "linear")  # the CPU: XLA's dots
+    monkeypatch.setattr(nn, "on_gpu", lambda: True)
+    for sm90, sm12x, mma, want in ((True, False, True, (False, False)), (False, True, True, (False, True)),
+                                   (False, True, False, (True, True)), (False, False, False, (True, True))):
+        monkeypatch.setattr(nn, "is_sm90", lambda v=sm90: v)
+        monkeypatch.setattr(nn, "is_sm12x", lambda v=sm12x: v)
+        monkeypatch.setattr(nn, "has_mma_sync", lambda v=mma: v)
+        assert (nn.stacks_read_in_place("auto", "linear"), nn.stacks_read_in_place("auto", "moe")) == want
+    with pytest.raises(ValueError, match="^kind"):
+        nn.stacks_read_in_place("auto", "dense")

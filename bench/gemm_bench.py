@@ -187,8 +187,12 @@ def auto_backend(m, n, k):
     from nvfp4_jax.gemm import mosaic
 
     impl = api.resolve_backend("auto")
-    if impl == "pallas" and gpu_compute_capability() == 90 and mosaic.auto_config(m, n, k):
-        return "mosaic"
+    if impl == "pallas" and mosaic.unavailable(gpu_compute_capability()) is None:
+        try:
+            mosaic.check_supported(m, n, k)
+            return "mosaic"
+        except ValueError:
+            pass
     return impl
 
 
@@ -196,7 +200,9 @@ def backend_config(backend, m, n, k):
     from nvfp4_jax.gemm import mosaic
 
     if backend == "mosaic":
-        return (mosaic.auto_config(m, n, k) or mosaic.default_config(m, n, k)).__dict__
+        from nvfp4_jax.device import gpu_compute_capability
+
+        return mosaic.config_for(m, n, k, gpu_compute_capability()).__dict__
     if backend == "xla":
         return None
     return configs.get_config(m, n, k).__dict__

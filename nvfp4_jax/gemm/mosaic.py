@@ -1,4 +1,5 @@
-"""NVFP4 W4A16 GEMM for small M as a Pallas Mosaic GPU kernel (Hopper: TMA + wgmma).
+"""NVFP4 W4A16 GEMM for small M as a Pallas Mosaic GPU kernel (Hopper: TMA + wgmma; SM 12.x:
+TMA + warp-level mma.sync, ``MosaicConfig(mma="sync")``).
 
 ``out[M, N] = alpha * x[M, K] @ W[N, K]^T`` with ``W[n, k] = e2m1(code) * e4m3(scale[n, k//16])``,
 x bf16, fp32 accumulation: the same numbers as ``pallas_triton.matmul_pallas``.

@@ -10,8 +10,9 @@ Backends (``backend=``, the same words as ``nvfp4_jax.matmul``):
   with ``mma="fp4"`` forces it anywhere (decomposed by Triton on sm_90), ``mma="bf16"`` the
   bf16 MMA;
 * ``"mosaic"``: Pallas Mosaic GPU grouped GEMMs with Pallas-Triton glue kernels (mosaic.py),
-  sm_90 only, H % 256 == 0; off the GPU an XLA emulation of the grouped GEMMs with the glue
-  kernels in interpret mode (CPU tests);
+  sm_90, or SM 12.x with ``plgpu.mma`` (JAX >= 0.11: the grouped GEMMs on ``mma.sync``,
+  ``gemm.mosaic.for_sm12x``), H % 256 == 0; off the GPU an XLA emulation of the grouped GEMMs
+  with the glue kernels in interpret mode (CPU tests);
 * ``"auto"``: on sm_90 "mosaic" up to ``mosaic.MAX_ROUTES`` routed rows (measured faster
   there) unless a Pallas-Triton ``MoEConfig`` is given, "pallas" on other GPUs, "xla" off the
   GPU. The choice is logged (``choose_backend``).

@@ -1,4 +1,5 @@
-"""Grouped NVFP4 GEMM for the routed MoE as a Pallas Mosaic GPU kernel (Hopper: TMA + wgmma).
+"""Grouped NVFP4 GEMM for the routed MoE as a Pallas Mosaic GPU kernel (Hopper: TMA + wgmma;
+SM 12.x: mma.sync).
 
 The dense kernel of ``gemm/mosaic.py`` (swap-AB, ``plgpu.emit_pipeline`` over K, E2M1 decode in
 inline PTX straight into the wgmma A fragment, x K-permuted by ``PERM`` before the kernel,

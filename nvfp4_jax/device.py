@@ -48,7 +48,11 @@ def is_sm90() -> bool:
 
 def is_sm12x() -> bool:
     """Whether the default device is an SM 12.x GPU (GeForce RTX 50xx, DGX Spark)."""
-    cc = gpu_compute_capability()
+    return sm12x(gpu_compute_capability())
+
+
+def sm12x(cc: int | None) -> bool:
+    """Whether compute capability ``cc`` (as ``gpu_compute_capability`` gives it) is SM 12.x."""
     return cc is not None and 120 <= cc < 130
 
 

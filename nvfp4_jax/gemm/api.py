@@ -43,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import validate
-from ..device import gpu_compute_capability, is_sm12x, pallas_interpret
+from ..device import gpu_compute_capability, is_sm12x, pallas_interpret, sm12x
 from ..division import divide
 from ..quantize import NVFP4Array, dequantize, quantize
 from . import configs, mosaic
@@ -142,7 +142,7 @@ def _pick_mosaic(backend: str, impl: str, m: int, n: int, k: int, x_dtype,
     if backend == "auto":
         if impl != "pallas" or x_dtype != jnp.bfloat16 or isinstance(config, Config):
             return impl
-        if cc != 90 and (cc is None or not 120 <= cc < 130):
+        if cc != 90 and not sm12x(cc):
             return impl
         try:
             mosaic.check_supported(m, n, k)

@@ -41,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ..device import is_sm12x
+from ..device import is_sm12x, sm12x
 
 log = logging.getLogger(__name__)
 
@@ -218,7 +218,7 @@ def unavailable(cc: int | None) -> str | None:
     form)."""
     if cc == 90:
         return None
-    if cc is not None and 120 <= cc < 130:
+    if sm12x(cc):
         return None if has_mma_sync() else (
             f"sm_{cc}: the Mosaic kernels' SM 12.x form needs plgpu.mma (JAX >= 0.11), this is "
             f"JAX {jax.__version__}")
@@ -253,7 +253,7 @@ def config_for(m: int, n: int, k: int, cc: int | None) -> MosaicConfig:
     ``auto_config``, else ``default_config``; on SM 12.x (cc 120..129) that config
     ``for_sm12x``."""
     cfg = auto_config(m, n, k) or default_config(m, n, k)
-    if cc is not None and 120 <= cc < 130:
+    if sm12x(cc):
         return for_sm12x(cfg, token_tile(m))
     return cfg
 

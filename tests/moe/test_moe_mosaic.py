@@ -630,3 +630,22 @@ def test_token_quant_runs_where_one_scale_serves_all_experts(caplog):
         MosaicMoEConfig(token_quant=True, routing="fused", skip_padding=True)
     with pytest.raises(TypeError, match="^MosaicMoEConfig.token_quant"):
         MosaicMoEConfig(token_quant=1)
+
+
+def test_sm12x_form_of_every_moe_config_fits_99_kb():
+    """Every measured MoE entry and the default configs at decode and prefill routings, in the
+    form SM 12.x runs (``for_sm12x``, as ``moe_mosaic`` converts them there): mma.sync, one
+    warpgroup, within 99 KB of shared memory, whole-K scale buffers included."""
+    from nvfp4_jax.gemm.mosaic import SM12X_SMEM_LIMIT, for_sm12x
+    from nvfp4_jax.moe.mosaic import AUTO_SM90, default_config
+
+    cases = [(key[1], key[3], cfg) for key, cfg in AUTO_SM90.items()]
+    for e, h, r, i in ((512, 1024, 2688, 2688), (128, 2048, 1536, 768)):
+        for routes in (8, 176, 1408, 11264, 90112):
+            cases.append((h, i, default_config(routes, e, hidden=h, rows1=r, inter=i)))
+    for h, i, cfg in cases:
+        for fc, k in ((cfg.fc1, h), (cfg.fc2, i)):
+            whole = k if k % 256 else None
+            c = for_sm12x(fc, cfg.block_m, whole)
+            assert (c.mma, c.consumers, c.overlap) == ("sync", 1, False)
+            assert c.smem_bytes(cfg.block_m, whole) <= SM12X_SMEM_LIMIT, (cfg, c)

@@ -10,6 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from nvfp4_jax.gemm.mosaic import (
     AUTO_SM90,
@@ -289,3 +291,20 @@ def test_bf16_store_elsewhere_is_logged(caplog):
         with caplog.at_level("INFO", logger="nvfp4_jax.gemm.mosaic"):
             f.trace(*_args(16, 1024, 2048)).lower(lowering_platforms=("cuda",))
         assert "bf16_store needs split_k 1 and a bf16 output" in caplog.text
+
+
+@given(m=st.integers(1, 64), n=st.integers(1, 200_000), k=st.integers(1, 128).map(lambda v: 256 * v))
+@settings(max_examples=200, deadline=None)
+def test_sm12x_config_for_any_shape_runs_there(m, n, k):
+    """Any shape the Mosaic kernel takes gets an SM 12.x config that ``check_config`` accepts
+    with SM 12.x's 99 KB (the sm_90 one for the same shape fits 227 KB)."""
+    from unittest import mock
+
+    from nvfp4_jax.gemm import mosaic
+
+    mt = token_tile(m)
+    check_config(mosaic.config_for(m, n, k, 90), k, mt)
+    c = mosaic.config_for(m, n, k, 120)
+    assert c.mma == "sync"
+    with mock.patch.object(mosaic, "is_sm12x", lambda: True):
+        check_config(c, k, mt)

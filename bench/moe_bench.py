@@ -135,7 +135,7 @@ def make_hidden(t, h):
 #: conversion (None: ``--scale-layout``). ``nvfp4_moe``: the default choice on this GPU (on an
 #: H200 the Hopper path: the Mosaic kernels up to ``moe.mosaic.MAX_ROUTES`` routes);
 #: ``nvfp4_moe_triton``: the Pallas-Triton kernels, the path SM12x GPUs run;
-#: ``nvfp4_moe_mosaic``: the Mosaic GPU kernels (Hopper only).
+#: ``nvfp4_moe_mosaic``: the Mosaic GPU kernels (sm_90; SM 12.x in their mma.sync form).
 MOE_IMPLS = {
     "nvfp4_moe": ({"backend": "auto"}, None),
     "nvfp4_moe_triton": ({"backend": "pallas"}, "linear"),
@@ -370,16 +370,18 @@ def make_moe_timer(run, hidden, ids, wts, params, *, target_s: float = 0.05, rep
 
 def candidates_sweep(out_path, shapes, tokens, budget_s, repeats=3, target_s=0.05, labels=None):
     """Time ``moe_sweep_candidates`` (the Pallas-Triton MoE, ``backend="pallas"``, linear
-    weight scales) and the Mosaic MoE (``backend="mosaic"``, swizzled scales: the Hopper
-    path, on sm_90 only) per shape and T on one random routing set, interleaved: every timer
-    is compiled first, then ``repeats`` rounds run each timer once in turn; records the median
-    and every round, and each candidate's median over the Mosaic one. Compiles stop once
+    weight scales) and the Mosaic MoE (``backend="mosaic"``, swizzled scales: sm_90, or SM
+    12.x in its mma.sync form; on sm_90 also its tiles with mma.sync, ``mosaic_sync_config``)
+    per shape and T on one random routing set, interleaved: every timer is compiled first,
+    then ``repeats`` rounds run each timer once in turn; records the median and every round,
+    and each candidate's median over the Mosaic one. Compiles stop once
     ``budget_s`` is spent (``"skipped": "budget"``; the compiled ones still run); a candidate
     that raises is recorded with its error and the others go on. Off the GPU the kernels run
     in interpret mode with the portable decode "bits" (recorded as ``decode_run``; times mean
     nothing there). ``labels``: only the candidates so labelled (and the Mosaic MoE). Writes
     ``out_path`` after each T."""
-    from nvfp4_jax.device import is_sm90, on_gpu
+    from nvfp4_jax.device import gpu_compute_capability, is_sm90, on_gpu
+    from nvfp4_jax.gemm.mosaic import unavailable
 
     t0 = time.time()
     doc = {**run_metadata(), "harness": HARNESS, "routing": "random",
@@ -395,7 +397,8 @@ def candidates_sweep(out_path, shapes, tokens, budget_s, repeats=3, target_s=0.0
         tri_sel, tri_lay = MOE_IMPLS["nvfp4_moe_triton"]
         mos_sel, mos_lay = MOE_IMPLS["nvfp4_moe_mosaic"]
         p_tri = (*ours_weights(q1, q2, tri_lay), s1, s2)
-        p_mos = (*ours_weights(q1, q2, mos_lay), s1, s2) if gpu and is_sm90() else None
+        mos_ok = gpu and unavailable(gpu_compute_capability()) is None  # SM 12.x: mma.sync
+        p_mos = (*ours_weights(q1, q2, mos_lay), s1, s2) if mos_ok else None
         for t in tokens:
             ids, wts = make_routing(rng, t, e, k, "random")
             hidden = make_hidden(t, h)
@@ -404,7 +407,7 @@ def candidates_sweep(out_path, shapes, tokens, budget_s, repeats=3, target_s=0.0
             timers, recs = [], []
             todo = [("mosaic", None)] + [(lb, c) for lb, c in moe_sweep_candidates(s, t)
                                          if labels is None or lb in labels]
-            if p_mos is not None:  # the Mosaic MoE's own tiles with mma.sync (the SM 12.x form)
+            if p_mos is not None and is_sm90():  # its tiles with mma.sync (SM 12.x's form)
                 todo.append(("mosaic_sync", mosaic_sync_config(s, t)))
             for label, cfg in todo:
                 sync = label == "mosaic_sync"
@@ -419,8 +422,9 @@ def candidates_sweep(out_path, shapes, tokens, budget_s, repeats=3, target_s=0.0
                         cfg = cfg.with_decode("bits")
                         rec["decode_run"] = "bits"
                 elif p_mos is None:
-                    rec["skipped"] = ("not an sm_90 GPU: the Mosaic MoE runs on Hopper only"
-                                      if gpu else "no GPU: the Mosaic MoE reference needs sm_90")
+                    rec["skipped"] = (
+                        unavailable(gpu_compute_capability()) if gpu
+                        else "no GPU: the Mosaic MoE reference needs an sm_90 or SM 12.x GPU")
                     recs.append(rec)
                     continue
                 if time.time() - t0 > budget_s:
@@ -539,7 +543,7 @@ def main():
                     help="print the rows that would be measured (JSON lines) and exit")
     ap.add_argument("--candidates", action="store_true",
                     help="time moe_sweep_candidates (Pallas-Triton MoE tiles and decodes) against "
-                         "the Mosaic MoE (sm_90 only), interleaved rounds, random routing "
+                         "the Mosaic MoE (sm_90, SM 12.x), interleaved rounds, random routing "
                          "(--budget-s caps compiles) -> OUT/moe-candidates-<gpu>.json")
     ap.add_argument("--repeats", type=int, default=3, help="--candidates: interleaved rounds")
     ap.add_argument("--labels", default="",

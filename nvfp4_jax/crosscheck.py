@@ -14,7 +14,8 @@ linear form), and runs every backend on it:
 * **gemm_w4a4** and **gemm_w4a16**: the output against the oracle under the derived
   fp32-accumulation bound, explained by ``nvfp4_jax.explain`` when it fails: ``jax_xla``,
   ``jax_pallas`` (Pallas-Triton; interpret mode off the GPU), ``jax_mosaic`` (the Mosaic
-  kernel; sm_90, and SM 12.x in its mma.sync form), ``trtllm_reenacted`` (``nvfp4_gemm``, W4A4), ``trtllm_live``;
+  kernel; sm_90, and SM 12.x in its mma.sync form), ``trtllm_reenacted`` (``nvfp4_gemm``,
+  W4A4), ``trtllm_live``;
 * **moe_relu2** and **moe_swiglu** (``--ops moe``; a small routed layer, 8 experts, top-2,
   ``trtllm_cutlass`` semantics, T = 5): the output against ``oracle.moe`` inside the interval
   ``testing.moe_bound`` propagates through every rounding point: ``jax_xla``, ``jax_pallas``

@@ -7,12 +7,12 @@ powers of two, so that E4M3 block scales reach the subnormals, underflow and sat
 * ``quantize/<recipe>`` (every JAX recipe; given and derived global scale): codes, scale
   bytes and decode scale byte for byte equal to ``oracle.quantize``;
 * ``matmul/<backend>/<w4a16|w4a4>`` (``pallas``: Pallas-Triton, interpreted on CPU; ``mosaic``
-  on sm_90 and SM 12.x; ``xla``; ``fp4mma``: W4A4 on the FP4-MMA kernel, native on SM 12.x), fp32 output:
-  within the oracle's fp32-accumulation bound
+  on sm_90 and SM 12.x; ``xla``; ``fp4mma``: W4A4 on the FP4-MMA kernel, native on SM 12.x),
+  fp32 output: within the oracle's fp32-accumulation bound
   (``explain.explain_gemm``: its verdict and margin, the largest ``|out - oracle| / bound``);
-* ``moe/<path>/<mode>/<activation>`` (``pallas-triton``, ``mosaic`` on sm_90 and SM 12.x, ``xla``): inside
-  ``testing.assertions.moe_bound``'s interval with zero slack in the activation quantization
-  (so a code flipped by an inexact division fails).
+* ``moe/<path>/<mode>/<activation>`` (``pallas-triton``, ``mosaic`` on sm_90 and SM 12.x,
+  ``xla``): inside ``testing.assertions.moe_bound``'s interval with zero slack in the
+  activation quantization (so a code flipped by an inexact division fails).
 
 A verdict per kernel; for each failure an ``.npz`` (GEMM failures in the form ``nvfp4 explain
 FILE.npz`` reads; quantize and MoE failures hold their inputs, the output and the oracle's).

@@ -661,7 +661,8 @@ def _step_mma(cfg: MosaicConfig, *, scale_stride: int | None = None, swizzled: b
     groups = bk // 128
     sync = cfg.mma == "sync"
     if sync and not hasattr(plgpu, "mma"):
-        raise ValueError(f"config: mma='sync' needs plgpu.mma (JAX >= 0.11), this is JAX {jax.__version__}")
+        raise ValueError(f"config: mma='sync' needs plgpu.mma (JAX >= 0.11), this is JAX "
+                         f"{jax.__version__}")
     a_layout = plgpu.Layout.MMA_LHS(jnp.bfloat16) if sync else plgpu.Layout.WGMMA
     decode = [
         plgpu.inline_mgpu(

@@ -634,8 +634,9 @@ def moe_mosaic(
     cfg2 = fit(config.fc2, fc2, k2, "fc2") if on2 else config.fc2
     bm = config.block_m
     if is_sm12x():  # the grouped GEMMs' SM 12.x form (mma.sync, 99 KB of shared memory)
-        cfg1 = for_sm12x(cfg1, bm, None if h_dim % BLOCK_K == 0 or _reads_swizzled(fc1, cfg1) else h_dim)
-        cfg2 = for_sm12x(cfg2, bm, None if k2 % BLOCK_K == 0 or _reads_swizzled(fc2, cfg2) else k2)
+        whole1 = None if h_dim % BLOCK_K == 0 or _reads_swizzled(fc1, cfg1) else h_dim
+        whole2 = None if k2 % BLOCK_K == 0 or _reads_swizzled(fc2, cfg2) else k2
+        cfg1, cfg2 = for_sm12x(cfg1, bm, whole1), for_sm12x(cfg2, bm, whole2)
         log.info("nvfp4_jax.moe: SM 12.x: grouped GEMMs on mma.sync (fc1 %s, fc2 %s)", cfg1, cfg2)
     if not on2:
         if bm < 16:

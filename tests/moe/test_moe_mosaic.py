@@ -649,3 +649,22 @@ def test_sm12x_form_of_every_moe_config_fits_99_kb():
             c = for_sm12x(fc, cfg.block_m, whole)
             assert (c.mma, c.consumers, c.overlap) == ("sync", 1, False)
             assert c.smem_bytes(cfg.block_m, whole) <= SM12X_SMEM_LIMIT, (cfg, c)
+
+
+def test_moe_mosaic_on_sm12x_converts_its_configs(monkeypatch, caplog):
+    """On SM 12.x ``moe_mosaic`` runs its grouped GEMMs in the mma.sync form within 99 KB
+    (logged), whole-K FC2 scales included (I % 256 == 128); the XLA emulation checks the same
+    numbers against the oracle."""
+    from nvfp4_jax.gemm import mosaic as gemm_mosaic
+
+    monkeypatch.setattr(mm, "is_sm12x", lambda: True)
+    monkeypatch.setattr(gemm_mosaic, "is_sm12x", lambda: True)  # check_config's 99 KB
+    case = make_case(np.random.default_rng(12), t=5, h=512, inter=384, e=6, k=2, activation="relu2")
+    with caplog.at_level(logging.INFO, logger="nvfp4_jax.moe.mosaic"):
+        out, h = _run(case, mode="trtllm_cutlass", activation="relu2",
+                      config=MosaicMoEConfig(block_m=64, fc1=MosaicConfig(block_n=128, num_stages=4),
+                                             fc2=MosaicConfig(block_n=128, num_stages=3)))
+    text = caplog.text
+    assert "grouped GEMMs on mma.sync" in text and "mma='sync'" in text
+    assert "num_stages=4" not in text  # 4 stages of a 64-row block do not fit 99 KB
+    check_against_oracle(case, out, h, mode="trtllm_cutlass", activation="relu2")

@@ -21,9 +21,9 @@ import jax
 import jax.numpy as jnp
 
 from . import moe as moe_pkg
-from .device import is_sm12x, is_sm90, on_gpu
+from .device import gpu_compute_capability, is_sm90, on_gpu
 from .gemm.api import matmul
-from .gemm.mosaic import has_mma_sync
+from .gemm.mosaic import unavailable as mosaic_unavailable
 from .quantize import NVFP4Array
 
 BACKENDS = ("auto", "mosaic", "pallas", "xla")
@@ -199,7 +199,7 @@ def stacks_read_in_place(backend: str, kind: str = "linear") -> bool:
         return True
     if backend != "auto" or not on_gpu() or is_sm90():
         return False
-    return not (kind == "linear" and is_sm12x() and has_mma_sync())
+    return kind == "moe" or mosaic_unavailable(gpu_compute_capability()) is not None
 
 
 def weight_stacks(stacked) -> list:

@@ -129,6 +129,10 @@ class MosaicConfig:
             # 232; 4 x 128 = 512 >= 40 + 3 x 152)
             raise ValueError(f"MosaicConfig.consumers: expected 1..3, got {self.consumers}")
 
+    def sync_form(self) -> MosaicConfig:
+        """The same tiles with ``mma="sync"`` (one warpgroup, no overlap; no provenance)."""
+        return dataclasses.replace(self, mma="sync", overlap=False, consumers=1, measured="")
+
     def smem_bytes(self, m_tile: int, whole_k: int | None = None) -> int:
         """Shared memory of one CTA: the larger of the pipeline stages (codes, scales, x) and
         the fp32 output tile, which ``store_tile`` allocates in a scope after the pipeline's
@@ -235,7 +239,7 @@ def for_sm12x(cfg: MosaicConfig, m_tile: int, whole_k: int | None = None) -> Mos
     """``cfg`` in the form SM 12.x runs: ``mma="sync"``, one warpgroup, no overlap, within
     ``SM12X_SMEM_LIMIT`` (fewer stages down to 2, then block_k 256, then block_n 64). The
     tiles stay the sm_90 table's otherwise: no SM 12.x GPU has measured its own."""
-    c = dataclasses.replace(cfg, mma="sync", overlap=False, consumers=1, measured="")
+    c = cfg.sync_form()
     while c.smem_bytes(m_tile, whole_k) > SM12X_SMEM_LIMIT:
         if c.num_stages > 2:
             c = dataclasses.replace(c, num_stages=c.num_stages - 1)
@@ -643,7 +647,7 @@ def _x_spec(m_tile: int, block_k: int):
     return plgpu.BlockSpec((m_tile, block_k), lambda i: (0, i), transforms=x_transforms(plgpu))
 
 
-def x_transforms(plgpu):  # noqa: N802 - a constant of the plgpu module handed in
+def x_transforms(plgpu):
     """The x stage's SMEM transforms: tiles of 8 x 64 bf16 (128-byte rows), 128-byte swizzle."""
     return (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 
@@ -660,7 +664,7 @@ def _step_mma(cfg: MosaicConfig, *, scale_stride: int | None = None, swizzled: b
     bn, bk = cfg.block_n, cfg.block_k
     groups = bk // 128
     sync = cfg.mma == "sync"
-    if sync and not hasattr(plgpu, "mma"):
+    if sync and not has_mma_sync():
         raise ValueError(f"config: mma='sync' needs plgpu.mma (JAX >= 0.11), this is JAX "
                          f"{jax.__version__}")
     a_layout = plgpu.Layout.MMA_LHS(jnp.bfloat16) if sync else plgpu.Layout.WGMMA

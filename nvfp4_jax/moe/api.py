@@ -26,8 +26,8 @@ import jax
 import jax.numpy as jnp
 
 from .. import validate
-from ..device import is_sm12x, is_sm90, on_gpu, pallas_interpret
-from ..gemm.mosaic import has_mma_sync
+from ..device import gpu_compute_capability, is_sm90, on_gpu, pallas_interpret
+from ..gemm.mosaic import unavailable as mosaic_unavailable
 from ..quantize import NVFP4Array
 from .configs import MoEConfig
 from .mosaic import BLOCK_K, MAX_ROUTES, MosaicMoEConfig, check_supported, moe_mosaic
@@ -57,7 +57,7 @@ def choose_backend(backend: str, config, *, routes: int, hidden: int) -> str:
             raise ValueError("config: backend='mosaic' takes a MosaicMoEConfig (or None), got a "
                              "Pallas-Triton MoEConfig")
         check_supported(hidden, name="fc1")
-        if on_gpu() and not is_sm90() and not (is_sm12x() and has_mma_sync()):
+        if on_gpu() and mosaic_unavailable(gpu_compute_capability()) is not None:
             raise ValueError("backend: 'mosaic' needs an sm_90 (Hopper) GPU, or SM 12.x with "
                              "plgpu.mma (JAX >= 0.11); off the GPU it runs the kernels' XLA "
                              "emulation")

@@ -244,12 +244,14 @@ def test_which_stacks_are_read_in_place(monkeypatch):
     assert nn.stacks_read_in_place("pallas", "linear") and nn.stacks_read_in_place("pallas", "moe")
     assert not nn.stacks_read_in_place("xla", "moe")
     assert not nn.stacks_read_in_place("auto", "linear")  # the CPU: XLA's dots
+    from nvfp4_jax.gemm import mosaic
+
     monkeypatch.setattr(nn, "on_gpu", lambda: True)
-    for sm90, sm12x, mma, want in ((True, False, True, (False, False)), (False, True, True, (False, True)),
-                                   (False, True, False, (True, True)), (False, False, False, (True, True))):
-        monkeypatch.setattr(nn, "is_sm90", lambda v=sm90: v)
-        monkeypatch.setattr(nn, "is_sm12x", lambda v=sm12x: v)
-        monkeypatch.setattr(nn, "has_mma_sync", lambda v=mma: v)
+    for cc, mma, want in ((90, True, (False, False)), (120, True, (False, True)),
+                          (120, False, (True, True)), (89, False, (True, True))):
+        monkeypatch.setattr(nn, "is_sm90", lambda v=cc == 90: v)
+        monkeypatch.setattr(nn, "gpu_compute_capability", lambda v=cc: v)
+        monkeypatch.setattr(mosaic, "has_mma_sync", lambda v=mma: v)
         assert (nn.stacks_read_in_place("auto", "linear"), nn.stacks_read_in_place("auto", "moe")) == want
     with pytest.raises(ValueError, match="^kind"):
         nn.stacks_read_in_place("auto", "dense")

@@ -382,11 +382,13 @@ def test_choose_backend(monkeypatch):
         api.choose_backend("mosaic", None, routes=8, hidden=2048)
     # SM 12.x: the mma.sync form when asked for, with plgpu.mma (JAX >= 0.11); auto keeps
     # the FP4-MMA Triton MoE
-    monkeypatch.setattr(api, "is_sm12x", lambda: True)
-    monkeypatch.setattr(api, "has_mma_sync", lambda: False)
+    from nvfp4_jax.gemm import mosaic as gemm_mosaic
+
+    monkeypatch.setattr(api, "gpu_compute_capability", lambda: 120)
+    monkeypatch.setattr(gemm_mosaic, "has_mma_sync", lambda: False)
     with pytest.raises(ValueError, match=r"or SM 12.x with plgpu.mma \(JAX >= 0.11\)"):
         api.choose_backend("mosaic", None, routes=8, hidden=2048)
-    monkeypatch.setattr(api, "has_mma_sync", lambda: True)
+    monkeypatch.setattr(gemm_mosaic, "has_mma_sync", lambda: True)
     assert api.choose_backend("mosaic", None, routes=8, hidden=2048) == "mosaic"
     assert api.choose_backend("auto", None, routes=8, hidden=2048) == "pallas"
 

@@ -442,15 +442,20 @@ def all_sweep_candidates() -> list[tuple[str, Config]]:
             for label, c in sweep_candidates(m, n, k)]
 
 
-def candidates_sweep(out_path, shapes, ms, budget_s, repeats=3, target_s=0.01):
+def candidates_sweep(out_path, shapes, ms, budget_s, repeats=3, target_s=0.01, candidates=None):
     """Time ``sweep_candidates`` and bf16 ``jnp.dot`` per shape and M, interleaved: every
     timer is compiled first, then ``repeats`` rounds run each timer once in turn (the GPU's
     drift hits all alike); records the median and every round. Compiles stop when
-    ``budget_s`` is spent (the compiled ones still run). Writes ``out_path`` after each M."""
+    ``budget_s`` is spent (the compiled ones still run). Writes ``out_path`` after each M.
+    ``candidates(m, n, k)``: other (label, config, fn(x, w)) to time instead, ``config`` a
+    dataclass of NVFP4 tiles (default: ``sweep_candidates`` through ``impl_ours_w4a16``)."""
     t0 = time.time()
     meta = run_metadata()
     doc = {**meta, "timing": "in-graph, interleaved rounds (make_timer)", "repeats": repeats,
            "records": []}
+    if candidates is None:
+        def candidates(m, n, k):
+            return [(label, cfg, impl_ours_w4a16(cfg)) for label, cfg in sweep_candidates(m, n, k)]
     for n, k in shapes:
         ws = make_weights(n, k, n_copies(nvfp4_bytes(n, k)))
         cb = n_copies(2 * n * k)
@@ -459,15 +464,14 @@ def candidates_sweep(out_path, shapes, ms, budget_s, repeats=3, target_s=0.01):
         for m in ms:
             x = make_x(m, k)
             timers = [("bf16_dot", None, make_timer(impl_bf16_dot, x, wb, target_s=target_s))]
-            for label, cfg in sweep_candidates(m, n, k):
+            for label, cfg, fn in candidates(m, n, k):
                 if time.time() - t0 > budget_s:
                     log(f"candidates: budget spent, {label} at {m}x{n}x{k} not compiled")
                     doc["records"].append({"N": n, "K": k, "M": m, "label": label,
                                            "skipped": "budget"})
                     continue
                 try:
-                    timers.append((label, cfg, make_timer(impl_ours_w4a16(cfg), x, ws,
-                                                          target_s=target_s)))
+                    timers.append((label, cfg, make_timer(fn, x, ws, target_s=target_s)))
                 except Exception as e:  # noqa: BLE001 - record and go on with the others
                     doc["records"].append({"N": n, "K": k, "M": m, "label": label,
                                            "config": cfg.__dict__, "error": repr(e)[:300]})

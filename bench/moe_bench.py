@@ -62,9 +62,14 @@ NROT = 8
 HARNESS = "per-layer global scales; 32 layers per loop round trip; routings as separate arrays"
 
 
+def fc1_rows(s) -> int:
+    """FC1's output rows R of a shape: 2I for SwiGLU (gate and up), I for relu2."""
+    return 2 * s["inter"] if s["activation"] == "swiglu" else s["inter"]
+
+
 def make_weights(key, s):
     e, h, i = s["experts"], s["hidden"], s["inter"]
-    r = 2 * i if s["activation"] == "swiglu" else i
+    r = fc1_rows(s)
     k1, k2 = jax.random.split(key)
 
     @jax.jit
@@ -470,11 +475,9 @@ def mosaic_sync_config(shape, t: int):
     grouped GEMMs on ``mma.sync`` (one warpgroup, no overlap)."""
     from nvfp4_jax.moe import mosaic as moe_mosaic
 
-    rows1 = (2 if shape["activation"] == "swiglu" else 1) * shape["inter"]
     cfg = moe_mosaic.auto_config(t * shape["top_k"], shape["experts"], hidden=shape["hidden"],
-                                 rows1=rows1, inter=shape["inter"])
-    sync = lambda c: dataclasses.replace(c, mma="sync", overlap=False, consumers=1, measured="")
-    return dataclasses.replace(cfg, fc1=sync(cfg.fc1), fc2=sync(cfg.fc2), measured="")
+                                 rows1=fc1_rows(shape), inter=shape["inter"])
+    return dataclasses.replace(cfg, fc1=cfg.fc1.sync_form(), fc2=cfg.fc2.sync_form(), measured="")
 
 
 def moe_candidates_table(doc) -> str:
@@ -611,7 +614,7 @@ def main():
             continue
         s = {**SHAPES, **SMOKE}[sname]
         e, h, i, k, act = s["experts"], s["hidden"], s["inter"], s["top_k"], s["activation"]
-        r = 2 * i if act == "swiglu" else i
+        r = fc1_rows(s)
         w1, w2, q1, q2 = make_weights(jax.random.PRNGKey(1), s)
         w1t, w2t = jnp.swapaxes(w1, 1, 2), jnp.swapaxes(w2, 1, 2)
         del w1, w2

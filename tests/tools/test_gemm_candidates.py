@@ -121,3 +121,25 @@ def test_model_issue_calibration_by_h200_efficiency(tmp_path):
     assert r["issue_budget_per_weight_at_85pct_dram"] == pytest.approx(
         36 * 4 * 2.572e9 / (448e9 * 0.85 / 0.5625))
     assert rows[("rtx_5060_ti", 4096, 4096, 16)]["issue_calibrated_us"] is None  # not measured
+
+
+def test_mosaic_mma_bench_candidates_and_cpu_smoke_run(tmp_path, monkeypatch):
+    """bench/mosaic_mma_bench.py's candidates: the sm_90 config on wgmma and in its mma.sync
+    form (the overlap-free wgmma one where the table overlaps), the Pallas-Triton table tiles;
+    on the CPU ``candidates_sweep`` times bf16 and Pallas-Triton (interpreted) and records the
+    Mosaic kernels' errors without stopping."""
+    mb = fresh("mosaic_mma_bench")
+    from nvfp4_jax.gemm import configs, mosaic
+
+    for m, n, k in ((1, 28672, 8192), (64, 14336, 4096), (5, 4000, 4096)):
+        cands = {label: cfg for label, cfg, _ in mb.candidates(True)(m, n, k)}
+        w = mosaic.config_for(m, n, k, 90)
+        assert cands["mosaic_wgmma"] == w and cands["mosaic_sync"] == w.sync_form()
+        assert cands["mosaic_sync"].mma == "sync" and cands["pallas"] == configs.get_config(m, n, k)
+        assert ("mosaic_wgmma_plain" in cands) == (w.overlap or w.consumers > 1)
+    monkeypatch.setattr(mb.gb, "INNER_CALLS", 1)
+    doc = mb.gb.candidates_sweep(str(tmp_path / "m.json"), [(256, 256)], [16], budget_s=600,
+                                 repeats=1, target_s=0.001, candidates=mb.candidates(True))
+    rec = {r["label"]: r for r in doc["records"]}
+    assert {"bf16_dot", "pallas", "mosaic_wgmma", "mosaic_sync"} <= set(rec)
+    assert rec["pallas"]["median_us"] > 0 and "error" in rec["mosaic_sync"]

@@ -171,3 +171,19 @@ def test_candidates_on_gpu_match_the_oracle_and_the_default(shape):
         check_against_oracle(case, out, h, mode="trtllm_cutlass", activation=act)
         np.testing.assert_array_equal(h, h0, err_msg=label)
         np.testing.assert_array_equal(out, out0, err_msg=label)
+
+
+def test_mosaic_sync_candidate_is_the_auto_config_on_mma_sync():
+    """``--candidates``' ``mosaic_sync`` row: the Mosaic MoE's own config for the layer and T
+    with both grouped GEMMs in their mma.sync form, nothing else changed."""
+    from nvfp4_jax.moe import mosaic as moe_mosaic
+
+    for name, t in (("qwen3_30b", 1), ("qwen3_30b", 8), ("nemotron", 8), ("nemotron", 64)):
+        s = mb.shape_of(name)
+        auto = moe_mosaic.auto_config(t * s["top_k"], s["experts"], hidden=s["hidden"],
+                                      rows1=mb.fc1_rows(s), inter=s["inter"])
+        got = mb.mosaic_sync_config(s, t)
+        assert (got.fc1, got.fc2) == (auto.fc1.sync_form(), auto.fc2.sync_form())
+        assert got.fc1.mma == got.fc2.mma == "sync"
+        assert (got.block_m, got.routing, got.epilogue) == (auto.block_m, auto.routing, auto.epilogue)
+    assert mb.fc1_rows(mb.shape_of("qwen3_30b")) == 2 * 768 and mb.fc1_rows(mb.shape_of("nemotron")) == 2688

@@ -1,10 +1,9 @@
 """The Mosaic GEMM with ``mma.sync`` lowered as for SM 12.x, run on this (sm_90) GPU.
 
-Mosaic GPU's Python lowering reads the GPU's compute capability once per kernel
-(``jax.experimental.mosaic.gpu.core._infer_arch``) and gates its choices on it; its C++
-compiles the module for the GPU it runs on. With the capability reported as 12.0 (RTX 50xx)
-or 12.1 (DGX Spark), the kernel is lowered with every choice SM 12.x would get, compiled for
-this GPU and checked against the oracle (``assert_gemm_close``); ``MOSAIC_GPU_DUMP_TO`` keeps
+With the compute capability Mosaic GPU's Python lowering reads set to 12.0 (RTX 50xx) or
+12.1 (DGX Spark) (``nvfp4_jax.testing.mosaic_lowered_as``), each case is lowered with every
+choice SM 12.x would get, compiled for this GPU by Mosaic's C++ and checked against the
+oracle (``assert_gemm_close``); ``MOSAIC_GPU_DUMP_TO`` keeps
 each kernel's PTX, which ``ptxas -arch=sm_120a / sm_121a`` then assembles on any machine
 (``--ptxas DIR``: registers, spills, and with ``cuobjdump`` the main loop's warp-instructions
 per weight, for sm_90a as well).
@@ -37,15 +36,11 @@ def run_gpu(out_dir: str, arch: tuple[int, int]) -> dict:
     import jax
     import jax.numpy as jnp
     import numpy as np
-    from jax.experimental.mosaic.gpu import core, utils
 
     import oracle
     from nvfp4_jax.gemm.mosaic import MosaicConfig, matmul_mosaic
-    from nvfp4_jax.testing import assert_gemm_close
+    from nvfp4_jax.testing import assert_gemm_close, mosaic_lowered_as
 
-    # the one switch this probe needs: utils._infer_arch in JAX 0.11.2, core's in 0.11.0
-    owner = utils if hasattr(utils, "_infer_arch") else core
-    owner._infer_arch = lambda: arch  # noqa: SLF001
     rng = np.random.default_rng(0)
     recs = []
     for m, n, k, kw in CASES:
@@ -55,8 +50,10 @@ def run_gpu(out_dir: str, arch: tuple[int, int]) -> dict:
         x = jnp.asarray(rng.standard_normal((m, k)).astype(np.float32)).astype(jnp.bfloat16)
         rec = {"M": m, "N": n, "K": k, "config": kw, "arch_lowered": f"{arch[0]}.{arch[1]}"}
         try:
-            out = matmul_mosaic(x, jnp.asarray(wo.codes), jnp.asarray(wo.scales),
-                                np.float32(wo.decode_scale), out_dtype=jnp.float32, config=cfg)
+            with mosaic_lowered_as(arch):
+                out = matmul_mosaic(x, jnp.asarray(wo.codes), jnp.asarray(wo.scales),
+                                    np.float32(wo.decode_scale), out_dtype=jnp.float32,
+                                    config=cfg)
             assert_gemm_close(np.asarray(out), np.asarray(x, np.float32), wo, out_dtype="float32",
                               splits=16)
             rec["oracle"] = "within bound"

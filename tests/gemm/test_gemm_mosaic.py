@@ -308,3 +308,20 @@ def test_sm12x_config_for_any_shape_runs_there(m, n, k):
     assert c.mma == "sync"
     with mock.patch.object(mosaic, "is_sm12x", lambda: True):
         check_config(c, k, mt)
+
+
+def test_mosaic_lowered_as_sets_and_restores_the_arch_hook():
+    """``testing.mosaic_lowered_as``: inside, the compute capability Mosaic GPU's lowering
+    reads is the one asked for; outside (also after an error) the JAX hook is back."""
+    from jax.experimental.mosaic.gpu import core, utils
+
+    from nvfp4_jax.testing import mosaic_lowered_as
+
+    owner = utils if hasattr(utils, "_infer_arch") else core
+    before = owner._infer_arch  # noqa: SLF001
+    with mosaic_lowered_as((12, 1)):
+        assert owner._infer_arch() == (12, 1)  # noqa: SLF001
+    assert owner._infer_arch is before  # noqa: SLF001
+    with pytest.raises(RuntimeError), mosaic_lowered_as((12, 0)):
+        raise RuntimeError("inside")
+    assert owner._infer_arch is before  # noqa: SLF001

@@ -159,22 +159,20 @@ def test_sm12x_path_lowered_as_sm12x(arch, monkeypatch, caplog):
     picks the Mosaic kernel's mma.sync form with ``config_for``'s SM 12.x tiles, and Mosaic
     lowers it with the capability it reads set to SM 12.x (its C++ then compiles for this
     GPU); W4A16 at M = 1, 16, 64 on ragged shapes against the oracle's bound."""
-    from jax.experimental.mosaic.gpu import core, utils
-
     import nvfp4_jax
     from nvfp4_jax.gemm import api, mosaic
+    from nvfp4_jax.testing import mosaic_lowered_as
 
     if not mosaic.has_mma_sync():
         pytest.skip(f"plgpu.mma needs JAX >= 0.11, this is {jax.__version__}")
     cc = 10 * arch[0] + arch[1]
-    monkeypatch.setattr(utils if hasattr(utils, "_infer_arch") else core, "_infer_arch", lambda: arch)
     monkeypatch.setattr(api, "gpu_compute_capability", lambda: cc)
     monkeypatch.setattr(mosaic, "is_sm12x", lambda: True)
     rng = np.random.default_rng(cc)
     for m, n, k in ((1, 4000, 14336), (16, 6144, 4096), (64, 2000, 4096)):
         wo, x = _case(rng, m, n, k, 3.0)
         caplog.clear()
-        with caplog.at_level("INFO", logger="nvfp4_jax.gemm.api"):
+        with caplog.at_level("INFO", logger="nvfp4_jax.gemm.api"), mosaic_lowered_as(arch):
             out = jax.jit(lambda x, w: nvfp4_jax.matmul(x, w))(x, nvfp4_jax.from_oracle(wo))
         assert f"auto -> mosaic (sm_{cc}, mma.sync" in caplog.text
         assert_gemm_close(np.asarray(out, np.float32), np.asarray(x, np.float32), wo,

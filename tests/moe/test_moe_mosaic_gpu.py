@@ -429,20 +429,18 @@ def test_moe_mosaic_sm12x_form_lowered_as_sm12x(monkeypatch, caplog):
     """``moe(backend="mosaic")`` as an SM 12.x user runs it: the measured tiles in their
     mma.sync form within 99 KB (``for_sm12x``), lowered by Mosaic as for SM 12.0, against the
     oracle (qwen3-like swiglu at T = 8, nemotron-like relu2 with whole-K FC2 scales at T = 5)."""
-    from jax.experimental.mosaic.gpu import core, utils
-
     from nvfp4_jax.gemm import mosaic as gemm_mosaic
     from nvfp4_jax.moe import mosaic as moe_mosaic_mod
+    from nvfp4_jax.testing import mosaic_lowered_as
 
     if not gemm_mosaic.has_mma_sync():
         pytest.skip(f"plgpu.mma needs JAX >= 0.11, this is {jax.__version__}")
-    monkeypatch.setattr(utils if hasattr(utils, "_infer_arch") else core, "_infer_arch", lambda: (12, 0))
     monkeypatch.setattr(moe_mosaic_mod, "is_sm12x", lambda: True)
     monkeypatch.setattr(gemm_mosaic, "is_sm12x", lambda: True)
     for name, shape in (("qwen", {**QWEN, "t": 8, "e": 16, "k": 8}), ("nemotron", {**NEMO, "t": 5, "e": 24, "k": 6})):
         case = make_case_fast(np.random.default_rng(len(name)), **shape)
         caplog.clear()
-        with caplog.at_level("INFO", logger="nvfp4_jax.moe.mosaic"):
+        with caplog.at_level("INFO", logger="nvfp4_jax.moe.mosaic"), mosaic_lowered_as((12, 0)):
             out, h = _run(case, mode="trtllm_cutlass", activation=shape["activation"])
         assert "grouped GEMMs on mma.sync" in caplog.text
         check_against_oracle(case, out, h, mode="trtllm_cutlass", activation=shape["activation"],

@@ -183,17 +183,7 @@ def impl_ours_w4a4(cfg=None, backend="pallas"):
 
 def auto_backend(m, n, k):
     """The backend nvfp4_jax.gemm.matmul(backend="auto") runs for a bf16 [m, k] x [n, k]^T."""
-    from nvfp4_jax.device import gpu_compute_capability
-    from nvfp4_jax.gemm import mosaic
-
-    impl = api.resolve_backend("auto")
-    if impl == "pallas" and mosaic.unavailable(gpu_compute_capability()) is None:
-        try:
-            mosaic.check_supported(m, n, k)
-            return "mosaic"
-        except ValueError:
-            pass
-    return impl
+    return api.auto_impl(m, n, k)
 
 
 def backend_config(backend, m, n, k):

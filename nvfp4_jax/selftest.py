@@ -411,7 +411,7 @@ def _mosaic(cc: int | None) -> bool:
     """The Mosaic kernels: wgmma on sm_90, the mma.sync form on SM 12.x (JAX >= 0.11)."""
     from .gemm.mosaic import unavailable
 
-    return cc is not None and unavailable(cc) is None
+    return unavailable(cc) is None
 
 
 def _any_gemm(m: int, n: int, k: int) -> bool:

@@ -171,6 +171,12 @@ def _pick_mosaic(backend: str, impl: str, m: int, n: int, k: int, x_dtype,
     return "mosaic"
 
 
+def auto_impl(m: int, n: int, k: int, x_dtype=jnp.bfloat16) -> str:
+    """The kernel family ``matmul(backend="auto")`` runs here for an [M, K] x [N, K]^T with
+    ``x_dtype`` activations on the bf16 MMA: "mosaic", "pallas" or "xla" (benchmarks record it)."""
+    return _pick_mosaic("auto", resolve_backend("auto"), m, n, k, x_dtype)
+
+
 def _pick_mma(backend: str, impl: str, w4a4: bool, mma: str | None, config) -> str:
     """"fp4" (``fp4mma.gemm_fp4mma``) or "bf16" (the other kernels) for this call.
 

@@ -4,15 +4,19 @@ and bf16 ``jnp.dot``, W4A16, on this GPU, interleaved rounds of ``gemm_bench.mak
 (in-graph, one call per weight copy, copies > 4x L2).
 
     python bench/mosaic_mma_bench.py --out $OUT [--shapes 28672x8192,...] [--ms 1,16,64]
+        [--pallas] [--sm12x]
 
 Writes ``mosaic-mma-<gpu>.json`` (``gemm_bench.candidates_sweep``'s records): per shape and M
-each impl's median us, its rounds, x bf16, and its config. ``bench/mosaic_sm12x.py`` dumps and
+each impl's median us, its rounds, x bf16, and its config. ``--sm12x``: instead every
+one-warpgroup ``mma.sync`` form that fits SM 12.x's 99 KB per CTA (``sm12x_candidates``; what
+``config_for(..., 120)`` picks among them), ``mosaic-sm12x-forms-<gpu>.json``. ``bench/mosaic_sm12x.py`` dumps and
 assembles the kernels' PTX for SM 12.x."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import os
 import sys
 
@@ -52,6 +56,24 @@ def candidates(pallas: bool):
     return cands
 
 
+def sm12x_candidates(m, n, k):
+    """The tiles SM 12.x can run at (M, N, K) on ``mma.sync``, timed on this GPU as their proxy:
+    ``config_for(m, n, k, 120)`` (what ``auto`` runs there) and the other one-warpgroup forms
+    within ``SM12X_SMEM_LIMIT`` (block_n, block_k, split_k, num_stages; bf16_store at split 1),
+    the wgmma config of the same shape for reference."""
+    mt = mosaic.token_tile(m)
+    picked = mosaic.config_for(m, n, k, 120)
+    out = [("mosaic_wgmma", mosaic.config_for(m, n, k, 90), None),
+           ("mosaic_sm12x", picked, None)]
+    for bn, bk, split, stages in itertools.product((64, 128), mosaic.BLOCK_KS, (1, 2, 4, 8), (2, 3, 4)):
+        c = mosaic.MosaicConfig(block_n=bn, split_k=split, num_stages=stages, block_k=bk,
+                                bf16_store=split == 1, mma="sync")
+        if c == picked or k % (bk * split) or c.smem_bytes(mt) > mosaic.SM12X_SMEM_LIMIT:
+            continue
+        out.append((f"sync_n{bn}_k{bk}_s{split}_st{stages}", c, None))
+    return [(label, cfg, mosaic_fn(cfg)) for label, cfg, _ in out]
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="bench/results")
@@ -60,12 +82,15 @@ def main():
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--budget-s", type=float, default=300)
     p.add_argument("--pallas", action="store_true", help="also time backend='pallas'")
+    p.add_argument("--sm12x", action="store_true",
+                   help="time every one-warpgroup mma.sync form SM 12.x can run (sm12x_candidates)")
     a = p.parse_args()
     shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",") if s]
     ms = [int(v) for v in a.ms.split(",") if v]
-    path = os.path.join(a.out, f"mosaic-mma-{gpu_tag(jax.devices()[0].device_kind)}.json")
+    name = "mosaic-sm12x-forms" if a.sm12x else "mosaic-mma"
+    path = os.path.join(a.out, f"{name}-{gpu_tag(jax.devices()[0].device_kind)}.json")
     gb.candidates_sweep(path, shapes, ms, a.budget_s, repeats=a.repeats,
-                        candidates=candidates(a.pallas))
+                        candidates=sm12x_candidates if a.sm12x else candidates(a.pallas))
     print(path)
 
 

@@ -1004,7 +1004,6 @@ def matmul_mosaic(
     out_dtype=jnp.bfloat16,
     config: MosaicConfig | None = None,
     poison: bool = False,
-    rows: int | None = None,
 ) -> jax.Array:
     """``alpha * x @ W^T`` with fp32 accumulation (Hopper, M <= 64).
 
@@ -1014,9 +1013,6 @@ def matmul_mosaic(
     config: MosaicConfig (None: ``default_config``). poison: tests only, eager calls: frees a
     NaN-filled buffer of the output's size just before the call so that a tile the kernel
     skips most likely reads NaN (best effort: ``plgpu.kernel`` cannot alias an input).
-    rows: x is then the prepared operand of ``rows`` = M activation rows: [token_tile(M), K],
-    K-permuted (``permute_k_order``), zero rows past M (``operand.w4a4_operand(...,
-    rows=token_tile(M), permute=True)``), and no XLA pass over x runs before the kernel.
     Raises ValueError naming the argument for unsupported dtypes or shapes.
     """
     x = jnp.asarray(x)
@@ -1025,11 +1021,6 @@ def matmul_mosaic(
     if x.dtype != jnp.bfloat16:
         raise ValueError(f"x: expected bfloat16, got {x.dtype}")
     m, k = x.shape
-    if rows is not None:
-        if not 1 <= rows <= MAX_M or m != token_tile(rows):
-            raise ValueError(f"rows: a prepared x of {rows} rows has token_tile({rows}) rows (M <= {MAX_M}); "
-                             f"got x of shape {x.shape}")
-        m = rows
     if w_codes.ndim != 2 or w_codes.dtype != jnp.uint8:
         raise ValueError(f"w_codes: expected uint8 [N, K/2], got {w_codes.dtype} {w_codes.shape}")
     n = w_codes.shape[0]
@@ -1052,7 +1043,7 @@ def matmul_mosaic(
     split = check_config(cfg, k, mt)
     if w_scales.dtype != jnp.uint8:
         w_scales = lax.bitcast_convert_type(w_scales, jnp.uint8)
-    xp = x if rows is not None else permute_x(x, mt)
+    xp = permute_x(x, mt)
     # bf16_store: the kernel stores bf16(acc * alpha * POST_SCALE), the same fp32 multiply and
     # round to nearest even as the XLA epilogue, one launch fewer
     scaled = cfg.bf16_store and split == 1 and jnp.dtype(out_dtype) == jnp.bfloat16

@@ -1,19 +1,19 @@
-"""The W4A4 activation operand on the GPU: one Pallas-Triton launch, IEEE divisions whatever
-XLA's flags.
+"""The W4A4 activation operand of the Pallas-Triton kernels: one launch, IEEE divisions
+whatever XLA's flags.
 
 ``matmul(x, w, input_scale=s)`` quantizes x with the ``trtllm`` recipe (``G = fp32(1/s)``,
 ``sf = vmax * (G * fp32(1/6))``, ``y = x * min(1 / (E4M3(sf) * fp32(1/G)), FLT_MAX)``) and feeds
-the dequantized values ``e2m1(y) * E4M3(sf)`` (exact in bf16) to a W4A16 kernel. In XLA those
-divisions lower to ``div.full.f32`` on NVIDIA GPUs (within 2 ulp, not correctly rounded), which
+the dequantized values ``e2m1(y) * E4M3(sf)`` (exact in bf16) to a W4A16 kernel. In XLA a plain
+``/`` lowers to ``div.full.f32`` on NVIDIA GPUs (within 2 ulp, not correctly rounded), which
 flips FP4 codes at E2M1 midpoints unless ``--xla_backend_extra_options=-nvptx-prec-divf32=2`` is
 set (``nvfp4 crosscheck`` on the H200 without it: 18-31 of 16384 activation codes differ
 from TensorRT-LLM's exact quantizer, and 15-20 % of the W4A4 outputs leave the oracle's
 bound). :func:`w4a4_operand` computes the operand in one kernel with ``div.rn.f32`` (inline
-PTX): byte-identical to ``oracle.quantize(x, "trtllm", encode_scale=fp32(1/s))`` by default,
-and with ``permute`` already in the Mosaic kernel's K order and padded to its token tile (no
-XLA pass over x before the GEMM). :func:`w4a4_codes` is the same kernel writing the NVFP4
-operand itself (codes and E4M3 scale bytes) for the FP4-MMA GEMM (``fp4mma.gemm_fp4mma``, the
-W4A4 default on SM 12.x GPUs).
+PTX): byte-identical to ``oracle.quantize(x, "trtllm", encode_scale=fp32(1/s))``.
+:func:`w4a4_codes` is the same kernel writing the NVFP4 operand itself (codes and E4M3 scale
+bytes) for the FP4-MMA GEMM (``fp4mma.gemm_fp4mma``, the W4A4 default on SM 12.x GPUs). The
+Mosaic kernels take ``quantize``'s operand instead (XLA ops with ``division.divide``, which XLA
+fuses with x's producer; ``api.matmul``).
 """
 
 from __future__ import annotations
@@ -27,14 +27,12 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from ..triton_ops import div_rn, quantize_codes, requantize, row_tile
-from .mosaic import permute_k_order
 
 #: most activation elements one program quantizes (fp32 registers: 32 per thread at 4 warps)
 PROGRAM_ELEMS = 4096
 
 
-def _kernel(s_ref, x_ref, o_ref, *so_ref, m: int, bm: int, bk: int, permute: bool,
-            exact_asm: bool):
+def _kernel(s_ref, x_ref, o_ref, *so_ref, m: int, bm: int, bk: int, exact_asm: bool):
     r0 = pl.program_id(0) * bm
     k0 = pl.program_id(1) * bk
     s = s_ref[...].reshape(1, 1)  # a [1, 1] tile: Triton's inline asm takes tensors, not scalars
@@ -44,7 +42,7 @@ def _kernel(s_ref, x_ref, o_ref, *so_ref, m: int, bm: int, bk: int, permute: boo
     cols = k0 + lax.broadcasted_iota(jnp.int32, (1, bk), 1)
     live = rows < m
     x = plgpu.load(x_ref.at[jnp.minimum(rows, m - 1), cols]).astype(jnp.float32)
-    x = jnp.where(live, x, 0.0)  # rows past M quantize to zeros (the Mosaic tile's padding)
+    x = jnp.where(live, x, 0.0)
     if so_ref:  # the NVFP4 operand itself: codes [bm, bk/2] and E4M3 scale bytes [bm, bk/16]
         codes, sb = quantize_codes(x.reshape(bm, bk // 16, 16), g, rg, "trtllm", exact_asm)
         c2 = k0 // 2 + lax.broadcasted_iota(jnp.int32, (1, bk // 2), 1)
@@ -53,36 +51,29 @@ def _kernel(s_ref, x_ref, o_ref, *so_ref, m: int, bm: int, bk: int, permute: boo
         plgpu.store(so_ref[0].at[rows, cs], sb, mask=live)
         return
     q = requantize(x.reshape(bm, bk // 16, 16), g, rg, "trtllm", exact_asm).reshape(bm, bk)
-    if permute:
-        q = permute_k_order(q)
-    plgpu.store(o_ref.at[rows, cols], q.astype(jnp.bfloat16), mask=rows < o_ref.shape[0])
+    plgpu.store(o_ref.at[rows, cols], q.astype(jnp.bfloat16), mask=live)
 
 
-def w4a4_operand(x: jax.Array, input_scale: jax.Array, *, rows: int | None = None,
-                 permute: bool = False, interpret: bool = False) -> jax.Array:
-    """bf16 [rows, K]: ``x`` [M, K] (bf16/fp16) quantized with the ``trtllm`` recipe and encode
-    scale ``fp32(1/input_scale)`` (input_scale: fp32 scalar or [1], ModelOpt decode form) and
-    dequantized without the global scale (``e2m1 * e4m3``, exact in bf16). ``rows`` (>= M,
-    default M): rows past M are zeros. ``permute``: K in the Mosaic kernel's order
-    (``mosaic.permute_k_order``; needs K % 128 == 0). ``interpret``: Pallas interpret mode
-    (CPU tests; the divisions are then XLA's, exact on CPU)."""
+def w4a4_operand(x: jax.Array, input_scale: jax.Array, *, interpret: bool = False) -> jax.Array:
+    """bf16 [M, K]: ``x`` [M, K] (bf16/fp16, K % 16 == 0) quantized with the ``trtllm`` recipe
+    and encode scale ``fp32(1/input_scale)`` (input_scale: fp32 scalar or [1], ModelOpt decode
+    form) and dequantized without the global scale (``e2m1 * e4m3``, exact in bf16).
+    ``interpret``: Pallas interpret mode (CPU tests; the divisions are then XLA's, exact on
+    CPU)."""
     x = jnp.asarray(x)
     if x.ndim != 2 or x.dtype not in (jnp.bfloat16, jnp.float16):
         raise ValueError(f"x: expected bf16/fp16 [M, K], got {x.dtype} {x.shape}")
     m, k = x.shape
-    if k % 16 or (permute and k % 128):
-        raise ValueError(f"x: K must be a multiple of {128 if permute else 16}, got {k}")
-    rows = m if rows is None else rows
-    if rows < m:
-        raise ValueError(f"rows: expected >= M = {m}, got {rows}")
+    if k % 16:
+        raise ValueError(f"x: K must be a multiple of 16, got {k}")
     s = jnp.asarray(input_scale, jnp.float32).reshape(-1)
     if s.shape != (1,):
         raise ValueError(f"input_scale: expected an fp32 scalar, got shape {jnp.shape(input_scale)}")
     bk = row_tile(k)
     bm = max(1, min(8, PROGRAM_ELEMS // bk))
-    kern = functools.partial(_kernel, m=m, bm=bm, bk=bk, permute=permute, exact_asm=not interpret)
+    kern = functools.partial(_kernel, m=m, bm=bm, bk=bk, exact_asm=not interpret)
     return pl.pallas_call(
-        kern, out_shape=jax.ShapeDtypeStruct((rows, k), jnp.bfloat16), grid=(pl.cdiv(rows, bm), k // bk),
+        kern, out_shape=jax.ShapeDtypeStruct((m, k), jnp.bfloat16), grid=(pl.cdiv(m, bm), k // bk),
         interpret=interpret, name="nvfp4_w4a4_operand",
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
     )(s, x)
@@ -110,7 +101,7 @@ def w4a4_codes(x: jax.Array, input_scale: jax.Array, *,
                          f"{jnp.shape(input_scale)}")
     bk = row_tile(k)
     bm = max(1, min(8, PROGRAM_ELEMS // bk))
-    kern = functools.partial(_kernel, m=m, bm=bm, bk=bk, permute=False, exact_asm=not interpret)
+    kern = functools.partial(_kernel, m=m, bm=bm, bk=bk, exact_asm=not interpret)
     codes, scales = pl.pallas_call(
         kern, out_shape=(jax.ShapeDtypeStruct((m, k // 2), jnp.uint8),
                          jax.ShapeDtypeStruct((m, k // 16), jnp.uint8)),

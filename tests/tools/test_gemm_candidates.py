@@ -143,3 +143,25 @@ def test_mosaic_mma_bench_candidates_and_cpu_smoke_run(tmp_path, monkeypatch):
     rec = {r["label"]: r for r in doc["records"]}
     assert {"bf16_dot", "pallas", "mosaic_wgmma", "mosaic_sync"} <= set(rec)
     assert rec["pallas"]["median_us"] > 0 and "error" in rec["mosaic_sync"]
+
+
+def test_mosaic_mma_bench_sm12x_candidates_fit_99_kb():
+    """``--sm12x``: ``config_for(..., 120)`` first, then every other one-warpgroup mma.sync form
+    whose CTA fits SM 12.x's 99 KB at the token tile, each once, K split evenly."""
+    mb = fresh("mosaic_mma_bench")
+    from nvfp4_jax.gemm import mosaic
+
+    for m, n, k in ((1, 28672, 8192), (16, 4096, 14336), (64, 14336, 4096)):
+        cands = mb.sm12x_candidates(m, n, k)
+        labels = [label for label, _, _ in cands]
+        assert labels[:2] == ["mosaic_wgmma", "mosaic_sm12x"] and len(set(labels)) == len(labels)
+        assert cands[1][1] == mosaic.config_for(m, n, k, 120)
+        syncs = [cfg for label, cfg, _ in cands[1:]]
+        assert len(set(syncs)) == len(syncs) > 2
+        for cfg in syncs:
+            assert cfg.mma == "sync" and cfg.consumers == 1 and not cfg.overlap
+            assert cfg.smem_bytes(mosaic.token_tile(m)) <= mosaic.SM12X_SMEM_LIMIT
+            assert k % (cfg.block_k * cfg.split_k) == 0
+    # at 64 tokens only block_n 64, block_k 256 and two stages fit (the x stage is 32 KB)
+    big = {(c.block_n, c.block_k, c.num_stages) for _, c, _ in mb.sm12x_candidates(64, 28672, 8192)[1:]}
+    assert big == {(64, 256, 2)}

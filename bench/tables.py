@@ -168,13 +168,15 @@ def e2e(doc: dict) -> str:
     names = list(dict.fromkeys(r["model"] for r in recs))
     by = {(r["model"], r["precision"], r["kind"], r.get("batch")): r for r in recs}
     gib = 2.0**30
-    # a device's peak_bytes_in_use never resets within the process: a model's peak is its own
-    # only where it exceeds every earlier model's (else "-": it may be smaller)
+    # a device's peak_bytes_in_use never resets within the process: with every model and
+    # precision in a process of its own ("processes") each peak is its own, else only where it
+    # exceeds every earlier model's (else "-": it may be smaller)
     own_peak, high = {}, 0
     for r in recs:
         if r["kind"] == "memory":
             peak = (r.get("after_runs") or {}).get("peak_bytes_in_use") or 0
-            own_peak[(r["model"], r["precision"])] = peak if peak > high else None
+            own = peak if ("processes" in doc or peak > high) else None
+            own_peak[(r["model"], r["precision"])] = own
             high = max(high, peak)
     lines = [
         "| model | precision | " + " | ".join(f"decode b={b} tok/s" for b in batches)

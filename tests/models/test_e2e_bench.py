@@ -10,7 +10,7 @@ from bench_modules import fresh
 
 def test_e2e_bench_tiny(tmp_path):
     bench = fresh("e2e_bench")
-    assert bench.main(["--tiny", "--out", str(tmp_path), "--models", "qwen3-30b-a3b",
+    assert bench.main(["--tiny", "--out", str(tmp_path), "--models", "qwen3-30b-a3b", "--in-process",
                        "--batches", "1", "--steps", "2", "--prefill", "16", "--unrolled"]) == 0
     res = json.loads((tmp_path / "e2e-tiny.json").read_text())
     assert res["tiny"] and res["commit"] and res["jax"] and not res["skipped"]
@@ -34,6 +34,39 @@ def test_e2e_bench_tiny(tmp_path):
     row = next(ln for ln in text.splitlines() if ln.startswith("| qwen3-30b-a3b | nvfp4 |"))
     assert f"{dec['nvfp4']['tokens_per_s']:.1f}" in row
     assert f"| {bd['ms_per_step']:.2f} |" in text
+
+
+def test_e2e_bench_runs_each_model_and_precision_in_a_process_of_its_own(tmp_path, monkeypatch):
+    """Without ``--in-process`` the bench starts one child per model and precision, then one
+    per unrolled run (each with ``--in-process``), and merges their JSON: every record, each
+    with its child's copy rate, the summary over all of them."""
+    bench = fresh("e2e_bench")
+    calls = []
+    real = bench.subprocess.run
+
+    def spy(cmd, **kw):
+        calls.append(cmd[2:])
+        return real(cmd, **kw)
+
+    monkeypatch.setattr(bench.subprocess, "run", spy)
+    assert bench.main(["--tiny", "--out", str(tmp_path), "--batches", "1", "--steps", "2",
+                       "--models", "llama-3-8b,qwen3-30b-a3b", "--precisions", "nvfp4,bf16",
+                       "--layers", "1", "--prefill", "16", "--no-breakdown", "--unrolled"]) == 0
+    jobs = [(c[c.index("--models") + 1], c[c.index("--precisions") + 1], "--unrolled-only" in c)
+            for c in calls]
+    assert jobs == [("llama-3-8b", "nvfp4", False), ("llama-3-8b", "bf16", False),
+                    ("qwen3-30b-a3b", "nvfp4", False), ("qwen3-30b-a3b", "bf16", False),
+                    ("llama-3-8b", "nvfp4", True), ("qwen3-30b-a3b", "nvfp4", True)]
+    assert all("--in-process" in c and "--no-breakdown" in c and c[c.index("--layers") + 1] == "1"
+               for c in calls)
+    res = json.loads((tmp_path / "e2e-tiny-layers1.json").read_text())
+    assert res["processes"] and res["tiny"] and res["commit"] and not res["skipped"]
+    kinds = {(r["model"], r["precision"], r["kind"]) for r in res["records"]}
+    for name in ("qwen3-30b-a3b", "llama-3-8b"):
+        assert {(name, p, "decode") for p in ("nvfp4", "bf16")} <= kinds
+        assert (name, "nvfp4", "decode_unrolled") in kinds
+        assert "decode_speedup_b1" in res["summary"][name]
+    assert all(r["hbm_copy_tbps"] > 0 for r in res["records"])
 
 
 def test_e2e_bench_rejects_a_bad_layer_count(tmp_path, capsys):
@@ -62,3 +95,8 @@ def test_e2e_table_shows_a_peak_only_where_it_is_the_models_own():
             for ln in lines if ln.startswith(("| a |", "| b |"))}
     assert rows == {("a", "nvfp4"): "3.0", ("a", "bf16"): "7.0", ("b", "nvfp4"): "-",
                     ("b", "bf16"): "9.5"}
+    # each in a process of its own (e2e_bench's default): every peak is the model's own
+    lines = tables.e2e({**doc, "processes": "one per model and precision"}).splitlines()
+    rows = {tuple(c.strip() for c in ln.split("|")[1:3]): ln.split("|")[col].strip()
+            for ln in lines if ln.startswith(("| a |", "| b |"))}
+    assert rows[("b", "nvfp4")] == "7.0"

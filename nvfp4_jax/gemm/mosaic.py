@@ -295,7 +295,7 @@ def check_supported(m: int, n: int, k: int) -> None:
 def permute_k_order(v: jax.Array) -> jax.Array:
     """[..., K] (K % 128 == 0) -> K permuted within 128-groups as the wgmma A fragment: position
     32w + 8j + 2c + l holds element 32c + 8w + 4l + j (``PERM``). Reshapes and a transpose
-    only, so Pallas kernels call it too (the MoE glue kernels, ``gemm/operand.py``)."""
+    only, so Pallas kernels call it too (the MoE glue kernels)."""
     *lead, k = v.shape
     r = len(lead)
     v = v.reshape(*lead, k // 128, 4, 4, 2, 4)  # [..., g, c, w, l, j]

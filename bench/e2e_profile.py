@@ -16,7 +16,9 @@ launches, and the kernels by device time; before the trace, the untraced wall ti
 and the host time until each step's call returns. Busy against span says whether time goes
 to kernels or to gaps between them; span against wall whether the host keeps up. Writes
 DIR/e2e-profile.json. Without a GPU the trace holds no device events: the records say so and
-carry the wall time only.
+carry the wall time only. Models profiled one after another in one process are not
+independent (a model after another measured up to 10 % slower, ``e2e_bench.py``'s
+docstring): for numbers to compare, profile one model per process (``--models NAME``).
 """
 
 from __future__ import annotations

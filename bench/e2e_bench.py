@@ -522,11 +522,11 @@ def run_children(args, names, precs, batches, path, t_start) -> int:
                   file=sys.stderr, flush=True)
             r = subprocess.run([sys.executable, os.path.abspath(__file__),
                                 *child_argv(args, name, prec, out, left)], check=False)
-            found = [f for f in os.listdir(out)] if os.path.isdir(out) else []
-            if r.returncode or len(found) != 1:
+            child = os.path.join(out, os.path.basename(path))  # the same flags name it alike
+            if r.returncode or not os.path.isfile(child):
                 skipped.append(f"{label} (exit {r.returncode})")
                 continue
-            with open(os.path.join(out, found[0])) as f:
+            with open(child) as f:
                 doc = json.load(f)
             if merged is None:
                 merged = {k: v for k, v in doc.items() if k not in ("records", "skipped",

@@ -9,8 +9,8 @@ and bf16 ``jnp.dot``, W4A16, on this GPU, interleaved rounds of ``gemm_bench.mak
 Writes ``mosaic-mma-<gpu>.json`` (``gemm_bench.candidates_sweep``'s records): per shape and M
 each impl's median us, its rounds, x bf16, and its config. ``--sm12x``: instead every
 one-warpgroup ``mma.sync`` form that fits SM 12.x's 99 KB per CTA (``sm12x_candidates``; what
-``config_for(..., 120)`` picks among them), ``mosaic-sm12x-forms-<gpu>.json``. ``bench/mosaic_sm12x.py`` dumps and
-assembles the kernels' PTX for SM 12.x."""
+``config_for(..., 120)`` picks among them), ``mosaic-sm12x-forms-<gpu>.json``.
+``bench/mosaic_sm12x.py`` dumps and assembles the kernels' PTX for SM 12.x."""
 
 from __future__ import annotations
 
@@ -63,15 +63,14 @@ def sm12x_candidates(m, n, k):
     the wgmma config of the same shape for reference."""
     mt = mosaic.token_tile(m)
     picked = mosaic.config_for(m, n, k, 120)
-    out = [("mosaic_wgmma", mosaic.config_for(m, n, k, 90), None),
-           ("mosaic_sm12x", picked, None)]
-    for bn, bk, split, stages in itertools.product((64, 128), mosaic.BLOCK_KS, (1, 2, 4, 8), (2, 3, 4)):
+    out = [("mosaic_wgmma", mosaic.config_for(m, n, k, 90)), ("mosaic_sm12x", picked)]
+    forms = itertools.product((64, 128), mosaic.BLOCK_KS, (1, 2, 4, 8), (2, 3, 4))
+    for bn, bk, split, stages in forms:
         c = mosaic.MosaicConfig(block_n=bn, split_k=split, num_stages=stages, block_k=bk,
                                 bf16_store=split == 1, mma="sync")
-        if c == picked or k % (bk * split) or c.smem_bytes(mt) > mosaic.SM12X_SMEM_LIMIT:
-            continue
-        out.append((f"sync_n{bn}_k{bk}_s{split}_st{stages}", c, None))
-    return [(label, cfg, mosaic_fn(cfg)) for label, cfg, _ in out]
+        if c != picked and k % (bk * split) == 0 and c.smem_bytes(mt) <= mosaic.SM12X_SMEM_LIMIT:
+            out.append((f"sync_n{bn}_k{bk}_s{split}_st{stages}", c))
+    return [(label, cfg, mosaic_fn(cfg)) for label, cfg in out]
 
 
 def main():

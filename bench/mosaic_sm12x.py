@@ -84,7 +84,8 @@ def run_ptxas(ptx_dir: str, ptxas: str, weights_per_warp_step: int) -> list[dict
                                capture_output=True, text=True, check=False)
             rec = {"ptx": name, "arch": sm, "rc": r.returncode}
             info = r.stdout + r.stderr
-            for key, pat in (("registers", r"Used (\d+) registers"), ("spill_stores", r"(\d+) bytes spill stores"),
+            for key, pat in (("registers", r"Used (\d+) registers"),
+                             ("spill_stores", r"(\d+) bytes spill stores"),
                              ("stack_bytes", r"(\d+) bytes stack frame")):
                 mm = re.search(pat, info)
                 if mm:
@@ -96,11 +97,14 @@ def run_ptxas(ptx_dir: str, ptxas: str, weights_per_warp_step: int) -> list[dict
                                    text=True, check=False)
                 loop = main_loop_stats(d.stdout) if d.returncode == 0 else None
                 if loop:
-                    rec["main_loop"] = {k: loop[k] for k in ("n_instructions", "mma", "shared_loads")}
+                    rec["main_loop"] = {k: loop[k]
+                                        for k in ("n_instructions", "mma", "shared_loads")}
                     rec["main_loop"]["opcodes"] = dict(list(loop["opcodes"].items())[:12])
-                    rec["warp_instructions_per_weight"] = loop["n_instructions"] / weights_per_warp_step
+                    rec["warp_instructions_per_weight"] = (loop["n_instructions"]
+                                                           / weights_per_warp_step)
                 else:
-                    rec["sass"] = f"cuobjdump: {d.stderr[-200:]}" if d.returncode else "no loop found"
+                    rec["sass"] = (f"cuobjdump: {d.stderr[-200:]}" if d.returncode
+                                   else "no loop found")
             recs.append(rec)
     return recs
 

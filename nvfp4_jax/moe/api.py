@@ -57,10 +57,10 @@ def choose_backend(backend: str, config, *, routes: int, hidden: int) -> str:
             raise ValueError("config: backend='mosaic' takes a MosaicMoEConfig (or None), got a "
                              "Pallas-Triton MoEConfig")
         check_supported(hidden, name="fc1")
-        if on_gpu() and mosaic_unavailable(gpu_compute_capability()) is not None:
-            raise ValueError("backend: 'mosaic' needs an sm_90 (Hopper) GPU, or SM 12.x with "
-                             "plgpu.mma (JAX >= 0.11); off the GPU it runs the kernels' XLA "
-                             "emulation")
+        if on_gpu() and (why := mosaic_unavailable(gpu_compute_capability())) is not None:
+            raise ValueError(f"backend: 'mosaic' needs an sm_90 (Hopper) GPU, or SM 12.x with "
+                             f"plgpu.mma (JAX >= 0.11) ({why}); off the GPU it runs the "
+                             "kernels' XLA emulation")
         return "mosaic"
     if backend in ("pallas", "xla"):
         if isinstance(config, MosaicMoEConfig):

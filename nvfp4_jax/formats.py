@@ -15,9 +15,10 @@ from jax import lax
 
 E2M1_MAX = 6.0
 E4M3_MAX = 448.0
-E2M1_VALUES = jnp.asarray(
-    np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float32)
-)
+#: numpy, not a device array: importing the package must not start a backend (on a GPU, the
+#: allocator would take its share of memory in every process that merely imports us)
+E2M1_VALUES = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6],
+                       np.float32)
 
 
 def _pow2(e: jax.Array) -> jax.Array:

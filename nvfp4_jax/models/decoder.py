@@ -7,7 +7,10 @@ linears) or MoE (``nvfp4_jax.nn.moe_block``) -> residual] -> RMSNorm -> LM head 
 when the checkpoint quantized it) -> fp32 logits.
 
 Weights stay NVFP4 (``nvfp4_jax.nn.Linear``, ``nvfp4_jax.nn.MoE``); embeddings, norms and
-attention are bf16. The KV cache is bf16 ``[L, B, S_max, KVH, D]``. Layers of one structure
+attention are bf16. The KV cache is bf16 ``[L, B, S_max, KVH, D]``; a decode step's attention
+reads it in place with ``nvfp4_jax.attention.decode_attention`` where
+``attention.runs_kernel`` says so (GPUs, and ``backend="pallas"``), else XLA's einsums on the
+layer's slice. Layers of one structure
 are stacked and run under ``lax.scan`` (one compiled layer body for all 48 layers of a
 Qwen3-30B-A3B), otherwise unrolled.
 
@@ -30,6 +33,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import nn
+from ..attention import decode_attention, runs_kernel
+from ..device import pallas_interpret
 from ..quantize import NVFP4Array
 
 
@@ -139,6 +144,10 @@ def attention(cfg: DecoderConfig, p: dict, x: jax.Array, pos: jax.Array, k_all: 
     at = (jnp.asarray(li, jnp.int32), zero, start, zero, zero)
     k_all = jax.lax.dynamic_update_slice(k_all, k[None], at)
     v_all = jax.lax.dynamic_update_slice(v_all, v[None], at)
+    if t == 1 and runs_kernel(backend, d, nh, kvh):  # the cache read in place
+        o = decode_attention(q[:, 0], k_all, v_all, li, pos[:, 0] + 1,
+                             interpret=pallas_interpret())
+        return lin(p["o_proj"], o.reshape(b, 1, nh * d)), k_all, v_all
     kc = jax.lax.dynamic_index_in_dim(k_all, li, axis=0, keepdims=False)
     vc = jax.lax.dynamic_index_in_dim(v_all, li, axis=0, keepdims=False)
     s = kc.shape[1]

@@ -331,8 +331,8 @@ def routing_kernel(topk_ids: jax.Array, num_experts: int, block_m: int, *,
         return BlockRouting(*res[:4])
     ops, skw, souts = scales_plan(scales, num_experts, interpret)
 
-    def both(ids_ref, w1_ref, w2_ref, s1_ref, s2_ref, *refs):
-        scales_kernel(w1_ref, w2_ref, s1_ref, s2_ref, *refs[nr:], **skw)
+    def both(ids_ref, sc_ref, *refs):
+        scales_kernel(sc_ref, *refs[nr:], **skw)
         kern(ids_ref, *refs[:nr])
 
     res = call(both, (*outs, *souts), (1,), num_warps=nw, name="nvfp4_moe_routing_scales",
@@ -340,16 +340,16 @@ def routing_kernel(topk_ids: jax.Array, num_experts: int, block_m: int, *,
     return BlockRouting(*res[:4]), tuple(res[nr:])
 
 
-def _routing_operand_kernel(ids_ref, w1_ref, w2_ref, s1_ref, s2_ref, x_ref, srt_ref, be_ref, nb_ref,
-                            pos_ref, *rest, routing_kw: dict, scales_kw: dict, top_k: int, bk: int,
-                            recipe: str, per_expert: bool, exact_asm: bool):
+def _routing_operand_kernel(ids_ref, sc_ref, x_ref, srt_ref, be_ref, nb_ref, pos_ref, *rest,
+                            routing_kw: dict, scales_kw: dict, top_k: int, bk: int, recipe: str,
+                            per_expert: bool, exact_asm: bool):
     scale_refs, xp_ref = rest[:6], rest[6]
     r, kt = pl.program_id(0), pl.program_id(1)
     # every program computes the routing and the scales (a few thousand register ops; no
     # second launch, no wait for another program's stores); program (0, 0) also stores them
     kw = {k: v for k, v in routing_kw.items() if k != "method"}
     n, bm = kw["n"], kw["block_m"]
-    je, evalid, vals = scale_values(w1_ref, w2_ref, s1_ref, s2_ref, **scales_kw)
+    je, evalid, vals = scale_values(sc_ref, **scales_kw)
     if routing_kw["method"] == "routes":  # this route's row from the first pass alone
         j, valid, ids, rank, count = _route_counts(ids_ref, n=n)
         fp = _first_padded(valid, rank, count, bm)

@@ -20,7 +20,7 @@ from ..triton_ops import call, div_rn, pow2
 
 def scales_plan(scales: tuple, num_experts: int, interpret: bool):
     """``(fc1_weight_scale_2, fc2_weight_scale_2, fc1_input_scale, fc2_input_scale, mode,
-    activation_scale)`` -> (the four validated operands, ``_scale_values``' static arguments,
+    activation_scale)`` -> ([the four packed in one operand], ``scale_values``' static arguments,
     the six fp32 [E] outputs' shapes)."""
     *vecs, mode, activation_scale = scales
     kw = {"e": num_experts, "activation_scale": activation_scale, "mode": mode,
@@ -29,22 +29,21 @@ def scales_plan(scales: tuple, num_experts: int, interpret: bool):
     return _scale_operands(vecs, num_experts), kw, (f32,) * 6
 
 
-def scale_values(w1_ref, w2_ref, s1_ref, s2_ref, *, e: int, activation_scale: str, mode: str,
-                  exact_asm: bool):
+def scale_values(sc_ref, *, e: int, activation_scale: str, mode: str, exact_asm: bool):
     """(j, valid, [g1, 1/g1, alpha1, g2, 1/g2, alpha2]): the six [E] scale vectors in registers
-    (lanes past E invalid)."""
+    (lanes past E invalid), from ``_scale_operands``' packed fp32 [4 * E]."""
     ep = pow2(e)
     j = lax.broadcasted_iota(jnp.int32, (ep,), 0)
     valid = j < e
     jc = jnp.minimum(j, e - 1)
 
-    def vec(ref):  # an [E] operand, or a [1] one broadcast to every expert
-        return plgpu.load(ref.at[jc if ref.shape[0] == e else jnp.zeros_like(j)])
+    def vec(row):  # row ``row`` of the packed [4, E]
+        return plgpu.load(sc_ref.at[row * e + jc])
 
     one = jnp.ones((ep,), jnp.float32)
     vals = []
-    for w_ref, s_ref in ((w1_ref, s1_ref), (w2_ref, s2_ref)):
-        ws2, s_in = vec(w_ref), vec(s_ref)
+    for w_row, s_row in ((0, 2), (1, 3)):
+        ws2, s_in = vec(w_row), vec(s_row)
         if activation_scale == "scalar":  # one encode scale: 1 / max over the experts' input scales
             m = jnp.max(jnp.where(valid, s_in, -jnp.inf))
             g = div_rn(one, jnp.full((ep,), m, jnp.float32), exact_asm)
@@ -66,10 +65,9 @@ def store_scales(j, valid, vals, out_refs) -> None:
         plgpu.store(ref.at[j], v, mask=valid)
 
 
-def scales_kernel(w1_ref, w2_ref, s1_ref, s2_ref, *out_refs, e: int, activation_scale: str,
-                   mode: str, exact_asm: bool):
-    store_scales(*scale_values(w1_ref, w2_ref, s1_ref, s2_ref, e=e, activation_scale=activation_scale,
-                                 mode=mode, exact_asm=exact_asm), out_refs)
+def scales_kernel(sc_ref, *out_refs, e: int, activation_scale: str, mode: str, exact_asm: bool):
+    store_scales(*scale_values(sc_ref, e=e, activation_scale=activation_scale, mode=mode,
+                               exact_asm=exact_asm), out_refs)
 
 
 def moe_scales_kernel(fc1_weight_scale_2: jax.Array, fc2_weight_scale_2: jax.Array,
@@ -87,12 +85,14 @@ def moe_scales_kernel(fc1_weight_scale_2: jax.Array, fc2_weight_scale_2: jax.Arr
 
 
 def _scale_operands(vecs, e: int) -> list:
-    """The four scale operands as fp32 [E] or [1] (one value for every expert), validated."""
+    """The four scale operands (fp32 [E], or a scalar for every expert), validated, as one
+    fp32 [4 * E]: one XLA fusion makes it from a scan's per-layer slices, where four operands
+    of their own would each be copied out of their stack (a launch each) for the kernel."""
     ops = []
     names = ("fc1_weight_scale_2", "fc2_weight_scale_2", "fc1_input_scale", "fc2_input_scale")
     for name, v in zip(names, vecs, strict=True):
         v = jnp.asarray(v, jnp.float32)
         if v.shape not in ((), (1,), (e,)):
             raise ValueError(f"{name}: expected a scalar or shape ({e},), got {v.shape}")
-        ops.append(v.reshape(-1))
-    return ops
+        ops.append(jnp.broadcast_to(v.reshape(-1), (e,)))
+    return [jnp.concatenate(ops)]

@@ -207,6 +207,32 @@ def test_greedy_32_tokens_identical_to_hf(loaded, reference, kind, w4a4):
     np.testing.assert_array_equal(ours, want, err_msg=f"{kind} w4a4={w4a4}: greedy tokens")
 
 
+@pytest.mark.parametrize("kind,w4a4", SUCCESSOR_CASES)
+def test_greedy_identical_through_the_decode_attention_kernel(loaded, reference, kind, w4a4,
+                                                              monkeypatch):
+    """The same 32 free-running tokens with every decode step's attention in
+    ``attention.decode_attention`` (interpreted here; what GPUs run), prefill in XLA's."""
+    from nvfp4_jax.models import decoder
+
+    calls = []
+
+    def always(*a):
+        calls.append(a)
+        return True
+
+    monkeypatch.setattr(decoder, "runs_kernel", always)
+    jax.clear_caches()  # the steps are traced anew, through the kernel
+    try:
+        ours = models.generate(loaded(kind), SUCCESSOR_PROMPT, N_NEW, w4a4=w4a4,
+                               warmup=False).tokens[0]
+    finally:
+        monkeypatch.undo()
+        jax.clear_caches()
+    assert calls, "the decode step did not ask for the kernel"
+    np.testing.assert_array_equal(ours, _successor_seq()[0, SUCCESSOR_PROMPT.shape[1]:],
+                                  err_msg=f"{kind} w4a4={w4a4}: greedy tokens via the kernel")
+
+
 def _fold_report(loaded, reference, kind, prompt):
     """(folded model, stats, {ours, cutedsl_b12x: (max, rms) vs HF fp32}, bound, rms bound)."""
     model = loaded(kind)

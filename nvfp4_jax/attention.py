@@ -1,0 +1,183 @@
+"""Decode attention over a stacked KV cache, read in place: one Pallas-Triton launch per layer.
+
+A decode step (one new token per sequence) under ``lax.scan`` over layers keeps the KV cache
+as one carried buffer ``[L, B, S, KVH, D]``. XLA's attention (``jnp.einsum`` on
+``cache[layer]``) copies the layer's slice out of the stack on every step before its dots
+read it. :func:`decode_attention` takes the whole stack and the layer index instead: each
+program reads its (sequence, kv head, key chunk) rows of layer ``layer`` straight from the
+stack, only the ``lengths[b]`` written positions (``S`` is the cache's capacity), and keeps a
+running softmax over its chunk (flash decoding). The chunks' partial results (fp32
+numerators, maxima and sums) are combined by XLA ops that fuse with the consumer.
+
+Arithmetic (the decoders' XLA attention has the same rounding points, in another order):
+scores ``q . k`` with fp32 accumulation of the exact bf16 products, times fp32 ``1/sqrt(D)``;
+probabilities ``exp(s - m)`` in fp32, rounded to bf16 for the ``p . v`` dot
+(fp32 accumulation), the sum of probabilities in fp32; output rounded to bf16 once.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from .device import on_gpu
+from .triton_ops import cdiv, pow2
+from .validate import is_concrete
+
+log = logging.getLogger(__name__)
+
+BLOCK_S = 64  # keys per inner step (an MMA's N for the scores, its K for p . v)
+TARGET_PROGRAMS = 256  # about two per SM on an H200 (132 SMs) at the longest contexts
+NEG = -1e30  # the running maximum's start: finite, so an empty chunk gives exp(NEG - m) = 0
+
+
+def chunking(batch: int, kv_heads: int, capacity: int) -> int:
+    """Keys per program (a multiple of :data:`BLOCK_S`): about :data:`TARGET_PROGRAMS`
+    programs over ``batch * kv_heads`` heads when the cache is full."""
+    splits = max(1, cdiv(TARGET_PROGRAMS, batch * kv_heads))
+    return BLOCK_S * max(1, cdiv(capacity, splits * BLOCK_S))
+
+
+def _kernel(q_ref, k_ref, v_ref, meta_ref, acc_ref, m_ref, l_ref, *, batch: int, capacity: int,
+            kv_heads: int, d: int, g: int, gp: int, chunk: int, scale: float):
+    bh, j = pl.program_id(0), pl.program_id(1)
+    b, h = bh // kv_heads, bh % kv_heads
+    layer, n = meta_ref[0], meta_ref[1 + b]  # valid keys of sequence b: positions 0..n-1
+    q = plgpu.load(q_ref.at[pl.ds(bh * gp, gp), :])  # [gp, d], rows past g are zeros
+    s0 = j * chunk
+    row0 = (layer * batch + b) * capacity + s0  # the flattened stack's row of key s0
+    cols = pl.ds(h * d, d)
+
+    def body(i, carry):
+        m, l, acc = carry
+        kpos = s0 + i * BLOCK_S + jnp.arange(BLOCK_S)
+        valid = kpos < n
+        rows = pl.ds(row0 + i * BLOCK_S, BLOCK_S)
+        k = plgpu.load(k_ref.at[rows, cols], mask=valid[:, None], other=0.0)
+        s = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
+                            preferred_element_type=jnp.float32) * scale  # [gp, BLOCK_S]
+        s = jnp.where(valid[None, :], s, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        p = jnp.exp(s - m_new[:, None])
+        rescale = jnp.exp(m - m_new)
+        v = plgpu.load(v_ref.at[rows, cols], mask=valid[:, None], other=0.0)
+        pv = lax.dot_general(p.astype(jnp.bfloat16), v, (((1,), (0,)), ((), ())),
+                             preferred_element_type=jnp.float32)  # [gp, d]
+        return m_new, l * rescale + jnp.sum(p, axis=1), acc * rescale[:, None] + pv
+
+    init = (jnp.full((gp,), NEG, jnp.float32), jnp.zeros((gp,), jnp.float32),
+            jnp.zeros((gp, d), jnp.float32))
+    m, l, acc = lax.fori_loop(0, chunk // BLOCK_S, body, init)
+    # only the g real rows are stored (row r of program (bh, j) at (bh * splits + j) * g + r)
+    out0 = (bh * pl.num_programs(1) + j) * g
+    keep = jnp.arange(gp) < g
+    plgpu.store(acc_ref.at[pl.ds(out0, gp), :], acc, mask=keep[:, None])
+    plgpu.store(m_ref.at[pl.ds(out0, gp)], m, mask=keep)
+    plgpu.store(l_ref.at[pl.ds(out0, gp)], l, mask=keep)
+
+
+def _check(q, k_cache, v_cache, layer, lengths):
+    if q.ndim != 3 or q.dtype != jnp.bfloat16:
+        raise ValueError(f"q: expected bf16 [B, NH, D], got {q.dtype} {q.shape}")
+    b, nh, d = q.shape
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if c.ndim != 5 or c.dtype != jnp.bfloat16 or c.shape[1] != b or c.shape[4] != d:
+            raise ValueError(f"{name}: expected bf16 [L, B={b}, S, KVH, D={d}], got "
+                             f"{c.dtype} {c.shape}")
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(f"v_cache: expected the shape of k_cache {k_cache.shape}, got "
+                         f"{v_cache.shape}")
+    kvh = k_cache.shape[3]
+    if nh % kvh:
+        raise ValueError(f"q: NH = {nh} query heads is not a multiple of KVH = {kvh} kv heads")
+    if lengths.shape != (b,) or not jnp.issubdtype(lengths.dtype, jnp.integer):
+        raise ValueError(f"lengths: expected int32 [B={b}], got {lengths.dtype} {lengths.shape}")
+    n_layers, _, s = k_cache.shape[:3]
+    layer = jnp.asarray(layer)
+    if layer.ndim or not jnp.issubdtype(layer.dtype, jnp.integer):
+        raise ValueError(f"layer: expected an integer scalar, got {layer.dtype}{layer.shape}")
+    if is_concrete(layer) and not 0 <= int(layer) < n_layers:
+        raise ValueError(f"layer: expected 0 <= layer < L = {n_layers}, got {int(layer)}")
+    if is_concrete(lengths):
+        bad = np.flatnonzero((np.asarray(lengths) < 1) | (np.asarray(lengths) > s))
+        if bad.size:  # no key to attend (a 0/0), or keys past the cache
+            raise ValueError(f"lengths: expected 1 <= lengths[b] <= S = {s}, got "
+                             f"lengths[{bad[0]}] = {int(lengths[bad[0]])}")
+
+
+def supported(head_dim: int, num_heads: int, num_kv_heads: int) -> str | None:
+    """None when :func:`decode_attention` runs these heads, else why not (Triton's dots want
+    a power-of-two head_dim of at least 16)."""
+    if head_dim < 16 or head_dim & (head_dim - 1):
+        return f"head_dim {head_dim} is not a power of two >= 16"
+    if num_heads % num_kv_heads:
+        return f"{num_heads} query heads are not a multiple of {num_kv_heads} kv heads"
+    return None
+
+
+def runs_kernel(backend: str, head_dim: int, num_heads: int, num_kv_heads: int) -> bool:
+    """Whether the decoders' one-token attention runs :func:`decode_attention`: for
+    ``backend`` other than "xla" on a GPU, and for "pallas" anywhere (interpreted off the GPU),
+    on heads it supports; where it does not, the XLA attention runs and this logs why."""
+    if backend == "xla" or not (on_gpu() or backend == "pallas"):
+        return False
+    why = supported(head_dim, num_heads, num_kv_heads)
+    if why:
+        log.info("decode attention: XLA's einsums on a slice of the cache (%s)", why)
+    return why is None
+
+
+def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer: jax.Array | int,
+                     lengths: jax.Array, *, interpret: bool = False) -> jax.Array:
+    """One query token per sequence against layer ``layer`` of a stacked KV cache, in place.
+
+    q: bf16 [B, NH, D] (after RoPE); k_cache, v_cache: bf16 [L, B, S, KVH, D] (the new token's
+    k and v already written); layer: int32 scalar; lengths: int32 [B], the number of valid
+    positions per sequence (keys ``0 .. lengths[b] - 1`` are attended, 1 <= lengths[b] <= S;
+    slots past it are never read; concrete values outside that range, or a concrete ``layer``
+    outside ``0 .. L - 1``, raise ValueError; traced ones are the caller's to keep in range).
+    Query head ``i`` reads kv head ``i // (NH / KVH)`` (GQA).
+    Returns bf16 [B, NH, D] = softmax(q k^T / sqrt(D)) v.
+    """
+    _check(q, k_cache, v_cache, layer, lengths)
+    b, nh, d = q.shape
+    n_layers, _, s, kvh, _ = k_cache.shape
+    why = supported(d, nh, kvh)
+    if why:
+        raise ValueError(f"q: {why}")
+    g = nh // kvh
+    gp = max(16, pow2(g))  # an MMA's M: the group's rows, zero-padded
+    chunk = chunking(b, kvh, s)
+    splits = cdiv(s, chunk)
+    qp = jnp.pad(q.reshape(b * kvh, g, d), ((0, 0), (0, gp - g), (0, 0))).reshape(-1, d)
+    meta = jnp.concatenate([jnp.asarray(layer, jnp.int32).reshape(1),
+                            lengths.astype(jnp.int32)])
+    rows = b * kvh * splits * g
+    kernel = functools.partial(_kernel, batch=b, capacity=s, kv_heads=kvh, d=d, g=g, gp=gp,
+                               chunk=chunk, scale=1.0 / math.sqrt(d))
+    # gp - g rows of slack: the last program's masked rows stay inside the buffer
+    out_shape = (jax.ShapeDtypeStruct((rows + gp - g, d), jnp.float32),
+                 jax.ShapeDtypeStruct((rows + gp - g,), jnp.float32),
+                 jax.ShapeDtypeStruct((rows + gp - g,), jnp.float32))
+    acc, m, l = pl.pallas_call(
+        kernel, out_shape=out_shape, grid=(b * kvh, splits), interpret=interpret,
+        name="nvfp4_decode_attention",
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
+    )(qp, k_cache.reshape(n_layers * b * s, kvh * d), v_cache.reshape(n_layers * b * s, kvh * d),
+      meta)
+    acc = acc[:rows].reshape(b, kvh, splits, g, d)
+    m = m[:rows].reshape(b, kvh, splits, g)
+    l = l[:rows].reshape(b, kvh, splits, g)
+    w = jnp.exp(m - jnp.max(m, axis=2, keepdims=True))  # an empty chunk: exp(NEG - m) = 0
+    num = jnp.sum(acc * w[..., None], axis=2)
+    den = jnp.sum(l * w, axis=2)
+    return (num / den[..., None]).astype(jnp.bfloat16).reshape(b, nh, d)
+

@@ -543,6 +543,40 @@ def run_variants(out_dir: str, candidates: list) -> dict:
     return doc
 
 
+def attention_entries(workdir: str) -> list[dict]:
+    """``attention.decode_attention``'s two kernels (chunks, combine) at Llama-3-8B's heads
+    (32 / 8, head_dim 128, batch 1, 1060 cache slots), compiled by pip triton per arch."""
+    from jax._src.pallas.triton import lowering
+
+    from nvfp4_jax import attention
+
+    got, orig = [], lowering.lower_jaxpr_to_triton_module
+
+    def spy(*a, **kw):
+        res = orig(*a, **kw)
+        got.append(res.module.operation.get_asm())
+        return res
+
+    lowering.lower_jaxpr_to_triton_module = spy
+    try:
+        q = jnp.zeros((1, 32, 128), jnp.bfloat16)
+        kv = jnp.zeros((32, 1, 1060, 8, 128), jnp.bfloat16)
+        jax.jit(attention.decode_attention).trace(
+            q, kv, kv, jnp.int32(0), jnp.ones((1,), jnp.int32)).lower(lowering_platforms=("cuda",))
+    finally:
+        lowering.lower_jaxpr_to_triton_module = orig
+    entries = []
+    for name, ttir, ns in zip(("decode_attention", "decode_attention_combine"), got, (2, 1),
+                              strict=True):
+        entry = {"kernel": name, "num_warps": 4, "num_stages": ns,
+                 "ttir_ops": sorted(set(re.findall(r"\btt\.\w+", ttir)))}
+        for cc in ARCHS:
+            entry[f"pip_sm{cc}"] = compile_pip(ttir, 4, ns, cc, workdir)
+        entries.append(entry)
+        print(json.dumps(entry), flush=True)
+    return entries
+
+
 def run(out_dir: str) -> dict:
     os.makedirs(out_dir, exist_ok=True)
     from run_meta import run_metadata
@@ -612,7 +646,26 @@ if __name__ == "__main__":
     p.add_argument("--variants", action="store_true",
                    help="compile gemm_bench's candidate configs (sweep_candidates) for sm_90a "
                    "and sm_120a -> OUT/gemm-decode-variants.{json,md}")
+    p.add_argument("--attention", action="store_true",
+                   help="compile attention.decode_attention's kernels for sm_90a, sm_120a, "
+                   "sm_121a -> OUT/attention-sm12x-compile.json")
     a = p.parse_args()
+    if a.attention:
+        from run_meta import run_metadata
+
+        with tempfile.TemporaryDirectory() as wd:
+            doc = {**run_metadata(), "lowered_for": "cuda (from the CPU: lowering_platforms)",
+                   "kernels": attention_entries(wd)}
+        try:
+            import triton
+
+            doc["pip_triton"] = triton.__version__
+        except ImportError:
+            doc["pip_triton"] = None
+        os.makedirs(a.out, exist_ok=True)
+        with open(os.path.join(a.out, "attention-sm12x-compile.json"), "w") as f:
+            json.dump(doc, f, indent=1)
+        sys.exit(0)
     if a.variants:
         from gemm_bench import all_sweep_candidates
 

@@ -7,7 +7,8 @@ read it. :func:`decode_attention` takes the whole stack and the layer index inst
 program reads its (sequence, kv head, key chunk) rows of layer ``layer`` straight from the
 stack, only the ``lengths[b]`` written positions (``S`` is the cache's capacity), and keeps a
 running softmax over its chunk (flash decoding). The chunks' partial results (fp32
-numerators, maxima and sums) are combined by XLA ops that fuse with the consumer.
+numerators, maxima and sums) are combined by a second launch, one program per (sequence, kv
+head).
 
 Arithmetic (the decoders' XLA attention has the same rounding points, in another order):
 scores ``q . k`` with fp32 accumulation of the exact bf16 products, times fp32 ``1/sqrt(D)``;
@@ -29,12 +30,13 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from .device import on_gpu
-from .triton_ops import cdiv, pow2
+from .triton_ops import cdiv, div_rn, pow2
 from .validate import is_concrete
 
 log = logging.getLogger(__name__)
 
 BLOCK_S = 64  # keys per inner step (an MMA's N for the scores, its K for p . v)
+COMBINE_SPLITS = 4  # chunks the combine adds per step ([4, G, D] fp32 in registers)
 TARGET_PROGRAMS = 256  # about two per SM on an H200 (132 SMs) at the longest contexts
 NEG = -1e30  # the running maximum's start: finite, so an empty chunk gives exp(NEG - m) = 0
 
@@ -82,6 +84,37 @@ def _kernel(q_ref, k_ref, v_ref, meta_ref, acc_ref, m_ref, l_ref, *, batch: int,
     plgpu.store(acc_ref.at[pl.ds(out0, gp), :], acc, mask=keep[:, None])
     plgpu.store(m_ref.at[pl.ds(out0, gp)], m, mask=keep)
     plgpu.store(l_ref.at[pl.ds(out0, gp)], l, mask=keep)
+
+
+def _combine_kernel(acc_ref, m_ref, l_ref, o_ref, *, splits: int, g: int, d: int, n_rows: int,
+                    exact_asm: bool):
+    """o = sum_j w_j acc_j / sum_j w_j l_j over the chunks j of one (sequence, kv head), with
+    w_j = exp(m_j - max_j m_j) (an empty chunk: m_j = NEG, w_j = 0)."""
+    bh = pl.program_id(0)
+    gq, sp = pow2(g), pow2(splits)
+    r = jnp.arange(gq)
+    j = jnp.arange(sp)
+    # gathers: masked lanes' rows clamped into the buffer (loads); stores mask their lanes
+    rows = jnp.minimum(bh * splits * g + j[:, None] * g + r[None, :], n_rows - 1)  # [sp, gq]
+    valid = (j[:, None] < splits) & (r[None, :] < g)
+    m_max = jnp.max(plgpu.load(m_ref.at[rows], mask=valid, other=NEG), axis=0)  # [gq]
+    cols = jnp.arange(d)
+
+    def body(i, carry):
+        num, den = carry
+        jj = i * COMBINE_SPLITS + jnp.arange(COMBINE_SPLITS)
+        rr = jnp.minimum(bh * splits * g + jj[:, None] * g + r[None, :], n_rows - 1)
+        ok = (jj[:, None] < splits) & (r[None, :] < g)
+        w = jnp.exp(plgpu.load(m_ref.at[rr], mask=ok, other=NEG) - m_max[None, :])
+        den = den + jnp.sum(plgpu.load(l_ref.at[rr], mask=ok, other=0.0) * w, axis=0)
+        acc = plgpu.load(acc_ref.at[rr[:, :, None], cols[None, None, :]], mask=ok[:, :, None],
+                         other=0.0)  # [cs, gq, d]
+        return num + jnp.sum(acc * w[:, :, None], axis=0), den
+
+    num, den = lax.fori_loop(0, cdiv(splits, COMBINE_SPLITS), body,
+                             (jnp.zeros((gq, d), jnp.float32), jnp.zeros((gq,), jnp.float32)))
+    o = div_rn(num, jnp.broadcast_to(den[:, None], (gq, d)), exact_asm).astype(o_ref.dtype)
+    plgpu.store(o_ref.at[bh * g + r[:, None], cols[None, :]], o, mask=(r < g)[:, None])
 
 
 def _check(q, k_cache, v_cache, layer, lengths):
@@ -173,11 +206,12 @@ def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
     )(qp, k_cache.reshape(n_layers * b * s, kvh * d), v_cache.reshape(n_layers * b * s, kvh * d),
       meta)
-    acc = acc[:rows].reshape(b, kvh, splits, g, d)
-    m = m[:rows].reshape(b, kvh, splits, g)
-    l = l[:rows].reshape(b, kvh, splits, g)
-    w = jnp.exp(m - jnp.max(m, axis=2, keepdims=True))  # an empty chunk: exp(NEG - m) = 0
-    num = jnp.sum(acc * w[..., None], axis=2)
-    den = jnp.sum(l * w, axis=2)
-    return (num / den[..., None]).astype(jnp.bfloat16).reshape(b, nh, d)
+    combine = functools.partial(_combine_kernel, splits=splits, g=g, d=d, n_rows=rows,
+                                exact_asm=not interpret)
+    o = pl.pallas_call(
+        combine, out_shape=jax.ShapeDtypeStruct((b * nh, d), jnp.bfloat16), grid=(b * kvh,),
+        interpret=interpret, name="nvfp4_decode_attention_combine",
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+    )(acc, m, l)
+    return o.reshape(b, nh, d)
 

@@ -113,6 +113,16 @@ def test_decode_attention_chunks_of_several_blocks():
     _check(got, q, k, v, 0, lengths)
 
 
+def test_decode_attention_scores_in_the_thousands():
+    """q, k ~ N(0, 32^2): scores of order +-1000, whose exp overflows fp32 unless every
+    exponent is taken against the maximum (the chunks' running one, then the combine's)."""
+    lengths = [300, 77]
+    q, k, v = _case(9, 1, 2, 300, 2, 4, 64, 32.0, lengths)
+    got = attention.decode_attention(q, k, v, 0, jnp.asarray(lengths, jnp.int32),
+                                     interpret=pallas_interpret())
+    _check(got, q, k, v, 0, lengths)
+
+
 def test_runs_kernel_only_off_the_xla_backend_and_on_supported_heads():
     assert attention.runs_kernel("xla", 64, 8, 2) is False
     assert attention.runs_kernel("pallas", 64, 8, 2) is True  # interpreted off the GPU

@@ -318,7 +318,15 @@ def test_logits_match_hf_within_bound(checkpoints, reference, kind, w4a4):
     assert rms <= rms_bound, f"w4a4={w4a4}: rms {rms:.4g} > bound {rms_bound:.4g}"
 
 
-def test_prefill_then_decode_equals_full_forward(model, reference):
+@pytest.mark.parametrize("kernel", [False, True])
+def test_prefill_then_decode_equals_full_forward(model, reference, kernel, monkeypatch):
+    """kernel: each decode step's attention in ``attention.decode_attention`` (interpreted
+    here; what GPUs run) instead of XLA's einsums."""
+    if kernel:
+        from nvfp4_jax.models import decoder
+
+        monkeypatch.setattr(decoder, "runs_kernel", lambda *a: True)
+        jax.clear_caches()  # the steps are traced anew, through the kernel
     seq = PROMPT
     t0 = 8
     full = _ours(model, seq, False)
@@ -335,6 +343,9 @@ def test_prefill_then_decode_equals_full_forward(model, reference):
     _, bound, _ = _bound(reference, False, seq)
     err = float(np.abs(got - full).max())
     print(f"\nNemotron-H prefill + decode vs full forward: {err:.3g} (bound / 4 {bound / 4:.3g})")
+    if kernel:
+        monkeypatch.undo()
+        jax.clear_caches()
     assert err <= bound / 4, f"prefill + decode vs full forward: {err:.4g} > {bound / 4:.4g}"
 
 

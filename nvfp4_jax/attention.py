@@ -52,7 +52,9 @@ def _kernel(q_ref, k_ref, v_ref, meta_ref, acc_ref, m_ref, l_ref, *, batch: int,
             kv_heads: int, d: int, g: int, gp: int, chunk: int, scale: float):
     bh, j = pl.program_id(0), pl.program_id(1)
     b, h = bh // kv_heads, bh % kv_heads
-    layer, n = meta_ref[0], meta_ref[1 + b]  # valid keys of sequence b: positions 0..n-1
+    # valid keys of sequence b: positions 0..n-1, never past its S slots (a traced length
+    # past S must not read another sequence's or layer's rows, nor past the buffer)
+    layer, n = meta_ref[0], jnp.minimum(meta_ref[1 + b], capacity)
     q = plgpu.load(q_ref.at[pl.ds(bh * gp, gp), :])  # [gp, d], rows past g are zeros
     s0 = j * chunk
     row0 = (layer * batch + b) * capacity + s0  # the flattened stack's row of key s0

@@ -437,6 +437,9 @@ def forward(model: Model, tokens: jax.Array, cache: KVCache, *, backend: str = "
     breakdowns only; the output is then meaningless): parts left out, any of "attention" (RoPE,
     KV cache and attention core), "moe" (router and experts), "dense" (the NVFP4 linears of
     attention and dense MLPs, replaced by weight-free stand-ins of the same shapes).
+
+    A cache with fewer than T free positions: ValueError when T exceeds its capacity, else
+    (``cache.length`` is traced) every logit of the step is NaN.
     """
     bad = set(ablate) - {"attention", "moe", "dense"}
     if bad:
@@ -448,6 +451,7 @@ def forward(model: Model, tokens: jax.Array, cache: KVCache, *, backend: str = "
         return model.forward(tokens, cache, backend=backend, w4a4=w4a4, ablate=ablate)
     cfg = model.config
     b, t = tokens.shape
+    check_cache_room(t, cache.k.shape[2])
     start = cache.length
     pos = jnp.broadcast_to(start + jnp.arange(t, dtype=jnp.int32), (b, t))
     inv_freq = jnp.asarray(rope_inv_freq(cfg))
@@ -485,7 +489,20 @@ def forward(model: Model, tokens: jax.Array, cache: KVCache, *, backend: str = "
         logits = jax.lax.dot_general(x, model.lm_head, (((2,), (1,)), ((), ())),
                                      preferred_element_type=jnp.float32)
         logits = logits.astype(jnp.bfloat16).astype(jnp.float32)
-    return logits, KVCache(k_all, v_all, start + t)
+    return past_cache_nan(logits, start + t, k_all.shape[2]), KVCache(k_all, v_all, start + t)
+
+
+def check_cache_room(t: int, capacity: int) -> None:
+    """ValueError when ``t`` new tokens cannot fit a cache of ``capacity`` positions at all."""
+    if t > capacity:
+        raise ValueError(f"tokens: {t} tokens do not fit the cache's {capacity} positions "
+                         f"(models.init_cache(config, batch, max_len) with max_len >= {t})")
+
+
+def past_cache_nan(logits: jax.Array, end: jax.Array, capacity: int) -> jax.Array:
+    """``logits``, or all NaN when the step ran past the cache (``end`` = cache.length + T >
+    capacity: a traced length cannot raise; its keys and values were not stored)."""
+    return jnp.where(end <= capacity, logits, jnp.float32(jnp.nan))
 
 
 def _prefill(model, tokens, cache, backend="auto", w4a4=True, all_logits=False,

@@ -50,7 +50,7 @@ import jax
 import jax.numpy as jnp
 
 from .. import nn
-from .decoder import attention, stack_trees
+from .decoder import attention, check_cache_room, past_cache_nan, stack_trees
 
 #: HF ``layers_block_type`` names and their pattern characters
 LAYER_TYPES = {"linear_attention": "M", "moe": "E", "full_attention": "*", "mlp": "-"}
@@ -401,6 +401,7 @@ class NemotronHModel:
             raise ValueError(f"ablate: not supported for Nemotron-H, got {sorted(ablate)}")
         cfg = self.config
         b, t = tokens.shape
+        check_cache_room(t, cache.k.shape[2])
         start = cache.length
         pos = jnp.broadcast_to(start + jnp.arange(t, dtype=jnp.int32), (b, t))
         x = self.embed[tokens]
@@ -484,4 +485,5 @@ class NemotronHModel:
         logits = logits.astype(jnp.bfloat16).astype(jnp.float32)
         conv = jnp.concatenate(convs) if convs else cache.conv
         ssm = jnp.concatenate(ssms) if ssms else cache.ssm
-        return logits, HybridCache(k_all, v_all, conv, ssm, start + t)
+        return (past_cache_nan(logits, start + t, k_all.shape[2]),
+                HybridCache(k_all, v_all, conv, ssm, start + t))

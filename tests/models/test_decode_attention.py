@@ -19,6 +19,7 @@ and block edges; GQA groups of 1 to 16 query heads per kv head (a wrong head map
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -121,6 +122,17 @@ def test_decode_attention_scores_in_the_thousands():
     got = attention.decode_attention(q, k, v, 0, jnp.asarray(lengths, jnp.int32),
                                      interpret=pallas_interpret())
     _check(got, q, k, v, 0, lengths)
+
+
+def test_a_traced_length_past_the_cache_reads_only_its_own_slots():
+    """Under jit a length cannot be checked: lengths[0] = S + 10 attends sequence 0's S = 100
+    slots (its second chunk of 64 keys reaches past them into sequence 1's rows, NaN past its
+    length 1: a read of one shows)."""
+    q, k, v = _case(13, 2, 2, 100, 2, 4, 32, 1.0, [100, 1])
+    assert attention.chunking(2, 2, 100) == 64
+    got = jax.jit(functools.partial(attention.decode_attention, interpret=pallas_interpret()))(
+        q, k, v, jnp.int32(1), jnp.asarray([110, 1], jnp.int32))
+    _check(got, q, k, v, 1, [100, 1])
 
 
 def test_runs_kernel_only_off_the_xla_backend_and_on_supported_heads():

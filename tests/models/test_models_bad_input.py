@@ -25,6 +25,8 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers")
 pytest.importorskip("modelopt.torch.quantization")
 
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 from hf_reference import make_checkpoint, save_char_tokenizer
 
 from nvfp4_jax import checkpoint as C
@@ -388,6 +390,29 @@ def test_generate_accepts_the_last_position(dense_model):
     """prompt + new tokens == max_position_embeddings is allowed (the boundary)."""
     gen = models.generate(dense_model, [[1, 2, 3] * 83 + [4]], 6, warmup=False)
     assert gen.tokens.shape == (1, 6)
+
+
+@pytest.mark.parametrize("kernel", [False, True])
+def test_a_full_cache_gives_nan_logits_and_too_many_tokens_raise(dense_model, kernel,
+                                                                   monkeypatch):
+    """A decode step on a full cache cannot store its key and value: its logits are all NaN
+    (the length is traced: no exception), through XLA's attention and through
+    ``attention.decode_attention`` (interpreted here), which never reads past a sequence's
+    slots. A prompt longer than the cache raises, naming tokens."""
+    from nvfp4_jax.models import decoder
+
+    if kernel:
+        monkeypatch.setattr(decoder, "runs_kernel", lambda *a: True)
+    step = jax.jit(lambda m, t, c: models.decode_step(m, t, c))  # traced anew, under the patch
+    cache = models.init_cache(dense_model.config, 1, 4)
+    logits, cache = models.prefill(dense_model, jnp.asarray([[1, 2, 3]], jnp.int32), cache)
+    logits, cache = step(dense_model, jnp.asarray([4], jnp.int32), cache)  # the 4th: fits
+    assert np.isfinite(np.asarray(logits)).all()
+    logits, cache = step(dense_model, jnp.asarray([5], jnp.int32), cache)  # a 5th: no room
+    assert np.isnan(np.asarray(logits)).all()
+    with pytest.raises(ValueError, match="tokens: 5 tokens do not fit the cache's 4 positions"):
+        models.prefill(dense_model, jnp.asarray([[1, 2, 3, 4, 5]], jnp.int32),
+                       models.init_cache(dense_model.config, 1, 4))
 
 
 def test_sample_refuses_non_finite_temperature():

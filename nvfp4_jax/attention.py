@@ -1,4 +1,4 @@
-"""Decode attention over a stacked KV cache, read in place: one Pallas-Triton launch per layer.
+"""Decode attention over a stacked KV cache, read in place: two Pallas-Triton launches per layer.
 
 A decode step (one new token per sequence) under ``lax.scan`` over layers keeps the KV cache
 as one carried buffer ``[L, B, S, KVH, D]``. XLA's attention (``jnp.einsum`` on
@@ -48,13 +48,15 @@ def chunking(batch: int, kv_heads: int, capacity: int) -> int:
     return BLOCK_S * max(1, cdiv(capacity, splits * BLOCK_S))
 
 
-def _kernel(q_ref, k_ref, v_ref, meta_ref, acc_ref, m_ref, l_ref, *, batch: int, capacity: int,
-            kv_heads: int, d: int, g: int, gp: int, chunk: int, scale: float):
+def _kernel(q_ref, k_ref, v_ref, meta_ref, acc_ref, m_ref, l_ref, *, n_layers: int, batch: int,
+            capacity: int, kv_heads: int, d: int, g: int, gp: int, chunk: int, scale: float):
     bh, j = pl.program_id(0), pl.program_id(1)
     b, h = bh // kv_heads, bh % kv_heads
-    # valid keys of sequence b: positions 0..n-1, never past its S slots (a traced length
-    # past S must not read another sequence's or layer's rows, nor past the buffer)
-    layer, n = meta_ref[0], jnp.minimum(meta_ref[1 + b], capacity)
+    # valid keys of sequence b: positions 0..n-1, never past its S slots, and a layer of the
+    # stack (traced values out of range must not read another sequence's or layer's rows, nor
+    # past the buffer; n <= 0 attends nothing: 0/0, NaN)
+    layer = jnp.minimum(jnp.maximum(meta_ref[0], 0), n_layers - 1)
+    n = jnp.minimum(meta_ref[1 + b], capacity)
     q = plgpu.load(q_ref.at[pl.ds(bh * gp, gp), :])  # [gp, d], rows past g are zeros
     s0 = j * chunk
     row0 = (layer * batch + b) * capacity + s0  # the flattened stack's row of key s0
@@ -177,11 +179,14 @@ def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer
     q: bf16 [B, NH, D] (after RoPE); k_cache, v_cache: bf16 [L, B, S, KVH, D] (the new token's
     k and v already written); layer: int32 scalar; lengths: int32 [B], the number of valid
     positions per sequence (keys ``0 .. lengths[b] - 1`` are attended, 1 <= lengths[b] <= S;
-    slots past it are never read; concrete values outside that range, or a concrete ``layer``
-    outside ``0 .. L - 1``, raise ValueError; traced ones are the caller's to keep in range).
+    slots past it are never read). Concrete values outside those ranges, or a concrete
+    ``layer`` outside ``0 .. L - 1``, raise ValueError; traced ones never read outside the
+    stack: a length past S attends the S slots, a length <= 0 gives NaN for its sequence, a
+    layer outside the stack reads its nearest layer.
     Query head ``i`` reads kv head ``i // (NH / KVH)`` (GQA).
     Returns bf16 [B, NH, D] = softmax(q k^T / sqrt(D)) v.
     """
+    lengths = jnp.asarray(lengths)
     _check(q, k_cache, v_cache, layer, lengths)
     b, nh, d = q.shape
     n_layers, _, s, kvh, _ = k_cache.shape
@@ -196,8 +201,8 @@ def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer
     meta = jnp.concatenate([jnp.asarray(layer, jnp.int32).reshape(1),
                             lengths.astype(jnp.int32)])
     rows = b * kvh * splits * g
-    kernel = functools.partial(_kernel, batch=b, capacity=s, kv_heads=kvh, d=d, g=g, gp=gp,
-                               chunk=chunk, scale=1.0 / math.sqrt(d))
+    kernel = functools.partial(_kernel, n_layers=n_layers, batch=b, capacity=s, kv_heads=kvh,
+                               d=d, g=g, gp=gp, chunk=chunk, scale=1.0 / math.sqrt(d))
     # gp - g rows of slack: the last program's masked rows stay inside the buffer
     out_shape = (jax.ShapeDtypeStruct((rows + gp - g, d), jnp.float32),
                  jax.ShapeDtypeStruct((rows + gp - g,), jnp.float32),

@@ -135,6 +135,17 @@ def test_a_traced_length_past_the_cache_reads_only_its_own_slots():
     _check(got, q, k, v, 1, [100, 1])
 
 
+def test_traced_out_of_range_layer_and_empty_lengths_stay_inside_the_stack():
+    """Traced, nothing can raise: layer 5 of 3 reads layer 2 (the nearest), never rows past
+    the stack; a length 0 gives NaN for its sequence alone."""
+    lengths = [40, 7]
+    q, k, v = _case(17, 3, 2, 64, 2, 4, 32, 1.0, lengths)
+    f = jax.jit(functools.partial(attention.decode_attention, interpret=pallas_interpret()))
+    _check(f(q, k, v, jnp.int32(5), jnp.asarray(lengths, jnp.int32)), q, k, v, 2, lengths)
+    got = np.asarray(f(q, k, v, jnp.int32(0), jnp.asarray([0, 7], jnp.int32)), np.float32)
+    assert np.isnan(got[0]).all() and np.isfinite(got[1]).all()
+
+
 def test_runs_kernel_only_off_the_xla_backend_and_on_supported_heads():
     assert attention.runs_kernel("xla", 64, 8, 2) is False
     assert attention.runs_kernel("pallas", 64, 8, 2) is True  # interpreted off the GPU

@@ -39,7 +39,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
@@ -47,6 +46,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
 from ..device import is_sm12x
+from ..formats import E2M1_VALUES
 from ..quantize import NVFP4Array
 
 BLOCK = 16
@@ -63,11 +63,6 @@ def default_mma() -> str:
     there, bench/sm12x_model.py), "bf16" everywhere else (on sm_90 Triton decomposes the FP4
     dot into bf16 MMAs, with the dequantization in the K loop)."""
     return "fp4" if is_sm12x() else "bf16"
-#: e2m1 value of each 4-bit code (sign in bit 3)
-E2M1_VALUES = np.array(
-    [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
-    np.float32,
-)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -31,7 +31,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from .device import on_gpu
 from .triton_ops import cdiv, div_rn, pow2
-from .validate import is_concrete
+from .validate import check_layer, is_concrete
 
 log = logging.getLogger(__name__)
 
@@ -138,11 +138,7 @@ def _check(q, k_cache, v_cache, layer, lengths):
     if lengths.shape != (b,) or not jnp.issubdtype(lengths.dtype, jnp.integer):
         raise ValueError(f"lengths: expected int32 [B={b}], got {lengths.dtype} {lengths.shape}")
     n_layers, _, s = k_cache.shape[:3]
-    layer = jnp.asarray(layer)
-    if layer.ndim or not jnp.issubdtype(layer.dtype, jnp.integer):
-        raise ValueError(f"layer: expected an integer scalar, got {layer.dtype}{layer.shape}")
-    if is_concrete(layer) and not 0 <= int(layer) < n_layers:
-        raise ValueError(f"layer: expected 0 <= layer < L = {n_layers}, got {int(layer)}")
+    check_layer(layer, n_layers)
     if is_concrete(lengths):
         bad = np.flatnonzero((np.asarray(lengths) < 1) | (np.asarray(lengths) > s))
         if bad.size:  # no key to attend (a 0/0), or keys past the cache

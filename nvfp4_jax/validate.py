@@ -37,6 +37,7 @@ __all__ = [
     "check_array",
     "check_dtype",
     "check_finite",
+    "check_layer",
     "check_matmul_args",
     "check_moe_args",
     "check_positive_scale",
@@ -184,9 +185,17 @@ def check_stack(name: str, stack: Any, of: Any, layer: Any, what: str = "an NVFP
             or tuple(shape[1:]) != dims):
         raise ValueError(f"{name}: expected {what} [L, {', '.join(map(str, dims))}], got "
                          + (f"shape {shape}" if shape is not None else type(stack).__name__))
+    check_layer(layer)
+
+
+def check_layer(layer: Any, num_layers: int | None = None) -> None:
+    """``layer`` an integer scalar (a layer index into a stack), and with ``num_layers``, when
+    concrete, within ``0 .. num_layers - 1``."""
     layer = jnp.asarray(layer)
     if layer.ndim or not jnp.issubdtype(layer.dtype, jnp.integer):
         raise ValueError(f"layer: expected an integer scalar, got {layer.dtype}{layer.shape}")
+    if num_layers is not None and is_concrete(layer) and not 0 <= int(layer) < num_layers:
+        raise ValueError(f"layer: expected 0 <= layer < L = {num_layers}, got {int(layer)}")
 
 
 def check_matmul_args(x: Any, w: Any, input_scale: Any) -> None:

@@ -95,20 +95,22 @@ def _combine_kernel(acc_ref, m_ref, l_ref, o_ref, *, splits: int, g: int, d: int
     """o = sum_j w_j acc_j / sum_j w_j l_j over the chunks j of one (sequence, kv head), with
     w_j = exp(m_j - max_j m_j) (an empty chunk: m_j = NEG, w_j = 0)."""
     bh = pl.program_id(0)
-    gq, sp = pow2(g), pow2(splits)
+    gq = pow2(g)
     r = jnp.arange(gq)
-    j = jnp.arange(sp)
-    # gathers: masked lanes' rows clamped into the buffer (loads); stores mask their lanes
-    rows = jnp.minimum(bh * splits * g + j[:, None] * g + r[None, :], n_rows - 1)  # [sp, gq]
-    valid = (j[:, None] < splits) & (r[None, :] < g)
+
+    def chunk_rows(j):
+        """[len(j), gq] rows of chunks ``j``, clamped into the buffer (these are gathers; the
+        mask drops them), and the mask of the real ones."""
+        rows = jnp.minimum(bh * splits * g + j[:, None] * g + r[None, :], n_rows - 1)
+        return rows, (j[:, None] < splits) & (r[None, :] < g)
+
+    rows, valid = chunk_rows(jnp.arange(pow2(splits)))
     m_max = jnp.max(plgpu.load(m_ref.at[rows], mask=valid, other=NEG), axis=0)  # [gq]
     cols = jnp.arange(d)
 
     def body(i, carry):
         num, den = carry
-        jj = i * COMBINE_SPLITS + jnp.arange(COMBINE_SPLITS)
-        rr = jnp.minimum(bh * splits * g + jj[:, None] * g + r[None, :], n_rows - 1)
-        ok = (jj[:, None] < splits) & (r[None, :] < g)
+        rr, ok = chunk_rows(i * COMBINE_SPLITS + jnp.arange(COMBINE_SPLITS))
         w = jnp.exp(plgpu.load(m_ref.at[rr], mask=ok, other=NEG) - m_max[None, :])
         den = den + jnp.sum(plgpu.load(l_ref.at[rr], mask=ok, other=0.0) * w, axis=0)
         acc = plgpu.load(acc_ref.at[rr[:, :, None], cols[None, None, :]], mask=ok[:, :, None],

@@ -329,14 +329,14 @@ def routing_kernel(topk_ids: jax.Array, num_experts: int, block_m: int, *,
     if scales is None:
         res = call(kern, outs, (1,), num_warps=nw, name="nvfp4_moe_routing", interpret=interpret)(flat)
         return BlockRouting(*res[:4])
-    ops, skw, souts = scales_plan(scales, num_experts, interpret)
+    packed, skw, souts = scales_plan(scales, num_experts, interpret)
 
     def both(ids_ref, sc_ref, *refs):
         scales_kernel(sc_ref, *refs[nr:], **skw)
         kern(ids_ref, *refs[:nr])
 
     res = call(both, (*outs, *souts), (1,), num_warps=nw, name="nvfp4_moe_routing_scales",
-                interpret=interpret)(flat, *ops)
+                interpret=interpret)(flat, packed)
     return BlockRouting(*res[:4]), tuple(res[nr:])
 
 
@@ -401,7 +401,7 @@ def routing_operand_kernel(topk_ids: jax.Array, hidden: jax.Array, num_experts: 
         raise ValueError(f"topk_ids: expected [T, k] with T = {t} (hidden's rows), got {topk_ids.shape}")
     flat, rkw, outs = _routing_plan(topk_ids, num_experts, block_m, interpret, method,
                                     tokens=False)  # each program needs its row alone
-    ops, skw, souts = scales_plan(scales, num_experts, interpret)
+    packed, skw, souts = scales_plan(scales, num_experts, interpret)
     bk = row_tile(h)
     kern = functools.partial(
         _routing_operand_kernel, routing_kw=rkw, scales_kw=skw, top_k=topk_ids.shape[1], bk=bk,
@@ -409,5 +409,5 @@ def routing_operand_kernel(topk_ids: jax.Array, hidden: jax.Array, num_experts: 
     srt, be, nbk, pos, *sv, xp = call(
         kern, (*outs, *souts, jax.ShapeDtypeStruct((rkw["em"], h), jnp.bfloat16)),
         (rkw["n"], h // bk), num_warps=8, name="nvfp4_moe_routing_operand", interpret=interpret)(
-        flat, *ops, hidden)
+        flat, packed, hidden)
     return BlockRouting(srt, be, nbk, pos), tuple(sv), xp

@@ -20,8 +20,8 @@ from ..triton_ops import call, div_rn, pow2
 
 def scales_plan(scales: tuple, num_experts: int, interpret: bool):
     """``(fc1_weight_scale_2, fc2_weight_scale_2, fc1_input_scale, fc2_input_scale, mode,
-    activation_scale)`` -> ([the four packed in one operand], ``scale_values``' static arguments,
-    the six fp32 [E] outputs' shapes)."""
+    activation_scale)`` -> (the four packed in one fp32 [4 * E] operand, ``scale_values``' static
+    arguments, the six fp32 [E] outputs' shapes)."""
     *vecs, mode, activation_scale = scales
     kw = {"e": num_experts, "activation_scale": activation_scale, "mode": mode,
           "exact_asm": not interpret}
@@ -78,13 +78,13 @@ def moe_scales_kernel(fc1_weight_scale_2: jax.Array, fc2_weight_scale_2: jax.Arr
     whatever XLA's division flags). Operands: fp32 [E] or scalars (one value for every
     expert). Returns fp32 [E] each: ``(g1, 1/g1, alpha1, g2, 1/g2, alpha2)``, bit for bit the
     expressions of ``oracle.moe_scales``."""
-    ops, kw, outs = scales_plan((fc1_weight_scale_2, fc2_weight_scale_2, fc1_input_scale,
+    packed, kw, outs = scales_plan((fc1_weight_scale_2, fc2_weight_scale_2, fc1_input_scale,
                                   fc2_input_scale, mode, activation_scale), num_experts, interpret)
     return call(functools.partial(scales_kernel, **kw), outs, (1,), num_warps=4,
-                 name="nvfp4_moe_scales", interpret=interpret)(*ops)
+                 name="nvfp4_moe_scales", interpret=interpret)(packed)
 
 
-def _scale_operands(vecs, e: int) -> list:
+def _scale_operands(vecs, e: int) -> jax.Array:
     """The four scale operands (fp32 [E], or a scalar for every expert), validated, as one
     fp32 [4 * E]: one XLA fusion makes it from a scan's per-layer slices, where four operands
     of their own would each be copied out of their stack (a launch each) for the kernel."""
@@ -95,4 +95,4 @@ def _scale_operands(vecs, e: int) -> list:
         if v.shape not in ((), (1,), (e,)):
             raise ValueError(f"{name}: expected a scalar or shape ({e},), got {v.shape}")
         ops.append(jnp.broadcast_to(v.reshape(-1), (e,)))
-    return [jnp.concatenate(ops)]
+    return jnp.concatenate(ops)

@@ -482,14 +482,14 @@ def forward(model: Model, tokens: jax.Array, cache: KVCache, *, backend: str = "
                 g = nn.strip_stacks(g, linears=lin, moe=moe)
             (x, k_all, v_all), _ = jax.lax.scan(body, (x, k_all, v_all), (g, idx))
             li += n
-    x = nn.rms_norm(x, model.norm, cfg.rms_norm_eps)
+    x = nn.rms_norm(past_cache_nan(x, start + t, k_all.shape[2]), model.norm, cfg.rms_norm_eps)
     if isinstance(model.lm_head, nn.Linear):
         logits = nn.linear(model.lm_head, x, backend=backend, w4a4=w4a4).astype(jnp.float32)
     else:
         logits = jax.lax.dot_general(x, model.lm_head, (((2,), (1,)), ((), ())),
                                      preferred_element_type=jnp.float32)
         logits = logits.astype(jnp.bfloat16).astype(jnp.float32)
-    return past_cache_nan(logits, start + t, k_all.shape[2]), KVCache(k_all, v_all, start + t)
+    return logits, KVCache(k_all, v_all, start + t)
 
 
 def check_cache_room(t: int, capacity: int) -> None:
@@ -499,10 +499,12 @@ def check_cache_room(t: int, capacity: int) -> None:
                          f"(models.init_cache(config, batch, max_len) with max_len >= {t})")
 
 
-def past_cache_nan(logits: jax.Array, end: jax.Array, capacity: int) -> jax.Array:
-    """``logits``, or all NaN when the step ran past the cache (``end`` = cache.length + T >
-    capacity: a traced length cannot raise; its keys and values were not stored)."""
-    return jnp.where(end <= capacity, logits, jnp.float32(jnp.nan))
+def past_cache_nan(x: jax.Array, end: jax.Array, capacity: int) -> jax.Array:
+    """The last hidden state ``x``, or all NaN when the step ran past the cache (``end`` =
+    cache.length + T > capacity: a traced length cannot raise; its keys and values were not
+    stored); the final norm and the LM head carry the NaN into every logit. On x [B, T, H], not
+    the logits [B, T, V]: the select fuses with the residual add before the norm."""
+    return jnp.where(end <= capacity, x, jnp.asarray(jnp.nan, x.dtype))
 
 
 def _prefill(model, tokens, cache, backend="auto", w4a4=True, all_logits=False,

@@ -476,7 +476,7 @@ class NemotronHModel:
             ai += n * au
             mi += n * mu
             li += u * n
-        x = norm(x, self.norm, cfg.layer_norm_epsilon)
+        x = norm(past_cache_nan(x, start + t, k_all.shape[2]), self.norm, cfg.layer_norm_epsilon)
         if isinstance(self.lm_head, nn.Linear):
             logits = nn.linear(self.lm_head, x, backend=backend, w4a4=w4a4)
         else:
@@ -485,5 +485,4 @@ class NemotronHModel:
         logits = logits.astype(jnp.bfloat16).astype(jnp.float32)
         conv = jnp.concatenate(convs) if convs else cache.conv
         ssm = jnp.concatenate(ssms) if ssms else cache.ssm
-        return (past_cache_nan(logits, start + t, k_all.shape[2]),
-                HybridCache(k_all, v_all, conv, ssm, start + t))
+        return logits, HybridCache(k_all, v_all, conv, ssm, start + t)

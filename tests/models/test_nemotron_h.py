@@ -349,6 +349,15 @@ def test_prefill_then_decode_equals_full_forward(model, reference, kernel, monke
     assert err <= bound / 4, f"prefill + decode vs full forward: {err:.4g} > {bound / 4:.4g}"
 
 
+def test_a_step_past_the_cache_gives_nan_logits(model):
+    cache = models.init_cache(model.config, 1, 3)
+    _, cache = models.prefill(model, jnp.asarray([[1, 2, 3]], jnp.int32), cache)
+    logits, _ = models.decode_step(model, jnp.asarray([4], jnp.int32), cache)
+    assert np.isnan(np.asarray(logits)).all()
+    with pytest.raises(ValueError, match="tokens: 4 tokens do not fit the cache's 3 positions"):
+        models.prefill(model, jnp.asarray([[1, 2, 3, 4]], jnp.int32), cache)
+
+
 def test_steps_carry_no_effects(model):
     """The jitted prefill and decode step hold no effect, so each call takes jit's C++
     dispatch (an effect, e.g. a checkify check, sends every call through JAX's Python

@@ -360,8 +360,6 @@ def capture_moe_ttir(layer: dict, t: int) -> dict:
     """{kernel name: TTIR text} of one ``nvfp4_jax.moe`` layer on the Pallas-Triton kernels
     (``backend="pallas"``), lowered for CUDA (from the CPU where there is no GPU: the kernels
     are traced for Triton, not for interpret mode, whatever the local platform)."""
-    from jax._src.pallas.triton import lowering
-
     import nvfp4_jax
     from nvfp4_jax.moe import api as moe_api
 
@@ -374,15 +372,6 @@ def capture_moe_ttir(layer: dict, t: int) -> dict:
                                jnp.zeros((e, h, i // 16), jnp.float8_e4m3fn),
                                jnp.ones((e,), jnp.float32), (e, h, i), "linear")
     s = jnp.ones((e,), jnp.float32)
-    got = {}
-    orig = lowering.lower_jaxpr_to_triton_module
-
-    def spy(*a, **kw):
-        res = orig(*a, **kw)
-        text = res.module.operation.get_asm()
-        name = re.search(r"tt\.func (?:public )?@(\w+)", text)
-        got[name.group(1) if name else f"kernel{len(got)}"] = text
-        return res
 
     def layer_fn(x, ids, w, fc1, fc2):
         return nvfp4_jax.moe(x, fc1=fc1, fc2=fc2, fc1_input_scale=s, fc2_input_scale=s,
@@ -392,18 +381,37 @@ def capture_moe_ttir(layer: dict, t: int) -> dict:
 
     args = (jnp.zeros((t, h), jnp.bfloat16), jnp.zeros((t, k), jnp.int32),
             jnp.full((t, k), 1.0 / k, jnp.float32), fc1, fc2)
-    lowering.lower_jaxpr_to_triton_module = spy
     interpret = moe_api.pallas_interpret
     moe_api.pallas_interpret = lambda: False
     try:
-        f = jax.jit(layer_fn)
+        return lowered_kernels(layer_fn, *args)
+    finally:
+        moe_api.pallas_interpret = interpret
+
+
+def lowered_kernels(fn, *args) -> dict[str, str]:
+    """{kernel name (its ``tt.func``): TTIR text} of every Pallas-Triton kernel of
+    ``jax.jit(fn)(*args)``, lowered for CUDA (from the CPU where there is no GPU)."""
+    from jax._src.pallas.triton import lowering
+
+    got, orig = {}, lowering.lower_jaxpr_to_triton_module
+
+    def spy(*a, **kw):
+        res = orig(*a, **kw)
+        text = res.module.operation.get_asm()
+        name = re.search(r"tt\.func (?:public )?@(\w+)", text)
+        got[name.group(1) if name else f"kernel{len(got)}"] = text
+        return res
+
+    lowering.lower_jaxpr_to_triton_module = spy
+    try:
+        f = jax.jit(fn)
         if jax.default_backend() == "gpu":
             f.lower(*args)
         else:
             f.trace(*args).lower(lowering_platforms=("cuda",))
     finally:
         lowering.lower_jaxpr_to_triton_module = orig
-        moe_api.pallas_interpret = interpret
     return got
 
 
@@ -546,28 +554,15 @@ def run_variants(out_dir: str, candidates: list) -> dict:
 def attention_entries(workdir: str) -> list[dict]:
     """``attention.decode_attention``'s two kernels (chunks, combine) at Llama-3-8B's heads
     (32 / 8, head_dim 128, batch 1, 1060 cache slots), compiled by pip triton per arch."""
-    from jax._src.pallas.triton import lowering
-
     from nvfp4_jax import attention
 
-    got, orig = [], lowering.lower_jaxpr_to_triton_module
-
-    def spy(*a, **kw):
-        res = orig(*a, **kw)
-        got.append(res.module.operation.get_asm())
-        return res
-
-    lowering.lower_jaxpr_to_triton_module = spy
-    try:
-        q = jnp.zeros((1, 32, 128), jnp.bfloat16)
-        kv = jnp.zeros((32, 1, 1060, 8, 128), jnp.bfloat16)
-        jax.jit(attention.decode_attention).trace(
-            q, kv, kv, jnp.int32(0), jnp.ones((1,), jnp.int32)).lower(lowering_platforms=("cuda",))
-    finally:
-        lowering.lower_jaxpr_to_triton_module = orig
+    q = jnp.zeros((1, 32, 128), jnp.bfloat16)
+    kv = jnp.zeros((32, 1, 1060, 8, 128), jnp.bfloat16)
+    kernels = lowered_kernels(attention.decode_attention, q, kv, kv, jnp.int32(0),
+                              jnp.ones((1,), jnp.int32))
     entries = []
-    for name, ttir, ns in zip(("decode_attention", "decode_attention_combine"), got, (2, 1),
-                              strict=True):
+    for name, ttir in kernels.items():
+        ns = 1 if name.endswith("_combine") else 2  # decode_attention's num_stages
         entry = {"kernel": name, "num_warps": 4, "num_stages": ns,
                  "ttir_ops": sorted(set(re.findall(r"\btt\.\w+", ttir)))}
         for cc in ARCHS:
@@ -575,6 +570,14 @@ def attention_entries(workdir: str) -> list[dict]:
         entries.append(entry)
         print(json.dumps(entry), flush=True)
     return entries
+
+
+def pip_triton_version() -> str | None:
+    try:
+        import triton
+    except ImportError:
+        return None
+    return triton.__version__
 
 
 def run(out_dir: str) -> dict:
@@ -585,12 +588,7 @@ def run(out_dir: str) -> dict:
                "lowered_for": "cuda" + ("" if jax.default_backend() == "gpu" else
                                         " (from the CPU: lowering_platforms)"),
                "kernels": []}
-    try:
-        import triton
-
-        summary["pip_triton"] = triton.__version__
-    except ImportError:
-        summary["pip_triton"] = None
+    summary["pip_triton"] = pip_triton_version()
     from nvfp4_jax.gemm.pallas_triton import Config
 
     kernels = {
@@ -656,12 +654,7 @@ if __name__ == "__main__":
         with tempfile.TemporaryDirectory() as wd:
             doc = {**run_metadata(), "lowered_for": "cuda (from the CPU: lowering_platforms)",
                    "kernels": attention_entries(wd)}
-        try:
-            import triton
-
-            doc["pip_triton"] = triton.__version__
-        except ImportError:
-            doc["pip_triton"] = None
+        doc["pip_triton"] = pip_triton_version()
         os.makedirs(a.out, exist_ok=True)
         with open(os.path.join(a.out, "attention-sm12x-compile.json"), "w") as f:
             json.dump(doc, f, indent=1)

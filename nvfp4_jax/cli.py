@@ -163,9 +163,10 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--json", metavar="FILE", help="write the explanation as JSON")
     t = sub.add_parser(
         "selftest", help="every NVFP4 kernel this device runs, against the exact oracle",
-        description="Run quantize (every recipe), matmul (every backend, W4A16 and W4A4) and moe (every "
-                    "path) on fuzzed inputs with E4M3-subnormal block scales at a spread of shapes, and hold "
-                    "each to the exact oracle (nvfp4_jax.selftest). On CPU the Pallas kernels run "
+        description="Run quantize (every recipe), matmul (every backend, W4A16 and W4A4), moe (every "
+                    "path) on fuzzed inputs with E4M3-subnormal block scales, and the decoders' decode "
+                    "attention, at a spread of shapes, and hold each to the exact oracle "
+                    "(nvfp4_jax.selftest). On CPU the Pallas kernels run "
                     "interpreted at small sizes. Exit code 1 when a kernel fails.")
     t.add_argument("--json", metavar="FILE", help="write the device, versions and every check as JSON")
     t.add_argument("--out-dir", default="nvfp4-selftest-failures", metavar="DIR",

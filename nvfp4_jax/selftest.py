@@ -12,10 +12,14 @@ powers of two, so that E4M3 block scales reach the subnormals, underflow and sat
   (``explain.explain_gemm``: its verdict and margin, the largest ``|out - oracle| / bound``);
 * ``moe/<path>/<mode>/<activation>`` (``pallas-triton``, ``mosaic`` on sm_90 and SM 12.x,
   ``xla``): inside ``testing.assertions.moe_bound``'s interval with zero slack in the
-  activation quantization (so a code flipped by an inexact division fails).
+  activation quantization (so a code flipped by an inexact division fails);
+* ``attention/decode`` (``nvfp4_jax.decode_attention``, the decoders' one-token attention on a
+  GPU): a stacked cache with NaN in every slot past a sequence's length and other data in the
+  other layer, scores from about 0.01 to 1000, within ``oracle.decode_attention_error_bound``.
 
 A verdict per kernel; for each failure an ``.npz`` (GEMM failures in the form ``nvfp4 explain
-FILE.npz`` reads; quantize and MoE failures hold their inputs, the output and the oracle's).
+FILE.npz`` reads; quantize, MoE and attention failures hold their inputs, the output and the
+oracle's).
 On CPU the Pallas kernels run interpreted at small sizes. Needs no hypothesis.
 
 Each check is one compile of one kernel at one shape with several fuzzed inputs through it (a
@@ -41,6 +45,7 @@ import time
 import traceback
 from collections.abc import Callable
 
+import ml_dtypes
 import numpy as np
 
 import oracle
@@ -392,6 +397,68 @@ def _moe_check(path: str, mode: str, activation: str, seed: int, t, h, inter, e,
 # chosen for their edges (decode M = 1, ragged M, K not a multiple of 256, N below one tile,
 # top-k above 2, I not a multiple of 256), and several inputs per compiled shape.
 
+def _attention_inputs(seed: int, b: int, s: int, kvh: int, g: int, d: int, i: int):
+    """Fuzzed input ``i`` of a decode-attention check: (q [B, NH, D], k, v [2, B, S, KVH, D],
+    layer, lengths [B]) as bf16 values in float64; q and k at a magnitude cycling over 0.05,
+    1, 4 and 32 (scores up to ~1000: exponents must be taken against the running maximum),
+    v over 10^U(-3, 3); the other layer of the stack holds +-1e4 (a read of it breaks the
+    bound); the first sequence's length cycles over S, 1 and 65 (chunk and block edges), the
+    others' random; NaN in every slot past a length."""
+    rng = np.random.default_rng([seed, 4, b, s, kvh, g, d, i])
+    scale = (0.05, 1.0, 4.0, 32.0)[i % 4]
+    layer = i % 2
+    lengths = rng.integers(1, s + 1, b)
+    lengths[0] = (s, 1, min(s, 65))[i % 3]
+
+    def values(shape, mag):  # any bf16 values will do: the kernel and the oracle see the same
+        x = rng.standard_normal(shape, dtype=np.float32) * np.float32(mag)
+        return x.astype(ml_dtypes.bfloat16).astype(np.float64)
+
+    q = values((b, kvh * g, d), scale)
+    k = np.full((2, b, s, kvh, d), 1e4)
+    v = np.full((2, b, s, kvh, d), -1e4)
+    k[layer] = values((b, s, kvh, d), scale)
+    v[layer] = values((b, s, kvh, d), 10.0 ** rng.uniform(-3, 3))
+    for bi, n in enumerate(lengths):  # never read: NaN shows a read past the written positions
+        k[:, bi, n:] = np.nan
+        v[:, bi, n:] = np.nan
+    return q, k, v, layer, lengths
+
+
+def _attention_check(seed: int, b: int, s: int, kvh: int, g: int, d: int, inputs: int):
+    """One compile of ``nvfp4_jax.decode_attention`` at one shape, ``inputs`` fuzzed caches
+    through it, each within ``oracle.decode_attention_error_bound`` (NaN never passes)."""
+    import jax
+    import jax.numpy as jnp
+
+    from .attention import decode_attention
+    from .device import pallas_interpret
+
+    fn = jax.jit(functools.partial(decode_attention, interpret=pallas_interpret()))
+    worst = 0.0
+    for i in range(inputs):
+        q, k, v, layer, lengths = _attention_inputs(seed, b, s, kvh, g, d, i)
+        out = fn(*(jnp.asarray(a, jnp.bfloat16) for a in (q, k, v)), jnp.int32(layer),
+                 jnp.asarray(lengths, jnp.int32))
+        got = np.asarray(out.astype(jnp.float32), np.float64)
+        want, bound = oracle.decode_attention_error_bound(q, k[layer], v[layer], lengths)
+        err = np.abs(got - want)
+        bad = ~(err <= bound)  # NaN fails
+        if bad.any():
+            nan = int(np.isnan(got).sum())
+            why = (f"{nan} NaN (a read past lengths[b]?)" if nan else
+                   f"largest |err| / bound {np.max(err / bound):.3g}")
+            detail = (f"input {i}: {int(bad.sum())} of {got.size} outputs outside the oracle's "
+                      f"bound, {why}")
+            f32c = np.float32  # bf16 values are exact in float32; the failing layer only
+            return FAIL, detail, {"q": q.astype(f32c), "k": k[layer].astype(f32c),
+                                  "v": v[layer].astype(f32c), "lengths": lengths, "out": got,
+                                  "oracle": want, "bound": bound}
+        worst = max(worst, float(np.max(err / bound)))
+    return PASS, (f"within the oracle's bound on {inputs} inputs (largest |err| / bound "
+                  f"{worst:.3g})"), None
+
+
 def _anywhere(cc: int | None) -> bool:
     return True
 
@@ -456,6 +523,11 @@ MOE_SHAPES = {"cpu": ((3, 256, 128, 4, 2, "relu2", "trtllm_cutlass"),
               "full": ((3, 768, 512, 8, 3, "swiglu", "b12x"),
                        (37, 1024, 2688, 8, 6, "relu2", "trtllm_cutlass"),
                        (9, 512, 1024, 8, 2, "swiglu", "trtllm_cutlass"))}
+#: decode attention (B, S, KVH, G, D): batch, cache slots, kv heads, query heads per kv head,
+#: head_dim; "gpu": Llama-3-8B's heads (32 / 8) at batch 1, Qwen3-30B-A3B's (32 / 4) at 8
+ATTENTION_SHAPES = {"cpu": ((2, 100, 2, 4, 64),),
+                    "gpu": ((1, 2048, 8, 4, 128), (8, 1024, 4, 8, 128)),
+                    "full": ((32, 512, 8, 4, 128), (3, 300, 2, 16, 64), (2, 4096, 1, 8, 64))}
 #: fuzzed inputs per compiled shape (``--fuzz`` overrides)
 FUZZ = {"cpu": 2, "gpu": 3}
 
@@ -502,6 +574,10 @@ def plan(cc: int | None, seed: int = 0, *, full: bool = False,
             if fits(h):
                 add(f"moe/{path}/{mode}/{act}", f"T{t} H{h} I{i} E{e} k{k}", _moe_check, path,
                     mode, act, seed, t, h, i, e, k, n_in)
+    if _pallas_triton(cc):  # the decoders' one-token attention (Pallas-Triton)
+        for b, s, kvh, g, d in _shapes(ATTENTION_SHAPES, gpu, full):
+            add("attention/decode", f"B{b} S{s} KVH{kvh} G{g} D{d}", _attention_check, seed, b,
+                s, kvh, g, d, n_in)
     return out
 
 

@@ -1,9 +1,11 @@
 """The exact NVFP4 oracle: numpy float64 and Python integers only (never imports jax or torch).
 
 Every NVFP4 operation nvfp4-jax ships is defined here: E2M1/E4M3 coding, the quantization
-recipes of each major system, scale layouts, GEMM and routed MoE.
+recipes of each major system, scale layouts, GEMM and routed MoE; and the decode attention the
+models run beside them (float64, with its fp32 kernel's error bound).
 """
 
+from .attention import decode_attention, decode_attention_error_bound
 from .formats import (
     E2M1_VALUES,
     bf16_round,
@@ -31,8 +33,9 @@ from .quantize import (
 
 __all__ = [
     "E2M1_VALUES", "LAYOUTS", "NVFP4", "RECIPES", "bf16_round", "codes_of",
-    "decode_scale_from_amax", "dequantize", "e2m1_decode", "e2m1_encode", "e4m3_decode",
-    "e4m3_encode", "e4m3_round", "encode_scale_from_amax", "exact_dot_int", "f32",
+    "decode_attention", "decode_attention_error_bound", "decode_scale_from_amax", "dequantize",
+    "e2m1_decode", "e2m1_encode", "e4m3_decode", "e4m3_encode", "e4m3_round",
+    "encode_scale_from_amax", "exact_dot_int", "f32",
     "gemm_error_bound", "gemm_w4a4", "gemm_w4a16", "pack_nibbles", "padded_shape", "quantize",
     "scaled_integers", "swizzle", "unpack_nibbles", "unswizzle",
 ]

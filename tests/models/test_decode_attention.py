@@ -1,15 +1,8 @@
 """``nvfp4_jax.attention.decode_attention``: one query token against a stacked KV cache, read in
 place, against float64 attention over the same bf16 q, k, v.
 
-Bound (per output element i of a query head; ``p`` the exact probabilities, ``o`` the exact
-output). The kernel's scores carry fp32 error ``E <= (D + 2) 2^-24 max_s sum_d |q_d k_sd| /
-sqrt(D)`` (accumulation, the 1/sqrt(D) factor and its product), which moves each probability
-by a relative ``2 E`` at most (numerator and normalizer); ``exp`` adds ``2^-21``; rounding the
-probabilities to bf16 for the ``p . v`` dot ``2^-8`` (the normalizer sums them unrounded); the
-fp32 sums over S keys and the chunks' combine ``(S + 8) 2^-24``. So ``|o~_i - o_i| <= eta *
-sum_s p_s |v_si| + (2 E + 2^-21 + (S + 8) 2^-24) |o_i|``, ``eta = 2^-8 + 2 E + 2^-21 + (S + 8)
-2^-24``, and the bf16 output adds ``2^-8 |o_i|`` (half an ulp, relative to the rounded value's
-binade). Second-order terms are covered by a factor 1.01.
+Bound: ``oracle.decode_attention_error_bound`` (derived in ``oracle/attention.py``: the
+scores' fp32 accumulation, ``exp``, bf16 probabilities, fp32 sums and combine, bf16 output).
 
 Faults the test catches (each tried once by breaking the kernel): slots past ``lengths[b]`` hold
 NaN (a kernel reading one answers NaN); every other layer of the stack holds other data (a
@@ -20,7 +13,6 @@ and block edges; GQA groups of 1 to 16 query heads per kv head (a wrong head map
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -29,6 +21,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import oracle
 from nvfp4_jax import attention
 from nvfp4_jax.device import pallas_interpret
 
@@ -44,34 +37,11 @@ def _case(seed, n_layers, b, s, kvh, g, d, scale, lengths):
     return tuple(jnp.asarray(a, jnp.bfloat16) for a in (q, k, v))
 
 
-def _exact_and_bound(q, k, v, layer, lengths):
-    """float64 attention of the bf16 inputs [B, NH, D] and the bound of the module docstring."""
-    q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
-    b, nh, d = q.shape
-    kvh = k.shape[3]
-    g = nh // kvh
-    o = np.zeros((b, nh, d))
-    bound = np.zeros((b, nh, d))
-    for bi in range(b):
-        n = int(lengths[bi])
-        for h in range(nh):
-            kk, vv = k[layer, bi, :n, h // g], v[layer, bi, :n, h // g]
-            prod = np.abs(kk * q[bi, h]).sum(-1)
-            e = (d + 2) * 2.0**-24 * prod.max() / math.sqrt(d)
-            sc = kk @ q[bi, h] / math.sqrt(d)
-            p = np.exp(sc - sc.max())
-            p /= p.sum()
-            o[bi, h] = p @ vv
-            rel = 2 * e + 2.0**-21 + (n + 8) * 2.0**-24
-            bound[bi, h] = 1.01 * ((2.0**-8 + rel) * (p @ np.abs(vv))
-                                   + (rel + 2.0**-8) * np.abs(o[bi, h]))
-    return o, bound
-
-
 def _check(got, q, k, v, layer, lengths):
     got = np.asarray(got, np.float64)
     assert np.isfinite(got).all(), "NaN/inf in the output: a read past lengths[b]"
-    want, bound = _exact_and_bound(q, k, v, layer, lengths)
+    want, bound = oracle.decode_attention_error_bound(
+        *(np.asarray(a, np.float64) for a in (q, k[layer], v[layer])), lengths)
     excess = np.abs(got - want) - bound
     assert (excess <= 0).all(), (f"max |err| - bound = {excess.max():.3g} at "
                                  f"{np.unravel_index(np.argmax(excess), excess.shape)}")

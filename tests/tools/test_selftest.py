@@ -44,8 +44,9 @@ def test_the_cpu_plan_covers_every_kernel_family(monkeypatch):
             } <= kernels
     assert {k.split("/")[1] for k in kernels if k.startswith("moe/")} == {
         "pallas-triton", "pallas-triton-fp4", "xla"}
-    assert "matmul/fp4mma/w4a4" in kernels
+    assert "matmul/fp4mma/w4a4" in kernels and "attention/decode" in kernels
     gpu90 = {k for k, _, _ in selftest.plan(90)}
+    assert "attention/decode" in gpu90
     assert "matmul/mosaic/w4a4" in gpu90 and any(k.startswith("moe/mosaic/") for k in gpu90)
     assert "matmul/fp4mma/w4a4" in gpu90  # Triton's decomposed scaled dot on sm_90
     from nvfp4_jax.gemm import mosaic
@@ -59,6 +60,7 @@ def test_the_cpu_plan_covers_every_kernel_family(monkeypatch):
         sm12x = {k for k, _, _ in selftest.plan(cc)}
         assert {"matmul/mosaic/w4a16", "matmul/mosaic/w4a4"} <= sm12x
         assert any(k.startswith("moe/mosaic/") for k in sm12x)
+        assert "attention/decode" in sm12x  # what nvfp4 generate runs there, never yet run
     sm89 = {k for k, _, _ in selftest.plan(89)}  # no scaled dot in jaxlib's Triton before sm_90
     assert "matmul/pallas/w4a4" in sm89 and not any("fp4" in k for k in sm89)
 
@@ -133,8 +135,8 @@ def test_the_default_gpu_plan_is_small_covers_every_kernel_and_full_adds_shapes(
     assert any(m % 16 and m > 16 for m, _, _ in gemm)  # ragged M beyond one block
     assert any(k % 256 for _, _, k in gemm)  # K not a multiple of 256
     assert {s for k, s, _ in quick if k == "matmul/mosaic/w4a16"}  # Mosaic gets its shapes
-    # one compile per check: 43 on sm_90 (the plan of one shape list for all had 69)
-    assert len(quick) <= 44, len(quick)
+    # one compile per check: 45 on sm_90, 2 of them attention (one shape list for all: 69)
+    assert len(quick) <= 46, len(quick)
     assert all(fn.inputs == selftest.FUZZ["gpu"] for _, _, fn in quick)
     assert all(fn.inputs == 5 for _, _, fn in selftest.plan(120, fuzz=5))
     with pytest.raises(ValueError, match="fuzz"):
@@ -184,6 +186,33 @@ def test_a_broken_moe_path_fails_against_the_shared_bound_with_an_npz(tmp_path, 
     d = np.load(c["npz"])
     assert {"hidden", "topk_ids", "fc1_codes", "fc2_scales", "out", "oracle_out"} <= set(d.files)
     assert np.allclose(d["out"], d["oracle_out"] * (1 + 2.0**-6), rtol=2.0**-7)
+
+
+@pytest.mark.parametrize("fault", ["other_layer", "one_key_short"])
+def test_a_broken_decode_attention_fails_with_an_npz(tmp_path, monkeypatch, capsys, fault):
+    """Reading the stack's other layer, or one key fewer than ``lengths`` (an off-by-one at
+    the chunk's end), fails against ``oracle.decode_attention_error_bound``; the .npz holds
+    the inputs, the output and the oracle's."""
+    attention = importlib.import_module("nvfp4_jax.attention")
+    real = attention.decode_attention
+
+    def broken(q, k, v, layer, lengths, *, interpret=False):
+        if fault == "other_layer":
+            layer = 1 - layer
+        else:
+            lengths = jnp.maximum(lengths - 1, 1)
+        return real(q, k, v, layer, lengths, interpret=interpret)
+
+    monkeypatch.setattr(attention, "decode_attention", broken)
+    path = tmp_path / "s.json"
+    rc = cli.main(["selftest", "--only", "attention", "--json", str(path),
+                   "--out-dir", str(tmp_path / "fail")])
+    assert rc == 1, capsys.readouterr().out
+    (c,) = json.loads(path.read_text())["checks"]
+    assert c["status"] == "FAIL" and "outside the oracle's bound" in c["detail"], c["detail"]
+    d = np.load(c["npz"])
+    assert {"q", "k", "v", "lengths", "out", "oracle", "bound"} <= set(d.files)
+    assert (np.abs(d["out"] - d["oracle"]) > d["bound"]).any()
 
 
 def test_jobs_run_checks_at_once_and_report_them_in_plan_order(tmp_path, capsys):

@@ -26,6 +26,7 @@ ships ptxas and cuobjdump (that cuobjdump cannot decode sm_121a; the PyPI packag
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import re
@@ -44,38 +45,15 @@ ARCHS = (90, 120, 121)
 
 def capture_ttir(m=16, n=4096, k=4096, config=None):
     """Lower one ``matmul_pallas`` call; return [(ttir_text, bytecode, num_warps, num_stages)]."""
-    from jax._src.pallas.triton import lowering
-
     from nvfp4_jax.gemm.pallas_triton import Config, matmul_pallas
 
     cfg = config or Config(
         block_m=16, block_n=64, block_k=256, split_k=1, num_warps=4, num_stages=3
     )
-    got = []
-    orig = lowering.lower_jaxpr_to_triton_module
-
-    def spy(*a, **kw):
-        res = orig(*a, **kw)
-        import io
-
-        buf = io.BytesIO()
-        res.module.operation.write_bytecode(buf)
-        got.append((res.module.operation.get_asm(), buf.getvalue()))
-        return res
-
-    lowering.lower_jaxpr_to_triton_module = spy
-    try:
-        x = jnp.zeros((m, k), jnp.bfloat16)
-        codes = jnp.zeros((n, k // 2), jnp.uint8)
-        scales = jnp.zeros((n, k // 16), jnp.float8_e4m3fn)
-        f = jax.jit(lambda x, c, s: matmul_pallas(x, c, s, 1.0, config=cfg))
-        if jax.default_backend() == "gpu":
-            f.lower(x, codes, scales)
-        else:  # no GPU here: lower for CUDA all the same (the TTIR does not depend on the GPU)
-            f.trace(x, codes, scales).lower(lowering_platforms=("cuda",))
-    finally:
-        lowering.lower_jaxpr_to_triton_module = orig
-    return [(t, b, cfg.num_warps, cfg.num_stages) for t, b in got]
+    mods = lowered_kernels(lambda x, c, s: matmul_pallas(x, c, s, 1.0, config=cfg),
+                           jnp.zeros((m, k), jnp.bfloat16), jnp.zeros((n, k // 2), jnp.uint8),
+                           jnp.zeros((n, k // 16), jnp.float8_e4m3fn), bytecode=True)
+    return [(t, b, cfg.num_warps, cfg.num_stages) for t, b in mods.values()]
 
 
 def _tool(name):
@@ -356,10 +334,11 @@ MOE_LAYERS = {
 MOE_TOKENS = (8, 4096)
 
 
-def capture_moe_ttir(layer: dict, t: int) -> dict:
-    """{kernel name: TTIR text} of one ``nvfp4_jax.moe`` layer on the Pallas-Triton kernels
-    (``backend="pallas"``), lowered for CUDA (from the CPU where there is no GPU: the kernels
-    are traced for Triton, not for interpret mode, whatever the local platform)."""
+def capture_moe_ttir(layer: dict, t: int, config=None, *, bytecode: bool = False) -> dict:
+    """{kernel name: TTIR text, or (text, bytecode) with ``bytecode``} of one ``nvfp4_jax.moe``
+    layer on the Pallas-Triton kernels (``backend="pallas"``, tiles ``config``: a ``MoEConfig``
+    or None for the defaults), lowered for CUDA (from the CPU where there is no GPU: the
+    kernels are traced for Triton, not for interpret mode, whatever the local platform)."""
     import nvfp4_jax
     from nvfp4_jax.moe import api as moe_api
 
@@ -377,21 +356,22 @@ def capture_moe_ttir(layer: dict, t: int) -> dict:
         return nvfp4_jax.moe(x, fc1=fc1, fc2=fc2, fc1_input_scale=s, fc2_input_scale=s,
                              topk_ids=ids, topk_weights=w,
                              activation="swiglu" if layer["gated"] else "relu2",
-                             backend="pallas")
+                             backend="pallas", config=config)
 
     args = (jnp.zeros((t, h), jnp.bfloat16), jnp.zeros((t, k), jnp.int32),
             jnp.full((t, k), 1.0 / k, jnp.float32), fc1, fc2)
     interpret = moe_api.pallas_interpret
     moe_api.pallas_interpret = lambda: False
     try:
-        return lowered_kernels(layer_fn, *args)
+        return lowered_kernels(layer_fn, *args, bytecode=bytecode)
     finally:
         moe_api.pallas_interpret = interpret
 
 
-def lowered_kernels(fn, *args) -> dict[str, str]:
-    """{kernel name (its ``tt.func``): TTIR text} of every Pallas-Triton kernel of
-    ``jax.jit(fn)(*args)``, lowered for CUDA (from the CPU where there is no GPU)."""
+def lowered_kernels(fn, *args, bytecode: bool = False) -> dict:
+    """{kernel name (its ``tt.func``): TTIR text, or (text, MLIR bytecode) with ``bytecode``}
+    of every Pallas-Triton kernel of ``jax.jit(fn)(*args)``, lowered for CUDA (from the CPU
+    where there is no GPU: the TTIR does not depend on the GPU)."""
     from jax._src.pallas.triton import lowering
 
     got, orig = {}, lowering.lower_jaxpr_to_triton_module
@@ -400,7 +380,15 @@ def lowered_kernels(fn, *args) -> dict[str, str]:
         res = orig(*a, **kw)
         text = res.module.operation.get_asm()
         name = re.search(r"tt\.func (?:public )?@(\w+)", text)
-        got[name.group(1) if name else f"kernel{len(got)}"] = text
+        name = name.group(1) if name else "kernel"
+        if name in got:  # a second kernel of one name keeps its own entry
+            name = f"{name}#{len(got)}"
+        if bytecode:
+            buf = io.BytesIO()
+            res.module.operation.write_bytecode(buf)
+            got[name] = (text, buf.getvalue())
+        else:
+            got[name] = text
         return res
 
     lowering.lower_jaxpr_to_triton_module = spy

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import io
 import json
 import os
 import re
@@ -38,7 +37,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import jax
 import jax.numpy as jnp
 from run_meta import run_metadata
-from sm12x_compile import MOE_LAYERS, main_loop_stats
+from sm12x_compile import MOE_LAYERS, capture_moe_ttir, lowered_kernels, main_loop_stats
 
 ARCHS = (120, 121, 90)
 #: shared memory one block may use on SM 12.x (99 KiB; sm_90 allows 227 KiB)
@@ -49,37 +48,20 @@ PTX_FP4_MMA = "kind::mxf4nvf4.block_scale.scale_vec::4X.f32.e2m1.e2m1.f32.ue4m3"
 
 def capture_ttir(m=16, n=256, k=512, config=None):
     """Lower one ``gemm_fp4mma`` call for CUDA; return (ttir_text, bytecode, warps, stages)."""
-    from jax._src.pallas.triton import lowering
-
     from nvfp4_jax.gemm.fp4mma import default_config, gemm_fp4mma
 
     cfg = config or default_config(m)
-    got = []
-    orig = lowering.lower_jaxpr_to_triton_module
-
-    def spy(*a, **kw):
-        res = orig(*a, **kw)
-        buf = io.BytesIO()
-        res.module.operation.write_bytecode(buf)
-        got.append((res.module.operation.get_asm(), buf.getvalue()))
-        return res
-
-    lowering.lower_jaxpr_to_triton_module = spy
-    try:
-        args = (
-            jnp.zeros((m, k // 2), jnp.uint8),
-            jnp.zeros((m, k // 16), jnp.float8_e4m3fn),
-            jnp.zeros((n, k // 2), jnp.uint8),
-            jnp.zeros((n, k // 16), jnp.float8_e4m3fn),
-            jnp.float32(1.0),
-        )
-        fn = jax.jit(lambda *a: gemm_fp4mma(*a, config=cfg))
-        fn.trace(*args).lower(lowering_platforms=("cuda",))
-    finally:
-        lowering.lower_jaxpr_to_triton_module = orig
-    if len(got) != 1:
-        raise RuntimeError(f"expected one Triton module, captured {len(got)}")
-    text, bc = got[0]
+    args = (
+        jnp.zeros((m, k // 2), jnp.uint8),
+        jnp.zeros((m, k // 16), jnp.float8_e4m3fn),
+        jnp.zeros((n, k // 2), jnp.uint8),
+        jnp.zeros((n, k // 16), jnp.float8_e4m3fn),
+        jnp.float32(1.0),
+    )
+    mods = lowered_kernels(lambda *a: gemm_fp4mma(*a, config=cfg), *args, bytecode=True)
+    if len(mods) != 1:
+        raise RuntimeError(f"expected one Triton module, captured {len(mods)}")
+    [(text, bc)] = mods.values()
     return text, bc, cfg.num_warps, cfg.num_stages
 
 
@@ -288,53 +270,6 @@ def run(out_dir: str | None = None, shapes=((16, 256, 512),)) -> dict:
     return summary
 
 
-def capture_moe_ttir(layer: dict, t: int, config) -> dict:
-    """{kernel name: (TTIR text, bytecode)} of one ``nvfp4_jax.moe`` layer on the Pallas-Triton
-    kernels with ``config`` (a ``MoEConfig``), lowered for CUDA (from the CPU too: the kernels
-    are traced for Triton, not for interpret mode)."""
-    from jax._src.pallas.triton import lowering
-
-    import nvfp4_jax
-    from nvfp4_jax.moe import api as moe_api
-
-    e, h, i, k = layer["experts"], layer["hidden"], layer["inter"], layer["top_k"]
-    r = 2 * i if layer["gated"] else i
-    stack = lambda n, kk: nvfp4_jax.NVFP4Array(
-        jnp.zeros((e, n, kk // 2), jnp.uint8), jnp.zeros((e, n, kk // 16), jnp.float8_e4m3fn),
-        jnp.ones((e,), jnp.float32), (e, n, kk), "linear")
-    fc1, fc2 = stack(r, h), stack(h, i)
-    s = jnp.ones((e,), jnp.float32)
-    got = {}
-    orig = lowering.lower_jaxpr_to_triton_module
-
-    def spy(*a, **kw):
-        res = orig(*a, **kw)
-        text = res.module.operation.get_asm()
-        buf = io.BytesIO()
-        res.module.operation.write_bytecode(buf)
-        name = re.search(r"tt\.func (?:public )?@(\w+)", text)
-        got[name.group(1) if name else f"kernel{len(got)}"] = (text, buf.getvalue())
-        return res
-
-    def layer_fn(x, ids, w, fc1, fc2):
-        return nvfp4_jax.moe(x, fc1=fc1, fc2=fc2, fc1_input_scale=s, fc2_input_scale=s,
-                             topk_ids=ids, topk_weights=w,
-                             activation="swiglu" if layer["gated"] else "relu2",
-                             backend="pallas", config=config)
-
-    args = (jnp.zeros((t, h), jnp.bfloat16), jnp.zeros((t, k), jnp.int32),
-            jnp.full((t, k), 1.0 / k, jnp.float32), fc1, fc2)
-    lowering.lower_jaxpr_to_triton_module = spy
-    interpret = moe_api.pallas_interpret
-    moe_api.pallas_interpret = lambda: False
-    try:
-        jax.jit(layer_fn).trace(*args).lower(lowering_platforms=("cuda",))
-    finally:
-        lowering.lower_jaxpr_to_triton_module = orig
-        moe_api.pallas_interpret = interpret
-    return got
-
-
 def check_moe(entries: list[dict]) -> tuple[int, list[str]]:
     """(builds checked, problems): every sm_120a/sm_121a build of an FP4 MoE kernel holds only
     the FP4 OMMA (no HMMA/QMMA), and its K loop holds ``omma_per_warp_iteration`` of them per
@@ -419,7 +354,7 @@ def moe_run(out_dir: str | None = None, layers=None, tokens=MOE_FP4_TOKENS) -> d
             plan = moe_kernel_plan(layer, tokens)
             for t in sorted({p["T"] for p in plan}):
                 here = [p for p in plan if p["T"] == t]
-                mods = capture_moe_ttir(layer, t, here[0]["moe_config"])
+                mods = capture_moe_ttir(layer, t, here[0]["moe_config"], bytecode=True)
                 for p in here:
                     gemm, c = p["gemm"], p["config"]
                     tiles = 2 if gemm == "fc1" and layer["gated"] else 1

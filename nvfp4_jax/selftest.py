@@ -13,9 +13,10 @@ powers of two, so that E4M3 block scales reach the subnormals, underflow and sat
 * ``moe/<path>/<mode>/<activation>`` (``pallas-triton``, ``mosaic`` on sm_90 and SM 12.x,
   ``xla``): inside ``testing.assertions.moe_bound``'s interval with zero slack in the
   activation quantization (so a code flipped by an inexact division fails);
-* ``attention/decode`` (``nvfp4_jax.decode_attention``, the decoders' one-token attention on a
-  GPU): a stacked cache with NaN in every slot past a sequence's length and other data in the
-  other layer, scores from about 0.01 to 1000, within ``oracle.decode_attention_error_bound``.
+* ``attention/decode`` (``nvfp4_jax.attention.decode_attention``, the decoders' one-token
+  attention on a GPU): a stacked cache with NaN in every slot past a sequence's length and
+  other data in the other layer, scores from about 0.01 to 1000, within
+  ``oracle.decode_attention_error_bound``.
 
 A verdict per kernel; for each failure an ``.npz`` (GEMM failures in the form ``nvfp4 explain
 FILE.npz`` reads; quantize, MoE and attention failures hold their inputs, the output and the
@@ -426,8 +427,8 @@ def _attention_inputs(seed: int, b: int, s: int, kvh: int, g: int, d: int, i: in
 
 
 def _attention_check(seed: int, b: int, s: int, kvh: int, g: int, d: int, inputs: int):
-    """One compile of ``nvfp4_jax.decode_attention`` at one shape, ``inputs`` fuzzed caches
-    through it, each within ``oracle.decode_attention_error_bound`` (NaN never passes)."""
+    """One compile of ``nvfp4_jax.attention.decode_attention`` at one shape, ``inputs`` fuzzed
+    caches through it, each within ``oracle.decode_attention_error_bound`` (NaN never passes)."""
     import jax
     import jax.numpy as jnp
 

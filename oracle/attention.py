@@ -5,8 +5,9 @@ One query token per sequence against its KV cache: query head ``i`` of ``NH`` re
 ``o = softmax(q k^T / sqrt(D)) v`` over the exact values of the (bf16) inputs.
 
 The bound covers a kernel with fp32 arithmetic and these rounding points (those of
-``nvfp4_jax.decode_attention`` and of the decoders' XLA attention, in another order): scores
-``q . k`` accumulated in fp32 from exact bf16 products, times fp32 ``1/sqrt(D)``;
+``nvfp4_jax.attention.decode_attention`` and of the decoders' XLA attention, in another
+order): scores ``q . k`` accumulated in fp32 from exact bf16 products, times fp32
+``1/sqrt(D)``;
 probabilities ``exp(s - m)`` in fp32, rounded to bf16 for the ``p . v`` dot (fp32
 accumulation); their sum in fp32, unrounded; partial results over chunks of keys combined in
 fp32; the output rounded to bf16 once. Per output element ``i`` of a query head (``p`` the

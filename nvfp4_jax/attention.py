@@ -8,9 +8,10 @@ program reads its (sequence, kv head, key chunk) rows of layer ``layer`` straigh
 stack, only the ``lengths[b]`` written positions (``S`` is the cache's capacity), and keeps a
 running softmax over its chunk (flash decoding). The chunks' partial results (fp32
 numerators, maxima and sums) are combined by a second launch, one program per (sequence, kv
-head).
+head). :func:`cache_attention` is XLA's attention on one layer's slice (T query tokens:
+prefill, and decode steps where the kernel does not run).
 
-Arithmetic (the decoders' XLA attention has the same rounding points, in another order):
+Arithmetic (:func:`cache_attention` has the same rounding points, in another order):
 scores ``q . k`` with fp32 accumulation of the exact bf16 products, times fp32 ``1/sqrt(D)``;
 probabilities ``exp(s - m)`` in fp32, rounded to bf16 for the ``p . v`` dot
 (fp32 accumulation), the sum of probabilities in fp32; output rounded to bf16 once.
@@ -168,6 +169,30 @@ def runs_kernel(backend: str, head_dim: int, num_heads: int, num_kv_heads: int) 
     if why:
         log.info("decode attention: XLA's einsums on a slice of the cache (%s)", why)
     return why is None
+
+
+def cache_attention(q: jax.Array, k: jax.Array, v: jax.Array, pos: jax.Array) -> jax.Array:
+    """XLA's attention of T query tokens per sequence against one layer's cache (the decoders'
+    prefill, and their decode step where :func:`runs_kernel` says no).
+
+    q: bf16 [B, T, NH, D] at positions pos int32 [B, T]; k, v: bf16 [B, S, KVH, D]. Query
+    ``t`` of sequence ``b`` attends keys ``0 .. pos[b, t]`` (causal; the slots past it are
+    masked out of the scores, but the ``p . v`` dot multiplies them by 0, so they must be
+    finite: ``models.init_cache`` fills the cache with zeros). Query head ``i`` reads kv head
+    ``i // (NH / KVH)``. Returns bf16 [B, T, NH, D]. The rounding points of
+    :func:`decode_attention` (``oracle.decode_attention_error_bound``), except that the
+    probabilities are normalized before their bf16 rounding.
+    """
+    b, t, nh, d = q.shape
+    s, kvh = k.shape[1], k.shape[2]
+    qg = q.reshape(b, t, kvh, nh // kvh, d)
+    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
+    scores = scores * jnp.float32(1.0 / math.sqrt(d))
+    mask = jnp.arange(s, dtype=jnp.int32)[None, None, :] <= pos[:, :, None]  # [B, T, S]
+    scores = jnp.where(mask[:, None, None, :, :], scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1).astype(jnp.bfloat16)
+    o = jnp.einsum("bkgts,bskd->btkgd", probs, v, preferred_element_type=jnp.float32)
+    return o.astype(jnp.bfloat16).reshape(b, t, nh, d)
 
 
 def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer: jax.Array | int,

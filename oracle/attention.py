@@ -22,7 +22,9 @@ exact probabilities, ``o`` the exact output):
 so ``|o~_i - o_i| <= eta sum_s p_s |v_si| + (2 E + 2^-21 + (S + 8) 2^-24) |o_i|`` with
 ``eta = 2^-8 + 2 E + 2^-21 + (S + 8) 2^-24``, and the bf16 output adds ``2^-8 |o_i|`` (half
 an ulp, relative to the rounded value's binade). Second-order terms are covered by a factor
-1.01.
+1.01. A kernel that normalizes the probabilities before their bf16 rounding (XLA's softmax,
+``attention.cache_attention``) moves the normalizer's fp32 sum and its division (<= 2 ulp)
+into the same ``(S + 8) 2^-24`` term.
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import nn
-from ..attention import decode_attention, runs_kernel
+from ..attention import cache_attention, decode_attention, runs_kernel
 from ..device import pallas_interpret
 from ..quantize import NVFP4Array
 
@@ -150,17 +150,7 @@ def attention(cfg: DecoderConfig, p: dict, x: jax.Array, pos: jax.Array, k_all: 
         return lin(p["o_proj"], o.reshape(b, 1, nh * d)), k_all, v_all
     kc = jax.lax.dynamic_index_in_dim(k_all, li, axis=0, keepdims=False)
     vc = jax.lax.dynamic_index_in_dim(v_all, li, axis=0, keepdims=False)
-    s = kc.shape[1]
-    g = nh // kvh
-    qg = q.reshape(b, t, kvh, g, d)
-    scores = jnp.einsum("btkgd,bskd->bkgts", qg, kc, preferred_element_type=jnp.float32)
-    scores = scores * jnp.float32(1.0 / math.sqrt(d))
-    key_pos = jnp.arange(s, dtype=jnp.int32)
-    mask = key_pos[None, None, :] <= pos[:, :, None]  # [B, T, S] causal, and unwritten slots
-    scores = jnp.where(mask[:, None, None, :, :], scores, -jnp.inf)
-    probs = jax.nn.softmax(scores, axis=-1).astype(jnp.bfloat16)
-    o = jnp.einsum("bkgts,bskd->btkgd", probs, vc, preferred_element_type=jnp.float32)
-    o = o.astype(jnp.bfloat16).reshape(b, t, nh * d)
+    o = cache_attention(q, kc, vc, pos).reshape(b, t, nh * d)
     return lin(p["o_proj"], o), k_all, v_all
 
 

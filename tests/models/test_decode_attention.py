@@ -1,8 +1,10 @@
 """``nvfp4_jax.attention.decode_attention``: one query token against a stacked KV cache, read in
-place, against float64 attention over the same bf16 q, k, v.
+place, against float64 attention over the same bf16 q, k, v; and the decoders' XLA attention
+(``attention.cache_attention``) likewise.
 
-Bound: ``oracle.decode_attention_error_bound`` (derived in ``oracle/attention.py``: the
-scores' fp32 accumulation, ``exp``, bf16 probabilities, fp32 sums and combine, bf16 output).
+Bound, for both: ``oracle.decode_attention_error_bound`` (derived in ``oracle/attention.py``:
+the scores' fp32 accumulation, ``exp``, bf16 probabilities, fp32 sums and combine, bf16
+output).
 
 Faults the test catches (each tried once by breaking the kernel): slots past ``lengths[b]`` hold
 NaN (a kernel reading one answers NaN); every other layer of the stack holds other data (a
@@ -114,6 +116,36 @@ def test_traced_out_of_range_layer_and_empty_lengths_stay_inside_the_stack():
     _check(f(q, k, v, jnp.int32(5), jnp.asarray(lengths, jnp.int32)), q, k, v, 2, lengths)
     got = np.asarray(f(q, k, v, jnp.int32(0), jnp.asarray([0, 7], jnp.int32)), np.float32)
     assert np.isnan(got[0]).all() and np.isfinite(got[1]).all()
+
+
+@settings(max_examples=12, deadline=None)
+@given(seed=st.integers(0, 2**16), b=st.integers(1, 2), t=st.integers(1, 4),
+       s=st.integers(4, 200), kvh=st.sampled_from([1, 2, 4]), g=st.sampled_from([1, 2, 8]),
+       d=st.sampled_from([16, 64, 128]), scale=st.sampled_from([0.05, 1.0, 4.0, 32.0]),
+       data=st.data())
+def test_xla_cache_attention_within_the_same_bound(seed, b, t, s, kvh, g, d, scale, data):
+    """The decoders' XLA attention (prefill, and decode off the kernel), T query tokens at
+    consecutive positions: each query against the oracle over its causal prefix. Keys after
+    a query (its block's later tokens, then +-1e4 past the last one) break the bound if read."""
+    rng = np.random.default_rng(seed)
+    t = min(t, s)
+    start = np.array([data.draw(st.integers(0, s - t)) for _ in range(b)])
+    pos = start[:, None] + np.arange(t)[None, :]  # [B, T]
+    bf16 = lambda a: np.asarray(jnp.asarray(a, jnp.bfloat16), np.float64)
+    q = bf16(rng.standard_normal((b, t, kvh * g, d)) * scale)
+    k = bf16(rng.standard_normal((b, s, kvh, d)) * scale)
+    v = bf16(rng.standard_normal((b, s, kvh, d)) * 10.0 ** rng.uniform(-3, 3))
+    for bi in range(b):
+        k[bi, pos[bi, -1] + 1:] = 1e4
+        v[bi, pos[bi, -1] + 1:] = -1e4
+    got = attention.cache_attention(*(jnp.asarray(a, jnp.bfloat16) for a in (q, k, v)),
+                                    jnp.asarray(pos, jnp.int32))
+    got = np.asarray(got.astype(jnp.float32), np.float64).reshape(b * t, kvh * g, d)
+    want, bound = oracle.decode_attention_error_bound(
+        q.reshape(b * t, kvh * g, d), np.repeat(k, t, axis=0), np.repeat(v, t, axis=0),
+        pos.reshape(-1) + 1)
+    excess = np.abs(got - want) - bound
+    assert np.isfinite(got).all() and (excess <= 0).all(), excess.max()
 
 
 def test_runs_kernel_only_off_the_xla_backend_and_on_supported_heads():

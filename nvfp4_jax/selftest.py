@@ -391,13 +391,6 @@ def _moe_check(path: str, mode: str, activation: str, seed: int, t, h, inter, e,
                   "outputs bit-identical to it"), None
 
 
-# ----------------------------------------------------------------------------- the plan
-# Time on a GPU is compile time: every (kernel, shape, mode, activation) is one compile (XLA's,
-# with the Triton or Mosaic kernels inside), and every further fuzzed input through it costs
-# milliseconds of device time plus the oracle's host time. So the plan is few shapes per kernel,
-# chosen for their edges (decode M = 1, ragged M, K not a multiple of 256, N below one tile,
-# top-k above 2, I not a multiple of 256), and several inputs per compiled shape.
-
 def _attention_inputs(seed: int, b: int, s: int, kvh: int, g: int, d: int, i: int):
     """Fuzzed input ``i`` of a decode-attention check: (q [B, NH, D], k, v [2, B, S, KVH, D],
     layer, lengths [B]) as bf16 values in float64; q and k at a magnitude cycling over 0.05,
@@ -458,6 +451,14 @@ def _attention_check(seed: int, b: int, s: int, kvh: int, g: int, d: int, inputs
         worst = max(worst, float(np.max(err / bound)))
     return PASS, (f"within the oracle's bound on {inputs} inputs (largest |err| / bound "
                   f"{worst:.3g})"), None
+
+
+# ----------------------------------------------------------------------------- the plan
+# Time on a GPU is compile time: every (kernel, shape, mode, activation) is one compile (XLA's,
+# with the Triton or Mosaic kernels inside), and every further fuzzed input through it costs
+# milliseconds of device time plus the oracle's host time. So the plan is few shapes per kernel,
+# chosen for their edges (decode M = 1, ragged M, K not a multiple of 256, N below one tile,
+# top-k above 2, I not a multiple of 256), and several inputs per compiled shape.
 
 
 def _anywhere(cc: int | None) -> bool:

@@ -560,6 +560,12 @@ def attention_entries(workdir: str) -> list[dict]:
     return entries
 
 
+def lowered_for() -> str:
+    """How :func:`lowered_kernels` lowered: for CUDA on the local GPU, or from the CPU."""
+    on_cpu = jax.default_backend() != "gpu"
+    return "cuda" + (" (from the CPU: lowering_platforms)" if on_cpu else "")
+
+
 def pip_triton_version() -> str | None:
     try:
         import triton
@@ -573,8 +579,7 @@ def run(out_dir: str) -> dict:
     from run_meta import run_metadata
 
     summary = {**run_metadata(), "device": jax.devices()[0].device_kind,
-               "lowered_for": "cuda" + ("" if jax.default_backend() == "gpu" else
-                                        " (from the CPU: lowering_platforms)"),
+               "lowered_for": lowered_for(),
                "kernels": []}
     summary["pip_triton"] = pip_triton_version()
     from nvfp4_jax.gemm.pallas_triton import Config
@@ -640,7 +645,7 @@ if __name__ == "__main__":
         from run_meta import run_metadata
 
         with tempfile.TemporaryDirectory() as wd:
-            doc = {**run_metadata(), "lowered_for": "cuda (from the CPU: lowering_platforms)",
+            doc = {**run_metadata(), "lowered_for": lowered_for(),
                    "kernels": attention_entries(wd)}
         doc["pip_triton"] = pip_triton_version()
         os.makedirs(a.out, exist_ok=True)

@@ -1,8 +1,9 @@
 """The exact NVFP4 oracle: numpy float64 and Python integers only (never imports jax or torch).
 
 Every NVFP4 operation nvfp4-jax ships is defined here: E2M1/E4M3 coding, the quantization
-recipes of each major system, scale layouts, GEMM and routed MoE; and the decode attention the
-models run beside them (float64, with its fp32 kernel's error bound).
+recipes of each major system, scale layouts, GEMM and routed MoE with its softmax top-k
+routing; and the decode attention the models run beside them (float64, each with its fp32
+kernel's error bound).
 """
 
 from .attention import decode_attention, decode_attention_error_bound
@@ -30,6 +31,7 @@ from .quantize import (
     encode_scale_from_amax,
     quantize,
 )
+from .routing import select_experts, select_experts_error_bound
 
 __all__ = [
     "E2M1_VALUES", "LAYOUTS", "NVFP4", "RECIPES", "bf16_round", "codes_of",
@@ -39,4 +41,5 @@ __all__ = [
     "gemm_error_bound", "gemm_w4a4", "gemm_w4a16", "pack_nibbles", "padded_shape", "quantize",
     "scaled_integers", "swizzle", "unpack_nibbles", "unswizzle",
 ]
-__all__ += ["MOE_MODES", "MoETrace", "moe", "moe_scales", "moe_trace"]
+__all__ += ["MOE_MODES", "MoETrace", "moe", "moe_scales", "moe_trace", "select_experts",
+            "select_experts_error_bound"]

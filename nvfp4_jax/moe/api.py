@@ -33,6 +33,7 @@ from .configs import MoEConfig
 from .mosaic import BLOCK_K, MAX_ROUTES, MosaicMoEConfig, check_supported, moe_mosaic
 from .pallas_triton import moe_pallas
 from .routing import ROUTINGS, select_experts
+from .select_kernel import select_fits, select_kernel
 from .weights import intermediate_size, padded_inter, unpad_fc2
 from .xla import ACTIVATION_SCALES, ACTIVATIONS, GATE_UP_ORDERS, MODES, moe_xla
 
@@ -169,6 +170,9 @@ def moe(
     float32 [E] ModelOpt input_scale (decode form). Routing: either ``router_logits`` [T, E]
     with ``top_k`` and ``routing`` ("softmax" or "sigmoid_bias", see
     ``routing.select_experts``), or ``topk_ids`` int [T, k] with ``topk_weights`` [T, k].
+    Softmax routing on the kernel backends runs as one launch (``select_kernel``: the
+    experts of the k largest logits, ``oracle.select_experts``; weights within
+    ``oracle.select_experts_error_bound``, as XLA's path).
     ``mode``: "trtllm_cutlass" or "b12x" (arithmetic of ``oracle.moe``); ``activation_scale``:
     "scalar" (default for trtllm_cutlass, the only choice there) or "per_expert" (default for
     b12x). ``backend``: "auto", "mosaic", "pallas" or "xla" (module docstring; "mosaic": FC2
@@ -213,9 +217,18 @@ def moe(
             raise ValueError(f"router_logits: expected shape {(hidden.shape[0], e)}, got {router_logits.shape}")
         if routing not in ROUTINGS:
             raise ValueError(f"routing: expected one of {ROUTINGS}, got {routing!r}")
-        topk_ids, topk_weights = select_experts(
-            router_logits, top_k, routing=routing, renormalize=renormalize,
-            correction_bias=correction_bias, routed_scaling_factor=routed_scaling_factor)
+        backend = choose_backend(backend, config, routes=hidden.shape[0] * top_k,
+                                 hidden=hidden.shape[1])
+        in_kernel = (routing == "softmax" and backend != "xla" and select_fits(e, top_k)
+                     and hidden.shape[0] > 0)
+        if in_kernel:  # softmax, top-k, renormalization and the finite-row check: one launch
+            topk_ids, topk_weights = select_kernel(router_logits, hidden, top_k,
+                                                   renormalize=renormalize,
+                                                   interpret=pallas_interpret())
+        else:
+            topk_ids, topk_weights = select_experts(
+                router_logits, top_k, routing=routing, renormalize=renormalize,
+                correction_bias=correction_bias, routed_scaling_factor=routed_scaling_factor)
     else:
         if topk_ids is None or topk_weights is None:
             raise ValueError("topk_ids: pass topk_ids and topk_weights, or router_logits with top_k")
@@ -230,14 +243,16 @@ def moe(
         valid = (topk_ids >= 0) & (topk_ids < e)
         topk_ids = jnp.where(valid, topk_ids, 0).astype(topk_ids.dtype)
         topk_weights = jnp.where(valid, topk_weights, jnp.nan).astype(topk_weights.dtype)
-    # a token whose hidden row holds NaN/Inf gets NaN router weights, so its output row is NaN
-    # on every backend whatever a kernel's arithmetic makes of the non-finite values
-    # (docs/input-policy.md); one fused reduction over hidden
-    finite = jnp.isfinite(hidden).all(axis=-1, keepdims=True)
-    topk_weights = jnp.where(finite, topk_weights, jnp.nan).astype(topk_weights.dtype)
+        backend = choose_backend(backend, config, routes=topk_ids.size, hidden=hidden.shape[1])
+        in_kernel = False
+    if not in_kernel:
+        # a token whose hidden row holds NaN/Inf gets NaN router weights, so its output row is
+        # NaN on every backend whatever a kernel's arithmetic makes of the non-finite values
+        # (docs/input-policy.md); one fused reduction over hidden (select_kernel: in its launch)
+        finite = jnp.isfinite(hidden).all(axis=-1, keepdims=True)
+        topk_weights = jnp.where(finite, topk_weights, jnp.nan).astype(topk_weights.dtype)
     kw = {"activation": activation, "gate_up_order": gate_up_order, "mode": mode,
           "activation_scale": activation_scale}
-    backend = choose_backend(backend, config, routes=topk_ids.size, hidden=hidden.shape[1])
     if backend == "xla":
         return moe_xla(hidden, topk_ids, topk_weights, fc1, unpad_fc2(fc2, inter), s1, s2, **kw)
     interpret = pallas_interpret()

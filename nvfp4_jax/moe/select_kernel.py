@@ -47,7 +47,7 @@ def _select_kernel(lg_ref, x_ref, ids_ref, w_ref, *, t: int, e: int, k: int, h: 
     cols = lax.broadcasted_iota(jnp.int32, (1, ep), 1)
     live = rows < t
     valid = live & (cols < e)
-    inf = jnp.float32(jnp.inf)
+    inf = float("inf")  # a Python float: Triton lowering cannot negate a jnp constant
     lg = jnp.where(valid, plgpu.load(lg_ref.at[jnp.where(valid, rows * e + cols, 0)]), -inf)
     isnan = lg != lg
     # softmax undefined: a NaN or +inf logit, or (below) every logit -inf

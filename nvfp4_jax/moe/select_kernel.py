@@ -30,13 +30,29 @@ from jax.experimental.pallas import triton as plgpu
 
 from ..triton_ops import call, cdiv, div_rn, pow2
 
-#: Elements of one program's [tokens, experts] logit tile (and of its hidden-row chunks).
-TILE_ELEMS = 4096
+#: Most experts a token may have (one token's logits are one program's tile).
+MAX_EXPERTS = 4096
+#: Logit tile of one program: a token's 128 logits (Qwen3, Mixtral-style routers) or several
+#: tokens' fewer. One token per program at E >= 128 spreads a batch over the SMs; one warp per
+#: 128 elements keeps the k reductions in warp shuffles (``WARP_ELEMS``).
+TILE_TARGET = 128
+WARP_ELEMS = 128
+#: Hidden values one warp checks per chunk (32 per thread).
+CHUNK_PER_WARP = 1024
+
+
+def _tiles(t: int, e: int, h: int) -> tuple[int, int, int]:
+    """(tokens per program, warps, hidden chunk) for T tokens, E experts, hidden size H."""
+    ep = pow2(e)
+    tb = max(1, min(pow2(t), TILE_TARGET // ep))
+    warps = max(1, min(4, tb * ep // WARP_ELEMS))
+    hk = max(1, min(pow2(h), CHUNK_PER_WARP * warps // tb))
+    return tb, warps, hk
 
 
 def select_fits(num_experts: int, top_k: int) -> bool:
     """Whether :func:`select_kernel` takes E experts (one token's logits in one tile)."""
-    return pow2(num_experts) <= TILE_ELEMS and 1 <= top_k <= num_experts
+    return pow2(num_experts) <= MAX_EXPERTS and 1 <= top_k <= num_experts
 
 
 def _select_kernel(lg_ref, x_ref, ids_ref, w_ref, *, t: int, e: int, k: int, h: int, tb: int,
@@ -105,15 +121,14 @@ def select_kernel(router_logits: jax.Array, hidden: jax.Array, top_k: int, *,
     if hidden.ndim != 2 or hidden.shape[0] != t:
         raise ValueError(f"hidden: expected [T={t}, H], got shape {hidden.shape}")
     if not select_fits(e, top_k):
-        raise ValueError(f"top_k: expected 1 <= top_k <= E = {e} with E <= {TILE_ELEMS} "
+        raise ValueError(f"top_k: expected 1 <= top_k <= E = {e} with E <= {MAX_EXPERTS} "
                          f"experts, got top_k={top_k}")
     h = hidden.shape[1]
-    tb = max(1, min(pow2(t), TILE_ELEMS // pow2(e)))
-    hk = max(1, min(pow2(h), TILE_ELEMS // tb))
+    tb, warps, hk = _tiles(t, e, h)
     kern = functools.partial(_select_kernel, t=t, e=e, k=top_k, h=h, tb=tb, hk=hk,
                              renormalize=renormalize, exact_asm=not interpret)
     ids, w = call(kern, (jax.ShapeDtypeStruct((t * top_k,), jnp.int32),
                          jax.ShapeDtypeStruct((t * top_k,), jnp.float32)),
-                  (cdiv(t, tb),), num_warps=4, name="nvfp4_moe_select", interpret=interpret)(
+                  (cdiv(t, tb),), num_warps=warps, name="nvfp4_moe_select", interpret=interpret)(
         router_logits.astype(jnp.float32).reshape(-1), hidden.reshape(-1))
     return ids.reshape(t, top_k), w.reshape(t, top_k)

@@ -14,6 +14,8 @@ the FP8/FP4 MMAs (QMMA/OMMA), in the whole kernel and in its main loop (``main_l
 body of the backward branch that holds the MMAs), and from the main loop the warp-instructions
 issued per weight (``per_weight``), which ``bench/sm12x_model.py`` sets against each GPU's
 issue rate. Usage: ``python bench/sm12x_compile.py --out DIR`` -> ``DIR/gemm-sm12x-compile.json``.
+``--attention`` and ``--routing`` compile the decode attention's kernels and the MoE routing
+kernel instead (``DIR/attention-sm12x-compile.json``, ``DIR/routing-sm12x-compile.json``).
 
 No GPU is needed: without one the kernel is lowered for CUDA from the CPU
 (``lowering_platforms=("cuda",)``) and compiled by the pip ``triton`` package, whose wheel
@@ -560,6 +562,25 @@ def attention_entries(workdir: str) -> list[dict]:
     return entries
 
 
+def routing_entries(workdir: str) -> list[dict]:
+    """``moe.select_kernel`` at Qwen3-30B-A3B's router (T = 8 tokens, 128 experts, top-8,
+    H 2048, renormalized: one program per token, one warp), compiled by pip triton per arch."""
+    from nvfp4_jax.moe.select_kernel import select_kernel
+
+    lg = jnp.zeros((8, 128), jnp.float32)
+    x = jnp.zeros((8, 2048), jnp.bfloat16)
+    kernels = lowered_kernels(lambda a, b: select_kernel(a, b, 8, renormalize=True), lg, x)
+    entries = []
+    for name, ttir in kernels.items():
+        entry = {"kernel": name, "num_warps": 1, "num_stages": 1,
+                 "ttir_ops": sorted(set(re.findall(r"\btt\.\w+", ttir)))}
+        for cc in ARCHS:
+            entry[f"pip_sm{cc}"] = compile_pip(ttir, 1, 1, cc, workdir)
+        entries.append(entry)
+        print(json.dumps(entry), flush=True)
+    return entries
+
+
 def lowered_for() -> str:
     """How :func:`lowered_kernels` lowered: for CUDA on the local GPU, or from the CPU."""
     on_cpu = jax.default_backend() != "gpu"
@@ -640,17 +661,23 @@ if __name__ == "__main__":
     p.add_argument("--attention", action="store_true",
                    help="compile attention.decode_attention's kernels for sm_90a, sm_120a, "
                    "sm_121a -> OUT/attention-sm12x-compile.json")
+    p.add_argument("--routing", action="store_true",
+                   help="compile moe.select_kernel for sm_90a, sm_120a, sm_121a -> "
+                   "OUT/routing-sm12x-compile.json")
     a = p.parse_args()
-    if a.attention:
+    for flag, entries, fname in ((a.attention, attention_entries, "attention"),
+                                 (a.routing, routing_entries, "routing")):
+        if not flag:
+            continue
         from run_meta import run_metadata
 
         with tempfile.TemporaryDirectory() as wd:
-            doc = {**run_metadata(), "lowered_for": lowered_for(),
-                   "kernels": attention_entries(wd)}
+            doc = {**run_metadata(), "lowered_for": lowered_for(), "kernels": entries(wd)}
         doc["pip_triton"] = pip_triton_version()
         os.makedirs(a.out, exist_ok=True)
-        with open(os.path.join(a.out, "attention-sm12x-compile.json"), "w") as f:
+        with open(os.path.join(a.out, f"{fname}-sm12x-compile.json"), "w") as f:
             json.dump(doc, f, indent=1)
+    if a.attention or a.routing:
         sys.exit(0)
     if a.variants:
         from gemm_bench import all_sweep_candidates

@@ -13,6 +13,10 @@ powers of two, so that E4M3 block scales reach the subnormals, underflow and sat
 * ``moe/<path>/<mode>/<activation>`` (``pallas-triton``, ``mosaic`` on sm_90 and SM 12.x,
   ``xla``): inside ``testing.assertions.moe_bound``'s interval with zero slack in the
   activation quantization (so a code flipped by an inexact division fails);
+* ``moe/routing`` (``nvfp4_jax.moe.select_kernel``, ``moe``'s softmax top-k routing on the
+  kernel backends): fp32 logits from 1e-3 to 300 with ties, -inf, NaN and +inf, non-finite
+  hidden rows: the experts of ``oracle.select_experts``, weights within
+  ``oracle.select_experts_error_bound``, NaN weights where the oracle's are undefined;
 * ``attention/decode`` (``nvfp4_jax.attention.decode_attention``, the decoders' one-token
   attention on a GPU): a stacked cache with NaN in every slot past a sequence's length and
   other data in the other layer, scores from about 0.01 to 1000, within
@@ -20,7 +24,7 @@ powers of two, so that E4M3 block scales reach the subnormals, underflow and sat
 
 A verdict per kernel; for each failure an ``.npz`` (GEMM failures in the form ``nvfp4 explain
 FILE.npz`` reads; quantize, MoE and attention failures hold their inputs, the output and the
-oracle's).
+oracle's; routing failures the logits, hidden rows and both results).
 On CPU the Pallas kernels run interpreted at small sizes. Needs no hypothesis.
 
 Each check is one compile of one kernel at one shape with several fuzzed inputs through it (a
@@ -453,6 +457,69 @@ def _attention_check(seed: int, b: int, s: int, kvh: int, g: int, d: int, inputs
                   f"{worst:.3g})"), None
 
 
+def _routing_inputs(seed: int, t: int, e: int, h: int, i: int):
+    """Fuzzed input ``i`` of a routing check: (logits float32 [T, E], hidden bf16 values as
+    float32 [T, H]); rows at magnitudes 1e-3, 1, 30 or 300 (most exps flush to zero at 300),
+    tied logits, -inf experts, and tokens with a NaN or +inf logit, all logits -inf or a
+    non-finite hidden value."""
+    rng = np.random.default_rng([seed, 5, t, e, h, i])
+    lg = (rng.standard_normal((t, e)) * rng.choice([1e-3, 1.0, 30.0, 300.0], (t, 1)))
+    lg = lg.astype(np.float32)
+    x = rng.standard_normal((t, h)).astype(ml_dtypes.bfloat16).astype(np.float32)
+    for r in range(t):
+        kind = (r + i) % 8  # every kind within a few rows or inputs; 5-7: plain rows
+        if kind == 0:  # ties: three experts share another's logit
+            lg[r, rng.choice(e, size=min(e, 3), replace=False)] = lg[r, rng.integers(e)]
+        elif kind == 1:
+            lg[r, rng.choice(e, size=rng.integers(1, e), replace=False)] = -np.inf
+        elif kind == 2:
+            lg[r, rng.integers(e)] = (np.nan, np.inf)[int(rng.integers(2))]
+        elif kind == 3:
+            lg[r] = -np.inf
+        elif kind == 4:
+            x[r, rng.integers(h)] = (np.nan, np.inf, -np.inf)[int(rng.integers(3))]
+    return lg, x
+
+
+def _routing_check(seed: int, t: int, e: int, k: int, h: int, renorm: bool, inputs: int):
+    """One compile of ``nvfp4_jax.moe.select_kernel``, ``inputs`` fuzzed [T, E] logits through
+    it: the oracle's experts where softmax is defined and the hidden
+    row finite, weights within ``oracle.select_experts_error_bound``, NaN weights elsewhere."""
+    import jax
+    import jax.numpy as jnp
+
+    from .device import pallas_interpret
+    from .moe.select_kernel import select_kernel
+
+    fn = jax.jit(functools.partial(select_kernel, top_k=k, renormalize=renorm,
+                                   interpret=pallas_interpret()))
+    worst = 0.0
+    for i in range(inputs):
+        lg, x = _routing_inputs(seed, t, e, h, i)
+        ids, w = fn(jnp.asarray(lg), jnp.asarray(x, jnp.bfloat16))
+        ids, w = np.asarray(ids), np.asarray(w, np.float64)
+        want_ids, want, bound = oracle.select_experts_error_bound(lg, k, renormalize=renorm)
+        undefined = ~np.isfinite(want).all(axis=1) | ~np.isfinite(x).all(axis=1)
+        ok = ~undefined
+        err = np.abs(w - want)
+        why = None
+        if not np.isnan(w[undefined]).all():
+            why = "a token with undefined softmax or a non-finite hidden row has finite weights"
+        elif (ids[ok] != want_ids[ok]).any():
+            moved = int((ids[ok] != want_ids[ok]).any(axis=1).sum())
+            why = f"{moved} tokens route to other experts"
+        elif not (err[ok] <= bound[ok]).all():  # NaN fails
+            why = f"largest |err| / bound {np.nanmax(err[ok] / bound[ok]):.3g}"
+        if why:
+            return FAIL, f"input {i}: {why}", {
+                "logits": lg, "hidden": x, "ids": ids, "weights": w, "oracle_ids": want_ids,
+                "oracle_weights": want, "bound": bound}
+        if ok.any():
+            worst = max(worst, float(np.max(err[ok] / bound[ok])))
+    return PASS, (f"the oracle's experts and weights within its bound on {inputs} inputs "
+                  f"(largest |err| / bound {worst:.3g})"), None
+
+
 # ----------------------------------------------------------------------------- the plan
 # Time on a GPU is compile time: every (kernel, shape, mode, activation) is one compile (XLA's,
 # with the Triton or Mosaic kernels inside), and every further fuzzed input through it costs
@@ -530,6 +597,13 @@ MOE_SHAPES = {"cpu": ((3, 256, 128, 4, 2, "relu2", "trtllm_cutlass"),
 ATTENTION_SHAPES = {"cpu": ((2, 100, 2, 4, 64),),
                     "gpu": ((1, 2048, 8, 4, 128), (8, 1024, 4, 8, 128)),
                     "full": ((32, 512, 8, 4, 128), (3, 300, 2, 16, 64), (2, 4096, 1, 8, 64))}
+#: routing (T, E, k, H, renormalize): a batch at Qwen3-30B-A3B's router (128 experts, top-8,
+#: H 2048, renormalized), many experts with a large k; full: a decode token, few experts
+#: several tokens to a program, a prefill
+ROUTING_SHAPES = {"cpu": ((5, 60, 6, 64, True),),
+                  "gpu": ((33, 128, 8, 2048, True), (7, 512, 22, 256, False)),
+                  "full": ((1, 128, 8, 2048, True), (300, 16, 2, 32, False),
+                           (2048, 128, 8, 2048, True))}
 #: fuzzed inputs per compiled shape (``--fuzz`` overrides)
 FUZZ = {"cpu": 2, "gpu": 3}
 
@@ -576,6 +650,10 @@ def plan(cc: int | None, seed: int = 0, *, full: bool = False,
             if fits(h):
                 add(f"moe/{path}/{mode}/{act}", f"T{t} H{h} I{i} E{e} k{k}", _moe_check, path,
                     mode, act, seed, t, h, i, e, k, n_in)
+    if _pallas_triton(cc):  # moe's softmax top-k routing on the kernel backends
+        for t, e, k, h, renorm in _shapes(ROUTING_SHAPES, gpu, full):
+            add("moe/routing", f"T{t} E{e} k{k} H{h}" + (" renorm" if renorm else ""),
+                _routing_check, seed, t, e, k, h, renorm, n_in)
     if _pallas_triton(cc):  # the decoders' one-token attention (Pallas-Triton)
         for b, s, kvh, g, d in _shapes(ATTENTION_SHAPES, gpu, full):
             add("attention/decode", f"B{b} S{s} KVH{kvh} G{g} D{d}", _attention_check, seed, b,

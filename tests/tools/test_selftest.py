@@ -42,11 +42,12 @@ def test_the_cpu_plan_covers_every_kernel_family(monkeypatch):
     assert {"quantize/trtllm", "quantize/modelopt", "quantize/jax", "quantize/b12x",
             "matmul/pallas/w4a16", "matmul/pallas/w4a4", "matmul/xla/w4a16", "matmul/xla/w4a4",
             } <= kernels
-    assert {k.split("/")[1] for k in kernels if k.startswith("moe/")} == {
+    assert {k.split("/")[1] for k in kernels if k.startswith("moe/") and k != "moe/routing"} == {
         "pallas-triton", "pallas-triton-fp4", "xla"}
     assert "matmul/fp4mma/w4a4" in kernels and "attention/decode" in kernels
+    assert "moe/routing" in kernels
     gpu90 = {k for k, _, _ in selftest.plan(90)}
-    assert "attention/decode" in gpu90
+    assert "attention/decode" in gpu90 and "moe/routing" in gpu90
     assert "matmul/mosaic/w4a4" in gpu90 and any(k.startswith("moe/mosaic/") for k in gpu90)
     assert "matmul/fp4mma/w4a4" in gpu90  # Triton's decomposed scaled dot on sm_90
     from nvfp4_jax.gemm import mosaic
@@ -61,6 +62,7 @@ def test_the_cpu_plan_covers_every_kernel_family(monkeypatch):
         assert {"matmul/mosaic/w4a16", "matmul/mosaic/w4a4"} <= sm12x
         assert any(k.startswith("moe/mosaic/") for k in sm12x)
         assert "attention/decode" in sm12x  # what nvfp4 generate runs there, never yet run
+        assert "moe/routing" in sm12x
     sm89 = {k for k, _, _ in selftest.plan(89)}  # no scaled dot in jaxlib's Triton before sm_90
     assert "matmul/pallas/w4a4" in sm89 and not any("fp4" in k for k in sm89)
 
@@ -135,8 +137,8 @@ def test_the_default_gpu_plan_is_small_covers_every_kernel_and_full_adds_shapes(
     assert any(m % 16 and m > 16 for m, _, _ in gemm)  # ragged M beyond one block
     assert any(k % 256 for _, _, k in gemm)  # K not a multiple of 256
     assert {s for k, s, _ in quick if k == "matmul/mosaic/w4a16"}  # Mosaic gets its shapes
-    # one compile per check: 45 on sm_90, 2 of them attention (one shape list for all: 69)
-    assert len(quick) <= 46, len(quick)
+    # one compile per check: 47 on sm_90, 2 of them attention, 2 routing
+    assert len(quick) <= 47, len(quick)
     assert all(fn.inputs == selftest.FUZZ["gpu"] for _, _, fn in quick)
     assert all(fn.inputs == 5 for _, _, fn in selftest.plan(120, fuzz=5))
     with pytest.raises(ValueError, match="fuzz"):
@@ -213,6 +215,36 @@ def test_a_broken_decode_attention_fails_with_an_npz(tmp_path, monkeypatch, caps
     d = np.load(c["npz"])
     assert {"q", "k", "v", "lengths", "out", "oracle", "bound"} <= set(d.files)
     assert (np.abs(d["out"] - d["oracle"]) > d["bound"]).any()
+
+
+@pytest.mark.parametrize("fault", ["other_expert", "no_renormalization", "hidden_unchecked"])
+def test_a_broken_routing_kernel_fails_with_an_npz(tmp_path, monkeypatch, capsys, fault):
+    """Routing a token to the next expert, weights never renormalized, or the hidden rows'
+    check skipped each fail ``moe/routing``; the .npz holds the logits and both results."""
+    sk = importlib.import_module("nvfp4_jax.moe.select_kernel")
+    real = sk.select_kernel
+
+    def broken(logits, hidden, top_k, *, renormalize=False, interpret=False):
+        if fault == "no_renormalization":
+            renormalize = False
+        if fault == "hidden_unchecked":
+            hidden = jnp.zeros_like(hidden)
+        ids, w = real(logits, hidden, top_k, renormalize=renormalize, interpret=interpret)
+        if fault == "other_expert":
+            ids = (ids + 1) % logits.shape[1]
+        return ids, w
+
+    monkeypatch.setattr(sk, "select_kernel", broken)
+    path = tmp_path / "s.json"
+    rc = cli.main(["selftest", "--only", "moe/routing", "--json", str(path),
+                   "--out-dir", str(tmp_path / "fail")])
+    assert rc == 1, capsys.readouterr().out
+    (c,) = json.loads(path.read_text())["checks"]
+    want = {"other_expert": "route to other experts", "no_renormalization": "/ bound",
+            "hidden_unchecked": "finite weights"}[fault]
+    assert c["status"] == "FAIL" and want in c["detail"], c["detail"]
+    d = np.load(c["npz"])
+    assert {"logits", "hidden", "ids", "weights", "oracle_ids", "oracle_weights"} <= set(d.files)
 
 
 def test_jobs_run_checks_at_once_and_report_them_in_plan_order(tmp_path, capsys):

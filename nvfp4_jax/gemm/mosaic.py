@@ -157,8 +157,9 @@ class MosaicConfig:
 #: Shapes where backend="auto" picks this kernel on sm_90: (M bucket, N, K) -> config, the bucket
 #: 16 (M <= 16) or 64 (M <= 64) as configs.m_bucket, or 8 (M <= 8, looked up first, where the
 #: 8-token tile has a different best config). Only buckets measured faster than the
-#: Pallas-Triton config are listed. ``measured``: in-graph medians of bench/mosaic_sweep.py
-#: (H200, JAX 0.11.2), this config / Pallas-Triton / bf16 jnp.dot, and the runner-up. Two
+#: Pallas-Triton config are listed. ``measured``: in-graph medians of a config sweep (H200, JAX
+#: 0.11.2; the sweep script, bench/mosaic_sweep.py, is no longer in the tree: `git log --
+#: bench/mosaic_sweep.py`), this config / Pallas-Triton / bf16 jnp.dot, and the runner-up. Two
 #: stages win almost everywhere: a smaller SMEM footprint (more CTAs per SM) beats depth.
 AUTO_SM90: dict[tuple[int, int, int], MosaicConfig] = {
     (16, 28672, 8192): MosaicConfig(

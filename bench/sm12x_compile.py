@@ -550,13 +550,21 @@ def attention_entries(workdir: str) -> list[dict]:
     kv = jnp.zeros((32, 1, 1060, 8, 128), jnp.bfloat16)
     kernels = lowered_kernels(attention.decode_attention, q, kv, kv, jnp.int32(0),
                               jnp.ones((1,), jnp.int32))
+    # decode_attention's num_stages: 1 for the combine, 2 for the chunks
+    return compiled_entries(kernels, 4, lambda name: 1 if name.endswith("_combine") else 2,
+                            workdir)
+
+
+def compiled_entries(kernels: dict, num_warps: int, num_stages, workdir: str) -> list[dict]:
+    """One entry per captured kernel (name -> TTIR): its TTIR ops and its pip-Triton compile
+    for each of ``ARCHS``; ``num_stages(name)`` gives the kernel's stages."""
     entries = []
     for name, ttir in kernels.items():
-        ns = 1 if name.endswith("_combine") else 2  # decode_attention's num_stages
-        entry = {"kernel": name, "num_warps": 4, "num_stages": ns,
+        ns = num_stages(name)
+        entry = {"kernel": name, "num_warps": num_warps, "num_stages": ns,
                  "ttir_ops": sorted(set(re.findall(r"\btt\.\w+", ttir)))}
         for cc in ARCHS:
-            entry[f"pip_sm{cc}"] = compile_pip(ttir, 4, ns, cc, workdir)
+            entry[f"pip_sm{cc}"] = compile_pip(ttir, num_warps, ns, cc, workdir)
         entries.append(entry)
         print(json.dumps(entry), flush=True)
     return entries
@@ -570,15 +578,7 @@ def routing_entries(workdir: str) -> list[dict]:
     lg = jnp.zeros((8, 128), jnp.float32)
     x = jnp.zeros((8, 2048), jnp.bfloat16)
     kernels = lowered_kernels(lambda a, b: select_kernel(a, b, 8, renormalize=True), lg, x)
-    entries = []
-    for name, ttir in kernels.items():
-        entry = {"kernel": name, "num_warps": 1, "num_stages": 1,
-                 "ttir_ops": sorted(set(re.findall(r"\btt\.\w+", ttir)))}
-        for cc in ARCHS:
-            entry[f"pip_sm{cc}"] = compile_pip(ttir, 1, 1, cc, workdir)
-        entries.append(entry)
-        print(json.dumps(entry), flush=True)
-    return entries
+    return compiled_entries(kernels, 1, lambda name: 1, workdir)
 
 
 def lowered_for() -> str:

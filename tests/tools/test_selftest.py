@@ -17,6 +17,17 @@ import pytest
 from nvfp4_jax import cli, explain, selftest
 
 
+def _only_check_fails(tmp_path, capsys, only: str) -> dict:
+    """``nvfp4 selftest --only ONLY`` exits 1; its one check, as the JSON reports it."""
+    path = tmp_path / "s.json"
+    rc = cli.main(["selftest", "--only", only, "--json", str(path),
+                   "--out-dir", str(tmp_path / "fail")])
+    assert rc == 1, capsys.readouterr().out
+    (c,) = json.loads(path.read_text())["checks"]
+    assert c["status"] == "FAIL", c["detail"]
+    return c
+
+
 def test_cpu_selftest_passes_and_writes_the_json(tmp_path, capsys):
     path = tmp_path / "selftest.json"
     rc = cli.main(["selftest", "--json", str(path), "--out-dir", str(tmp_path / "fail"),
@@ -178,13 +189,8 @@ def test_a_broken_moe_path_fails_against_the_shared_bound_with_an_npz(tmp_path, 
     api = importlib.import_module("nvfp4_jax.moe.api")
     real = api.moe_xla
     monkeypatch.setattr(api, "moe_xla", lambda *a, **kw: real(*a, **kw) * (1 + 2.0**-6))
-    path = tmp_path / "s.json"
-    rc = cli.main(["selftest", "--only", "moe/xla/trtllm_cutlass", "--json", str(path),
-                   "--out-dir", str(tmp_path / "fail")])
-    printed = capsys.readouterr().out
-    assert rc == 1, printed
-    (c,) = json.loads(path.read_text())["checks"]
-    assert c["status"] == "FAIL" and c["detail"].startswith("input 0: moe xla:"), c["detail"]
+    c = _only_check_fails(tmp_path, capsys, "moe/xla/trtllm_cutlass")
+    assert c["detail"].startswith("input 0: moe xla:"), c["detail"]
     d = np.load(c["npz"])
     assert {"hidden", "topk_ids", "fc1_codes", "fc2_scales", "out", "oracle_out"} <= set(d.files)
     assert np.allclose(d["out"], d["oracle_out"] * (1 + 2.0**-6), rtol=2.0**-7)
@@ -206,12 +212,8 @@ def test_a_broken_decode_attention_fails_with_an_npz(tmp_path, monkeypatch, caps
         return real(q, k, v, layer, lengths, interpret=interpret)
 
     monkeypatch.setattr(attention, "decode_attention", broken)
-    path = tmp_path / "s.json"
-    rc = cli.main(["selftest", "--only", "attention", "--json", str(path),
-                   "--out-dir", str(tmp_path / "fail")])
-    assert rc == 1, capsys.readouterr().out
-    (c,) = json.loads(path.read_text())["checks"]
-    assert c["status"] == "FAIL" and "outside the oracle's bound" in c["detail"], c["detail"]
+    c = _only_check_fails(tmp_path, capsys, "attention")
+    assert "outside the oracle's bound" in c["detail"], c["detail"]
     d = np.load(c["npz"])
     assert {"q", "k", "v", "lengths", "out", "oracle", "bound"} <= set(d.files)
     assert (np.abs(d["out"] - d["oracle"]) > d["bound"]).any()
@@ -235,14 +237,10 @@ def test_a_broken_routing_kernel_fails_with_an_npz(tmp_path, monkeypatch, capsys
         return ids, w
 
     monkeypatch.setattr(sk, "select_kernel", broken)
-    path = tmp_path / "s.json"
-    rc = cli.main(["selftest", "--only", "moe/routing", "--json", str(path),
-                   "--out-dir", str(tmp_path / "fail")])
-    assert rc == 1, capsys.readouterr().out
-    (c,) = json.loads(path.read_text())["checks"]
+    c = _only_check_fails(tmp_path, capsys, "moe/routing")
     want = {"other_expert": "route to other experts", "no_renormalization": "/ bound",
             "hidden_unchecked": "finite weights"}[fault]
-    assert c["status"] == "FAIL" and want in c["detail"], c["detail"]
+    assert want in c["detail"], c["detail"]
     d = np.load(c["npz"])
     assert {"logits", "hidden", "ids", "weights", "oracle_ids", "oracle_weights"} <= set(d.files)
 

@@ -26,6 +26,9 @@ CASES = [  # (M, N, K, MosaicConfig kwargs): decode tiles of the sm_90 table, ra
     (16, 14336, 4096, dict(block_n=64, split_k=8, num_stages=2)),
     (5, 4000, 4096, dict(block_n=128, split_k=4, num_stages=3)),
     (37, 3000, 1024, dict(block_n=64, split_k=1, num_stages=2, bf16_store=True)),
+    # the tiles config_for(M, N, K, 120) gives SM 12.x at M = 64 and at M = 16, block_n 128
+    (64, 28672, 8192, dict(block_n=64, split_k=1, num_stages=2, bf16_store=True)),
+    (16, 4096, 14336, dict(block_n=128, split_k=8, num_stages=2)),
 ]
 
 
@@ -33,7 +36,6 @@ def run_gpu(out_dir: str, arch: tuple[int, int]) -> dict:
     dump = os.path.join(out_dir, f"ptx-{arch[0]}.{arch[1]}")
     os.makedirs(dump, exist_ok=True)
     os.environ["MOSAIC_GPU_DUMP_TO"] = dump  # read when each kernel compiles
-    import jax
     import jax.numpy as jnp
     import numpy as np
 
@@ -61,14 +63,24 @@ def run_gpu(out_dir: str, arch: tuple[int, int]) -> dict:
             rec["error"] = f"{type(e).__name__}: {str(e)[:600]}"
         print(json.dumps(rec), flush=True)
         recs.append(rec)
-    return {"jax": jax.__version__, "device": jax.devices()[0].device_kind, "records": recs}
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from run_meta import run_metadata
+
+    return {**run_metadata(), "records": recs}
 
 
-def run_ptxas(ptx_dir: str, ptxas: str, weights_per_warp_step: int) -> list[dict]:
+def weights_per_warp_step(kw: dict) -> int:
+    """Weights one warp decodes per pipeline step with MosaicConfig kwargs ``kw``: 16 rows of
+    each 64-row block of ``block_n`` x ``block_k``."""
+    return 16 * (kw.get("block_n", 128) // 64) * kw.get("block_k", 256)
+
+
+def run_ptxas(ptx_dir: str, ptxas: str) -> list[dict]:
     """Assemble every dumped PTX for sm_90a, sm_120a and sm_121a: registers, spills, stack, or
     the error; with a ``cuobjdump`` beside ``ptxas`` also the main loop (``sm12x_compile.
     main_loop_stats``: one pipeline step of one warp) and its warp-instructions per weight
-    (``weights_per_warp_step``: 16 rows of each 64-row block x block_k)."""
+    (``weights_per_warp_step``). Mosaic numbers the dumps in compile order, so
+    ``nvfp4_w4a16_mosaic_<i>.ptx`` is ``CASES[i]``: each record names its case."""
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from sm12x_compile import main_loop_stats
 
@@ -82,7 +94,10 @@ def run_ptxas(ptx_dir: str, ptxas: str, weights_per_warp_step: int) -> list[dict
                 f.write(re.sub(r"^\.target\s+\S+", f".target {sm}", src, count=1, flags=re.M))
             r = subprocess.run([ptxas, f"-arch={sm}", "-v", "-o", path[:-4] + ".cubin", path],
                                capture_output=True, text=True, check=False)
-            rec = {"ptx": name, "arch": sm, "rc": r.returncode}
+            i = int(re.search(r"_(\d+)\.ptx$", name).group(1))
+            m, n, k, kw = CASES[i]
+            rec = {"ptx": name, "case": {"M": m, "N": n, "K": k, "config": kw}, "arch": sm,
+                   "rc": r.returncode}
             info = r.stdout + r.stderr
             for key, pat in (("registers", r"Used (\d+) registers"),
                              ("spill_stores", r"(\d+) bytes spill stores"),
@@ -101,7 +116,7 @@ def run_ptxas(ptx_dir: str, ptxas: str, weights_per_warp_step: int) -> list[dict
                                         for k in ("n_instructions", "mma", "shared_loads")}
                     rec["main_loop"]["opcodes"] = dict(list(loop["opcodes"].items())[:12])
                     rec["warp_instructions_per_weight"] = (loop["n_instructions"]
-                                                           / weights_per_warp_step)
+                                                           / weights_per_warp_step(kw))
                 else:
                     rec["sass"] = (f"cuobjdump: {d.stderr[-200:]}" if d.returncode
                                    else "no loop found")
@@ -115,13 +130,17 @@ def main():
     p.add_argument("--ptxas", default="", metavar="DIR", help="assemble the PTX dumped in DIR")
     p.add_argument("--ptxas-bin", default="ptxas")
     p.add_argument("--arch", default="12.0")
-    p.add_argument("--weights-per-warp-step", type=int, default=16 * 256,
-                   help="--ptxas: weights one warp decodes per pipeline step (CASES[0]: 16 x 256)")
     a = p.parse_args()
     if a.ptxas:
         ver = subprocess.run([a.ptxas_bin, "--version"], capture_output=True, text=True).stdout
+        # the lowering run's header (date, commit, GPU, versions) where its JSON lies beside
+        lowered = [read for f in sorted(os.listdir(a.ptxas))
+                   if f.startswith("mosaic-sync-lowered-") and f.endswith(".json")
+                   for read in [json.load(open(os.path.join(a.ptxas, f)))]]
         doc = {"ptxas": ver.strip().splitlines()[-1],
-               "records": run_ptxas(a.ptxas, a.ptxas_bin, a.weights_per_warp_step)}
+               "lowered": {k: v for k, v in lowered[0].items() if k != "records"} if lowered
+               else None,
+               "records": run_ptxas(a.ptxas, a.ptxas_bin)}
         path = os.path.join(a.out, "mosaic-sync-sm12x-ptxas.json")
     else:
         arch = tuple(int(v) for v in a.arch.split("."))

@@ -475,11 +475,14 @@ def _x_fragment_fn(m_tile: int, block_k: int, g: int):
     ``PERM`` like the A fragment's columns; as TMA writes it for ``_x_spec``: [m_tile/8,
     block_k/64] tiles of 8 x 64 elements, 1 KB each, the 16-byte chunk c of row r at chunk
     c ^ r) -> the B operand [128, m_tile] = x^T of 128-deep group ``g`` in ``MMALayouts.rhs``
-    (every warp holds all of it): per 16-deep chunk and 8 tokens, lane 4r + t reads token r's
-    columns 2t, 2t + 1 and 2t + 8, 2t + 9, one 32-bit load each. The swizzle puts the 8 rows'
-    words in 8 different 16-byte bank groups, so the 32 lanes hit 32 banks."""
+    (every warp holds all of it). The B register of 16-deep chunk kc, 8-token tile nt and half h
+    is the 8 x 8 matrix of chunk c = 2 (kc % 4) + h of the tile's 8 rows, lane 4r + t holding
+    row r's word t: ``ldmatrix``'s layout. One ``ldmatrix.x4`` per chunk pair (2p, 2p + 1) and
+    tile loads chunks 4 (p % 2) .. 4 (p % 2) + 3, lane 8i + r addressing row r of chunk
+    4 (p % 2) + i: 4 registers per instruction, against one 32-bit load each. The swizzle
+    puts the 8 rows of a matrix in 8 different 16-byte bank groups (no bank conflicts)."""
     from jax._src.lib.mlir import ir
-    from jax._src.lib.mlir.dialects import arith, llvm
+    from jax._src.lib.mlir.dialects import arith, llvm, nvvm
     from jax.experimental.mosaic import gpu as mgpu
     from jax.experimental.mosaic.gpu import fragmented_array as fa
     from jax.experimental.mosaic.gpu import utils
@@ -496,24 +499,32 @@ def _x_fragment_fn(m_tile: int, block_k: int, g: int):
             return arith.constant(i32, ir.IntegerAttr.get(i32, v))
 
         lane = arith.remui(utils.thread_idx(), c32(32))
-        r = arith.divui(lane, c32(4))
-        row = arith.addi(arith.muli(r, c32(128)), arith.muli(arith.remui(lane, c32(4)), c32(4)))
-        # 16-byte chunk c (8 columns) of row r sits at chunk c ^ r of the tile row
-        chunk = [arith.muli(arith.xori(c32(c), r), c32(16)) for c in range(8)]
+        r = arith.remui(lane, c32(8))  # the matrix row this lane addresses
+        mat = arith.divui(lane, c32(8))  # and which of the instruction's 4 matrices
+        # row r of chunk 4q + mat sits at chunk (4q + mat) ^ r of the tile row
+        row_off = [
+            arith.addi(arith.muli(r, c32(128)),
+                       arith.muli(arith.xori(arith.addi(mat, c32(4 * q)), r), c32(16)))
+            for q in range(2)
+        ]
         xptr = utils.memref_ptr(x_ref)
+        shape = ir.Attribute.parse("#nvvm.ld_st_matrix_shape<m=8, n=8>")
         layout = mgpu.MMALayouts(bf16).rhs
         regs = np.empty((8, m_tile // 8, 2), dtype=object)
-        for kc in range(8):
+        for p in range(4):
             for nt in range(m_tile // 8):
-                tile = 1024 * (nt * tiles_k + 2 * g + kc // 4)
-                for half in range(2):
-                    off = arith.addi(arith.addi(row, chunk[2 * (kc % 4) + half]), c32(tile))
-                    p = llvm.inttoptr(
-                        xptr.type,
-                        llvm.add(llvm.ptrtoint(i64, xptr), arith.extui(i64, off),
-                                 overflow_flags=llvm.IntegerOverflowFlags.none),
-                    )
-                    regs[kc, nt, half] = utils.bitcast(llvm.load(i32, p, alignment=4), v2bf16)
+                tile = 1024 * (nt * tiles_k + 2 * g + p // 2)
+                off = arith.addi(row_off[p % 2], c32(tile))
+                ptr = llvm.inttoptr(
+                    xptr.type,
+                    llvm.add(llvm.ptrtoint(i64, xptr), arith.extui(i64, off),
+                             overflow_flags=llvm.IntegerOverflowFlags.none),
+                )
+                quad = nvvm.ldmatrix(ptr, num=4, layout=nvvm.MMALayout.row, shape=shape,
+                                     elt_type=nvvm.LdStMatrixEltType.B16)
+                for i in range(4):  # matrix i: chunk kc = 2p + i // 2, half i % 2
+                    v = llvm.extractvalue(i32, quad, [i])
+                    regs[2 * p + i // 2, nt, i % 2] = utils.bitcast(v, v2bf16)
         regs = regs.reshape(layout.registers_shape((128, m_tile)))
         return fa.FragmentedArray(_registers=regs, _layout=layout, _is_signed=None)
 

@@ -8,6 +8,19 @@ kind::mxf4nvf4.block_scale`` (``fp4mma.default_mma()`` is "fp4" there; the rows'
 fields); the Pallas-Triton MoE runs both grouped GEMMs on the FP4 MMA (``MoEConfig.mma``
 resolves to "fp4"; the MoE rows, with the bf16-MMA MoE beside them as ``bf16_mma_*``).
 
+At M <= 64 (K % 256 == 0, bf16 activations) ``nvfp4_jax.matmul(backend="auto")`` runs W4A16 on
+SM 12.x on another kernel: the Mosaic GPU kernel's ``mma.sync`` form (``MosaicConfig(mma=
+"sync")``, the tiles of ``mosaic.config_for(M, N, K, 120)``, the tokens padded to
+``mosaic.token_tile(M)``). Its rows are ``mosaic_sync_gemm`` (``mosaic_rows``): the same
+roofline with ``block_m`` = the token tile and the main loop's count from the ptxas dump
+``mosaic-sync-sm12x-ptxas.json`` (``mosaic_ipw_for``: the sm_120a record of the same token tile
+and block_n, the loop count depending on nothing else; else the nearest token tile, said in
+``ipw_from``); ``issue_calibrated_us`` there takes the issue efficiency the same form reached on
+the H200 (``mosaic_h200_efficiency``, from ``mosaic-sm12x-forms-h200.json`` and
+``mosaic-mma-h200.json``). The split-K partials (fp32 ``[split_k, token tile, N]``, summed by
+one XLA fusion) are not in the time: ``partials_bytes`` says how many bytes they are. The
+``gemm`` rows are the Pallas-Triton kernel at every M (``backend="pallas"``; "auto" at M > 64).
+
 The model, per kernel launch (a roofline with three ceilings; the slowest one wins):
 
 * bytes: NVFP4 weights at 0.5625 B/weight (0.5 for the codes, 1/16 for the E4M3 block scale),
@@ -152,6 +165,13 @@ ASSUMPTIONS = [
                "a tile set not compiled takes the nearest counted kernel (ipw_from says which)"},
     {"name": "MoE row tiles", "value": "touched experts + floor(T k / block_m)",
      "source": "assumption: one partly filled row block per touched expert plus the full ones"},
+    {"name": "Mosaic mma.sync main loop", "value": "the sm_120a count of the same token tile "
+                                                 "and block_n",
+     "source": "bench/results/mosaic-sync-sm12x-ptxas.json (ptxas on the dumped PTX of the "
+               "Mosaic kernel's mma.sync form): the loop decodes block_n x block_k weights per "
+               "step against the token tile, so its count per weight depends on the token tile "
+               "and block_n (block_k 256 on SM 12.x), not on N, K or split_k; where no record "
+               "has both, the nearest token tile of the same block_n stands in (ipw_from)"},
     {"name": "MoE routing", "value": "uniform random top-k",
      "source": "touched experts = E (1 - (1 - k/E)^T), as moe_bench's random routing"},
 ]
@@ -493,6 +513,187 @@ def gemm_rows(gpus: dict, sass: list[dict], measured: dict | None = None,
     return rows
 
 
+# --------------------------------------------------------------------------- Mosaic mma.sync
+
+#: compute capability whose ``mosaic.config_for`` tiles the Mosaic rows model (RTX 50xx; the
+#: DGX Spark's sm_121 gets the same config: ``for_sm12x`` covers cc 120..129)
+MOSAIC_CC = 120
+#: ptxas counts of the Mosaic kernel's mma.sync form (``warp_instructions_per_weight`` per
+#: dumped kernel and arch, with the case it was dumped at)
+MOSAIC_SASS = "mosaic-sync-sm12x-ptxas.json"
+#: H200 runs of the mma.sync form, (file, row label), most preferred first: the SM 12.x tiles
+#: (``config_for(..., 120)``), then the sm_90 tiles on mma.sync
+MOSAIC_H200_RUNS = (("mosaic-sm12x-forms-h200.json", "mosaic_sm12x"),
+                    ("mosaic-mma-h200.json", "mosaic_sync"))
+
+
+def load_mosaic_sass(path: str, arch: str = "sm_120a") -> list[dict]:
+    """[{ptx, arch, case, token_tile, block_n, block_k, ipw, registers}] of the Mosaic kernel's
+    mma.sync form from a ptxas dump (``mosaic-sync-sm12x-ptxas.json``): the ``arch`` records
+    that compiled (rc 0), counted a main loop and name the case they were dumped at ({M, N, K,
+    config}: MosaicConfig kwargs, the dataclass defaults for those left out). A record without
+    its case says nothing of its tiles and is left out."""
+    from nvfp4_jax.gemm.mosaic import MAX_M, MosaicConfig, token_tile
+
+    doc = read_json(path)
+    if doc is None:
+        return []
+    dflt = MosaicConfig()
+    out = []
+    for r in doc.get("records", []):
+        case, ipw = r.get("case"), r.get("warp_instructions_per_weight")
+        if r.get("arch") != arch or r.get("rc", 0) != 0 or ipw is None or not case:
+            continue
+        if not 1 <= case.get("M", 0) <= MAX_M:
+            continue
+        cfg = case.get("config") or {}
+        out.append({"ptx": r.get("ptx"), "arch": arch, "case": case,
+                    "token_tile": token_tile(case["M"]),
+                    "block_n": cfg.get("block_n", dflt.block_n),
+                    "block_k": cfg.get("block_k", dflt.block_k),
+                    "ipw": ipw, "registers": r.get("registers")})
+    return out
+
+
+def _record_name(r: dict) -> str:
+    c = r["case"]
+    return (f"{r['ptx']} {r['arch']} (dumped at M={c['M']}, {c['N']}x{c['K']}: token tile "
+            f"{r['token_tile']}, block_n {r['block_n']})")
+
+
+def mosaic_ipw_for(sass: list[dict], m: int, n: int, k: int, cfg: dict, *,
+                   nearest: bool = True) -> tuple[float | None, str, dict | None]:
+    """(warp-instructions per weight per token tile, where from, the record) of the Mosaic
+    mma.sync kernel at (M, N, K) with the tiles ``cfg`` (``block_n``, ``block_k``): a record of
+    the same token tile (``token_tile(M)``), block_n and block_k; among several, the one dumped
+    at this very (M, N, K), else the largest count (the count does not depend on N, K or
+    split_k, so they differ by the compiler's scheduling alone; the largest is the safe side).
+    Without one and with ``nearest``: the record of the same block_n and block_k whose token
+    tile is nearest (in steps of ``TOKEN_TILES``; a tie takes the larger count), said in the
+    reason. Else (None, why, None): the row has no issue ceiling."""
+    from nvfp4_jax.gemm.mosaic import TOKEN_TILES, token_tile
+
+    arch = sass[0]["arch"] if sass else "sm_120a"
+    if not sass:
+        return None, f"no {arch} Mosaic mma.sync counts ({MOSAIC_SASS}): no issue ceiling", None
+    tt, bn, bk = token_tile(m), cfg["block_n"], cfg["block_k"]
+    same = [r for r in sass if (r["token_tile"], r["block_n"], r["block_k"]) == (tt, bn, bk)]
+    if same:
+        r = max(same, key=lambda r: ((r["case"]["M"], r["case"]["N"], r["case"]["K"])
+                                     == (m, n, k), r["ipw"]))
+        return r["ipw"], f"same token tile and block_n: {_record_name(r)}", r
+    near = [r for r in sass if (r["block_n"], r["block_k"]) == (bn, bk)] if nearest else []
+    if near:
+        at = TOKEN_TILES.index(tt)
+        r = min(near, key=lambda r: (abs(TOKEN_TILES.index(r["token_tile"]) - at), -r["ipw"]))
+        return r["ipw"], (f"nearest: no {arch} record of token tile {tt} with block_n {bn}; "
+                          f"{_record_name(r)} stands in"), r
+    return None, (f"no {arch} record of token tile {tt} with block_n {bn} and block_k {bk}: "
+                  "no issue ceiling"), None
+
+
+def load_mosaic_measured(results: str) -> tuple[dict | None, str | None]:
+    """({(N, K, M): [{us, config, from}]}, files) of the Mosaic kernel's mma.sync form measured
+    on the H200 (``MOSAIC_H200_RUNS``, the preferred file's rows first): rows with a time and
+    the config they ran."""
+    got, used = {}, []
+    for name, label in MOSAIC_H200_RUNS:
+        doc = read_json(os.path.join(results, name))
+        if doc is None:
+            continue
+        rows = [r for r in doc.get("records", [])
+                if r.get("label") == label and r.get("median_us") and r.get("config")]
+        for r in rows:
+            got.setdefault((r["N"], r["K"], r["M"]), []).append(
+                {"us": r["median_us"], "config": r["config"], "from": f"{name} ({label})"})
+        if rows:
+            used.append(name)
+    return (got, " + ".join(used)) if got else (None, None)
+
+
+def mosaic_h200_efficiency(sass90: list[dict], measured: dict | None, m: int, n: int, k: int,
+                           cfg: dict) -> tuple[float | None, float | None, str]:
+    """(achieved issue efficiency, sm_90a warp-instructions per weight, where from) of the
+    mma.sync form timed on the H200 at (M, N, K): the sm_90a count of a record with the same
+    token tile, block_n and block_k as the run's config, x the weights, over (measured time x
+    the H200's issue rate). Runs of ``cfg``'s tiles are taken first, then runs of other tiles
+    (the sm_90 table's, on mma.sync), each with its own tiles' count. None where no run has a
+    count of its tiles."""
+    from nvfp4_jax.gemm.mosaic import MosaicConfig, token_tile
+
+    dflt = MosaicConfig()
+    runs = [r for r in (measured or {}).get((n, k, m), [])
+            if r["config"].get("mma") == "sync" and r["config"].get("m_split", 1) == 1]
+    if not runs:
+        return None, None, "no H200 run of the mma.sync form at this shape"
+
+    def same_tiles(run: dict) -> bool:
+        return all(run["config"].get(kk, getattr(dflt, kk)) == v for kk, v in cfg.items())
+
+    for run in sorted(runs, key=lambda r: not same_tiles(r)):
+        rc = {kk: run["config"].get(kk, getattr(dflt, kk)) for kk in ("block_n", "block_k")}
+        ipw90, how, rec = mosaic_ipw_for(sass90, m, n, k, rc, nearest=False)
+        if rec is None:
+            continue
+        instr = math.ceil(m / token_tile(m)) * n * k * ipw90
+        eff = instr / (run["us"] * 1e-6 * issue_per_s(GPUS["h200"]))
+        tiles = "these tiles" if same_tiles(run) else f"other tiles {run['config']}"
+        return eff, ipw90, f"{run['from']}, {tiles}: {run['us']:.1f} us; {how}"
+    return None, None, "no sm_90a record of the H200 run's token tile and block_n"
+
+
+def mosaic_rows(gpus: dict, sass: list[dict], sass90: list[dict] | None = None,
+                measured: dict | None = None) -> list[dict]:
+    """Per GEMM shape, M <= 64 and SM12x GPU: the Mosaic kernel's mma.sync form, what
+    ``nvfp4_jax.matmul(backend="auto")`` runs for W4A16 there: ``mosaic.config_for(M, N, K,
+    120)``'s tiles, the tokens padded to ``token_tile(M)``, the roofline of ``fused_gemm`` on
+    the bf16 MMA with the sm_120a count ``mosaic_ipw_for`` picks from ``sass``; with an H200
+    run (``measured``, ``sass90``), ``issue_calibrated_us``: the issue ceiling at the
+    efficiency that run reached (``mosaic_h200_efficiency``) against DRAM and MMA."""
+    from nvfp4_jax.gemm import mosaic
+
+    rows = []
+    for n, k in GEMM_SHAPES:
+        for m in GEMM_MS:
+            if m > mosaic.MAX_M:
+                continue
+            c = mosaic.config_for(m, n, k, MOSAIC_CC)
+            cfg = {kk: v for kk, v in c.__dict__.items() if kk != "measured"}
+            tt = mosaic.token_tile(m)
+            ipw, ipw_from, _ = mosaic_ipw_for(sass, m, n, k, cfg)
+            eff, ipw90, eff_from = mosaic_h200_efficiency(sass90 or [], measured, m, n, k, cfg)
+            partials = 0 if c.bf16_store else c.split_k * tt * n * 4
+            for gname, gpu in gpus.items():
+                if gname == "h200":
+                    continue
+                parts = fused_gemm(gpu, m, n, k, block_m=tt, ipw=ipw, mma="bf16")
+                t, lim = combine(parts)
+                t_b = bf16_gemm(gpu, m, n, k)
+                cal = None
+                if eff and ipw is not None:
+                    cal = max(parts["t_mem"], parts["t_mma"], parts["t_issue"] / eff)
+                rows.append({
+                    "label": LABEL, "gpu": gname, "N": n, "K": k, "M": m,
+                    "path": "Mosaic GPU W4A16, mma.sync form (decode to bf16, bf16 mma.sync)",
+                    "config": cfg, "token_tile": tt, "limiter": lim,
+                    "predicted_us": t * 1e6,
+                    "predicted_dram_fraction": parts["bytes"] / t / (gpu["dram_gbs"] * 1e9),
+                    "predicted_bf16_us": t_b * 1e6,
+                    "predicted_speedup_vs_bf16": t_b / t,
+                    **{f"predicted_{kk}_us": parts[kk] * 1e6
+                       for kk in ("t_mem", "t_mma", "t_issue")},
+                    "bytes": parts["bytes"], "partials_bytes": partials,
+                    "warp_instructions_per_weight": ipw, "ipw_from": ipw_from,
+                    "issue_budget_per_weight_at_85pct_dram": issue_budget_per_weight(
+                        gpu, ISSUE_GOAL_DRAM_FRACTION),
+                    "h200_issue_efficiency": eff,
+                    "h200_sm90_warp_instructions_per_weight": ipw90,
+                    "h200_efficiency_from": eff_from,
+                    "issue_calibrated_us": cal * 1e6 if cal else None,
+                })
+    return rows
+
+
 def touched_experts(e: int, k: int, t: int) -> float:
     """Expected experts hit by T tokens each routed to k distinct of E experts uniformly."""
     return e * (1.0 - (1.0 - k / e) ** t)
@@ -626,6 +827,57 @@ def load_measured(results: str) -> tuple[dict | None, str | None]:
     return None, None
 
 
+def _cell(r: dict) -> str:
+    """``us (limiter, % of DRAM bandwidth, x bf16)`` of a row."""
+    lim = {"DRAM": "D", "MMA": "M", "issue": "I"}.get(r["limiter"], "deq")
+    return (f"{r['predicted_us']:.0f} ({lim}, {100 * r['predicted_dram_fraction']:.0f} %, "
+            f"{r['predicted_speedup_vs_bf16']:.1f}x)")
+
+
+def mosaic_table(doc: dict) -> list[str]:
+    """The Markdown lines of the Mosaic mma.sync table (``doc["mosaic_sync_gemm"]``): per shape
+    and M <= 64 the tiles, the sm_120a count, per GPU ``us (limiter, % DRAM, x bf16)``, each
+    GPU's issue budget at ``ISSUE_GOAL_DRAM_FRACTION`` of DRAM and the H200-calibrated time."""
+    gnames = [g for g in doc["gpus"] if g != "h200"]
+    names = ", ".join(doc["gpus"][g]["name"] for g in gnames)
+    pct = f"{100 * ISSUE_GOAL_DRAM_FRACTION:.0f} %"
+    out = ["", "GEMM, W4A16 at M <= 64 on SM 12.x, the path nvfp4_jax.matmul(backend='auto') "
+           "runs there: the Mosaic GPU kernel's mma.sync form (decode to bf16, bf16 mma.sync; "
+           "tiles of mosaic.config_for(M, N, K, 120)), predictions, not measurements: us "
+           "(limiter D = DRAM, M = bf16 MMA, I = issue; % of DRAM bandwidth; x ideal bf16 GEMM); "
+           "tile = token tile x block_n x block_k, split_k, stages; instr/weight = the main "
+           "loop's warp-instructions per weight per token tile from ptxas on the kernel's "
+           f"dumped PTX (sm_120a, bench/results/{MOSAIC_SASS}), the record of the same token "
+           "tile and block_n ('*': none has both, the nearest token tile of the same block_n "
+           f"stands in, ipw_from in the JSON says which); budget = warp-instructions per weight "
+           f"each GPU issues while streaming weights at {pct} of DRAM bandwidth; H200 "
+           "efficiency = the same form's sm_90a warp-instructions / (its time measured on the "
+           "H200 x the H200's issue rate); calibrated = the issue ceiling at that efficiency "
+           "against DRAM and MMA, us, '-' where the H200 efficiency is not known", "",
+           "| N x K | M | tile | sm_120a instr/weight | "
+           + " | ".join(doc["gpus"][g]["name"] for g in gnames)
+           + f" | budget at {pct} ({names}) | H200 efficiency | calibrated ({names}) |",
+           "|---|---|---|---|" + "---|" * len(gnames) + "---|---|---|"]
+    by = {}
+    for r in doc.get("mosaic_sync_gemm", []):
+        by.setdefault((r["N"], r["K"], r["M"]), {})[r["gpu"]] = r
+    for (n, k, m), rs in by.items():
+        first = rs[gnames[0]]
+        c, ipw, eff = first["config"], first["warp_instructions_per_weight"], first[
+            "h200_issue_efficiency"]
+        star = "*" if first["ipw_from"].startswith("nearest") else ""
+        out.append(
+            f"| {n}x{k} | {m} | {first['token_tile']}x{c['block_n']}x{c['block_k']}, "
+            f"split {c['split_k']}, {c['num_stages']} st | "
+            + (f"{ipw:.3f}{star}" if ipw is not None else "none") + " | "
+            + " | ".join(_cell(rs[g]) for g in gnames) + " | "
+            + ", ".join(f"{rs[g]['issue_budget_per_weight_at_85pct_dram']:.2f}" for g in gnames)
+            + " | " + (f"{eff:.0%}" if eff is not None else "-") + " | "
+            + ", ".join(f"{rs[g]['issue_calibrated_us']:.0f}" if rs[g]["issue_calibrated_us"]
+                        else "-" for g in gnames) + " |")
+    return out
+
+
 def table(doc: dict) -> str:
     """Small Markdown tables for the docs: the GPUs, then per shape and M (T) the predicted
     time per GPU as ``us (limiter, % of DRAM bandwidth, x bf16)``."""
@@ -639,11 +891,6 @@ def table(doc: dict) -> str:
         out.append(f"| {v['name']} | {v['sms']} | {v['boost_ghz']} | {v['dram_gbs']:.0f} | "
                    f"{d['bf16_fp32acc_dense_tflops']:.0f} | {fp4} | "
                    f"{d['issue_budget_warp_instr_per_weight']:.2f} |")
-
-    def cell(r: dict) -> str:
-        lim = {"DRAM": "D", "MMA": "M", "issue": "I"}.get(r["limiter"], "deq")
-        return (f"{r['predicted_us']:.0f} ({lim}, {100 * r['predicted_dram_fraction']:.0f} %, "
-                f"{r['predicted_speedup_vs_bf16']:.1f}x)")
 
     head = " | ".join(doc["gpus"][g]["name"] for g in gnames)
     def cell4(r: dict) -> str:
@@ -666,7 +913,9 @@ def table(doc: dict) -> str:
         first = rs[gnames[0]]
         ipw = first["warp_instructions_per_weight"]
         out.append(f"| {n}x{k} | {m} | " + (f"{ipw:.3f}" if ipw is not None else "-") + " | "
-                   + " | ".join(cell(rs[g]) for g in gnames) + " |")
+                   + " | ".join(_cell(rs[g]) for g in gnames) + " |")
+    if doc.get("mosaic_sync_gemm"):
+        out += mosaic_table(doc)
     out += ["", "GEMM, W4A4 on SM 12.x (input_scale given: one launch quantizes x, then fp4mma "
             "runs the block-scaled FP4 mma.sync at the FP4 tensor rate): us (limiter D = DRAM, "
             "M = FP4 MMA, I = issue; % of DRAM bandwidth; x ideal bf16 GEMM); the quantize "
@@ -730,7 +979,7 @@ def table(doc: dict) -> str:
         ipws = ", ".join(f"{v:.3f}" if v is not None else "none"
                          for v in rs[gnames[0]]["warp_instructions_per_weight"])
         out.append(f"| {shape} | {t} | {rs[gnames[0]]['touched_experts']:.0f} | {ipws} | "
-                   + " | ".join(cell(rs[g]) for g in gnames) + " | "
+                   + " | ".join(_cell(rs[g]) for g in gnames) + " | "
                    + ", ".join(f"{rs[g]['bf16_mma_predicted_us']:.0f}" for g in gnames) + " |")
     return "\n".join(out)
 
@@ -743,6 +992,9 @@ def build(results: str) -> dict:
                  for g in ("gemm", "moe")}
     fp4_gemm, fp4_moe = (load_fp4_sass(fp4_paths[g]) for g in ("gemm", "moe"))
     measured, measured_from = load_measured(results)
+    mosaic_path = os.path.join(results, MOSAIC_SASS)
+    mosaic_sass, mosaic_sass90 = (load_mosaic_sass(mosaic_path, a) for a in ("sm_120a", "sm_90a"))
+    mosaic_measured, mosaic_measured_from = load_mosaic_measured(results)
     gpus = {g: v for g, v in GPUS.items()}
     derived = {g: {"bf16_fp32acc_dense_tflops": bf16_tflops(v), "fp4_dense_tflops": fp4_tflops(v),
                    "stream_gbs": stream_bps(v) / 1e9,
@@ -750,7 +1002,8 @@ def build(results: str) -> dict:
                for g, v in gpus.items()}
     return {
         "label": LABEL,
-        "what": "predicted time per shape of the SM12x path (Pallas-Triton GEMM and MoE); "
+        "what": "predicted time per shape of the SM12x path (Pallas-Triton GEMM and MoE; the "
+                "Mosaic GPU mma.sync GEMM that W4A16 runs at M <= 64); "
                 "bench/sm12x_model.py's docstring has the model",
         "gpus": gpus, "derived": derived, "assumptions": ASSUMPTIONS,
         "sass_source": os.path.relpath(sass_path, os.path.dirname(results) or "."),
@@ -763,6 +1016,10 @@ def build(results: str) -> dict:
         "calibration_source": measured_from,
         "gemm": gemm_rows(gpus, sass, measured, sass90, fp4_gemm),
         "moe": moe_rows(gpus, sass, fp4_moe),
+        "mosaic_sync_sass_source": os.path.relpath(mosaic_path, os.path.dirname(results) or "."),
+        "mosaic_sync_sass_records": mosaic_sass,
+        "mosaic_sync_calibration_source": mosaic_measured_from,
+        "mosaic_sync_gemm": mosaic_rows(gpus, mosaic_sass, mosaic_sass90, mosaic_measured),
     }
 
 

@@ -358,6 +358,17 @@ fma.rn.bf16x2 $0, t, c2, $4;
 # bf16 2^120 = 0x7B80, 2^119 = 0x7B00).
 
 
+def _byte_ptr(ptr, byte_off):
+    """``ptr`` (an LLVM pointer into shared memory) advanced by ``byte_off`` bytes (an i32
+    value), in the pointer's own address space: the address every inline_mgpu load here reads."""
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import arith, llvm
+
+    i64 = ir.IntegerType.get_signless(64)
+    return llvm.inttoptr(ptr.type, llvm.add(llvm.ptrtoint(i64, ptr), arith.extui(i64, byte_off),
+                                            overflow_flags=llvm.IntegerOverflowFlags.none))
+
+
 def _decode_fn(block_n: int, g: int, block_k: int = BLOCK_K, scale_stride: int | None = None,
                swizzled: bool = False, sync: bool = False):
     """inline_mgpu body: (codes_smem [block_n, block_k/2] u8, scales_smem [block_n, block_k/16]
@@ -384,7 +395,6 @@ def _decode_fn(block_n: int, g: int, block_k: int = BLOCK_K, scale_stride: int |
 
     def body(_launch_ctx, codes_ref, scales_ref):
         i32 = ir.IntegerType.get_signless(32)
-        i64 = ir.IntegerType.get_signless(64)
         bf16 = ir.BF16Type.get()
         v4i32 = ir.VectorType.get((4,), i32)
         v2bf16 = ir.VectorType.get((2,), bf16)
@@ -402,18 +412,9 @@ def _decode_fn(block_n: int, g: int, block_k: int = BLOCK_K, scale_stride: int |
         neg_zero = c32(0x80008000 - (1 << 32))  # -0.0 in both bf16 lanes (as signed i32)
         cptr = utils.memref_ptr(codes_ref)
         sptr = utils.memref_ptr(scales_ref)
-        ptr_ty = cptr.type
 
         def ld(ptr, byte_off, ty, align):
-            p = llvm.inttoptr(
-                ptr_ty,
-                llvm.add(
-                    llvm.ptrtoint(i64, ptr),
-                    arith.extui(i64, byte_off),
-                    overflow_flags=llvm.IntegerOverflowFlags.none,
-                ),
-            )
-            return llvm.load(ty, p, alignment=align)
+            return llvm.load(ty, _byte_ptr(ptr, byte_off), alignment=align)
 
         nblk = block_n // 64
         regs = np.empty((nblk, 16, 1, 1, 2, 1, 1, 1, 1), dtype=object)
@@ -491,7 +492,6 @@ def _x_fragment_fn(m_tile: int, block_k: int, g: int):
 
     def body(_launch_ctx, x_ref):
         i32 = ir.IntegerType.get_signless(32)
-        i64 = ir.IntegerType.get_signless(64)
         bf16 = ir.BF16Type.get()
         v2bf16 = ir.VectorType.get((2,), bf16)
 
@@ -514,12 +514,7 @@ def _x_fragment_fn(m_tile: int, block_k: int, g: int):
         for p in range(4):
             for nt in range(m_tile // 8):
                 tile = 1024 * (nt * tiles_k + 2 * g + p // 2)
-                off = arith.addi(row_off[p % 2], c32(tile))
-                ptr = llvm.inttoptr(
-                    xptr.type,
-                    llvm.add(llvm.ptrtoint(i64, xptr), arith.extui(i64, off),
-                             overflow_flags=llvm.IntegerOverflowFlags.none),
-                )
+                ptr = _byte_ptr(xptr, arith.addi(row_off[p % 2], c32(tile)))
                 quad = nvvm.ldmatrix(ptr, num=4, layout=nvvm.MMALayout.row, shape=shape,
                                      elt_type=nvvm.LdStMatrixEltType.B16)
                 for i in range(4):  # matrix i: chunk kc = 2p + i // 2, half i % 2

@@ -72,7 +72,10 @@ def run_gpu(out_dir: str, arch: tuple[int, int]) -> dict:
 def weights_per_warp_step(kw: dict) -> int:
     """Weights one warp decodes per pipeline step with MosaicConfig kwargs ``kw``: 16 rows of
     each 64-row block of ``block_n`` x ``block_k``."""
-    return 16 * (kw.get("block_n", 128) // 64) * kw.get("block_k", 256)
+    from nvfp4_jax.gemm.mosaic import MosaicConfig
+
+    cfg = MosaicConfig(**kw)
+    return 16 * (cfg.block_n // 64) * cfg.block_k
 
 
 def run_ptxas(ptx_dir: str, ptxas: str) -> list[dict]:
@@ -134,12 +137,13 @@ def main():
     if a.ptxas:
         ver = subprocess.run([a.ptxas_bin, "--version"], capture_output=True, text=True).stdout
         # the lowering run's header (date, commit, GPU, versions) where its JSON lies beside
-        lowered = [read for f in sorted(os.listdir(a.ptxas))
-                   if f.startswith("mosaic-sync-lowered-") and f.endswith(".json")
-                   for read in [json.load(open(os.path.join(a.ptxas, f)))]]
-        doc = {"ptxas": ver.strip().splitlines()[-1],
-               "lowered": {k: v for k, v in lowered[0].items() if k != "records"} if lowered
-               else None,
+        header = None
+        for f in sorted(os.listdir(a.ptxas)):
+            if f.startswith("mosaic-sync-lowered-") and f.endswith(".json"):
+                with open(os.path.join(a.ptxas, f)) as fh:
+                    header = {k: v for k, v in json.load(fh).items() if k != "records"}
+                break
+        doc = {"ptxas": ver.strip().splitlines()[-1], "lowered": header,
                "records": run_ptxas(a.ptxas, a.ptxas_bin)}
         path = os.path.join(a.out, "mosaic-sync-sm12x-ptxas.json")
     else:

@@ -234,6 +234,18 @@ def fused_gemm(gpu: dict, m: int, n: int, k: int, *, block_m: int, ipw: float | 
             "t_issue": t_issue}
 
 
+def issue_efficiency(tiles: int, n: int, k: int, ipw: float, us: float) -> float:
+    """The H200's achieved issue efficiency: a launch's main-loop warp-instructions (``tiles``
+    token tiles x N x K weights x ``ipw``) over (its measured ``us`` x the H200's issue rate)."""
+    return tiles * n * k * ipw / (us * 1e-6 * issue_per_s(GPUS["h200"]))
+
+
+def issue_calibrated(parts: dict, eff: float) -> float:
+    """A roofline's time (s) with its issue ceiling at efficiency ``eff`` (``fused_gemm``'s
+    ceilings), against DRAM and the MMA."""
+    return max(parts["t_mem"], parts["t_mma"], parts["t_issue"] / eff)
+
+
 def combine(parts: dict) -> tuple[float, str]:
     """(time, limiter) of a roofline: the slowest ceiling."""
     name = max(("t_mem", "t_mma", "t_issue"), key=lambda key: parts[key])
@@ -410,8 +422,7 @@ def h200_issue_efficiency(sass90: list[dict], measured: dict | None, m: int, n: 
     ipw, how = ipw_for(sass90, cfg)
     if not how.startswith("this config"):
         return None, None
-    instr = math.ceil(m / cfg["block_m"]) * n * k * ipw
-    return instr / (measured[(n, k, m)] * 1e-6 * issue_per_s(GPUS["h200"])), ipw
+    return issue_efficiency(math.ceil(m / cfg["block_m"]), n, k, ipw, measured[(n, k, m)]), ipw
 
 
 def fp4_w4a4(gpu: dict, m: int, n: int, k: int, cfg: dict, ipw: float | None,
@@ -428,7 +439,7 @@ def fp4_w4a4(gpu: dict, m: int, n: int, k: int, cfg: dict, ipw: float | None,
     t, lim = combine(parts)
     cal = None
     if eff and ipw is not None:
-        cal = t_quant + max(parts["t_mem"], parts["t_mma"], parts["t_issue"] / eff)
+        cal = t_quant + issue_calibrated(parts, eff)
     return {**parts, "t_quant": t_quant, "t": t_quant + t, "limiter": lim,
             "t_issue_calibrated": cal}
 
@@ -504,8 +515,7 @@ def gemm_rows(gpus: dict, sass: list[dict], measured: dict | None = None,
                     "issue_calibrated_us": None,
                 }
                 if eff and ipw is not None and "t_issue" in parts:
-                    row["issue_calibrated_us"] = 1e6 * max(
-                        parts["t_mem"], parts["t_mma"], parts["t_issue"] / eff)
+                    row["issue_calibrated_us"] = 1e6 * issue_calibrated(parts, eff)
                 if "t_mem" in parts:
                     row.update({f"predicted_{kk}_us": parts[kk] * 1e6
                                 for kk in ("t_mem", "t_mma", "t_issue")})
@@ -635,8 +645,7 @@ def mosaic_h200_efficiency(sass90: list[dict], measured: dict | None, m: int, n:
         ipw90, how, rec = mosaic_ipw_for(sass90, m, n, k, rc, nearest=False)
         if rec is None:
             continue
-        instr = math.ceil(m / token_tile(m)) * n * k * ipw90
-        eff = instr / (run["us"] * 1e-6 * issue_per_s(GPUS["h200"]))
+        eff = issue_efficiency(math.ceil(m / token_tile(m)), n, k, ipw90, run["us"])
         tiles = "these tiles" if same_tiles(run) else f"other tiles {run['config']}"
         return eff, ipw90, f"{run['from']}, {tiles}: {run['us']:.1f} us; {how}"
     return None, None, "no sm_90a record of the H200 run's token tile and block_n"
@@ -671,7 +680,7 @@ def mosaic_rows(gpus: dict, sass: list[dict], sass90: list[dict] | None = None,
                 t_b = bf16_gemm(gpu, m, n, k)
                 cal = None
                 if eff and ipw is not None:
-                    cal = max(parts["t_mem"], parts["t_mma"], parts["t_issue"] / eff)
+                    cal = issue_calibrated(parts, eff)
                 rows.append({
                     "label": LABEL, "gpu": gname, "N": n, "K": k, "M": m,
                     "path": "Mosaic GPU W4A16, mma.sync form (decode to bf16, bf16 mma.sync)",

@@ -161,7 +161,7 @@ def nvfp4_layer(activation, backend="pallas", config=None, **select):
     return layer
 
 
-def moe_kernel_used(impl: str, routes: int, hidden: int) -> str | None:
+def moe_kernel_used(impl: str, routes: int, hidden: int, experts: int) -> str | None:
     """The kernels an ``nvfp4_moe*`` impl runs on this device ("pallas" or "mosaic"), for the
     record; None where ``nvfp4_jax.moe`` would not run Pallas kernels."""
     from nvfp4_jax.moe.api import choose_backend
@@ -169,7 +169,8 @@ def moe_kernel_used(impl: str, routes: int, hidden: int) -> str | None:
     if jax.default_backend() != "gpu":
         return None
     try:
-        pick = choose_backend(MOE_IMPLS[impl][0]["backend"], None, routes=routes, hidden=hidden)
+        pick = choose_backend(MOE_IMPLS[impl][0]["backend"], None, routes=routes, hidden=hidden,
+                              experts=experts)
     except ValueError:
         return None
     return pick if pick in ("pallas", "mosaic") else None
@@ -680,7 +681,7 @@ def main():
                         rec["scale_layout"] = ((MOE_IMPLS[impl][1] or args.scale_layout)
                                                if impl in MOE_IMPLS else "linear")
                     if impl in MOE_IMPLS:
-                        rec["kernel"] = moe_kernel_used(impl, t * k, h)
+                        rec["kernel"] = moe_kernel_used(impl, t * k, h, e)
                         if padded:
                             rec["fc2_padded"] = True  # K zero-padded to a multiple of 256
                     records.append(rec)

@@ -602,6 +602,170 @@ def mosaic_ipw_for(sass: list[dict], m: int, n: int, k: int, cfg: dict, *,
                   "no issue ceiling"), None
 
 
+#: ptxas counts of the Mosaic MoE's grouped GEMMs in the mma.sync form (``bench/mosaic_sm12x.py
+#: --moe``: per case, FC1 and FC2 as ``moe(backend="auto")`` ran them with the device taken
+#: for SM 12.x)
+MOSAIC_MOE_SASS = "mosaic-sync-moe-sm12x-ptxas.json"
+#: token counts of the Mosaic MoE rows: decode, and the sizes around
+#: ``moe.mosaic.SM12X_ROUTES_PER_EXPERT`` (16 rows per expert: qwen3 T = 256)
+MOSAIC_MOE_TOKENS = (1, 8, 16, 64, 256, 512)
+
+
+def load_mosaic_moe_sass(path: str, arch: str = "sm_120a") -> list[dict]:
+    """[{shape, T, gemm, block_m, block_n, block_k, ipw, ptx}] of the Mosaic MoE's grouped
+    GEMMs (``MOSAIC_MOE_SASS``): the ``arch`` records that compiled and counted a main loop;
+    block_m is the case's token tile (the lowering run's ``lowered_cases``)."""
+    doc = read_json(path)
+    if doc is None:
+        return []
+    tiles = {(c["shape"], c["T"]): c.get("block_m") for c in doc.get("lowered_cases", [])}
+    out = []
+    for r in doc.get("records", []):
+        case, ipw = r.get("case") or {}, r.get("warp_instructions_per_weight")
+        if r.get("arch") != arch or r.get("rc", 0) != 0 or ipw is None or "shape" not in case:
+            continue
+        cfg = r.get("config") or {}
+        out.append({"shape": case["shape"], "T": case["T"], "gemm": r["gemm"],
+                    "block_m": tiles.get((case["shape"], case["T"])),
+                    "block_n": cfg.get("block_n"), "block_k": cfg.get("block_k"), "ipw": ipw,
+                    "ptx": r.get("ptx")})
+    return out
+
+
+def mosaic_moe_configs(shape: dict, t: int):
+    """(block_m, FC1 MosaicConfig, FC2 MosaicConfig) that ``moe(backend="auto")`` runs on
+    SM 12.x for ``shape`` (``MOE_SHAPES``) at T tokens: ``moe.mosaic.auto_config``, each GEMM
+    in its SM 12.x form (``for_sm12x``) with swizzled_128x4 weight scales (read per step: no
+    whole-K buffer)."""
+    from nvfp4_jax.gemm.mosaic import for_sm12x
+    from nvfp4_jax.moe import mosaic as moe_mosaic
+
+    e, h, i, k = shape["experts"], shape["hidden"], shape["inter"], shape["top_k"]
+    r = 2 * i if shape["gated"] else i
+    cfg = moe_mosaic.auto_config(t * k, e, hidden=h, rows1=r, inter=i)
+    return cfg.block_m, for_sm12x(cfg.fc1, cfg.block_m), for_sm12x(cfg.fc2, cfg.block_m)
+
+
+def mosaic_moe_ipw(moe_sass: list[dict], gemm_sass: list[dict], sname: str, t: int, gemm: str,
+                   bm: int, cfg: dict) -> tuple[float | None, str]:
+    """(warp-instructions per weight per token tile, where from) of one grouped GEMM of the
+    Mosaic MoE: its own record (same layer, T and GEMM) if dumped, else a MoE record of the
+    same token tile, block_n and block_k (the largest count), else the Mosaic GEMM's
+    (``mosaic_ipw_for`` at M = the token tile; the same decode and MMA loop)."""
+    tiles = (bm, cfg["block_n"], cfg["block_k"])
+    own = [r for r in moe_sass if (r["shape"], r["T"], r["gemm"]) == (sname, t, gemm)
+           and (r["block_m"], r["block_n"], r["block_k"]) == tiles]
+    if own:
+        return own[0]["ipw"], f"this GEMM: {own[0]['ptx']} ({sname} T={t} {gemm})"
+    same = [r for r in moe_sass if (r["block_m"], r["block_n"], r["block_k"]) == tiles]
+    if same:
+        r = max(same, key=lambda r: r["ipw"])
+        return r["ipw"], f"same tiles: {r['ptx']} ({r['shape']} T={r['T']} {r['gemm']})"
+    ipw, how, _ = mosaic_ipw_for(gemm_sass, bm, 1, 1, cfg)
+    return ipw, f"the Mosaic GEMM's count: {how}"
+
+
+def mosaic_moe_rows(gpus: dict, moe_sass: list[dict], gemm_sass: list[dict],
+                    fp4_rows: list[dict]) -> list[dict]:
+    """Per MoE layer, T (``MOSAIC_MOE_TOKENS``) and SM12x GPU: the Mosaic MoE with both
+    grouped GEMMs in the mma.sync form (``mosaic_moe_configs``; what ``moe(backend="auto")``
+    runs on SM 12.x up to ``SM12X_ROUTES_PER_EXPERT`` rows per expert), ``moe_layer`` on the
+    bf16 MMA with its sm_120a counts (``mosaic_moe_ipw``), beside the FP4-MMA Pallas-Triton
+    MoE of the same layer and T (``moe_rows``' ``fp4_rows``, where it has that T; else
+    computed here without issue counts, ``fp4_ipw_from`` says so)."""
+    from types import SimpleNamespace
+
+    from nvfp4_jax.moe.configs import default_config
+    from nvfp4_jax.moe.mosaic import SM12X_ROUTES_PER_EXPERT
+
+    fp4_by = {(r["shape"], r["T"], r["gpu"]): r for r in fp4_rows}
+    rows = []
+    for sname, s in MOE_SHAPES.items():
+        e, h, i, k = s["experts"], s["hidden"], s["inter"], s["top_k"]
+        for t in MOSAIC_MOE_TOKENS:
+            bm, c1, c2 = mosaic_moe_configs(s, t)
+            cfgs = {g: {kk: v for kk, v in c.__dict__.items() if kk != "measured"}
+                    for g, c in (("fc1", c1), ("fc2", c2))}
+            ns = SimpleNamespace(mma="bf16", **{g: SimpleNamespace(block_m=bm, **c)
+                                                for g, c in cfgs.items()})
+            per_expert = -(-t * k // max(1, min(e, t * k)))
+
+            def counts(gemm, c, sname=sname, t=t, bm=bm):
+                return mosaic_moe_ipw(moe_sass, gemm_sass, sname, t, gemm, bm, c)
+
+            for gname, gpu in gpus.items():
+                if gname == "h200":
+                    continue
+                total = moe_layer(gpu, s, t, ns, counts)
+                fp4 = fp4_by.get((sname, t, gname))
+                if fp4 is not None:
+                    fp4_us, fp4_lim, fp4_from = fp4["predicted_us"], fp4["limiter"], "moe rows"
+                else:
+                    c4 = default_config(t * k, e, inter=i, hidden=h, gated=s["gated"], mma="fp4")
+                    f4 = moe_layer(gpu, s, t, c4, lambda gemm, c: (None, "not counted"))
+                    fp4_us, fp4_lim = f4["t"] * 1e6, f4["limiter"]
+                    fp4_from = "no FP4 SASS count at these tiles: DRAM and MMA ceilings only"
+                rows.append({
+                    "label": LABEL, "gpu": gname, "shape": sname, "T": t,
+                    "path": "Mosaic MoE, grouped GEMMs in the mma.sync form (decode to bf16, "
+                            "bf16 mma.sync)",
+                    "routes_per_expert": per_expert,
+                    "auto_on_sm12x": "mosaic" if per_expert <= SM12X_ROUTES_PER_EXPERT else "pallas",
+                    "block_m": bm, "config": cfgs,
+                    "touched_experts": touched_experts(e, k, t),
+                    "limiter": total["limiter"], "predicted_us": total["t"] * 1e6,
+                    "predicted_dram_fraction": total["bytes"] / total["t"] / (gpu["dram_gbs"] * 1e9),
+                    **{f"predicted_{kk}_us": total[kk] * 1e6 for kk in ("t_mem", "t_mma", "t_issue")},
+                    "warp_instructions_per_weight": total["ipw"], "ipw_from": total["from"],
+                    "fp4_mma_moe_predicted_us": fp4_us, "fp4_mma_moe_limiter": fp4_lim,
+                    "fp4_ipw_from": fp4_from,
+                    "ratio_vs_fp4_mma_moe": total["t"] * 1e6 / fp4_us,
+                })
+    return rows
+
+
+def mosaic_moe_table(doc: dict) -> list[str]:
+    """The Markdown lines of the Mosaic MoE table (``doc["mosaic_sync_moe"]``)."""
+    gnames = [g for g in doc["gpus"] if g != "h200"]
+    names = ", ".join(doc["gpus"][g]["name"] for g in gnames)
+    out = ["", "Routed MoE layer (FC1 + FC2) on SM 12.x, the Mosaic MoE with both grouped GEMMs "
+           "in the mma.sync form (decode to bf16, bf16 mma.sync; moe.mosaic.auto_config's tiles "
+           "in their for_sm12x form), what moe(backend='auto') runs there up to "
+           "moe.mosaic.SM12X_ROUTES_PER_EXPERT routed rows per expert: us (limiter; % of DRAM "
+           "bandwidth) and / the FP4-MMA Pallas-Triton MoE's predicted time (the table above; "
+           "'*': at this T without its issue count); instr/weight = FC1, FC2 main-loop "
+           f"warp-instructions per weight (sm_120a, bench/results/{MOSAIC_MOE_SASS}; '*': "
+           "another case's count of the same tiles, or the Mosaic GEMM's, ipw_from in the JSON "
+           "says which); auto = the backend moe(backend='auto') picks there", "",
+           f"| MoE | T | rows per expert | auto | tiles (block_m; FC1, FC2 block_n / split) | "
+           f"instr/weight | {' | '.join(doc['gpus'][g]['name'] for g in gnames)} |",
+           "|---|---|---|---|---|---|" + "---|" * len(gnames)]
+    by = {}
+    for r in doc.get("mosaic_sync_moe", []):
+        by.setdefault((r["shape"], r["T"]), {})[r["gpu"]] = r
+    for (shape, t), rs in by.items():
+        first = rs[gnames[0]]
+        c = first["config"]
+        ipws = ", ".join(("none" if v is None else f"{v:.3f}") + ("" if how.startswith("this")
+                                                                  else "*")
+                         for v, how in zip(first["warp_instructions_per_weight"],
+                                           first["ipw_from"]))
+        lim = {"DRAM": "D", "MMA": "M", "issue": "I"}
+
+        def cell(r):
+            star = "" if r["fp4_ipw_from"] == "moe rows" else "*"
+            return (f"{r['predicted_us']:.0f} ({lim[r['limiter']]}, "
+                    f"{100 * r['predicted_dram_fraction']:.0f} %) / {r['fp4_mma_moe_predicted_us']:.0f}"
+                    f"{star} ({r['ratio_vs_fp4_mma_moe']:.2f}x)")
+
+        out.append(f"| {shape} | {t} | {first['routes_per_expert']} | {first['auto_on_sm12x']} | "
+                   f"{first['block_m']}; {c['fc1']['block_n']} / {c['fc1']['split_k']}, "
+                   f"{c['fc2']['block_n']} / {c['fc2']['split_k']} | {ipws} | "
+                   + " | ".join(cell(rs[g]) for g in gnames) + " |")
+    del names
+    return out
+
+
 def load_mosaic_measured(results: str) -> tuple[dict | None, str | None]:
     """({(N, K, M): [{us, config, from}]}, files) of the Mosaic kernel's mma.sync form measured
     on the H200 (``MOSAIC_H200_RUNS``, the preferred file's rows first): rows with a time and
@@ -990,6 +1154,8 @@ def table(doc: dict) -> str:
         out.append(f"| {shape} | {t} | {rs[gnames[0]]['touched_experts']:.0f} | {ipws} | "
                    + " | ".join(_cell(rs[g]) for g in gnames) + " | "
                    + ", ".join(f"{rs[g]['bf16_mma_predicted_us']:.0f}" for g in gnames) + " |")
+    if doc.get("mosaic_sync_moe"):
+        out += mosaic_moe_table(doc)
     return "\n".join(out)
 
 
@@ -1005,6 +1171,8 @@ def build(results: str) -> dict:
     mosaic_sass, mosaic_sass90 = (load_mosaic_sass(mosaic_path, a) for a in ("sm_120a", "sm_90a"))
     mosaic_measured, mosaic_measured_from = load_mosaic_measured(results)
     gpus = {g: v for g, v in GPUS.items()}
+    moe_rows_ = moe_rows(gpus, sass, fp4_moe)
+    moe_path = os.path.join(results, MOSAIC_MOE_SASS)
     derived = {g: {"bf16_fp32acc_dense_tflops": bf16_tflops(v), "fp4_dense_tflops": fp4_tflops(v),
                    "stream_gbs": stream_bps(v) / 1e9,
                    "issue_budget_warp_instr_per_weight": issue_budget_per_weight(v)}
@@ -1024,11 +1192,14 @@ def build(results: str) -> dict:
                              for kk in fp4_gemm + fp4_moe],
         "calibration_source": measured_from,
         "gemm": gemm_rows(gpus, sass, measured, sass90, fp4_gemm),
-        "moe": moe_rows(gpus, sass, fp4_moe),
+        "moe": moe_rows_,
         "mosaic_sync_sass_source": os.path.relpath(mosaic_path, os.path.dirname(results) or "."),
         "mosaic_sync_sass_records": mosaic_sass,
         "mosaic_sync_calibration_source": mosaic_measured_from,
         "mosaic_sync_gemm": mosaic_rows(gpus, mosaic_sass, mosaic_sass90, mosaic_measured),
+        "mosaic_sync_moe_sass_source": os.path.relpath(moe_path, os.path.dirname(results) or "."),
+        "mosaic_sync_moe": mosaic_moe_rows(gpus, load_mosaic_moe_sass(moe_path), mosaic_sass,
+                                           moe_rows_),
     }
 
 

@@ -185,9 +185,10 @@ def _is_stacked_param(v) -> bool:
 def stacks_read_in_place(backend: str, kind: str = "linear") -> bool:
     """Whether the NVFP4 kernels that ``backend`` picks for ``kind`` ("linear" or "moe") are
     the Pallas-Triton ones, which read a layer of a weight stack in place: ``"pallas"``; for
-    ``"auto"`` on a GPU other than sm_90, the MoE (SM12x: the FP4-MMA Triton MoE) and the
-    linears, except on SM12x with ``plgpu.mma`` (JAX >= 0.11), where decode-sized linears run
-    the Mosaic kernel's mma.sync form. A scan over stacked layers then closes over the weight
+    ``"auto"`` on a GPU other than sm_90, the MoE and the linears, except on SM12x with
+    ``plgpu.mma`` (JAX >= 0.11), where decode-sized linears and MoE layers run the Mosaic
+    kernels' mma.sync form (prefill-sized ones the Pallas-Triton kernels, on scanned slices).
+    A scan over stacked layers then closes over the weight
     stacks (:func:`strip_stacks`, :func:`weight_stacks`, :func:`join_stacks`): XLA copies a
     per-layer slice of a stack whole into every Pallas-Triton kernel that reads it, on every
     step (the Qwen3-30B-A3B decode step on that path: 14.2 ms, 8.4 of them copies;
@@ -199,7 +200,7 @@ def stacks_read_in_place(backend: str, kind: str = "linear") -> bool:
         return True
     if backend != "auto" or not on_gpu() or is_sm90():
         return False
-    return kind == "moe" or mosaic_unavailable(gpu_compute_capability()) is not None
+    return mosaic_unavailable(gpu_compute_capability()) is not None
 
 
 def weight_stacks(stacked) -> list:

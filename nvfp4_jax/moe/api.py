@@ -13,9 +13,12 @@ Backends (``backend=``, the same words as ``nvfp4_jax.matmul``):
   sm_90, or SM 12.x with ``plgpu.mma`` (JAX >= 0.11: the grouped GEMMs on ``mma.sync``,
   ``gemm.mosaic.for_sm12x``), H % 256 == 0; off the GPU an XLA emulation of the grouped GEMMs
   with the glue kernels in interpret mode (CPU tests);
-* ``"auto"``: on sm_90 "mosaic" up to ``mosaic.MAX_ROUTES`` routed rows (measured faster
-  there) unless a Pallas-Triton ``MoEConfig`` is given, "pallas" on other GPUs, "xla" off the
-  GPU. The choice is logged (``choose_backend``).
+* ``"auto"``: "mosaic" on sm_90 up to ``mosaic.MAX_ROUTES`` routed rows (measured faster
+  there) and on SM 12.x with ``plgpu.mma`` up to ``mosaic.SM12X_ROUTES_PER_EXPERT`` routed rows
+  per expert (decode: bf16 ``mma.sync`` is DRAM-bound there like the FP4 MMA, and the Mosaic
+  MoE's launches cost less), unless a Pallas-Triton ``MoEConfig`` is given; "pallas" on other
+  GPUs and beyond those sizes (on SM 12.x the FP4 MMA); "xla" off the GPU. The choice is logged
+  (``choose_backend``).
 """
 
 from __future__ import annotations
@@ -26,11 +29,18 @@ import jax
 import jax.numpy as jnp
 
 from .. import validate
-from ..device import gpu_compute_capability, is_sm90, on_gpu, pallas_interpret
+from ..device import gpu_compute_capability, is_sm12x, is_sm90, on_gpu, pallas_interpret
 from ..gemm.mosaic import unavailable as mosaic_unavailable
 from ..quantize import NVFP4Array
 from .configs import MoEConfig
-from .mosaic import BLOCK_K, MAX_ROUTES, MosaicMoEConfig, check_supported, moe_mosaic
+from .mosaic import (
+    BLOCK_K,
+    MAX_ROUTES,
+    SM12X_ROUTES_PER_EXPERT,
+    MosaicMoEConfig,
+    check_supported,
+    moe_mosaic,
+)
 from .pallas_triton import moe_pallas
 from .routing import ROUTINGS, select_experts
 from .select_kernel import select_fits, select_kernel
@@ -42,12 +52,15 @@ log = logging.getLogger(__name__)
 BACKENDS = ("auto", "mosaic", "pallas", "xla")
 
 
-def choose_backend(backend: str, config, *, routes: int, hidden: int) -> str:
-    """"mosaic", "pallas" or "xla" for ``moe`` (the choice of "auto" is logged).
+def choose_backend(backend: str, config, *, routes: int, hidden: int, experts: int) -> str:
+    """"mosaic", "pallas" or "xla" for ``moe`` with ``routes`` = T * top_k routed rows over
+    ``experts`` experts of hidden size ``hidden`` (the choice of "auto" is logged).
 
     "auto": "xla" off the GPU; on a GPU "mosaic" when ``config`` is None or a
-    ``MosaicMoEConfig``, the GPU is sm_90, ``routes <= mosaic.MAX_ROUTES`` and H % 256 == 0,
-    else "pallas". An explicit backend is checked against ``config`` and the device
+    ``MosaicMoEConfig``, H % 256 == 0 and either the GPU is sm_90 and ``routes <=
+    mosaic.MAX_ROUTES``, or it is SM 12.x, the Mosaic kernels run there (``plgpu.mma``, JAX >=
+    0.11) and the mean routed rows per expert ``routes / min(experts, routes)`` are at most
+    ``mosaic.SM12X_ROUTES_PER_EXPERT``; else "pallas". An explicit backend is checked against ``config`` and the device
     ("mosaic" off the GPU runs the kernels' XLA emulation, for CPU tests); raises ValueError
     naming the argument when it cannot run.
     """
@@ -72,16 +85,29 @@ def choose_backend(backend: str, config, *, routes: int, hidden: int) -> str:
         why, pick = "no GPU", "xla"
     elif isinstance(config, MoEConfig):
         why, pick = "explicit Pallas-Triton MoEConfig", "pallas"
-    elif not is_sm90():
-        why, pick = "not an sm_90 GPU", "pallas"
-    elif routes > MAX_ROUTES:
-        why, pick = f"T*k = {routes} routes > mosaic.MAX_ROUTES = {MAX_ROUTES}", "pallas"
     elif hidden % BLOCK_K:
         why, pick = f"H = {hidden} is not a multiple of {BLOCK_K}", "pallas"
+    elif is_sm90():
+        if routes > MAX_ROUTES:
+            why, pick = f"T*k = {routes} routes > mosaic.MAX_ROUTES = {MAX_ROUTES}", "pallas"
+        else:
+            log.info("nvfp4_jax.moe: backend auto -> mosaic (sm_90, %d routes <= %d)", routes,
+                     MAX_ROUTES)
+            return "mosaic"
+    elif is_sm12x():
+        cc = gpu_compute_capability()
+        per_expert = -(-routes // max(1, min(experts, routes)))
+        if (why := mosaic_unavailable(cc)) is not None:
+            pick = "pallas"
+        elif per_expert > SM12X_ROUTES_PER_EXPERT:
+            why, pick = (f"sm_{cc}: {per_expert} routed rows per expert > mosaic."
+                         f"SM12X_ROUTES_PER_EXPERT = {SM12X_ROUTES_PER_EXPERT}: the FP4 MMA"), "pallas"
+        else:
+            log.info("nvfp4_jax.moe: backend auto -> mosaic (sm_%d, grouped GEMMs on mma.sync: "
+                     "%d routed rows per expert <= %d)", cc, per_expert, SM12X_ROUTES_PER_EXPERT)
+            return "mosaic"
     else:
-        log.info("nvfp4_jax.moe: backend auto -> mosaic (sm_90, %d routes <= %d)", routes,
-                 MAX_ROUTES)
-        return "mosaic"
+        why, pick = "neither an sm_90 nor an SM 12.x GPU", "pallas"
     if isinstance(config, MosaicMoEConfig) and pick != "xla":
         raise ValueError(  # noqa: TRY004 - not a type error: the device or shape rules it out
             f"config: a MosaicMoEConfig was given but the Mosaic kernels cannot run ({why})")
@@ -218,7 +244,7 @@ def moe(
         if routing not in ROUTINGS:
             raise ValueError(f"routing: expected one of {ROUTINGS}, got {routing!r}")
         backend = choose_backend(backend, config, routes=hidden.shape[0] * top_k,
-                                 hidden=hidden.shape[1])
+                                 hidden=hidden.shape[1], experts=e)
         in_kernel = (routing == "softmax" and backend != "xla" and select_fits(e, top_k)
                      and hidden.shape[0] > 0)
         if in_kernel:  # softmax, top-k, renormalization and the finite-row check: one launch
@@ -243,7 +269,8 @@ def moe(
         valid = (topk_ids >= 0) & (topk_ids < e)
         topk_ids = jnp.where(valid, topk_ids, 0).astype(topk_ids.dtype)
         topk_weights = jnp.where(valid, topk_weights, jnp.nan).astype(topk_weights.dtype)
-        backend = choose_backend(backend, config, routes=topk_ids.size, hidden=hidden.shape[1])
+        backend = choose_backend(backend, config, routes=topk_ids.size, hidden=hidden.shape[1],
+                                 experts=e)
         in_kernel = False
     if not in_kernel:
         # a token whose hidden row holds NaN/Inf gets NaN router weights, so its output row is

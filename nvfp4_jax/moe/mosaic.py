@@ -34,7 +34,8 @@ requantization with ``G2[e]``, K permutation; ``epilogue.py``), FC2 (this kernel
 (``* alpha2[e]``, bf16 in trtllm_cutlass, router weight, fp32 top-k sum; ``combine.py``). When
 FC2 cannot run here (``check_supported``) it runs on Pallas-Triton
 (``pallas_triton.fc2_triton``), with the FC1 epilogue in XLA (the functions of ``xla.py``).
-``moe(backend="auto")`` picks ``moe_mosaic`` on sm_90 at decode sizes (``api.choose_backend``).
+``moe(backend="auto")`` picks ``moe_mosaic`` on sm_90 up to ``MAX_ROUTES`` routed rows and on
+SM 12.x up to ``SM12X_ROUTES_PER_EXPERT`` rows per expert (``api.choose_backend``).
 ``reference=True`` replaces the Mosaic kernel by an XLA emulation with the same inputs and
 output layout and runs the Pallas-Triton kernels in interpret mode (CPU tests of the dataflow
 around the kernel).
@@ -187,6 +188,23 @@ class MosaicMoEConfig:
 #: T = 512 / 4096: 1059 / 4592 us vs 1563 / 5258; qwen3 T = 512 / 4096: 315 / 1589 vs 514 /
 #: 1715). Beyond nemotron T = 4096 (90112 routes) it is unmeasured.
 MAX_ROUTES = 90112
+
+#: Mean routed rows per expert (T * top_k / min(E, T * top_k), the token tile
+#: ``default_config`` sizes from) up to which ``moe(backend="auto")`` runs the Mosaic MoE on
+#: SM 12.x, its grouped GEMMs on bf16 ``mma.sync`` (``gemm.mosaic.for_sm12x``); above it the
+#: Pallas-Triton MoE on the block-scaled FP4 MMA, which has 8x the bf16 tensor rate there.
+#: ``SM12X_ROUTES_PER_EXPERT_BASIS`` holds the numbers behind it.
+SM12X_ROUTES_PER_EXPERT = 16
+SM12X_ROUTES_PER_EXPERT_BASIS = (
+    "predicted (bench/sm12x_model.py, the grouped GEMMs' own sm_120a counts 0.112-0.143 "
+    "warp-instructions per weight; us on RTX 5090 / 5060 Ti / DGX Spark): up to 16 rows per "
+    "expert the layer on bf16 mma.sync is DRAM-bound and within 2 % of the FP4-MMA "
+    "Pallas-Triton MoE (qwen3 T=256, 16 rows: 227 / 908 / 1489 vs 222 / 887 / 1456); at 32 "
+    "rows it is bf16-MMA-bound on the GeForce cards (qwen3 T=512: 369 / 1631 / 1596 vs 233 / "
+    "932 / 1529). Measured, the same source on Hopper, no XLA flags: the Mosaic MoE on "
+    "mma.sync 0.98-1.03x the sm_90 Mosaic MoE (H200 T=1/8/64, H100 T=16/32/256), the "
+    "Pallas-Triton MoE 1.51-1.66x (H200) and 1.11-1.38x (H100) "
+    "(moe-candidates-h200.json, moe-candidates-h100-80gb-hbm3.json)")
 
 _NEMO = (512, 1024, 2688, 2688)  # (E, H, R, I)
 _QWEN = (128, 2048, 1536, 768)

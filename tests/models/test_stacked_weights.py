@@ -239,15 +239,15 @@ def test_decoder_scan_on_the_stacks_equals_the_scan_on_slices(name, monkeypatch)
 
 def test_which_stacks_are_read_in_place(monkeypatch):
     """``nn.stacks_read_in_place`` by device and kind: Pallas-Triton kernels read the stacks in
-    place; sm_90 keeps scanned slices for both; SM 12.x with ``plgpu.mma`` keeps them for the
-    (Mosaic) linears and reads in place for the (Triton) MoE; without it, both in place."""
+    place; sm_90 and SM 12.x with ``plgpu.mma`` (decode on the Mosaic kernels) keep scanned
+    slices for both; without it, both in place."""
     assert nn.stacks_read_in_place("pallas", "linear") and nn.stacks_read_in_place("pallas", "moe")
     assert not nn.stacks_read_in_place("xla", "moe")
     assert not nn.stacks_read_in_place("auto", "linear")  # the CPU: XLA's dots
     from nvfp4_jax.gemm import mosaic
 
     monkeypatch.setattr(nn, "on_gpu", lambda: True)
-    for cc, mma, want in ((90, True, (False, False)), (120, True, (False, True)),
+    for cc, mma, want in ((90, True, (False, False)), (120, True, (False, False)),
                           (120, False, (True, True)), (89, False, (True, True))):
         monkeypatch.setattr(nn, "is_sm90", lambda v=cc == 90: v)
         monkeypatch.setattr(nn, "gpu_compute_capability", lambda v=cc: v)

@@ -359,38 +359,64 @@ def test_public_api_backend_choice_is_logged(caplog):
 def test_choose_backend(monkeypatch):
     from nvfp4_jax.moe import api
 
-    assert api.choose_backend("pallas", MoEConfig(), routes=8, hidden=2048) == "pallas"
-    assert api.choose_backend("xla", None, routes=8, hidden=2048) == "xla"
+    assert api.choose_backend("pallas", MoEConfig(), routes=8, hidden=2048, experts=128) == "pallas"
+    assert api.choose_backend("xla", None, routes=8, hidden=2048, experts=128) == "xla"
     with pytest.raises(ValueError, match="^backend: expected one of"):
-        api.choose_backend("triton", None, routes=8, hidden=2048)
+        api.choose_backend("triton", None, routes=8, hidden=2048, experts=128)
     with pytest.raises(ValueError, match="^config: backend='pallas' takes a MoEConfig"):
-        api.choose_backend("pallas", MosaicMoEConfig(), routes=8, hidden=2048)
+        api.choose_backend("pallas", MosaicMoEConfig(), routes=8, hidden=2048, experts=128)
     with pytest.raises(ValueError, match="^config: backend='mosaic' takes a MosaicMoEConfig"):
-        api.choose_backend("mosaic", MoEConfig(), routes=8, hidden=2048)
+        api.choose_backend("mosaic", MoEConfig(), routes=8, hidden=2048, experts=128)
     # the device as each kind of machine reports it
     for gpu, sm90, want in ((False, False, "xla"), (True, False, "pallas"), (True, True, "mosaic")):
         monkeypatch.setattr(api, "on_gpu", lambda gpu=gpu: gpu)
         monkeypatch.setattr(api, "is_sm90", lambda sm90=sm90: sm90)
-        assert api.choose_backend("auto", None, routes=8, hidden=2048) == want
-    assert api.choose_backend("auto", MoEConfig(), routes=8, hidden=2048) == "pallas"
-    assert api.choose_backend("auto", None, routes=api.MAX_ROUTES + 1, hidden=2048) == "pallas"
-    assert api.choose_backend("auto", None, routes=8, hidden=2048 + 128) == "pallas"
+        assert api.choose_backend("auto", None, routes=8, hidden=2048, experts=128) == want
+    assert api.choose_backend("auto", MoEConfig(), routes=8, hidden=2048, experts=128) == "pallas"
+    assert api.choose_backend("auto", None, routes=api.MAX_ROUTES + 1, hidden=2048, experts=128) == "pallas"
+    assert api.choose_backend("auto", None, routes=8, hidden=2048 + 128, experts=128) == "pallas"
     with pytest.raises(ValueError, match="^config: a MosaicMoEConfig was given"):
-        api.choose_backend("auto", MosaicMoEConfig(), routes=api.MAX_ROUTES + 1, hidden=2048)
+        api.choose_backend("auto", MosaicMoEConfig(), routes=api.MAX_ROUTES + 1, hidden=2048, experts=128)
     monkeypatch.setattr(api, "is_sm90", lambda: False)
     with pytest.raises(ValueError, match="^backend: 'mosaic' needs an sm_90"):
-        api.choose_backend("mosaic", None, routes=8, hidden=2048)
-    # SM 12.x: the mma.sync form when asked for, with plgpu.mma (JAX >= 0.11); auto keeps
-    # the FP4-MMA Triton MoE
-    from nvfp4_jax.gemm import mosaic as gemm_mosaic
+        api.choose_backend("mosaic", None, routes=8, hidden=2048, experts=128)
 
-    monkeypatch.setattr(api, "gpu_compute_capability", lambda: 120)
+def test_choose_backend_on_sm12x(monkeypatch, caplog):
+    """SM 12.x: the mma.sync form when asked for, with plgpu.mma (JAX >= 0.11); auto runs it
+    up to SM12X_ROUTES_PER_EXPERT mean routed rows per expert (rounded up) and the FP4-MMA
+    Pallas-Triton MoE beyond, or without plgpu.mma; each choice logged with its reason."""
+    from nvfp4_jax.gemm import mosaic as gemm_mosaic
+    from nvfp4_jax.moe import api
+
+    monkeypatch.setattr(api, "on_gpu", lambda: True)
+    monkeypatch.setattr(api, "is_sm90", lambda: False)
+    monkeypatch.setattr(api, "is_sm12x", lambda: True)
+    monkeypatch.setattr(api, "gpu_compute_capability", lambda: 121)
     monkeypatch.setattr(gemm_mosaic, "has_mma_sync", lambda: False)
     with pytest.raises(ValueError, match=r"or SM 12.x with plgpu.mma \(JAX >= 0.11\)"):
-        api.choose_backend("mosaic", None, routes=8, hidden=2048)
+        api.choose_backend("mosaic", None, routes=8, hidden=2048, experts=128)
+    with caplog.at_level("INFO", logger="nvfp4_jax.moe.api"):
+        assert api.choose_backend("auto", None, routes=8, hidden=2048, experts=128) == "pallas"
+    assert "auto -> pallas (sm_121: the Mosaic kernels' SM 12.x form needs plgpu.mma" in caplog.text
     monkeypatch.setattr(gemm_mosaic, "has_mma_sync", lambda: True)
-    assert api.choose_backend("mosaic", None, routes=8, hidden=2048) == "mosaic"
-    assert api.choose_backend("auto", None, routes=8, hidden=2048) == "pallas"
+    assert api.choose_backend("mosaic", None, routes=8, hidden=2048, experts=128) == "mosaic"
+    per = api.SM12X_ROUTES_PER_EXPERT
+    for routes, experts, want in ((1, 128, "mosaic"), (8, 128, "mosaic"), (512, 128, "mosaic"),
+                                  (per * 128, 128, "mosaic"), (per * 128 + 1, 128, "pallas"),
+                                  (per * 8, 8, "mosaic"), (per * 8 + 1, 8, "pallas"),
+                                  (per, 512, "mosaic"), (per + 1, 512, "mosaic"),
+                                  (90112, 512, "pallas")):
+        caplog.clear()
+        with caplog.at_level("INFO", logger="nvfp4_jax.moe.api"):
+            got = api.choose_backend("auto", None, routes=routes, hidden=2048, experts=experts)
+        assert got == want, (routes, experts)
+        assert (f"auto -> {want} (sm_121" in caplog.text
+                and ("mma.sync" in caplog.text if want == "mosaic" else "the FP4 MMA" in caplog.text))
+    assert api.choose_backend("auto", MoEConfig(), routes=8, hidden=2048, experts=128) == "pallas"
+    assert api.choose_backend("auto", None, routes=8, hidden=2048 + 128, experts=128) == "pallas"
+    with pytest.raises(ValueError, match="^config: a MosaicMoEConfig was given"):
+        api.choose_backend("auto", MosaicMoEConfig(), routes=per * 128 + 1, hidden=2048,
+                           experts=128)
 
 
 def test_validation_names_the_argument():

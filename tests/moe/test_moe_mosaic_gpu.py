@@ -46,7 +46,8 @@ def _run(case, *, mode, activation, order="up_gate", config=None, backend="mosai
     act_scale = "scalar" if mode == "trtllm_cutlass" else "per_expert"
     args = to_jax(case)
     if backend == "auto":
-        backend = choose_backend("auto", config, routes=args[1].size, hidden=args[0].shape[1])
+        backend = choose_backend("auto", config, routes=args[1].size, hidden=args[0].shape[1],
+                                 experts=args[3].shape[0])
     fn = functools.partial(moe_mosaic if backend == "mosaic" else moe_pallas, activation=activation,
                            gate_up_order=order, mode=mode, activation_scale=act_scale,
                            config=config, return_intermediates=True)
@@ -423,6 +424,42 @@ def test_auto_sm90_qwen3_decode_entries_match_oracle(bucket, t, caplog):
     assert "converted to linear" not in caplog.text
     f = lambda a: np.asarray(a.astype(jnp.float32), np.float64)
     check_against_oracle(case, f(out), f(inter["h"]), mode="b12x", activation="swiglu")
+
+
+@pytest.mark.parametrize("arch", [(12, 0), (12, 1)])
+def test_moe_auto_on_sm12x_lowered_as_sm12x(arch, monkeypatch, caplog):
+    """``nvfp4_jax.moe(backend="auto")`` as an RTX 50xx (12.0) / DGX Spark (12.1) user calls
+    it at decode: ``choose_backend`` picks the Mosaic MoE (grouped GEMMs on mma.sync, within
+    99 KB), Mosaic lowers it as for SM 12.x and it runs on this GPU, within the oracle's bound
+    (qwen3-like swiglu at T = 4, nemotron-like relu2 with whole-K FC2 scales at T = 3)."""
+    import nvfp4_jax
+    from nvfp4_jax.gemm import mosaic as gemm_mosaic
+    from nvfp4_jax.moe import api
+    from nvfp4_jax.moe import mosaic as moe_mosaic_mod
+    from nvfp4_jax.testing import assert_moe_close, mosaic_lowered_as
+
+    if not gemm_mosaic.has_mma_sync():
+        pytest.skip(f"plgpu.mma needs JAX >= 0.11, this is {jax.__version__}")
+    cc = 10 * arch[0] + arch[1]
+    monkeypatch.setattr(api, "is_sm90", lambda: False)
+    monkeypatch.setattr(api, "is_sm12x", lambda: True)
+    monkeypatch.setattr(api, "gpu_compute_capability", lambda: cc)
+    monkeypatch.setattr(moe_mosaic_mod, "is_sm12x", lambda: True)
+    monkeypatch.setattr(gemm_mosaic, "is_sm12x", lambda: True)
+    for name, shape in (("qwen", {**QWEN, "t": 4, "e": 16, "k": 8}),
+                        ("nemotron", {**NEMO, "t": 3, "e": 24, "k": 6})):
+        case = make_case_fast(np.random.default_rng(cc + len(name)), **shape)
+        hidden, ids, wts, fc1, fc2, s1, s2 = to_jax(case)
+        act = shape["activation"]
+        caplog.clear()
+        with caplog.at_level("INFO", logger="nvfp4_jax.moe"), mosaic_lowered_as(arch):
+            out = jax.jit(lambda x, f1, f2, a1, a2, i, w, act=act: nvfp4_jax.moe(
+                x, fc1=f1, fc2=f2, fc1_input_scale=a1, fc2_input_scale=a2, topk_ids=i,
+                topk_weights=w, activation=act))(hidden, fc1, fc2, s1, s2, ids, wts)
+        assert f"auto -> mosaic (sm_{cc}, grouped GEMMs on mma.sync" in caplog.text
+        assert "grouped GEMMs on mma.sync (fc1" in caplog.text
+        assert_moe_close(np.asarray(out, np.float32), *case, activation=act,
+                         mode="trtllm_cutlass", label=f"{name} auto sm_{cc}")
 
 
 def test_moe_mosaic_sm12x_form_lowered_as_sm12x(monkeypatch, caplog):

@@ -50,10 +50,14 @@ def test_backend_choices_read_the_probe(monkeypatch):
 
     _fake(monkeypatch, "cpu", None)
     assert gemm_api.resolve_backend("auto") == "xla"
-    assert moe_api.choose_backend("auto", None, routes=8, hidden=1024) == "xla"
+    assert moe_api.choose_backend("auto", None, routes=8, hidden=1024, experts=128) == "xla"
     _fake(monkeypatch, "gpu", "9.0")
     monkeypatch.setattr(gemm_api, "register_sm12x_device_kinds", lambda: False)
     assert gemm_api.resolve_backend("auto") == "pallas"
-    assert moe_api.choose_backend("auto", None, routes=8, hidden=1024) == "mosaic"
+    assert moe_api.choose_backend("auto", None, routes=8, hidden=1024, experts=128) == "mosaic"
     _fake(monkeypatch, "gpu", "12.0")
-    assert moe_api.choose_backend("auto", None, routes=8, hidden=1024) == "pallas"
+    from nvfp4_jax.gemm.mosaic import has_mma_sync  # the Mosaic MoE's SM 12.x form: JAX >= 0.11
+
+    want = "mosaic" if has_mma_sync() else "pallas"
+    assert moe_api.choose_backend("auto", None, routes=8, hidden=1024, experts=128) == want
+    assert moe_api.choose_backend("auto", None, routes=4096, hidden=1024, experts=128) == "pallas"

@@ -14,8 +14,11 @@ function of fixed shape (one compile per recipe).
 
 from __future__ import annotations
 
+import glob
 import os
+import shutil
 import sys
+import tempfile
 
 import numpy as np
 from hypothesis import HealthCheck, settings
@@ -25,6 +28,34 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 for _path in (ROOT, os.path.join(ROOT, "bench")):
     if _path not in sys.path:
         sys.path.insert(0, _path)
+
+# ---------------------------------------------------------------------------------------
+# One persistent compilation cache per session (CPU hosts)
+# ---------------------------------------------------------------------------------------
+# Most of the suite's time is XLA:CPU compiling, and many programs are compiled more than
+# once: by both xdist workers, by every eager call of a Pallas kernel (``pl.pallas_call``
+# builds a new jitted function per call, so its in-memory cache never hits), after a
+# ``jax.clear_caches()``, and by the CLI and bench subprocesses, which start empty. JAX's
+# persistent cache serves each later compile of the same program (its key: the StableHLO
+# without locations, the compile options, backend, XLA flags and jaxlib version) from one
+# directory: the executable a compile would produce, so every check sees the same code.
+# The environment variables reach the xdist workers and the subprocesses the tests start.
+# The directory belongs to the session that creates it (the xdist controller, or a run
+# without xdist) and is removed at its end: no run reads another run's executables. A
+# directory given in JAX_COMPILATION_CACHE_DIR is used as it is; on a host with NVIDIA
+# devices the suite compiles as a user's process does (no cache).
+_OWN_CACHE_DIR = None
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ and not glob.glob("/dev/nvidia[0-9]*"):
+    _OWN_CACHE_DIR = tempfile.mkdtemp(prefix="nvfp4-jax-test-xla-cache-")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _OWN_CACHE_DIR
+    # every program, however quick to compile (eager ops take ~30 ms to compile, ~8 ms to load)
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
+
+
+def pytest_unconfigure(config):
+    if _OWN_CACHE_DIR is not None:
+        shutil.rmtree(_OWN_CACHE_DIR, ignore_errors=True)
 
 _SUPPRESS = [HealthCheck.too_slow, HealthCheck.data_too_large]
 settings.register_profile(

@@ -727,7 +727,6 @@ def mosaic_moe_rows(gpus: dict, moe_sass: list[dict], gemm_sass: list[dict],
 def mosaic_moe_table(doc: dict) -> list[str]:
     """The Markdown lines of the Mosaic MoE table (``doc["mosaic_sync_moe"]``)."""
     gnames = [g for g in doc["gpus"] if g != "h200"]
-    names = ", ".join(doc["gpus"][g]["name"] for g in gnames)
     out = ["", "Routed MoE layer (FC1 + FC2) on SM 12.x, the Mosaic MoE with both grouped GEMMs "
            "in the mma.sync form (decode to bf16, bf16 mma.sync; moe.mosaic.auto_config's tiles "
            "in their for_sm12x form), what moe(backend='auto') runs there up to "
@@ -740,29 +739,28 @@ def mosaic_moe_table(doc: dict) -> list[str]:
            f"| MoE | T | rows per expert | auto | tiles (block_m; FC1, FC2 block_n / split) | "
            f"instr/weight | {' | '.join(doc['gpus'][g]['name'] for g in gnames)} |",
            "|---|---|---|---|---|---|" + "---|" * len(gnames)]
+    lim = {"DRAM": "D", "MMA": "M", "issue": "I"}
+
+    def cell(r: dict) -> str:
+        star = "" if r["fp4_ipw_from"] == "moe rows" else "*"
+        return (f"{r['predicted_us']:.0f} ({lim[r['limiter']]}, "
+                f"{100 * r['predicted_dram_fraction']:.0f} %) / "
+                f"{r['fp4_mma_moe_predicted_us']:.0f}{star} ({r['ratio_vs_fp4_mma_moe']:.2f}x)")
+
     by = {}
     for r in doc.get("mosaic_sync_moe", []):
         by.setdefault((r["shape"], r["T"]), {})[r["gpu"]] = r
     for (shape, t), rs in by.items():
         first = rs[gnames[0]]
         c = first["config"]
-        ipws = ", ".join(("none" if v is None else f"{v:.3f}") + ("" if how.startswith("this")
-                                                                  else "*")
+        ipws = ", ".join(("none" if v is None else f"{v:.3f}")
+                         + ("" if how.startswith("this") else "*")
                          for v, how in zip(first["warp_instructions_per_weight"],
                                            first["ipw_from"]))
-        lim = {"DRAM": "D", "MMA": "M", "issue": "I"}
-
-        def cell(r):
-            star = "" if r["fp4_ipw_from"] == "moe rows" else "*"
-            return (f"{r['predicted_us']:.0f} ({lim[r['limiter']]}, "
-                    f"{100 * r['predicted_dram_fraction']:.0f} %) / {r['fp4_mma_moe_predicted_us']:.0f}"
-                    f"{star} ({r['ratio_vs_fp4_mma_moe']:.2f}x)")
-
         out.append(f"| {shape} | {t} | {first['routes_per_expert']} | {first['auto_on_sm12x']} | "
                    f"{first['block_m']}; {c['fc1']['block_n']} / {c['fc1']['split_k']}, "
                    f"{c['fc2']['block_n']} / {c['fc2']['split_k']} | {ipws} | "
                    + " | ".join(cell(rs[g]) for g in gnames) + " |")
-    del names
     return out
 
 

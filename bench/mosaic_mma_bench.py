@@ -4,12 +4,14 @@ and bf16 ``jnp.dot``, W4A16, on this GPU, interleaved rounds of ``gemm_bench.mak
 (in-graph, one call per weight copy, copies > 4x L2).
 
     python bench/mosaic_mma_bench.py --out $OUT [--shapes 28672x8192,...] [--ms 1,16,64]
-        [--pallas] [--sm12x]
+        [--pallas] [--sm12x | --sm90-tiles]
 
 Writes ``mosaic-mma-<gpu>.json`` (``gemm_bench.candidates_sweep``'s records): per shape and M
 each impl's median us, its rounds, x bf16, and its config. ``--sm12x``: instead every
 one-warpgroup ``mma.sync`` form that fits SM 12.x's 99 KB per CTA (``sm12x_candidates``; what
-``config_for(..., 120)`` picks among them), ``mosaic-sm12x-forms-<gpu>.json``.
+``config_for(..., 120)`` picks among them), ``mosaic-sm12x-forms-<gpu>.json``;
+``--sm90-tiles``: the wgmma tiles of ``sm90_candidates`` (shapes the sm_90 table lacks),
+``mosaic-sm90-tiles-<gpu>.json``.
 ``bench/mosaic_sm12x.py`` dumps and assembles the kernels' PTX for SM 12.x."""
 
 from __future__ import annotations
@@ -73,6 +75,26 @@ def sm12x_candidates(m, n, k):
     return [(label, cfg, mosaic_fn(cfg)) for label, cfg in out]
 
 
+def sm90_candidates(m, n, k):
+    """The wgmma tiles of the sm_90 table's space at (M, N, K), for shapes the table lacks:
+    ``config_for(m, n, k, 90)`` (what ``auto`` runs now) and every block_n 64 / 128 with
+    split_k 1, 2, 4, 8 (a divisor of the K steps), 2 stages (the table's best almost
+    everywhere), the bf16 store at split 1 (one launch fewer), and at the 8-token tile each
+    also with ``overlap``."""
+    mt = mosaic.token_tile(m)
+    picked = mosaic.config_for(m, n, k, 90)
+    out = [("mosaic_auto", picked)]
+    steps = k // mosaic.BLOCK_K
+    for bn, split, overlap in itertools.product((64, 128), (1, 2, 4, 8), (False, True)):
+        if steps % split or (overlap and mt != 8):
+            continue
+        c = mosaic.MosaicConfig(block_n=bn, split_k=split, num_stages=2, bf16_store=split == 1,
+                                overlap=overlap)
+        if c != picked:
+            out.append((f"wgmma_n{bn}_s{split}{'_ov' if overlap else ''}", c))
+    return [(label, cfg, mosaic_fn(cfg)) for label, cfg in out]
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="bench/results")
@@ -83,13 +105,17 @@ def main():
     p.add_argument("--pallas", action="store_true", help="also time backend='pallas'")
     p.add_argument("--sm12x", action="store_true",
                    help="time every one-warpgroup mma.sync form SM 12.x can run (sm12x_candidates)")
+    p.add_argument("--sm90-tiles", action="store_true",
+                   help="time the wgmma tiles of sm90_candidates (shapes the sm_90 table lacks)")
     a = p.parse_args()
     shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",") if s]
     ms = [int(v) for v in a.ms.split(",") if v]
-    name = "mosaic-sm12x-forms" if a.sm12x else "mosaic-mma"
+    name = ("mosaic-sm12x-forms" if a.sm12x else "mosaic-sm90-tiles" if a.sm90_tiles
+            else "mosaic-mma")
     path = os.path.join(a.out, f"{name}-{gpu_tag(jax.devices()[0].device_kind)}.json")
-    gb.candidates_sweep(path, shapes, ms, a.budget_s, repeats=a.repeats,
-                        candidates=sm12x_candidates if a.sm12x else candidates(a.pallas))
+    cands = (sm12x_candidates if a.sm12x else sm90_candidates if a.sm90_tiles
+             else candidates(a.pallas))
+    gb.candidates_sweep(path, shapes, ms, a.budget_s, repeats=a.repeats, candidates=cands)
     print(path)
 
 

@@ -165,3 +165,24 @@ def test_mosaic_mma_bench_sm12x_candidates_fit_99_kb():
     # at 64 tokens only block_n 64, block_k 256 and two stages fit (the x stage is 32 KB)
     big = {(c.block_n, c.block_k, c.num_stages) for _, c, _ in mb.sm12x_candidates(64, 28672, 8192)[1:]}
     assert big == {(64, 256, 2)}
+
+
+def test_mosaic_mma_bench_sm90_tiles_cover_the_table_space():
+    """``--sm90-tiles``: ``config_for(..., 90)`` first, then each wgmma form of block_n 64 / 128,
+    split_k 1, 2, 4, 8 dividing the K steps, 2 stages, the bf16 store exactly at split 1, and
+    overlap only at the 8-token tile; each once."""
+    mb = fresh("mosaic_mma_bench")
+    from nvfp4_jax.gemm import mosaic
+
+    for m, n, k in ((1, 5120, 2048), (1, 28672, 4096), (16, 6144, 4096)):
+        cands = mb.sm90_candidates(m, n, k)
+        labels = [label for label, _, _ in cands]
+        assert labels[0] == "mosaic_auto" and cands[0][1] == mosaic.config_for(m, n, k, 90)
+        cfgs = [cfg for _, cfg, _ in cands]
+        assert len(set(labels)) == len(labels) and len(set(cfgs)) == len(cfgs)
+        forms = {(c.block_n, c.split_k, c.overlap) for c in cfgs[1:]}
+        want = {(bn, s, ov) for bn in (64, 128) for s in (1, 2, 4, 8) for ov in (False, True)
+                if (k // 256) % s == 0 and (not ov or mosaic.token_tile(m) == 8)}
+        assert forms <= want and len(want - forms) <= 1  # config_for's own form is not repeated
+        for c in cfgs[1:]:
+            assert c.mma == "wgmma" and c.num_stages == 2 and c.bf16_store == (c.split_k == 1)

@@ -116,7 +116,8 @@ def run_gpu_moe(out_dir: str, arch: tuple[int, int]) -> dict:
         return oracle.NVFP4(o.codes[used], o.scales[used], d[used])
 
     cc = 10 * arch[0] + arch[1]
-    api.is_sm90, api.is_sm12x, api.gpu_compute_capability = (lambda: False), (lambda: True), (lambda: cc)
+    api.is_sm90, api.is_sm12x = (lambda: False), (lambda: True)
+    api.gpu_compute_capability = lambda: cc
     moe_mosaic_mod.is_sm12x = gemm_mosaic.is_sm12x = lambda: True
     converted = []
     for_sm12x = moe_mosaic_mod.for_sm12x
@@ -176,7 +177,8 @@ def run_gpu_moe(out_dir: str, arch: tuple[int, int]) -> dict:
                                  label=f"{sname} T={t} sm_{cc}")
                 rec["oracle"] = f"within bound ({len(used)} touched experts)"
             else:
-                rec["oracle"] = f"not checked (T > {ORACLE_MAX_T}); finite: {bool(np.isfinite(out).all())}"
+                finite = bool(np.isfinite(out).all())
+                rec["oracle"] = f"not checked (T > {ORACLE_MAX_T}); finite: {finite}"
         except Exception as exc:  # noqa: BLE001 - recorded
             rec["error"] = f"{type(exc).__name__}: {str(exc)[:600]}"
         print(json.dumps(rec), flush=True)

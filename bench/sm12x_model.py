@@ -710,12 +710,15 @@ def mosaic_moe_rows(gpus: dict, moe_sass: list[dict], gemm_sass: list[dict],
                     "path": "Mosaic MoE, grouped GEMMs in the mma.sync form (decode to bf16, "
                             "bf16 mma.sync)",
                     "routes_per_expert": per_expert,
-                    "auto_on_sm12x": "mosaic" if per_expert <= SM12X_ROUTES_PER_EXPERT else "pallas",
+                    "auto_on_sm12x": ("mosaic" if per_expert <= SM12X_ROUTES_PER_EXPERT
+                                      else "pallas"),
                     "block_m": bm, "config": cfgs,
                     "touched_experts": touched_experts(e, k, t),
                     "limiter": total["limiter"], "predicted_us": total["t"] * 1e6,
-                    "predicted_dram_fraction": total["bytes"] / total["t"] / (gpu["dram_gbs"] * 1e9),
-                    **{f"predicted_{kk}_us": total[kk] * 1e6 for kk in ("t_mem", "t_mma", "t_issue")},
+                    "predicted_dram_fraction": (total["bytes"] / total["t"]
+                                                / (gpu["dram_gbs"] * 1e9)),
+                    **{f"predicted_{kk}_us": total[kk] * 1e6
+                       for kk in ("t_mem", "t_mma", "t_issue")},
                     "warp_instructions_per_weight": total["ipw"], "ipw_from": total["from"],
                     "fp4_mma_moe_predicted_us": fp4_us, "fp4_mma_moe_limiter": fp4_lim,
                     "fp4_ipw_from": fp4_from,

@@ -60,9 +60,9 @@ def choose_backend(backend: str, config, *, routes: int, hidden: int, experts: i
     ``MosaicMoEConfig``, H % 256 == 0 and either the GPU is sm_90 and ``routes <=
     mosaic.MAX_ROUTES``, or it is SM 12.x, the Mosaic kernels run there (``plgpu.mma``, JAX >=
     0.11) and the mean routed rows per expert ``routes / min(experts, routes)`` are at most
-    ``mosaic.SM12X_ROUTES_PER_EXPERT``; else "pallas". An explicit backend is checked against ``config`` and the device
-    ("mosaic" off the GPU runs the kernels' XLA emulation, for CPU tests); raises ValueError
-    naming the argument when it cannot run.
+    ``mosaic.SM12X_ROUTES_PER_EXPERT``; else "pallas". An explicit backend is checked against
+    ``config`` and the device ("mosaic" off the GPU runs the kernels' XLA emulation, for CPU
+    tests); raises ValueError naming the argument when it cannot run.
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
@@ -100,8 +100,9 @@ def choose_backend(backend: str, config, *, routes: int, hidden: int, experts: i
         if (why := mosaic_unavailable(cc)) is not None:
             pick = "pallas"
         elif per_expert > SM12X_ROUTES_PER_EXPERT:
-            why, pick = (f"sm_{cc}: {per_expert} routed rows per expert > mosaic."
-                         f"SM12X_ROUTES_PER_EXPERT = {SM12X_ROUTES_PER_EXPERT}: the FP4 MMA"), "pallas"
+            pick = "pallas"
+            why = (f"sm_{cc}: {per_expert} routed rows per expert > mosaic."
+                   f"SM12X_ROUTES_PER_EXPERT = {SM12X_ROUTES_PER_EXPERT}: the FP4 MMA")
         else:
             log.info("nvfp4_jax.moe: backend auto -> mosaic (sm_%d, grouped GEMMs on mma.sync: "
                      "%d routed rows per expert <= %d)", cc, per_expert, SM12X_ROUTES_PER_EXPERT)

@@ -373,10 +373,12 @@ def test_choose_backend(monkeypatch):
         monkeypatch.setattr(api, "is_sm90", lambda sm90=sm90: sm90)
         assert api.choose_backend("auto", None, routes=8, hidden=2048, experts=128) == want
     assert api.choose_backend("auto", MoEConfig(), routes=8, hidden=2048, experts=128) == "pallas"
-    assert api.choose_backend("auto", None, routes=api.MAX_ROUTES + 1, hidden=2048, experts=128) == "pallas"
+    assert api.choose_backend("auto", None, routes=api.MAX_ROUTES + 1, hidden=2048,
+                              experts=128) == "pallas"
     assert api.choose_backend("auto", None, routes=8, hidden=2048 + 128, experts=128) == "pallas"
     with pytest.raises(ValueError, match="^config: a MosaicMoEConfig was given"):
-        api.choose_backend("auto", MosaicMoEConfig(), routes=api.MAX_ROUTES + 1, hidden=2048, experts=128)
+        api.choose_backend("auto", MosaicMoEConfig(), routes=api.MAX_ROUTES + 1, hidden=2048,
+                           experts=128)
     monkeypatch.setattr(api, "is_sm90", lambda: False)
     with pytest.raises(ValueError, match="^backend: 'mosaic' needs an sm_90"):
         api.choose_backend("mosaic", None, routes=8, hidden=2048, experts=128)
@@ -410,8 +412,8 @@ def test_choose_backend_on_sm12x(monkeypatch, caplog):
         with caplog.at_level("INFO", logger="nvfp4_jax.moe.api"):
             got = api.choose_backend("auto", None, routes=routes, hidden=2048, experts=experts)
         assert got == want, (routes, experts)
-        assert (f"auto -> {want} (sm_121" in caplog.text
-                and ("mma.sync" in caplog.text if want == "mosaic" else "the FP4 MMA" in caplog.text))
+        why = "mma.sync" if want == "mosaic" else "the FP4 MMA"
+        assert f"auto -> {want} (sm_121" in caplog.text and why in caplog.text
     assert api.choose_backend("auto", MoEConfig(), routes=8, hidden=2048, experts=128) == "pallas"
     assert api.choose_backend("auto", None, routes=8, hidden=2048 + 128, experts=128) == "pallas"
     with pytest.raises(ValueError, match="^config: a MosaicMoEConfig was given"):

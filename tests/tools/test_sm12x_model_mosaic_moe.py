@@ -71,7 +71,8 @@ def test_rows_run_the_configs_auto_runs_with_their_own_counts(sm, doc):
         s = sm.MOE_SHAPES[shape]
         bm, c1, c2 = sm.mosaic_moe_configs(s, t)
         assert r["block_m"] == bm
-        assert (r["config"]["fc1"]["block_n"], r["config"]["fc1"]["split_k"]) == (c1.block_n, c1.split_k)
+        fc1 = r["config"]["fc1"]
+        assert (fc1["block_n"], fc1["split_k"]) == (c1.block_n, c1.split_k)
         assert r["config"]["fc2"]["mma"] == "sync" and r["config"]["fc2"]["consumers"] == 1
         per = -(-t * s["top_k"] // min(s["experts"], t * s["top_k"]))
         assert r["routes_per_expert"] == per

@@ -108,7 +108,8 @@ def test_no_moe_row_lacks_an_issue_ceiling(model):
         assert all(h.startswith("same tiles: moe_fp4_") for h in r["ipw_from"])
     with open(os.path.join(RESULTS, "sm12x-predictions.md")) as f:
         sections = f.read().split("\n\n")
-    (section,) = [s for s in sections if s.startswith("Routed MoE layer (FC1 + FC2), Pallas-Triton")]
+    (section,) = [s for s in sections
+                  if s.startswith("Routed MoE layer (FC1 + FC2), Pallas-Triton")]
     table = sections[sections.index(section) + 1]
     moe_rows = [ln for ln in table.splitlines() if ln.startswith(("| qwen3_30b |", "| nemotron |"))]
     assert len(moe_rows) == len(model.MOE_SHAPES) * len(model.MOE_TOKENS)

@@ -2,8 +2,8 @@
 # GPU tests and both benchmarks on a GPU machine, each step under its own timeout; everything
 # lands under $OUT (run.log plus each tool's JSON/PNG/text).
 # Usage: NVFP4_COMMIT=<hash> STEPS="tests gemm moe" bash bench/run_gpu.sh
-# Steps: tests tests_ieee selftest gemm moe proxy qdiv e2e candidates mcand profile eprof ncu mncu
-# (default "tests gemm moe").
+# Steps: tests tests_ieee selftest gemm moe proxy qdiv e2e candidates mcand tiles sm12x profile
+# eprof ncu mncu (default "tests gemm moe").
 #   tests:   every test marked gpu (TEST_FILES: module names or paths,
 #            split at spaces; TEST_K: a pytest -k expression), without XLA flags as a user runs
 #            them; tests_ieee: the same with XLA's IEEE fp32 division flag; T_TESTS seconds.
@@ -26,6 +26,11 @@
 #   mcand:   bench/moe_bench.py --candidates, the Pallas-Triton MoE's tile/decode candidates
 #            against the Mosaic MoE (MCAND_SHAPES, MCAND_TOKENS narrow it; default qwen3_30b,
 #            nemotron at T = 1,8,64; MCAND_LABELS: only these candidates); T_MCAND seconds (420).
+#   tiles:   bench/mosaic_mma_bench.py --sm90-tiles, the wgmma tiles of shapes the sm_90 table
+#            lacks (TILES_SHAPES, default the Qwen3/Llama linears; TILES_MS, default 1); T_TILES (400).
+#   sm12x:   bench/mosaic_sm12x.py, the GEMM cases and (--moe) the MoE layers lowered as SM 12.0
+#            and checked against the oracle; their PTX in OUT/ptx-sm12x.tgz, for
+#            `--ptxas` here (sm_120a/121a counts); T_SM12X seconds per part (240).
 #   qdiv:    nvfp4_jax.quantize with its exact division vs XLA's plain one (gemm_bench.py
 #            --quantize-division; QDIV_SIZES: M x K list); T_QDIV seconds (120).
 #   profile: bench/moe_profile.py, per-kernel device time of one MoE layer (PROFILE_CASES).
@@ -103,6 +108,22 @@ for s in $STEPS; do
       env -u XLA_FLAGS timeout "${T_MCAND:-420}" python3 bench/moe_bench.py --candidates \
         --out "$OUT" --budget-s $((${T_MCAND:-420} - 60)) --shapes "${MCAND_SHAPES:-qwen3_30b,nemotron}" \
         --tokens "${MCAND_TOKENS:-1,8,64}" --labels "${MCAND_LABELS:-}" 2>&1 | grep -v Warning | tail -70 | tee -a "$OUT/run.log" ;;
+    tiles)
+      step "Mosaic wgmma tiles of the shapes the sm_90 table lacks (no XLA flags)"
+      env -u XLA_FLAGS timeout "${T_TILES:-400}" python3 bench/mosaic_mma_bench.py --sm90-tiles \
+        --out "$OUT" --budget-s $((${T_TILES:-400} - 80)) \
+        --shapes "${TILES_SHAPES:-2048x4096,5120x2048,6144x4096,28672x4096}" --ms "${TILES_MS:-1}" \
+        2>&1 | grep -v Warning | tail -70 | tee -a "$OUT/run.log" ;;
+    sm12x)
+      step "the Mosaic kernels lowered as SM 12.0: GEMM cases, then the MoE through auto"
+      for part in "" --moe; do
+        env -u XLA_FLAGS timeout "${T_SM12X:-240}" python3 bench/mosaic_sm12x.py --out "$OUT" \
+          $part 2>&1 | grep -v "Warning\|nvdisasm\|Source Location\|dump.cc\|^$" | tail -20 \
+          | tee -a "$OUT/run.log"
+      done
+      cp "$OUT/mosaic-sync-lowered-12.0.json" "$OUT/ptx-12.0/" 2>/dev/null
+      cp "$OUT/mosaic-sync-moe-lowered-12.0.json" "$OUT/ptx-moe-12.0/" 2>/dev/null
+      tar czf "$OUT/ptx-sm12x.tgz" -C "$OUT" ptx-12.0 ptx-moe-12.0 && rm -rf "$OUT/ptx-12.0" "$OUT/ptx-moe-12.0" ;;
     qdiv)
       step "quantize: exact division vs XLA's plain division (XLA_FLAGS='${XLA_FLAGS:-}')"
       timeout "${T_QDIV:-120}" python3 bench/gemm_bench.py --quantize-division --out "$OUT" \

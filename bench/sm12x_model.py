@@ -676,7 +676,7 @@ def mosaic_moe_rows(gpus: dict, moe_sass: list[dict], gemm_sass: list[dict],
     from types import SimpleNamespace
 
     from nvfp4_jax.moe.configs import default_config
-    from nvfp4_jax.moe.mosaic import SM12X_ROUTES_PER_EXPERT
+    from nvfp4_jax.moe.mosaic import SM12X_ROUTES_PER_EXPERT, routes_per_expert
 
     fp4_by = {(r["shape"], r["T"], r["gpu"]): r for r in fp4_rows}
     rows = []
@@ -688,7 +688,7 @@ def mosaic_moe_rows(gpus: dict, moe_sass: list[dict], gemm_sass: list[dict],
                     for g, c in (("fc1", c1), ("fc2", c2))}
             ns = SimpleNamespace(mma="bf16", **{g: SimpleNamespace(block_m=bm, **c)
                                                 for g, c in cfgs.items()})
-            per_expert = -(-t * k // max(1, min(e, t * k)))
+            per_expert = routes_per_expert(t * k, e)
 
             def counts(gemm, c, sname=sname, t=t, bm=bm):
                 return mosaic_moe_ipw(moe_sass, gemm_sass, sname, t, gemm, bm, c)

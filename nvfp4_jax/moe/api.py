@@ -40,6 +40,7 @@ from .mosaic import (
     MosaicMoEConfig,
     check_supported,
     moe_mosaic,
+    routes_per_expert,
 )
 from .pallas_triton import moe_pallas
 from .routing import ROUTINGS, select_experts
@@ -96,7 +97,7 @@ def choose_backend(backend: str, config, *, routes: int, hidden: int, experts: i
             return "mosaic"
     elif is_sm12x():
         cc = gpu_compute_capability()
-        per_expert = -(-routes // max(1, min(experts, routes)))
+        per_expert = routes_per_expert(routes, experts)
         if (why := mosaic_unavailable(cc)) is not None:
             pick = "pallas"
         elif per_expert > SM12X_ROUTES_PER_EXPERT:

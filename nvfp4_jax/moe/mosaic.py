@@ -295,6 +295,13 @@ WIDE_GLUE_ROUTES = 4096
 TOKEN_QUANT_ROUTES = 4096
 
 
+def routes_per_expert(routes: int, num_experts: int) -> int:
+    """Mean routed rows per expert that has any, rounded up: ``routes`` (T * top_k) over
+    min(E, routes) experts. ``default_config`` sizes its token tile from it and
+    ``api.choose_backend`` compares it with ``SM12X_ROUTES_PER_EXPERT``."""
+    return -(-routes // max(1, min(num_experts, routes)))
+
+
 def default_config(routes: int, num_experts: int, *, hidden: int, rows1: int, inter: int) -> MosaicMoEConfig:
     """Heuristic: blocks of the smallest token tile that holds the mean routed rows per touched
     expert (8 at decode, 16 or more when FC2 falls back to Pallas-Triton, at most 64), 128-row
@@ -306,7 +313,7 @@ def default_config(routes: int, num_experts: int, *, hidden: int, rows1: int, in
     token quantized once (``token_quant``, where the activation scale allows) from
     ``TOKEN_QUANT_ROUTES`` on."""
     lo = 8 if mosaic_plan(hidden, inter, n1=rows1, n2=hidden)[1] else 16
-    per_expert = -(-routes // max(1, min(num_experts, routes)))
+    per_expert = routes_per_expert(routes, num_experts)
     bm = next((t for t in TOKEN_TILES if t >= max(lo, per_expert)), TOKEN_TILES[-1])
     blocks = max(min(num_experts, routes), routes // bm)  # expected valid blocks
     ws_ok = routes >= WS_ROUTES

@@ -12,7 +12,7 @@ import os
 import re
 
 import pytest
-from bench_modules import RESULTS, fresh
+from bench_modules import RESULTS
 
 SHAPES = ((28672, 8192), (4096, 14336), (14336, 4096), (4096, 4096))
 GPUS = ("rtx_5090", "rtx_5060_ti", "dgx_spark_gb10")
@@ -53,16 +53,6 @@ def _rows(sm, path: str, measured: dict | None = None) -> dict:
     rows = sm.mosaic_rows(sm.GPUS, sm.load_mosaic_sass(path),
                           sm.load_mosaic_sass(path, "sm_90a"), measured)
     return {(r["gpu"], r["N"], r["K"], r["M"]): r for r in rows}
-
-
-@pytest.fixture(scope="module")
-def sm():
-    return fresh("sm12x_model")
-
-
-@pytest.fixture(scope="module")
-def doc(sm):
-    return sm.build(RESULTS)
 
 
 def test_stored_counts_are_the_records_of_config_for_tiles(doc):

@@ -12,7 +12,7 @@ import json
 import os
 
 import pytest
-from bench_modules import RESULTS, fresh
+from bench_modules import RESULTS
 
 GPUS = ("rtx_5090", "rtx_5060_ti", "dgx_spark_gb10")
 # RTX 5060 Ti: 36 SMs x 4 warp-instructions/clock x 2.572 GHz; 448 GB/s x 0.9 streamed
@@ -42,16 +42,6 @@ def _rows(sm, moe_path: str, gemm_records=()) -> dict:
     rows = sm.mosaic_moe_rows(sm.GPUS, sm.load_mosaic_moe_sass(moe_path),
                               sm.load_mosaic_sass(gemm_path), [])
     return {(r["gpu"], r["shape"], r["T"]): r for r in rows}
-
-
-@pytest.fixture(scope="module")
-def sm():
-    return fresh("sm12x_model")
-
-
-@pytest.fixture(scope="module")
-def doc(sm):
-    return sm.build(RESULTS)
 
 
 def test_rows_run_the_configs_auto_runs_with_their_own_counts(sm, doc):

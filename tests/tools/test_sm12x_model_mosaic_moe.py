@@ -71,6 +71,14 @@ def test_rows_run_the_configs_auto_runs_with_their_own_counts(sm, doc):
             assert r["warp_instructions_per_weight"] == [by[(shape, t, "fc1")],
                                                          by[(shape, t, "fc2")]]
             assert all(h.startswith("this GEMM") for h in r["ipw_from"])
+    # the tiles moe(backend="auto") ran when lowered as SM 12.0 (the stored lowering run's
+    # cases) are the rows' tiles
+    ran = [c for c in stored["lowered_cases"] if "error" not in c]
+    assert ran
+    for c in ran:
+        r = rows[(GPUS[0], c["shape"], c["T"])]
+        assert r["block_m"] == c["block_m"]
+        assert r["config"] == {"fc1": c["fc1_config"], "fc2": c["fc2_config"]}, c
 
 
 def test_threshold_is_where_the_model_puts_it(doc):

@@ -1,11 +1,13 @@
-"""A batch-1 decode step with XLA's attention on a slice of the KV cache (A) against
-``nvfp4_jax.attention.decode_attention`` reading the stacked cache in place (B), interleaved
-in one process: full depth, 1024 cached tokens, rounds of 32 steps (the first round dropped).
+"""A batch-1 decode step's attention three ways, interleaved in one process: XLA's attention on
+a slice of the KV cache (A); the q/k norms, RoPE and cache writes in XLA ops, then
+``nvfp4_jax.attention.decode_attention`` reading the stacked cache in place (B); all of it in
+``nvfp4_jax.attention.decode_qkv_attention``'s three launches (C, what the decoders run). Full
+depth, 1024 cached tokens, rounds of 32 steps (the first round dropped).
 
     python bench/decode_attention_ab.py --out "$OUT"      # $OUT/decode-attention-ab-h200.json
 
-Also reports the first step's logits difference between A and B (``--w4a16``: both W4A16, to
-see the attention's rounding alone, without FP4 code flips of W4A4 activations).
+Also reports the first step's logits difference of A and B against C (``--w4a16``: all
+W4A16, to see the attention's rounding alone, without FP4 code flips of W4A4 activations).
 """
 
 from __future__ import annotations
@@ -27,7 +29,28 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import e2e_bench as E  # noqa: E402
 from run_meta import run_metadata  # noqa: E402
 
+from nvfp4_jax import attention, nn  # noqa: E402
 from nvfp4_jax.models import decoder  # noqa: E402
+
+
+def xla_prologue(qkv, k_cache, v_cache, layer, start, *, num_heads, q_norm, k_norm, eps, rope,
+                 interpret):
+    """Arm B: ``decode_qkv_attention``'s first launch as the decoders' XLA ops (q/k RMSNorm,
+    RoPE, ``dynamic_update_slice`` into the caches), then ``decode_attention``."""
+    b, (kvh, d) = qkv.shape[0], k_cache.shape[3:]
+    q, k, v = jnp.split(qkv[:, None], [num_heads * d, (num_heads + kvh) * d], axis=-1)
+    q, k, v = q.reshape(b, 1, num_heads, d), k.reshape(b, 1, kvh, d), v.reshape(b, 1, kvh, d)
+    if q_norm is not None:
+        q, k = nn.rms_norm(q, q_norm, eps), nn.rms_norm(k, k_norm, eps)
+    if rope is not None:
+        tables = (rope[0][:, None], rope[1][:, None])
+        q, k = decoder.apply_rope(q, tables), decoder.apply_rope(k, tables)
+    at = (jnp.asarray(layer, jnp.int32), 0, start, 0, 0)
+    k_cache = jax.lax.dynamic_update_slice(k_cache, k[None], at)
+    v_cache = jax.lax.dynamic_update_slice(v_cache, v[None], at)
+    lengths = jnp.full((b,), start + 1, jnp.int32)
+    o = attention.decode_attention(q[:, 0], k_cache, v_cache, layer, lengths, interpret=interpret)
+    return o, k_cache, v_cache
 
 
 def main(argv=None) -> int:
@@ -39,7 +62,9 @@ def main(argv=None) -> int:
     ap.add_argument("--w4a16", action="store_true")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes (CPU smoke test)")
     args = ap.parse_args(argv)
-    real = decoder.runs_kernel
+    real, real_qkv = decoder.runs_kernel, decoder.decode_qkv_attention
+    arms = {"A_xla": (lambda *a: False, real_qkv), "B_xla_prologue": (real, xla_prologue),
+            "C_qkv_kernel": (real, real_qkv)}
     out = {**run_metadata(), "what": __doc__.split("\n\n")[0].replace("\n", " "),
            "settings": vars(args), "ms_per_step": {}, "logits_max_rel_diff": {}}
     for name in args.models.split(","):
@@ -50,8 +75,9 @@ def main(argv=None) -> int:
         model = E.build_model(cfg, "nvfp4")
         tok = jnp.zeros((1,), jnp.int32)
         fns, first = {}, {}
-        for label, rk in (("A_xla", lambda *a: False), ("B_kernel", real)):
-            decoder.runs_kernel = rk  # read when the step is traced, below
+        for label, (rk, qkv_fn) in arms.items():
+            # read when the step is traced, below
+            decoder.runs_kernel, decoder.decode_qkv_attention = rk, qkv_fn
             w4a4 = not args.w4a16
             f = jax.jit(lambda m, t, c, w4a4=w4a4: decoder._decode(m, t, c, w4a4=w4a4),
                         donate_argnums=2)  # a function of its own: a trace of its own
@@ -62,9 +88,11 @@ def main(argv=None) -> int:
                 v=jnp.asarray(rng.standard_normal(c0.v.shape, np.float32), jnp.bfloat16))
             first[label] = np.asarray(f(model, tok, c0)[0], np.float32)
             fns[label] = f
-        decoder.runs_kernel = real
-        a, b = first["A_xla"], first["B_kernel"]
-        out["logits_max_rel_diff"][name] = float(np.abs(a - b).max() / np.abs(a).max())
+        decoder.runs_kernel, decoder.decode_qkv_attention = real, real_qkv
+        c = first["C_qkv_kernel"]
+        out["logits_max_rel_diff"][name] = {
+            label: float(np.abs(first[label] - c).max() / np.abs(c).max())
+            for label in ("A_xla", "B_xla_prologue")}
         times = {label: [] for label in fns}
         for r in range(args.rounds + 1):
             for label, f in fns.items():

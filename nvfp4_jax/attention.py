@@ -31,7 +31,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from .device import on_gpu
-from .triton_ops import cdiv, div_rn, pow2
+from .triton_ops import bf16_rne, cdiv, div_rn, pow2
 from .validate import check_layer, is_concrete
 
 log = logging.getLogger(__name__)
@@ -195,6 +195,157 @@ def cache_attention(q: jax.Array, k: jax.Array, v: jax.Array, pos: jax.Array) ->
     return o.astype(jnp.bfloat16).reshape(b, t, nh, d)
 
 
+def _prologue_kernel(qkv_ref, qn_ref, kn_ref, cos_ref, sin_ref, layer_ref, start_ref, kin_ref,
+                     vin_ref,
+                     q_ref, meta_ref, k_ref, v_ref, *, n_layers: int, batch: int, capacity: int,
+                     kv_heads: int, d: int, g: int, gp: int, eps: float, norm: bool, rope: bool,
+                     exact_asm: bool):
+    """Program (b, h): the g query heads of kv head h and its k, v of sequence b's new token,
+    RMSNorm'd (``norm``) and rotated (``rope``) as ``nn.rms_norm`` and ``models.apply_rope``
+    round them; q into its zero-padded rows of the attention kernel's operand, k and v into
+    the caches (aliased) at (layer, b, start), clamped into the stack as XLA's
+    ``dynamic_update_slice`` clamps; the attention kernel's (layer, lengths) operand."""
+    del kin_ref, vin_ref  # aliased to k_ref, v_ref
+    b, h = pl.program_id(0), pl.program_id(1)
+    layer = jnp.minimum(jnp.maximum(layer_ref[0], 0), n_layers - 1)
+    pos = jnp.minimum(jnp.maximum(start_ref[0], 0), capacity - 1)
+    c = jnp.arange(d)
+    partner = (c + d // 2) % d  # rotate-half: column c takes -x[c + d/2] or x[c - d/2]
+    sign = jnp.where(c < d // 2, -1.0, 1.0).astype(jnp.float32)
+    nh = kv_heads * g
+
+    def heads(col0, rows: int, live, w_ref):
+        """[rows, d] fp32 values (bf16) of ``rows`` heads from column ``col0``, normed and
+        rotated; ``live`` masks the padding rows (zeros)."""
+        r = jnp.arange(rows)[:, None]
+
+        def load(cols):
+            v = plgpu.load(qkv_ref.at[b, col0 + r * d + cols[None, :]],
+                           mask=live[:, None], other=0.0)
+            return v.astype(jnp.float32)
+
+        x, xr = load(c), load(partner)
+        if norm:
+            inv = lax.rsqrt(jnp.sum(x * x, axis=1, keepdims=True) / d + eps)
+            w, wr = (plgpu.load(w_ref.at[cols]).astype(jnp.float32) for cols in (c, partner))
+            x = bf16_rne(w[None, :] * bf16_rne(x * inv, exact_asm), exact_asm)
+            xr = bf16_rne(wr[None, :] * bf16_rne(xr * inv, exact_asm), exact_asm)
+        if rope:
+            cs = plgpu.load(cos_ref.at[b, c])[None, :]
+            sn = plgpu.load(sin_ref.at[b, c])[None, :]
+            x = x * cs + (sign[None, :] * xr) * sn
+        return x
+
+    q = heads(h * g * d, gp, jnp.arange(gp) < g, qn_ref)
+    plgpu.store(q_ref.at[pl.ds((b * kv_heads + h) * gp, gp), :], q.astype(jnp.bfloat16))
+    one = jnp.arange(1) < 1
+    k = heads((nh + h) * d, 1, one, kn_ref)
+    v = plgpu.load(qkv_ref.at[b, (nh + kv_heads + h) * d + c])
+    row = (layer * batch + b) * capacity + pos
+    plgpu.store(k_ref.at[row, pl.ds(h * d, d)], k.reshape(d).astype(jnp.bfloat16))
+    plgpu.store(v_ref.at[row, pl.ds(h * d, d)], v)
+    meta_ref[0] = layer
+    meta_ref[1 + b] = pos + 1
+
+
+def decode_qkv_attention(qkv: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
+                         layer: jax.Array | int, start: jax.Array | int, *, num_heads: int,
+                         q_norm: jax.Array | None = None, k_norm: jax.Array | None = None,
+                         eps: float = 1e-6, rope: tuple[jax.Array, jax.Array] | None = None,
+                         interpret: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """A decode step's attention from its fused q/k/v projection, in three launches.
+
+    qkv: bf16 [B, (NH + 2 KVH) * D], the new token's q, k and v heads side by side (the
+    decoders' ``qkv_proj``); k_cache, v_cache: bf16 [L, B, S, KVH, D]; layer: int32 scalar;
+    start: int32 scalar, the new token's position (every sequence's). q_norm, k_norm: None or
+    bf16 [D], RMSNorm weights over each head (Qwen3; ``eps``); rope: None or (cos, sin) fp32
+    [B, D] of the position (``models.rope_tables``; rotate-half RoPE).
+
+    One Pallas-Triton launch norms and rotates the new token's q and k heads, writes k and v
+    into the caches at (layer, b, start) (in place: the caches are aliased), and lays out q
+    for :func:`decode_attention`'s kernels, which follow (two launches) with lengths
+    ``start + 1``: the values of ``nn.rms_norm``, ``models.apply_rope``,
+    ``lax.dynamic_update_slice`` and :func:`decode_attention` (the same roundings; the
+    RMSNorm's fp32 sum in another order). Out-of-range traced ``layer`` and ``start`` clamp
+    into the stack as ``dynamic_update_slice`` does.
+
+    Returns (bf16 [B, NH, D] attention output, k_cache, v_cache).
+    """
+    n_layers, b, s, kvh, d = k_cache.shape
+    if qkv.ndim != 2 or qkv.dtype != jnp.bfloat16 or qkv.shape != (b, (num_heads + 2 * kvh) * d):
+        raise ValueError(f"qkv: expected bf16 [B={b}, (NH + 2 KVH) * D = "
+                         f"{(num_heads + 2 * kvh) * d}], got {qkv.dtype} {qkv.shape}")
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if c.ndim != 5 or c.dtype != jnp.bfloat16 or c.shape != k_cache.shape:
+            raise ValueError(f"{name}: expected bf16 [L, B, S, KVH, D] {k_cache.shape}, got "
+                             f"{c.dtype} {c.shape}")
+    why = supported(d, num_heads, kvh)
+    if why:
+        raise ValueError(f"qkv: {why}")
+    if (q_norm is None) != (k_norm is None):
+        raise ValueError("q_norm, k_norm: give both RMSNorm weights or neither")
+    for name, w in (("q_norm", q_norm), ("k_norm", k_norm)):
+        if w is not None and (w.shape != (d,)):
+            raise ValueError(f"{name}: expected [D={d}], got {w.shape}")
+    if rope is not None:
+        for name, t in zip(("rope cos", "rope sin"), rope):
+            if t.shape != (b, d) or t.dtype != jnp.float32:
+                raise ValueError(f"{name}: expected fp32 [B={b}, D={d}], got {t.dtype} {t.shape}")
+    check_layer(layer, n_layers)
+    g = num_heads // kvh
+    gp = max(16, pow2(g))
+    ones = jnp.ones((d,), jnp.bfloat16)
+    zeros = jnp.zeros((b, d), jnp.float32)
+    cos, sin = rope if rope is not None else (zeros, zeros)
+    kernel = functools.partial(
+        _prologue_kernel, n_layers=n_layers, batch=b, capacity=s, kv_heads=kvh, d=d, g=g, gp=gp,
+        eps=float(eps), norm=q_norm is not None, rope=rope is not None, exact_asm=not interpret)
+    flat = (n_layers * b * s, kvh * d)
+    qp, meta, kc, vc = pl.pallas_call(
+        kernel, grid=(b, kvh), interpret=interpret, name="nvfp4_decode_qkv",
+        out_shape=(jax.ShapeDtypeStruct((b * kvh * gp, d), jnp.bfloat16),
+                   jax.ShapeDtypeStruct((1 + b,), jnp.int32),
+                   jax.ShapeDtypeStruct(flat, jnp.bfloat16),
+                   jax.ShapeDtypeStruct(flat, jnp.bfloat16)),
+        input_output_aliases={7: 2, 8: 3},
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+    )(qkv, ones if q_norm is None else q_norm, ones if k_norm is None else k_norm, cos, sin,
+      jnp.asarray(layer, jnp.int32).reshape(1), jnp.asarray(start, jnp.int32).reshape(1),
+      k_cache.reshape(flat), v_cache.reshape(flat))
+    o = _attend(qp, kc, vc, meta, n_layers=n_layers, batch=b, capacity=s, kv_heads=kvh, d=d,
+                g=g, gp=gp, interpret=interpret)
+    return o.reshape(b, num_heads, d), kc.reshape(k_cache.shape), vc.reshape(v_cache.shape)
+
+
+def _attend(qp, k_flat, v_flat, meta, *, n_layers: int, batch: int, capacity: int,
+            kv_heads: int, d: int, g: int, gp: int, interpret: bool) -> jax.Array:
+    """The attention kernel and its combine on a laid-out q (``[B * KVH * gp, D]``, each kv
+    head's g query heads then zero rows), the flattened caches and (layer, lengths):
+    bf16 [B * NH, D]."""
+    chunk = chunking(batch, kv_heads, capacity)
+    splits = cdiv(capacity, chunk)
+    rows = batch * kv_heads * splits * g
+    kernel = functools.partial(_kernel, n_layers=n_layers, batch=batch, capacity=capacity,
+                               kv_heads=kv_heads, d=d, g=g, gp=gp, chunk=chunk,
+                               scale=1.0 / math.sqrt(d))
+    # gp - g rows of slack: the last program's masked rows stay inside the buffer
+    out_shape = (jax.ShapeDtypeStruct((rows + gp - g, d), jnp.float32),
+                 jax.ShapeDtypeStruct((rows + gp - g,), jnp.float32),
+                 jax.ShapeDtypeStruct((rows + gp - g,), jnp.float32))
+    acc, m, l = pl.pallas_call(
+        kernel, out_shape=out_shape, grid=(batch * kv_heads, splits), interpret=interpret,
+        name="nvfp4_decode_attention",
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
+    )(qp, k_flat, v_flat, meta)
+    combine = functools.partial(_combine_kernel, splits=splits, g=g, d=d, n_rows=rows,
+                                exact_asm=not interpret)
+    return pl.pallas_call(
+        combine, out_shape=jax.ShapeDtypeStruct((batch * kv_heads * g, d), jnp.bfloat16),
+        grid=(batch * kv_heads,), interpret=interpret, name="nvfp4_decode_attention_combine",
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+    )(acc, m, l)
+
+
 def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer: jax.Array | int,
                      lengths: jax.Array, *, interpret: bool = False) -> jax.Array:
     """One query token per sequence against layer ``layer`` of a stacked KV cache, in place.
@@ -218,30 +369,11 @@ def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer
         raise ValueError(f"q: {why}")
     g = nh // kvh
     gp = max(16, pow2(g))  # an MMA's M: the group's rows, zero-padded
-    chunk = chunking(b, kvh, s)
-    splits = cdiv(s, chunk)
     qp = jnp.pad(q.reshape(b * kvh, g, d), ((0, 0), (0, gp - g), (0, 0))).reshape(-1, d)
     meta = jnp.concatenate([jnp.asarray(layer, jnp.int32).reshape(1),
                             lengths.astype(jnp.int32)])
-    rows = b * kvh * splits * g
-    kernel = functools.partial(_kernel, n_layers=n_layers, batch=b, capacity=s, kv_heads=kvh,
-                               d=d, g=g, gp=gp, chunk=chunk, scale=1.0 / math.sqrt(d))
-    # gp - g rows of slack: the last program's masked rows stay inside the buffer
-    out_shape = (jax.ShapeDtypeStruct((rows + gp - g, d), jnp.float32),
-                 jax.ShapeDtypeStruct((rows + gp - g,), jnp.float32),
-                 jax.ShapeDtypeStruct((rows + gp - g,), jnp.float32))
-    acc, m, l = pl.pallas_call(
-        kernel, out_shape=out_shape, grid=(b * kvh, splits), interpret=interpret,
-        name="nvfp4_decode_attention",
-        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
-    )(qp, k_cache.reshape(n_layers * b * s, kvh * d), v_cache.reshape(n_layers * b * s, kvh * d),
-      meta)
-    combine = functools.partial(_combine_kernel, splits=splits, g=g, d=d, n_rows=rows,
-                                exact_asm=not interpret)
-    o = pl.pallas_call(
-        combine, out_shape=jax.ShapeDtypeStruct((b * nh, d), jnp.bfloat16), grid=(b * kvh,),
-        interpret=interpret, name="nvfp4_decode_attention_combine",
-        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
-    )(acc, m, l)
+    flat = (n_layers * b * s, kvh * d)
+    o = _attend(qp, k_cache.reshape(flat), v_cache.reshape(flat), meta, n_layers=n_layers,
+                batch=b, capacity=s, kv_heads=kvh, d=d, g=g, gp=gp, interpret=interpret)
     return o.reshape(b, nh, d)
 

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import nn
-from ..attention import cache_attention, decode_attention, runs_kernel
+from ..attention import cache_attention, decode_qkv_attention, runs_kernel
 from ..device import pallas_interpret
 from ..quantize import NVFP4Array
 
@@ -97,12 +97,20 @@ def rope_inv_freq(cfg: DecoderConfig) -> np.ndarray:
     return np.where(medium, smoothed, scaled).astype(np.float32)
 
 
-def apply_rope(x: jax.Array, pos: jax.Array, inv_freq: jax.Array) -> jax.Array:
-    """Rotate-half RoPE: x bf16 [B, T, heads, D], pos int32 [B, T] -> bf16 (fp32 arithmetic)."""
+def rope_tables(pos: jax.Array, inv_freq: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(cos, sin) fp32 [B, T, D] of positions ``pos`` int32 [B, T], rounded to bf16 (HF's
+    rotary embedding in the activations' dtype): computed once per forward, for every layer."""
     ang = pos.astype(jnp.float32)[..., None] * inv_freq  # [B, T, D/2]
-    emb = jnp.concatenate([ang, ang], axis=-1)[:, :, None, :]
-    cos = jnp.cos(emb).astype(x.dtype).astype(jnp.float32)
-    sin = jnp.sin(emb).astype(x.dtype).astype(jnp.float32)
+    emb = jnp.concatenate([ang, ang], axis=-1)
+    cos = jnp.cos(emb).astype(jnp.bfloat16).astype(jnp.float32)
+    sin = jnp.sin(emb).astype(jnp.bfloat16).astype(jnp.float32)
+    return cos, sin
+
+
+def apply_rope(x: jax.Array, rope: tuple[jax.Array, jax.Array]) -> jax.Array:
+    """Rotate-half RoPE: x bf16 [B, T, heads, D], ``rope`` = :func:`rope_tables` -> bf16 (fp32
+    arithmetic)."""
+    cos, sin = (t[:, :, None, :] for t in rope)
     xf = x.astype(jnp.float32)
     h = x.shape[-1] // 2
     rot = jnp.concatenate([-xf[..., h:], xf[..., :h]], axis=-1)
@@ -114,29 +122,42 @@ def apply_rope(x: jax.Array, pos: jax.Array, inv_freq: jax.Array) -> jax.Array:
 # --------------------------------------------------------------------------------------
 
 def attention(cfg: DecoderConfig, p: dict, x: jax.Array, pos: jax.Array, k_all: jax.Array,
-              v_all: jax.Array, li, start: jax.Array, inv_freq: jax.Array | None, backend: str,
+              v_all: jax.Array, li, start: jax.Array, rope: tuple | None, backend: str,
               w4a4: bool, ablate: frozenset = frozenset()):
     """GQA attention of one layer. x bf16 [B, T, H] at positions ``pos`` int32 [B, T]
     (start..start+T-1); caches bf16 [L, B, S, KVH, D], this layer's index ``li``; ``cfg``:
-    any config with num_heads, num_kv_heads, head_dim, qk_norm, rms_norm_eps. ``inv_freq``:
-    RoPE frequencies, or None for attention without RoPE (Nemotron-H). Returns (out bf16
-    [B, T, H], k_all, v_all), the caches updated in place."""
+    any config with num_heads, num_kv_heads, head_dim, qk_norm, rms_norm_eps. ``rope``:
+    :func:`rope_tables` of ``pos``, or None for attention without RoPE (Nemotron-H). Returns
+    (out bf16 [B, T, H], k_all, v_all), the caches updated in place.
+
+    A decode step (T = 1) where ``attention.runs_kernel`` says so runs
+    ``attention.decode_qkv_attention`` on the q/k/v projection: three launches from it to the
+    attention output (q/k norms, RoPE, the cache writes and the attention itself)."""
     b, t, _ = x.shape
     nh, kvh, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     lin = _linear_or_stub(ablate, backend, w4a4)
     if "qkv_proj" in p:  # one GEMM (fuse_projections)
-        q, k, v = jnp.split(lin(p["qkv_proj"], x), [nh * d, (nh + kvh) * d], axis=-1)
+        qkv = lin(p["qkv_proj"], x)
     else:
-        q, k, v = (lin(p[n], x) for n in ("q_proj", "k_proj", "v_proj"))
+        qkv = jnp.concatenate([lin(p[n], x) for n in ("q_proj", "k_proj", "v_proj")], axis=-1)
+    if t == 1 and "attention" not in ablate and runs_kernel(backend, d, nh, kvh):
+        o, k_all, v_all = decode_qkv_attention(
+            qkv[:, 0], k_all, v_all, li, start, num_heads=nh,
+            q_norm=p["q_norm"] if cfg.qk_norm else None,
+            k_norm=p["k_norm"] if cfg.qk_norm else None, eps=cfg.rms_norm_eps,
+            rope=None if rope is None else (rope[0][:, 0], rope[1][:, 0]),
+            interpret=pallas_interpret())
+        return lin(p["o_proj"], o.reshape(b, 1, nh * d)), k_all, v_all
+    q, k, v = jnp.split(qkv, [nh * d, (nh + kvh) * d], axis=-1)
     q = q.reshape(b, t, nh, d)
     k = k.reshape(b, t, kvh, d)
     v = v.reshape(b, t, kvh, d)
     if cfg.qk_norm:
         q = nn.rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
         k = nn.rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
-    if inv_freq is not None:
-        q = apply_rope(q, pos, inv_freq)
-        k = apply_rope(k, pos, inv_freq)
+    if rope is not None:
+        q = apply_rope(q, rope)
+        k = apply_rope(k, rope)
     if "attention" in ablate:  # no RoPE, cache or attention core: q + k + v stand in
         o = (q + jnp.repeat(k + v, nh // kvh, axis=2)).reshape(b, t, nh * d)
         return lin(p["o_proj"], o), k_all, v_all
@@ -144,10 +165,6 @@ def attention(cfg: DecoderConfig, p: dict, x: jax.Array, pos: jax.Array, k_all: 
     at = (jnp.asarray(li, jnp.int32), zero, start, zero, zero)
     k_all = jax.lax.dynamic_update_slice(k_all, k[None], at)
     v_all = jax.lax.dynamic_update_slice(v_all, v[None], at)
-    if t == 1 and runs_kernel(backend, d, nh, kvh):  # the cache read in place
-        o = decode_attention(q[:, 0], k_all, v_all, li, pos[:, 0] + 1,
-                             interpret=pallas_interpret())
-        return lin(p["o_proj"], o.reshape(b, 1, nh * d)), k_all, v_all
     kc = jax.lax.dynamic_index_in_dim(k_all, li, axis=0, keepdims=False)
     vc = jax.lax.dynamic_index_in_dim(v_all, li, axis=0, keepdims=False)
     o = cache_attention(q, kc, vc, pos).reshape(b, t, nh * d)
@@ -182,9 +199,9 @@ def _mlp(p: dict, x: jax.Array, backend: str, w4a4: bool,
     return lin(p["down_proj"], h)
 
 
-def _layer(cfg, p, x, pos, k_all, v_all, li, start, inv_freq, backend, w4a4, ablate):
+def _layer(cfg, p, x, pos, k_all, v_all, li, start, rope, backend, w4a4, ablate):
     h = nn.rms_norm(x, p["input_layernorm"], cfg.rms_norm_eps)
-    a, k_all, v_all = attention(cfg, p["self_attn"], h, pos, k_all, v_all, li, start, inv_freq,
+    a, k_all, v_all = attention(cfg, p["self_attn"], h, pos, k_all, v_all, li, start, rope,
                                 backend, w4a4, ablate)
     x = x + a
     h = nn.rms_norm(x, p["post_attention_layernorm"], cfg.rms_norm_eps)
@@ -444,13 +461,13 @@ def forward(model: Model, tokens: jax.Array, cache: KVCache, *, backend: str = "
     check_cache_room(t, cache.k.shape[2])
     start = cache.length
     pos = jnp.broadcast_to(start + jnp.arange(t, dtype=jnp.int32), (b, t))
-    inv_freq = jnp.asarray(rope_inv_freq(cfg))
+    rope = rope_tables(pos, jnp.asarray(rope_inv_freq(cfg)))
     x = model.embed[tokens]
     k_all, v_all = cache.k, cache.v
     li = 0
     for kind, g in zip(model.group_kinds, model.groups):
         if kind == "one":
-            x, k_all, v_all = _layer(cfg, g, x, pos, k_all, v_all, li, start, inv_freq,
+            x, k_all, v_all = _layer(cfg, g, x, pos, k_all, v_all, li, start, rope,
                                      backend, w4a4, ablate)
             li += 1
         else:
@@ -461,7 +478,7 @@ def forward(model: Model, tokens: jax.Array, cache: KVCache, *, backend: str = "
                 p, i = xs
                 if stacks is not None:
                     p = nn.join_stacks(p, stacks, i - li)
-                x, k_all, v_all = _layer(cfg, p, x, pos, k_all, v_all, i, start, inv_freq,
+                x, k_all, v_all = _layer(cfg, p, x, pos, k_all, v_all, i, start, rope,
                                          backend, w4a4, ablate)
                 return (x, k_all, v_all), None
 

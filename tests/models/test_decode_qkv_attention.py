@@ -1,0 +1,202 @@
+"""``nvfp4_jax.attention.decode_qkv_attention``: a decode step's attention from the fused q/k/v
+projection (q/k RMSNorm, RoPE, the cache writes and the attention in three launches).
+
+References: the decoders' XLA ops for the same step (``nn.rms_norm``, ``models.apply_rope`` on
+``models.rope_tables``, ``lax.dynamic_update_slice`` into the caches): interpreted (CPU) bit for
+bit on the caches and on q, the attention output against float64 attention over those caches
+(``oracle.decode_attention_error_bound``). Compiled (GPU, run_gpu.sh's ``tests`` step), the
+kernel's RMSNorm sums in another order than XLA's, which can move a bf16 rounding of the
+normed head by an ulp: there the written k row may differ from XLA's by ``_rope_tol`` (two
+bf16 ulps of each RoPE product, one of the result), and the output's bound grows by what
+such a q moves the scores (``expm1(2 max |ds|) max |v|``, softmax's Lipschitz bound).
+
+Faults the tests catch (each tried once by breaking the kernel): the rotate-half partner
+column off by one head half (the written k leaves the reference), the start position not
+clamped like ``dynamic_update_slice`` (a traced start past the cache writes another
+sequence's slot), slots past the new token holding NaN (a kernel attending one answers NaN),
+every other layer of the stack holding other data (a write or read of the wrong layer).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import oracle
+from nvfp4_jax import attention, nn
+from nvfp4_jax.device import pallas_interpret
+from nvfp4_jax.models import decoder
+
+
+def _case(seed, n_layers, b, s, kvh, g, d, scale, start):
+    rng = np.random.default_rng(seed)
+    qkv = rng.standard_normal((b, (kvh * g + 2 * kvh) * d)) * scale
+    k = rng.standard_normal((n_layers, b, s, kvh, d))
+    v = rng.standard_normal((n_layers, b, s, kvh, d)) * 10.0 ** rng.uniform(-3, 3)
+    k[:, :, start + 1:] = np.nan  # never read: NaN shows a read past the new token
+    v[:, :, start + 1:] = np.nan
+    norms = rng.uniform(0.25, 2.0, (2, d))
+    return (jnp.asarray(qkv, jnp.bfloat16), jnp.asarray(k, jnp.bfloat16),
+            jnp.asarray(v, jnp.bfloat16), jnp.asarray(norms, jnp.bfloat16))
+
+
+def _xla_step(qkv, k_cache, v_cache, layer, start, nh, norms, rope, eps=1e-6):
+    """The decoders' XLA ops for the same step: (q bf16 [B, NH, D], k_cache, v_cache)."""
+    b, (kvh, d) = qkv.shape[0], k_cache.shape[3:]
+    q, k, v = jnp.split(qkv[:, None], [nh * d, (nh + kvh) * d], axis=-1)
+    q, k, v = q.reshape(b, 1, nh, d), k.reshape(b, 1, kvh, d), v.reshape(b, 1, kvh, d)
+    if norms is not None:
+        q, k = nn.rms_norm(q, norms[0], eps), nn.rms_norm(k, norms[1], eps)
+    if rope is not None:
+        q, k = decoder.apply_rope(q, rope), decoder.apply_rope(k, rope)
+    at = (jnp.int32(layer), 0, jnp.int32(start), 0, 0)
+    return (q[:, 0], jax.lax.dynamic_update_slice(k_cache, k[None], at),
+            jax.lax.dynamic_update_slice(v_cache, v[None], at))
+
+
+def _rope(b, d, start, theta=1e4):
+    inv = 1.0 / theta ** (np.arange(0, d, 2) / d)
+    return decoder.rope_tables(jnp.full((b, 1), start, jnp.int32), jnp.asarray(inv, jnp.float32))
+
+
+def _normed(qkv, nh, kvh, d, norms, eps=1e-6):
+    """float64 [B, NH + KVH, D]: q and k heads after the XLA step's RMSNorm (before RoPE)."""
+    heads = qkv[:, :(nh + kvh) * d].reshape(qkv.shape[0], 1, nh + kvh, d)
+    if norms is not None:
+        heads = jnp.concatenate([nn.rms_norm(heads[:, :, :nh], norms[0], eps),
+                                 nn.rms_norm(heads[:, :, nh:], norms[1], eps)], axis=2)
+    return np.asarray(heads[:, 0], np.float64)
+
+
+def _rope_tol(normed, rope, ref):
+    """|compiled - XLA| allowed on a RoPE'd head: an ulp moved in the normed value (2^-7
+    relative) becomes at most two in w * x (2^-6) in each of x * cos and rot(x) * sin, and
+    the final bf16 rounding one more ulp of the result (2^-7 |ref|)."""
+    d = normed.shape[-1]
+    partner = np.roll(normed, d // 2, axis=-1)  # |rot(x)|: the rotate-half partner column
+    if rope is None:
+        cos, sin = np.ones((normed.shape[0], d)), np.zeros((normed.shape[0], d))
+    else:
+        cos, sin = (np.asarray(t[:, 0], np.float64) for t in rope)
+    terms = np.abs(normed * cos[:, None]) + np.abs(partner * sin[:, None])
+    return 2.0**-6 * terms + 2.0**-7 * np.abs(np.asarray(ref, np.float64))
+
+
+def _run(qkv, k, v, layer, start, nh, norms, rope, jit=False):
+    f = functools.partial(
+        attention.decode_qkv_attention, num_heads=nh,
+        q_norm=None if norms is None else norms[0], k_norm=None if norms is None else norms[1],
+        rope=None if rope is None else (rope[0][:, 0], rope[1][:, 0]),
+        interpret=pallas_interpret())
+    return (jax.jit(f) if jit else f)(qkv, k, v, layer, start)
+
+
+def _same(a, b):
+    return np.array_equal(np.asarray(a).view(np.uint16), np.asarray(b).view(np.uint16))
+
+
+@pytest.mark.gpu
+@settings(max_examples=10, deadline=None)
+@given(seed=st.integers(0, 2**16), b=st.integers(1, 3), s=st.integers(1, 200),
+       kvh=st.sampled_from([1, 2, 4]), g=st.sampled_from([1, 4, 8, 16]),
+       d=st.sampled_from([16, 64, 128]), scale=st.sampled_from([0.01, 1.0, 30.0]),
+       qk_norm=st.booleans(), with_rope=st.booleans(), data=st.data())
+def test_decode_qkv_attention_against_the_xla_step(seed, b, s, kvh, g, d, scale, qk_norm,
+                                                   with_rope, data):
+    n_layers = 3
+    layer = data.draw(st.integers(0, n_layers - 1))
+    start = data.draw(st.sampled_from(sorted({0, s - 1, min(s - 1, 63), min(s - 1, 64)})))
+    qkv, k, v, norms = _case(seed, n_layers, b, s, kvh, g, d, scale, start)
+    norms = norms if qk_norm else None
+    rope = _rope(b, d, start) if with_rope else None
+    o, kc, vc = _run(qkv, k, v, jnp.int32(layer), jnp.int32(start), kvh * g, norms, rope)
+    q_ref, k_ref, v_ref = _xla_step(qkv, k, v, layer, start, kvh * g, norms, rope)
+    assert _same(vc, v_ref), "v cache differs from the XLA step's"
+    slack = 0.0
+    if pallas_interpret():
+        assert _same(kc, k_ref), "k cache differs from the XLA step's"
+    else:  # compiled: the written k rows within _rope_tol, every other slot bit for bit
+        nh = kvh * g
+        normed = _normed(qkv, nh, kvh, d, norms)
+        new = np.asarray(kc[layer, :, start], np.float64)
+        want_k = np.asarray(k_ref[layer, :, start], np.float64)
+        assert (np.abs(new - want_k) <= _rope_tol(normed[:, nh:], rope, want_k)).all()
+        rest = np.ones(k.shape, bool)
+        rest[layer, :, start] = False
+        assert _same(np.asarray(kc)[rest], np.asarray(k_ref)[rest])
+        tol_q = _rope_tol(normed[:, :nh], rope, q_ref)  # [B, NH, D]
+        keys = np.abs(np.asarray(kc[layer], np.float64))[:, :start + 1]  # [B, S', KVH, D]
+        ds = np.einsum("bkgd,bskd->bkgs", tol_q.reshape(b, kvh, g, d), keys) / np.sqrt(d)
+        slack = np.expm1(2 * ds.max()) * np.abs(np.asarray(v_ref[layer, :, :start + 1],
+                                                           np.float64)).max()
+    got = np.asarray(o, np.float64)
+    assert np.isfinite(got).all(), "NaN/inf in the output: a read past the new token"
+    want, bound = oracle.decode_attention_error_bound(
+        *(np.asarray(a, np.float64) for a in (q_ref, kc[layer], v_ref[layer])),
+        [start + 1] * b)
+    excess = np.abs(got - want) - bound - slack
+    assert (excess <= 0).all(), f"max |err| - bound = {excess.max():.3g}"
+
+
+@pytest.mark.gpu
+def test_decode_qkv_attention_traced_start_past_the_cache_clamps_like_update_slice():
+    """A traced start past the cache writes its last slot, as ``dynamic_update_slice`` (v: a
+    copy, bit for bit anywhere; without norms and RoPE, k too)."""
+    qkv, k, v, _ = _case(3, 2, 2, 8, 2, 4, 32, 1.0, 7)
+    _, kc, vc = _run(qkv, k, v, jnp.int32(1), jnp.int32(12), 8, None, None, jit=True)
+    _, k_ref, v_ref = _xla_step(qkv, k, v, 1, 12, 8, None, None)
+    assert _same(kc, k_ref) and _same(vc, v_ref)
+
+
+def test_decode_qkv_attention_rejects_bad_arguments():
+    qkv, k, v, norms = _case(0, 2, 1, 8, 2, 4, 32, 1.0, 3)
+    with pytest.raises(ValueError, match="qkv: expected bf16"):
+        attention.decode_qkv_attention(qkv[:, :-1], k, v, 0, 3, num_heads=8)
+    with pytest.raises(ValueError, match="qkv: expected bf16"):
+        attention.decode_qkv_attention(qkv.astype(jnp.float32), k, v, 0, 3, num_heads=8)
+    with pytest.raises(ValueError, match="v_cache"):
+        attention.decode_qkv_attention(qkv, k, v[:, :, :4], 0, 3, num_heads=8)
+    with pytest.raises(ValueError, match="q_norm, k_norm"):
+        attention.decode_qkv_attention(qkv, k, v, 0, 3, num_heads=8, q_norm=norms[0])
+    with pytest.raises(ValueError, match="k_norm: expected"):
+        attention.decode_qkv_attention(qkv, k, v, 0, 3, num_heads=8, q_norm=norms[0],
+                                       k_norm=norms[1, :16])
+    with pytest.raises(ValueError, match="rope cos"):
+        attention.decode_qkv_attention(qkv, k, v, 0, 3, num_heads=8,
+                                       rope=(jnp.zeros((1, 16)), jnp.zeros((1, 32))))
+    with pytest.raises(ValueError, match="layer"):
+        attention.decode_qkv_attention(qkv, k, v, 2, 3, num_heads=8)
+
+
+def test_decode_step_runs_the_qkv_kernel_not_xla_cache_updates():
+    """The decoders' one-token step on the kernel path: the q/k/v kernel, no XLA update of
+    the caches (the launches it replaces)."""
+    from nvfp4_jax import models
+
+    cfg = models.DecoderConfig(vocab_size=64, hidden_size=64, num_layers=2, num_heads=4,
+                               num_kv_heads=2, head_dim=16, intermediate_size=64, qk_norm=True)
+    key = jax.random.key(0)
+    h, d = 64, 16
+
+    def w(*shape):
+        return jax.random.normal(key, shape, jnp.bfloat16) * 0.1
+
+    layer = {"input_layernorm": jnp.ones((h,), jnp.bfloat16),
+             "post_attention_layernorm": jnp.ones((h,), jnp.bfloat16),
+             "self_attn": {"qkv_proj": w(8 * d, h), "o_proj": w(h, 4 * d),
+                           "q_norm": jnp.ones((d,), jnp.bfloat16),
+                           "k_norm": jnp.ones((d,), jnp.bfloat16)},
+             "mlp": {"gate_up_proj": w(128, h), "down_proj": w(h, 64)}}
+    model = models.Model.build(cfg, w(64, h), [layer, layer], jnp.ones((h,), jnp.bfloat16),
+                               w(64, h))
+    cache = models.init_cache(cfg, 1, 8)
+    step = functools.partial(decoder._decode, backend="pallas")
+    text = str(jax.make_jaxpr(step)(model, jnp.zeros((1,), jnp.int32), cache))
+    assert text.count("name=nvfp4_decode_qkv") == 1  # one scan body
+    assert "dynamic_update_slice" not in text

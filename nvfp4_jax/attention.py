@@ -195,8 +195,7 @@ def cache_attention(q: jax.Array, k: jax.Array, v: jax.Array, pos: jax.Array) ->
     return o.astype(jnp.bfloat16).reshape(b, t, nh, d)
 
 
-def _prologue_kernel(qkv_ref, qn_ref, kn_ref, cos_ref, sin_ref, layer_ref, start_ref, kin_ref,
-                     vin_ref,
+def _prologue_kernel(qkv_ref, norm_ref, cos_ref, sin_ref, layer_ref, start_ref, kin_ref, vin_ref,
                      q_ref, meta_ref, k_ref, v_ref, *, n_layers: int, batch: int, capacity: int,
                      kv_heads: int, d: int, g: int, gp: int, eps: float, norm: bool, rope: bool,
                      exact_asm: bool):
@@ -214,7 +213,7 @@ def _prologue_kernel(qkv_ref, qn_ref, kn_ref, cos_ref, sin_ref, layer_ref, start
     sign = jnp.where(c < d // 2, -1.0, 1.0).astype(jnp.float32)
     nh = kv_heads * g
 
-    def heads(col0, rows: int, live, w_ref):
+    def heads(col0, rows: int, live, which: int):
         """[rows, d] fp32 values (bf16) of ``rows`` heads from column ``col0``, normed and
         rotated; ``live`` masks the padding rows (zeros)."""
         r = jnp.arange(rows)[:, None]
@@ -227,7 +226,8 @@ def _prologue_kernel(qkv_ref, qn_ref, kn_ref, cos_ref, sin_ref, layer_ref, start
         x, xr = load(c), load(partner)
         if norm:
             inv = lax.rsqrt(jnp.sum(x * x, axis=1, keepdims=True) / d + eps)
-            w, wr = (plgpu.load(w_ref.at[cols]).astype(jnp.float32) for cols in (c, partner))
+            w, wr = (plgpu.load(norm_ref.at[which, cols]).astype(jnp.float32)
+                     for cols in (c, partner))
             x = bf16_rne(w[None, :] * bf16_rne(x * inv, exact_asm), exact_asm)
             xr = bf16_rne(wr[None, :] * bf16_rne(xr * inv, exact_asm), exact_asm)
         if rope:
@@ -236,10 +236,10 @@ def _prologue_kernel(qkv_ref, qn_ref, kn_ref, cos_ref, sin_ref, layer_ref, start
             x = x * cs + (sign[None, :] * xr) * sn
         return x
 
-    q = heads(h * g * d, gp, jnp.arange(gp) < g, qn_ref)
+    q = heads(h * g * d, gp, jnp.arange(gp) < g, 0)
     plgpu.store(q_ref.at[pl.ds((b * kv_heads + h) * gp, gp), :], q.astype(jnp.bfloat16))
     one = jnp.arange(1) < 1
-    k = heads((nh + h) * d, 1, one, kn_ref)
+    k = heads((nh + h) * d, 1, one, 1)
     v = plgpu.load(qkv_ref.at[b, (nh + kv_heads + h) * d + c])
     row = (layer * batch + b) * capacity + pos
     plgpu.store(k_ref.at[row, pl.ds(h * d, d)], k.reshape(d).astype(jnp.bfloat16))
@@ -294,9 +294,11 @@ def decode_qkv_attention(qkv: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
     check_layer(layer, n_layers)
     g = num_heads // kvh
     gp = max(16, pow2(g))
-    ones = jnp.ones((d,), jnp.bfloat16)
     zeros = jnp.zeros((b, d), jnp.float32)
     cos, sin = rope if rope is not None else (zeros, zeros)
+    # one operand: a Pallas-Triton kernel gets its own copy of each scanned per-layer slice
+    norms = (jnp.ones((2, d), jnp.bfloat16) if q_norm is None
+             else jnp.stack([q_norm, k_norm]).astype(jnp.bfloat16))
     kernel = functools.partial(
         _prologue_kernel, n_layers=n_layers, batch=b, capacity=s, kv_heads=kvh, d=d, g=g, gp=gp,
         eps=float(eps), norm=q_norm is not None, rope=rope is not None, exact_asm=not interpret)
@@ -307,9 +309,9 @@ def decode_qkv_attention(qkv: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
                    jax.ShapeDtypeStruct((1 + b,), jnp.int32),
                    jax.ShapeDtypeStruct(flat, jnp.bfloat16),
                    jax.ShapeDtypeStruct(flat, jnp.bfloat16)),
-        input_output_aliases={7: 2, 8: 3},
+        input_output_aliases={6: 2, 7: 3},
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
-    )(qkv, ones if q_norm is None else q_norm, ones if k_norm is None else k_norm, cos, sin,
+    )(qkv, norms, cos, sin,
       jnp.asarray(layer, jnp.int32).reshape(1), jnp.asarray(start, jnp.int32).reshape(1),
       k_cache.reshape(flat), v_cache.reshape(flat))
     o = _attend(qp, kc, vc, meta, n_layers=n_layers, batch=b, capacity=s, kv_heads=kvh, d=d,

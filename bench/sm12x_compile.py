@@ -542,17 +542,22 @@ def run_variants(out_dir: str, candidates: list) -> dict:
 
 
 def attention_entries(workdir: str) -> list[dict]:
-    """``attention.decode_attention``'s two kernels (chunks, combine) at Llama-3-8B's heads
-    (32 / 8, head_dim 128, batch 1, 1060 cache slots), compiled by pip triton per arch."""
+    """The decoders' one-token attention, ``attention.decode_qkv_attention``'s three kernels
+    (q/k/v prologue, chunks, combine) at Qwen3-30B-A3B's heads (32 / 4, head_dim 128, q/k
+    RMSNorm, RoPE, batch 1, 1060 cache slots), compiled by pip triton per arch."""
     from nvfp4_jax import attention
 
-    q = jnp.zeros((1, 32, 128), jnp.bfloat16)
-    kv = jnp.zeros((32, 1, 1060, 8, 128), jnp.bfloat16)
-    kernels = lowered_kernels(attention.decode_attention, q, kv, kv, jnp.int32(0),
-                              jnp.ones((1,), jnp.int32))
-    # decode_attention's num_stages: 1 for the combine, 2 for the chunks
-    return compiled_entries(kernels, 4, lambda name: 1 if name.endswith("_combine") else 2,
-                            workdir)
+    qkv = jnp.zeros((1, 40 * 128), jnp.bfloat16)
+    kv = jnp.zeros((48, 1, 1060, 4, 128), jnp.bfloat16)
+    norm = jnp.ones((128,), jnp.bfloat16)
+    rope = (jnp.ones((1, 128), jnp.float32), jnp.zeros((1, 128), jnp.float32))
+    kernels = lowered_kernels(
+        lambda a, k, v: attention.decode_qkv_attention(a, k, v, jnp.int32(0), jnp.int32(5),
+                                                       num_heads=32, q_norm=norm, k_norm=norm,
+                                                       rope=rope), qkv, kv, kv)
+    # num_stages: 2 for the chunks, 1 for the prologue and the combine
+    return compiled_entries(kernels, 4, lambda name: 2 if name == "nvfp4_decode_attention"
+                            else 1, workdir)
 
 
 def compiled_entries(kernels: dict, num_warps: int, num_stages, workdir: str) -> list[dict]:
@@ -659,7 +664,7 @@ if __name__ == "__main__":
                    help="compile gemm_bench's candidate configs (sweep_candidates) for sm_90a "
                    "and sm_120a -> OUT/gemm-decode-variants.{json,md}")
     p.add_argument("--attention", action="store_true",
-                   help="compile attention.decode_attention's kernels for sm_90a, sm_120a, "
+                   help="compile attention.decode_qkv_attention's kernels for sm_90a, sm_120a, "
                    "sm_121a -> OUT/attention-sm12x-compile.json")
     p.add_argument("--routing", action="store_true",
                    help="compile moe.select_kernel for sm_90a, sm_120a, sm_121a -> "

@@ -6,7 +6,12 @@ routing; and the decode attention the models run beside them (float64, each with
 kernel's error bound).
 """
 
-from .attention import decode_attention, decode_attention_error_bound
+from .attention import (
+    decode_attention,
+    decode_attention_error_bound,
+    decode_qkv_attention_error_bound,
+    norm_rope_interval,
+)
 from .formats import (
     E2M1_VALUES,
     bf16_round,
@@ -35,7 +40,8 @@ from .routing import select_experts, select_experts_error_bound
 
 __all__ = [
     "E2M1_VALUES", "LAYOUTS", "NVFP4", "RECIPES", "bf16_round", "codes_of",
-    "decode_attention", "decode_attention_error_bound", "decode_scale_from_amax", "dequantize",
+    "decode_attention", "decode_attention_error_bound", "decode_qkv_attention_error_bound",
+    "norm_rope_interval", "decode_scale_from_amax", "dequantize",
     "e2m1_decode", "e2m1_encode", "e4m3_decode", "e4m3_encode", "e4m3_round",
     "encode_scale_from_amax", "exact_dot_int", "f32",
     "gemm_error_bound", "gemm_w4a4", "gemm_w4a16", "pack_nibbles", "padded_shape", "quantize",

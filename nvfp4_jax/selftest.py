@@ -17,10 +17,13 @@ powers of two, so that E4M3 block scales reach the subnormals, underflow and sat
   kernel backends): fp32 logits from 1e-3 to 300 with ties, -inf, NaN and +inf, non-finite
   hidden rows: the experts of ``oracle.select_experts``, weights within
   ``oracle.select_experts_error_bound``, NaN weights where the oracle's are undefined;
-* ``attention/decode`` (``nvfp4_jax.attention.decode_attention``, the decoders' one-token
-  attention on a GPU): a stacked cache with NaN in every slot past a sequence's length and
-  other data in the other layer, scores from about 0.01 to 1000, within
-  ``oracle.decode_attention_error_bound``.
+* ``attention/decode`` (``nvfp4_jax.attention.decode_attention``): a stacked cache with NaN
+  in every slot past a sequence's length and other data in the other layer, scores from about
+  0.01 to 1000, within ``oracle.decode_attention_error_bound``;
+* ``attention/qkv`` (``nvfp4_jax.attention.decode_qkv_attention``, the decoders' one-token
+  attention on a GPU: q/k RMSNorm, RoPE and the cache writes, then ``decode_attention``'s
+  kernels): the same caches, the new k row among ``oracle.decode_qkv_attention_error_bound``'s
+  values, every other slot untouched, the output within its bound.
 
 A verdict per kernel; for each failure an ``.npz`` (GEMM failures in the form ``nvfp4 explain
 FILE.npz`` reads; quantize, MoE and attention failures hold their inputs, the output and the
@@ -457,6 +460,98 @@ def _attention_check(seed: int, b: int, s: int, kvh: int, g: int, d: int, inputs
                   f"{worst:.3g})"), None
 
 
+def _qkv_inputs(seed: int, b: int, s: int, kvh: int, g: int, d: int, norm: bool, i: int):
+    """Fuzzed input ``i`` of a q/k/v decode-attention check, as bf16 values in float64: (qkv
+    [B, (NH + 2 KVH) D], k, v [2, B, S, KVH, D], layer, start, norms [2, D] or None, cos,
+    sin [B, D]); qkv at a magnitude cycling over 0.05, 1, 4 and 32, the cache as in
+    :func:`_attention_inputs` (+-8192 in the other layer) with NaN in every slot past the new
+    token's position ``start`` (cycling over S - 1, 0 and 64); RoPE at that position."""
+    rng = np.random.default_rng([seed, 6, b, s, kvh, g, d, int(norm), i])
+
+    def values(shape, mag):
+        x = rng.standard_normal(shape, dtype=np.float32) * np.float32(mag)
+        return x.astype(ml_dtypes.bfloat16).astype(np.float64)
+
+    scale = (0.05, 1.0, 4.0, 32.0)[i % 4]
+    layer, start = i % 2, (s - 1, 0, min(s - 1, 64))[i % 3]
+    qkv = values((b, (kvh * g + 2 * kvh) * d), scale)
+    k = np.full((2, b, s, kvh, d), 8192.0)  # bf16 values: the untouched slots compare exactly
+    v = np.full((2, b, s, kvh, d), -8192.0)
+    k[layer] = values((b, s, kvh, d), scale)
+    v[layer] = values((b, s, kvh, d), 10.0 ** rng.uniform(-3, 3))
+    k[:, :, start + 1:] = np.nan  # never read
+    v[:, :, start + 1:] = np.nan
+    norms = values((2, d), 1.0) if norm else None
+    ang = start * 1e6 ** -(np.arange(0, d, 2) / d)
+    ang = np.concatenate([ang, ang])
+    cos, sin = (np.broadcast_to(bf16_round(f(ang)), (b, d)) for f in (np.cos, np.sin))
+    return qkv, k, v, layer, start, norms, cos, sin
+
+
+def _qkv_attention_check(seed: int, b: int, s: int, kvh: int, g: int, d: int, norm: bool,
+                         inputs: int):
+    """One compile of ``nvfp4_jax.attention.decode_qkv_attention`` (the decoders' one-token
+    attention: q/k RMSNorm, RoPE and the cache writes in one launch, then the attention's
+    two), ``inputs`` fuzzed steps through it: the new k row among
+    ``oracle.decode_qkv_attention_error_bound``'s values, the new v row copied, every other
+    cache slot untouched (bit for bit), the output within the oracle's bound (NaN never
+    passes)."""
+    import jax
+    import jax.numpy as jnp
+
+    from .attention import decode_qkv_attention
+    from .device import pallas_interpret
+
+    def step(qkv, k, v, layer, start, norms, cos, sin):
+        return decode_qkv_attention(qkv, k, v, layer, start, num_heads=kvh * g,
+                                    q_norm=None if norms is None else norms[0],
+                                    k_norm=None if norms is None else norms[1], eps=1e-6,
+                                    rope=(cos, sin), interpret=pallas_interpret())
+
+    fn = jax.jit(step)
+    worst = 0.0
+    for i in range(inputs):
+        qkv, k, v, layer, start, norms, cos, sin = _qkv_inputs(seed, b, s, kvh, g, d, norm, i)
+        bf = functools.partial(jnp.asarray, dtype=jnp.bfloat16)
+        out, kc, vc = fn(bf(qkv), bf(k), bf(v), jnp.int32(layer), jnp.int32(start),
+                         None if norms is None else bf(norms), jnp.asarray(cos, jnp.float32),
+                         jnp.asarray(sin, jnp.float32))
+        want = oracle.decode_qkv_attention_error_bound(
+            qkv, k[layer], v[layer], start, kvh * g, None if norms is None else norms[0],
+            None if norms is None else norms[1], 1e-6, cos, sin)
+        got = np.asarray(out.astype(jnp.float32), np.float64)
+        kc, vc = (np.asarray(c.astype(jnp.float32), np.float64) for c in (kc, vc))
+        new_k = kc[layer, :, start]
+        k_ok = (want["k_lo"] <= new_k) & (new_k <= want["k_hi"])
+        rest = np.ones(k.shape, bool)
+        rest[layer, :, start] = False
+        same = (np.array_equal(kc[rest], k[rest], equal_nan=True)
+                and np.array_equal(vc[rest], v[rest], equal_nan=True)
+                and np.array_equal(vc[layer, :, start], want["v_row"]))
+        err = np.abs(got - want["out"])
+        bad = ~(err <= want["out_bound"])  # NaN fails
+        if bad.any() or not k_ok.all() or not same:
+            nan = int(np.isnan(got).sum())
+            why = [f"{int((~k_ok).sum())} of {k_ok.size} new k values off the oracle's"] * (
+                not k_ok.all()) + ["a cache slot other than the new row changed, or v's new "
+                                   "row is not the copy"] * (not same)
+            if bad.any():
+                why.append(f"{int(bad.sum())} of {got.size} outputs outside the oracle's bound, "
+                           + (f"{nan} NaN (a read past the new token?)" if nan else
+                              f"largest |err| / bound {np.max(err / want['out_bound']):.3g}"))
+            f32c = np.float32  # bf16 values are exact in float32
+            return FAIL, f"input {i}: " + "; ".join(why), {
+                "qkv": qkv.astype(f32c), "k": k[layer].astype(f32c), "v": v[layer].astype(f32c),
+                "start": start, "cos": cos.astype(f32c), "sin": sin.astype(f32c),
+                "norms": np.zeros(0) if norms is None else norms.astype(f32c), "out": got,
+                "oracle": want["out"], "bound": want["out_bound"], "k_new": new_k,
+                "k_lo": want["k_lo"], "k_hi": want["k_hi"]}
+        worst = max(worst, float(np.max(err / want["out_bound"])))
+    return PASS, (f"new k rows among the oracle's values, the rest of the caches untouched, "
+                  f"outputs within its bound on {inputs} inputs (largest |err| / bound "
+                  f"{worst:.3g})"), None
+
+
 def _routing_inputs(seed: int, t: int, e: int, h: int, i: int):
     """Fuzzed input ``i`` of a routing check: (logits float32 [T, E], hidden bf16 values as
     float32 [T, H]); rows at magnitudes 1e-3, 1, 30 or 300 (most exps flush to zero at 300),
@@ -593,10 +688,17 @@ MOE_SHAPES = {"cpu": ((3, 256, 128, 4, 2, "relu2", "trtllm_cutlass"),
                        (37, 1024, 2688, 8, 6, "relu2", "trtllm_cutlass"),
                        (9, 512, 1024, 8, 2, "swiglu", "trtllm_cutlass"))}
 #: decode attention (B, S, KVH, G, D): batch, cache slots, kv heads, query heads per kv head,
-#: head_dim; "gpu": Llama-3-8B's heads (32 / 8) at batch 1, Qwen3-30B-A3B's (32 / 4) at 8
+#: head_dim; "gpu": Qwen3-30B-A3B's heads (32 / 4) at batch 8, ragged lengths (its kernels at
+#: Llama-3-8B's heads run in attention/qkv's checks)
 ATTENTION_SHAPES = {"cpu": ((2, 100, 2, 4, 64),),
-                    "gpu": ((1, 2048, 8, 4, 128), (8, 1024, 4, 8, 128)),
-                    "full": ((32, 512, 8, 4, 128), (3, 300, 2, 16, 64), (2, 4096, 1, 8, 64))}
+                    "gpu": ((8, 1024, 4, 8, 128),),
+                    "full": ((1, 2048, 8, 4, 128), (32, 512, 8, 4, 128), (3, 300, 2, 16, 64),
+                             (2, 4096, 1, 8, 64))}
+#: q/k/v decode attention (B, S, KVH, G, D, q/k RMSNorm): "gpu": Qwen3-30B-A3B's heads (32 / 4,
+#: RMSNorm) at batch 8, Llama-3-8B's (32 / 8) at batch 1
+QKV_SHAPES = {"cpu": ((2, 80, 2, 4, 64, True),),
+              "gpu": ((8, 1024, 4, 8, 128, True), (1, 2048, 8, 4, 128, False)),
+              "full": ((3, 300, 2, 16, 64, True),)}
 #: routing (T, E, k, H, renormalize): a batch at Qwen3-30B-A3B's router (128 experts, top-8,
 #: H 2048, renormalized), many experts with a large k; full: a decode token, few experts
 #: several tokens to a program, a prefill
@@ -658,6 +760,9 @@ def plan(cc: int | None, seed: int = 0, *, full: bool = False,
         for b, s, kvh, g, d in _shapes(ATTENTION_SHAPES, gpu, full):
             add("attention/decode", f"B{b} S{s} KVH{kvh} G{g} D{d}", _attention_check, seed, b,
                 s, kvh, g, d, n_in)
+        for b, s, kvh, g, d, norm in _shapes(QKV_SHAPES, gpu, full):
+            add("attention/qkv", f"B{b} S{s} KVH{kvh} G{g} D{d}" + (" qk_norm" if norm else ""),
+                _qkv_attention_check, seed, b, s, kvh, g, d, norm, n_in)
     return out
 
 

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from nvfp4_jax import cli, explain, selftest
+from nvfp4_jax import attention, cli, explain, selftest
 
 
 def _only_check_fails(tmp_path, capsys, only: str) -> dict:
@@ -55,10 +55,10 @@ def test_the_cpu_plan_covers_every_kernel_family(monkeypatch):
             } <= kernels
     assert {k.split("/")[1] for k in kernels if k.startswith("moe/") and k != "moe/routing"} == {
         "pallas-triton", "pallas-triton-fp4", "xla"}
-    assert "matmul/fp4mma/w4a4" in kernels and "attention/decode" in kernels
+    assert "matmul/fp4mma/w4a4" in kernels and {"attention/decode", "attention/qkv"} <= kernels
     assert "moe/routing" in kernels
     gpu90 = {k for k, _, _ in selftest.plan(90)}
-    assert "attention/decode" in gpu90 and "moe/routing" in gpu90
+    assert {"attention/decode", "attention/qkv", "moe/routing"} <= gpu90
     assert "matmul/mosaic/w4a4" in gpu90 and any(k.startswith("moe/mosaic/") for k in gpu90)
     assert "matmul/fp4mma/w4a4" in gpu90  # Triton's decomposed scaled dot on sm_90
     from nvfp4_jax.gemm import mosaic
@@ -72,7 +72,8 @@ def test_the_cpu_plan_covers_every_kernel_family(monkeypatch):
         sm12x = {k for k, _, _ in selftest.plan(cc)}
         assert {"matmul/mosaic/w4a16", "matmul/mosaic/w4a4"} <= sm12x
         assert any(k.startswith("moe/mosaic/") for k in sm12x)
-        assert "attention/decode" in sm12x  # what nvfp4 generate runs there, never yet run
+        # what nvfp4 generate runs there, never yet run
+        assert {"attention/decode", "attention/qkv"} <= sm12x
         assert "moe/routing" in sm12x
     sm89 = {k for k, _, _ in selftest.plan(89)}  # no scaled dot in jaxlib's Triton before sm_90
     assert "matmul/pallas/w4a4" in sm89 and not any("fp4" in k for k in sm89)
@@ -113,6 +114,22 @@ def test_a_broken_backend_fails_with_an_npz_that_explain_attributes(tmp_path, mo
     assert np.isfinite(failed[0]["seconds"])
 
 
+def test_a_qkv_attention_with_swapped_norms_fails_with_an_npz(tmp_path, monkeypatch, capsys):
+    """attention/qkv holds the kernel to the oracle: q normed with k's RMSNorm weight and k
+    with q's (a wrong row of the packed norms) fails, and the failure's inputs are saved."""
+    real = attention.decode_qkv_attention
+
+    def swapped(qkv, k, v, layer, start, *, q_norm=None, k_norm=None, **kw):
+        return real(qkv, k, v, layer, start, q_norm=k_norm, k_norm=q_norm, **kw)
+
+    monkeypatch.setattr(attention, "decode_qkv_attention", swapped)
+    c = _only_check_fails(tmp_path, capsys, "attention/qkv")
+    assert "new k values off the oracle's" in c["detail"], c["detail"]
+    saved = np.load(c["npz"])
+    assert {"qkv", "k", "v", "norms", "k_new", "k_lo", "k_hi"} <= set(saved.files)
+    assert ((saved["k_new"] < saved["k_lo"]) | (saved["k_new"] > saved["k_hi"])).any()
+
+
 @pytest.mark.gpu
 def test_gpu_selftest_passes_for_every_backend_without_xla_flags(tmp_path):
     """On the GPU, in a process without XLA_FLAGS: every kernel the device runs passes."""
@@ -148,8 +165,9 @@ def test_the_default_gpu_plan_is_small_covers_every_kernel_and_full_adds_shapes(
     assert any(m % 16 and m > 16 for m, _, _ in gemm)  # ragged M beyond one block
     assert any(k % 256 for _, _, k in gemm)  # K not a multiple of 256
     assert {s for k, s, _ in quick if k == "matmul/mosaic/w4a16"}  # Mosaic gets its shapes
-    # one compile per check: 47 on sm_90, 2 of them attention, 2 routing
-    assert len(quick) <= 47, len(quick)
+    # one compile per check: 48 on sm_90, 3 of them attention (the decoders' q/k/v step with
+    # and without q/k norms, and ragged lengths), 2 routing
+    assert len(quick) <= 48, len(quick)
     assert all(fn.inputs == selftest.FUZZ["gpu"] for _, _, fn in quick)
     assert all(fn.inputs == 5 for _, _, fn in selftest.plan(120, fuzz=5))
     with pytest.raises(ValueError, match="fuzz"):
@@ -212,7 +230,7 @@ def test_a_broken_decode_attention_fails_with_an_npz(tmp_path, monkeypatch, caps
         return real(q, k, v, layer, lengths, interpret=interpret)
 
     monkeypatch.setattr(attention, "decode_attention", broken)
-    c = _only_check_fails(tmp_path, capsys, "attention")
+    c = _only_check_fails(tmp_path, capsys, "attention/decode")
     assert "outside the oracle's bound" in c["detail"], c["detail"]
     d = np.load(c["npz"])
     assert {"q", "k", "v", "lengths", "out", "oracle", "bound"} <= set(d.files)

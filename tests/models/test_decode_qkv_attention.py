@@ -164,7 +164,7 @@ def test_decode_step_runs_the_qkv_kernel_not_xla_cache_updates():
     model = models.Model.build(cfg, w(64, h), [layer, layer], jnp.ones((h,), jnp.bfloat16),
                                w(64, h))
     cache = models.init_cache(cfg, 1, 8)
-    step = functools.partial(decoder._decode, backend="pallas")
+    step = functools.partial(models.decode_step, backend="pallas")
     text = str(jax.make_jaxpr(step)(model, jnp.zeros((1,), jnp.int32), cache))
     assert text.count("name=nvfp4_decode_qkv") == 1  # one scan body
     assert "dynamic_update_slice" not in text

@@ -4,7 +4,7 @@ a slice of the KV cache (A); the q/k norms, RoPE and cache writes in XLA ops, th
 ``nvfp4_jax.attention.decode_qkv_attention``'s three launches (C, what the decoders run). Full
 depth, 1024 cached tokens, rounds of 32 steps (the first round dropped).
 
-    python bench/decode_attention_ab.py --out "$OUT"      # $OUT/decode-attention-ab-h200.json
+    python bench/decode_attention_ab.py --out "$OUT"      # $OUT/decode-attention-ab-<gpu>.json
 
 Also reports the first step's logits difference of A and B against C (``--w4a16``: all
 W4A16, to see the attention's rounding alone, without FP4 code flips of W4A4 activations).
@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import e2e_bench as E  # noqa: E402
-from run_meta import run_metadata  # noqa: E402
+from run_meta import gpu_tag, run_metadata  # noqa: E402
 
 from nvfp4_jax import attention, nn  # noqa: E402
 from nvfp4_jax.models import decoder  # noqa: E402
@@ -66,7 +66,7 @@ def main(argv=None) -> int:
     arms = {"A_xla": (lambda *a: False, real_qkv), "B_xla_prologue": (real, xla_prologue),
             "C_qkv_kernel": (real, real_qkv)}
     out = {**run_metadata(), "what": __doc__.split("\n\n")[0].replace("\n", " "),
-           "settings": vars(args), "ms_per_step": {}, "logits_max_rel_diff": {}}
+           "settings": vars(args), "ms_per_step": {}, "median_ms": {}, "logits_max_rel_diff": {}}
     for name in args.models.split(","):
         shape = dict((E.TINY if args.tiny else E.SHAPES)[name])
         if args.layers:
@@ -106,12 +106,13 @@ def main(argv=None) -> int:
                 if r:
                     times[label].append((time.perf_counter() - t0) / 32 * 1e3)
         out["ms_per_step"][name] = times
+        out["median_ms"][name] = {k: float(np.median(v)) for k, v in times.items()}
         print(name, {k: [round(x, 3) for x in v] for k, v in times.items()},
               "logits max rel diff", out["logits_max_rel_diff"][name], flush=True)
         del model, fns
     os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, "decode-attention-ab-" + ("tiny" if args.tiny else "h200")
-                        + ".json")
+    tag = "tiny" if args.tiny else gpu_tag(jax.devices()[0].device_kind)
+    path = os.path.join(args.out, f"decode-attention-ab-{tag}.json")
     with open(path, "w") as fh:
         json.dump(out, fh, indent=1)
     return 0

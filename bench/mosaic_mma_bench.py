@@ -4,7 +4,7 @@ and bf16 ``jnp.dot``, W4A16, on this GPU, interleaved rounds of ``gemm_bench.mak
 (in-graph, one call per weight copy, copies > 4x L2).
 
     python bench/mosaic_mma_bench.py --out $OUT [--shapes 28672x8192,...] [--ms 1,16,64]
-        [--pallas] [--sm12x | --sm90-tiles]
+        [--pallas] [--sm12x [--block-ks 128,256] [--block-ns 128] | --sm90-tiles]
 
 Writes ``mosaic-mma-<gpu>.json`` (``gemm_bench.candidates_sweep``'s records): per shape and M
 each impl's median us, its rounds, x bf16, and its config. ``--sm12x``: instead every
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import itertools
 import os
 import sys
@@ -58,7 +59,7 @@ def candidates(pallas: bool):
     return cands
 
 
-def sm12x_candidates(m, n, k):
+def sm12x_candidates(m, n, k, block_ks=mosaic.BLOCK_KS, block_ns=(64, 128)):
     """The tiles SM 12.x can run at (M, N, K) on ``mma.sync``, timed on this GPU as their proxy:
     ``config_for(m, n, k, 120)`` (what ``auto`` runs there) and the other one-warpgroup forms
     within ``SM12X_SMEM_LIMIT`` (block_n, block_k, split_k, num_stages; bf16_store at split 1),
@@ -66,11 +67,12 @@ def sm12x_candidates(m, n, k):
     mt = mosaic.token_tile(m)
     picked = mosaic.config_for(m, n, k, 120)
     out = [("mosaic_wgmma", mosaic.config_for(m, n, k, 90)), ("mosaic_sm12x", picked)]
-    forms = itertools.product((64, 128), mosaic.BLOCK_KS, (1, 2, 4, 8), (2, 3, 4))
+    forms = itertools.product(block_ns, block_ks, (1, 2, 4, 8), (2, 3, 4))
     for bn, bk, split, stages in forms:
         c = mosaic.MosaicConfig(block_n=bn, split_k=split, num_stages=stages, block_k=bk,
                                 bf16_store=split == 1, mma="sync")
-        if c != picked and k % (bk * split) == 0 and c.smem_bytes(mt) <= mosaic.SM12X_SMEM_LIMIT:
+        whole = k % (max(bk, mosaic.BLOCK_K) * split) == 0  # block_k 128: whole step pairs
+        if c != picked and whole and c.smem_bytes(mt) <= mosaic.SM12X_SMEM_LIMIT:
             out.append((f"sync_n{bn}_k{bk}_s{split}_st{stages}", c))
     return [(label, cfg, mosaic_fn(cfg)) for label, cfg in out]
 
@@ -107,13 +109,18 @@ def main():
                    help="time every one-warpgroup mma.sync form SM 12.x can run (sm12x_candidates)")
     p.add_argument("--sm90-tiles", action="store_true",
                    help="time the wgmma tiles of sm90_candidates (shapes the sm_90 table lacks)")
+    p.add_argument("--block-ks", default=",".join(map(str, mosaic.BLOCK_KS)),
+                   help="--sm12x: only forms with these block_k")
+    p.add_argument("--block-ns", default="64,128", help="--sm12x: only forms with these block_n")
     a = p.parse_args()
     shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",") if s]
     ms = [int(v) for v in a.ms.split(",") if v]
     name = ("mosaic-sm12x-forms" if a.sm12x else "mosaic-sm90-tiles" if a.sm90_tiles
             else "mosaic-mma")
     path = os.path.join(a.out, f"{name}-{gpu_tag(jax.devices()[0].device_kind)}.json")
-    cands = (sm12x_candidates if a.sm12x else sm90_candidates if a.sm90_tiles
+    bks = tuple(int(v) for v in a.block_ks.split(","))
+    bns = tuple(int(v) for v in a.block_ns.split(","))
+    cands = (functools.partial(sm12x_candidates, block_ks=bks, block_ns=bns) if a.sm12x else sm90_candidates if a.sm90_tiles
              else candidates(a.pallas))
     gb.candidates_sweep(path, shapes, ms, a.budget_s, repeats=a.repeats, candidates=cands)
     print(path)

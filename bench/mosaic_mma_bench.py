@@ -4,7 +4,7 @@ and bf16 ``jnp.dot``, W4A16, on this GPU, interleaved rounds of ``gemm_bench.mak
 (in-graph, one call per weight copy, copies > 4x L2).
 
     python bench/mosaic_mma_bench.py --out $OUT [--shapes 28672x8192,...] [--ms 1,16,64]
-        [--pallas] [--sm12x [--block-ks 128,256] [--block-ns 128] | --sm90-tiles]
+        [--pallas] [--sm12x [--block-ks 256] [--block-ns 128] | --sm90-tiles]
 
 Writes ``mosaic-mma-<gpu>.json`` (``gemm_bench.candidates_sweep``'s records): per shape and M
 each impl's median us, its rounds, x bf16, and its config. ``--sm12x``: instead every
@@ -71,8 +71,7 @@ def sm12x_candidates(m, n, k, block_ks=mosaic.BLOCK_KS, block_ns=(64, 128)):
     for bn, bk, split, stages in forms:
         c = mosaic.MosaicConfig(block_n=bn, split_k=split, num_stages=stages, block_k=bk,
                                 bf16_store=split == 1, mma="sync")
-        whole = k % (max(bk, mosaic.BLOCK_K) * split) == 0  # block_k 128: whole step pairs
-        if c != picked and whole and c.smem_bytes(mt) <= mosaic.SM12X_SMEM_LIMIT:
+        if c != picked and k % (bk * split) == 0 and c.smem_bytes(mt) <= mosaic.SM12X_SMEM_LIMIT:
             out.append((f"sync_n{bn}_k{bk}_s{split}_st{stages}", c))
     return [(label, cfg, mosaic_fn(cfg)) for label, cfg in out]
 

@@ -48,7 +48,7 @@ log = logging.getLogger(__name__)
 MAX_M = 64
 TOKEN_TILES = (8, 16, 32, 64)
 BLOCK_K = 256  # smallest K per pipeline step (scales tile = 16 bytes per row: the TMA minimum)
-BLOCK_KS = (128, 256, 512)  # 128: scale tiles of two steps, see accumulate_tile
+BLOCK_KS = (256, 512)
 SMEM_LIMIT = 227 * 1024  # shared memory one CTA may use on sm_90
 SM12X_SMEM_LIMIT = 99 * 1024  # ... on SM 12.x (RTX 50xx, DGX Spark)
 MMAS = ("wgmma", "sync")  # MosaicConfig.mma
@@ -71,11 +71,7 @@ class MosaicConfig:
     block_n: weight rows per CTA (64 or 128: one or two 64-row wgmma blocks, one warpgroup).
     split_k: K ranges run by separate CTAs (fp32 partials summed in XLA); reduced to a divisor
     of the number of K steps. num_stages: TMA pipeline depth. block_k: K elements per pipeline
-    step (128, 256 or 512: one, two or four 128-deep MMA groups per step; K must be a multiple
-    of it). At 128 a step's scales are 8 bytes per row, under TMA's 16-byte minimum: each
-    step copies the 16 bytes its step pair shares and decodes its half (``accumulate_tile``),
-    so every split's K range holds whole pairs (K % (256 * split) == 0); per-step linear
-    scales only (no whole-K, swizzled or padded weights).
+    step (256 or 512: two or four 128-deep wgmmas per step; K must be a multiple of it).
     overlap: issue the next 128-deep group's decode while the previous wgmma runs
     (``wgmma_wait(1)`` within a step, ``wgmma_wait(0)`` at the step's end, before the pipeline
     releases the stage).
@@ -150,8 +146,8 @@ class MosaicConfig:
             stage = w + m_tile * self.block_k * 2
             return self.num_stages * stage + self.consumers * self.block_n * m_tile * 4
         stage = self.block_n * self.block_k // 2 + m_tile * self.block_k * 2
-        if whole_k is None:  # block_k 128: the step pair's 16 bytes per row
-            stage += self.block_n * max(self.block_k // 16, 16)
+        if whole_k is None:
+            stage += self.block_n * self.block_k // 16
             extra = 0
         else:
             extra = whole_k_pair_rows(self.block_n, whole_k) * 2 * (whole_k // 16)
@@ -562,10 +558,6 @@ def check_config(cfg: MosaicConfig, k: int, m_tile: int, *, swizzled: bool = Fal
         raise ValueError(f"config: swizzled_128x4 scales need block_n=128 (or 64 with one "
                          f"compute warpgroup), got block_n={cfg.block_n}, consumers={cfg.consumers}")
     whole = k % BLOCK_K == 128
-    if cfg.block_k < BLOCK_K and (whole or swizzled or padded):
-        raise ValueError(f"config: block_k={cfg.block_k} reads per-step linear scales of whole "
-                         f"step pairs: needs K % {BLOCK_K} == 0, unpadded, linear scales, got "
-                         f"K={k}, swizzled={swizzled}, padded={padded}")
     if cfg.consumers > 1 and whole and not swizzled:
         raise ValueError(f"config: consumers={cfg.consumers} needs K % {BLOCK_K} == 0 or "
                          f"swizzled_128x4 scales (no whole-K scale buffer), got K={k}")
@@ -586,7 +578,7 @@ def check_config(cfg: MosaicConfig, k: int, m_tile: int, *, swizzled: bool = Fal
     if whole or padded:
         total = split_steps(k, cfg.block_k, 1)
         return -(-total // split_steps(k, cfg.block_k, min(cfg.split_k, total), padded=padded))
-    steps = k // max(cfg.block_k, BLOCK_K)  # block_k 128: whole step pairs per split
+    steps = k // cfg.block_k
     return max(s for s in range(1, min(cfg.split_k, steps) + 1) if steps % s == 0)
 
 
@@ -770,11 +762,6 @@ def accumulate_tile(sources, *, cfg: MosaicConfig, m_tile: int, steps: int,
     sstride = None if whole_k is None else whole_k // 16
     chunk = None if whole_k is None else whole_k_chunk(whole_k)
     sync = cfg.mma == "sync"
-    half = bk < BLOCK_K  # block_k 128: a scale tile [bn, 16] per step pair, this step's half
-    if half:
-        if whole_k is not None or swizzled:
-            raise ValueError(f"config: block_k={bk} needs per-step linear scales")
-        sstride = 16
     mma = _step_mma(cfg, scale_stride=sstride, swizzled=swizzled, m_tile=m_tile)
 
     def acc_scope(*scratch):
@@ -792,8 +779,6 @@ def accumulate_tile(sources, *, cfg: MosaicConfig, m_tile: int, steps: int,
                 *rest, acc = rest
             if whole_k is None:
                 s_smem, x_smem = rest
-                if half:  # the pair's 16 bytes per row: this step's 8 (an 8-byte load each)
-                    s_smem = s_smem.at[:, pl.ds(lax.rem(idx[0], 2) * 8, 8)]
             else:
                 (x_smem,) = rest
 
@@ -810,8 +795,6 @@ def accumulate_tile(sources, *, cfg: MosaicConfig, m_tile: int, steps: int,
         specs = [plgpu.BlockSpec((bn, bk // 2), lambda i: (0, i))]
         if swizzled:
             specs.append(plgpu.BlockSpec((bk // 32, 256), lambda i: (i, 0)))
-        elif half:
-            specs.append(plgpu.BlockSpec((bn, 16), lambda i: (0, i // 2)))
         elif whole_k is None:
             specs.append(plgpu.BlockSpec((bn, bk // 16), lambda i: (0, i)))
         specs.append(_x_spec(m_tile, bk))

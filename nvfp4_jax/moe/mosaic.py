@@ -178,9 +178,6 @@ class MosaicMoEConfig:
             if not isinstance(getattr(self, name), MosaicConfig):
                 raise ValueError(f"MosaicMoEConfig.{name}: expected a MosaicConfig, "  # noqa: TRY004
                                  f"got {type(getattr(self, name)).__name__}")
-            if getattr(self, name).block_k < BLOCK_K:  # its per-pair scale tiles: dense only
-                raise ValueError(f"MosaicMoEConfig.{name}: the grouped kernels run block_k >= "
-                                 f"{BLOCK_K}, got {getattr(self, name).block_k}")
         if self.fc2_triton is not None and not isinstance(self.fc2_triton, Config):
             raise ValueError(f"MosaicMoEConfig.fc2_triton: expected a moe Config, "
                              f"got {type(self.fc2_triton).__name__}")

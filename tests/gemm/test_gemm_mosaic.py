@@ -24,7 +24,6 @@ from nvfp4_jax.gemm.mosaic import (
     permute_x,
     token_tile,
 )
-from nvfp4_jax.moe.mosaic import MosaicMoEConfig
 
 
 def _args(m, n, k, sdtype=jnp.float8_e4m3fn):
@@ -54,9 +53,6 @@ def _args(m, n, k, sdtype=jnp.float8_e4m3fn):
         (16, 4000, 4096, MosaicConfig(block_n=128, split_k=2, num_stages=2, consumers=2)),
         (1, 1000, 2048, MosaicConfig(block_n=64, split_k=2, num_stages=2, consumers=3,
                                      block_k=512, overlap=True)),
-        # 128-deep steps: each step pair shares a 16-byte scale tile (3 pairs: split 2 -> 1)
-        (64, 2048, 1024, MosaicConfig(block_n=128, split_k=2, num_stages=3, block_k=128)),
-        (37, 3000, 768, MosaicConfig(block_n=64, split_k=2, num_stages=2, block_k=128)),
     ],
 )
 def test_lowers_for_cuda(m, n, k, cfg):
@@ -143,18 +139,6 @@ def test_validation_names_the_argument():
     with pytest.raises(ValueError, match="^config: consumers=2 needs K % 256 == 0 or swizzled"):
         check_config(MosaicConfig(consumers=2, block_n=64), 2688, 8)
     assert check_config(MosaicConfig(consumers=2, block_n=128), 2688, 8, swizzled=True) == 1
-    # block_k 128 reads the 16-byte scale tile of a step pair: whole pairs per split, per-step
-    # linear scales only
-    half = MosaicConfig(block_n=128, split_k=4, num_stages=3, block_k=128)
-    assert check_config(half, 1024, 64) == 4 and check_config(half, 768, 64) == 3
-    assert check_config(dataclasses.replace(half, split_k=2), 768, 64) == 1
-    for kw in ({"swizzled": True}, {"padded": True}):
-        with pytest.raises(ValueError, match="^config: block_k=128 reads per-step linear"):
-            check_config(half, 1024, 64, **kw)
-    with pytest.raises(ValueError, match="^config: block_k=128 reads per-step linear"):
-        check_config(half, 2688, 8)
-    with pytest.raises(ValueError, match="^MosaicMoEConfig.fc2: the grouped kernels run block_k"):
-        MosaicMoEConfig(block_m=16, fc1=MosaicConfig(), fc2=half)
 
 
 def test_smem_bytes_output_tile_reuses_the_pipeline():
@@ -162,9 +146,6 @@ def test_smem_bytes_output_tile_reuses_the_pipeline():
     # (bn*mt*4) lives in a later scope, so a CTA needs the larger of the two, not the sum
     assert MosaicConfig(block_n=128, num_stages=2).smem_bytes(64) == 2 * (16384 + 2048 + 32768)
     assert MosaicConfig(block_n=64, num_stages=2).smem_bytes(16) == 2 * (8192 + 1024 + 8192)
-    # block_k 128: each stage holds its step pair's 16 scale bytes per row
-    assert MosaicConfig(block_n=128, num_stages=3, block_k=128).smem_bytes(64) == 3 * (
-        8192 + 2048 + 16384)
     # whole-K scales: one [pair rows, 2K/16] buffer instead of per-stage scale tiles
     whole = MosaicConfig(block_n=128, num_stages=2).smem_bytes(8, whole_k=2688)
     assert whole == 2 * (16384 + 4096) + 72 * 336  # 72 = 64 + 1 pair rows, to a 128-byte copy

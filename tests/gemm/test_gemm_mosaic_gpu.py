@@ -87,14 +87,6 @@ def _run(x, wo, out_dtype, cfg):
                      id="sync_m37"),
         pytest.param(64, 2048, 4096, 3.0, MosaicConfig(block_n=128, split_k=1, num_stages=2, bf16_store=True,
                                                        mma="sync"), id="sync_bs_m64"),
-        # 128-deep steps (a step pair's scale tile, each step its half): both MMAs, split-K,
-        # ragged M and N, the bf16 store
-        pytest.param(64, 2048, 4096, 3.0, MosaicConfig(block_n=128, split_k=1, num_stages=3, block_k=128,
-                                                       bf16_store=True, mma="sync"), id="sync_bk128_m64"),
-        pytest.param(37, 3000, 2048, 1.0, MosaicConfig(block_n=128, split_k=2, num_stages=2, block_k=128,
-                                                       mma="sync"), id="sync_bk128_split"),
-        pytest.param(5, 1000, 1536, 40.0, MosaicConfig(block_n=64, split_k=2, num_stages=3, block_k=128),
-                     id="bk128_ragged"),
     ],
 )
 @pytest.mark.parametrize("out_dtype", [jnp.float32, jnp.bfloat16])

@@ -6,7 +6,9 @@
 * :class:`MoE` + :func:`moe_block`: a routed mixture of experts: a bf16 router, softmax (or
   sigmoid-and-bias) top-k, and the experts on ``nvfp4_jax.moe`` (W4A4, TensorRT-LLM CUTLASS
   arithmetic: one activation scale per layer, the max of the experts' ``input_scale``).
-* :func:`rms_norm`; expert stacks are quantized with :func:`nvfp4_jax.quantize_experts`.
+* :func:`rms_norm`; :func:`norm_linear` (an RMSNorm then a linear, one launch before the GEMM
+  where the Mosaic kernel runs W4A4 at decode); expert stacks are quantized with
+  :func:`nvfp4_jax.quantize_experts`.
 
 The parameter classes are registered pytrees (arrays are leaves, configuration is static), so
 they pass through ``jax.jit``, ``jax.lax.scan`` over stacked layers, and ``jax.device_put``
@@ -22,7 +24,7 @@ import jax.numpy as jnp
 
 from . import moe as moe_pkg
 from .device import gpu_compute_capability, is_sm90, on_gpu
-from .gemm.api import matmul
+from .gemm.api import matmul, matmul_w4a4_prologue, prologue_applies
 from .gemm.mosaic import unavailable as mosaic_unavailable
 from .quantize import NVFP4Array
 
@@ -261,3 +263,45 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     xf = x.astype(jnp.float32)
     y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
     return (weight.astype(jnp.float32) * y.astype(x.dtype).astype(jnp.float32)).astype(x.dtype)
+
+
+def norm_linear(p: Linear | jax.Array, x: jax.Array, norm_weight: jax.Array | None = None,
+                eps: float = 1e-6, *, backend: str = "auto", w4a4: bool = True,
+                layer: jax.Array | None = None,
+                input_scales: jax.Array | None = None) -> jax.Array:
+    """``linear(p, rms_norm(x, norm_weight, eps))``; without ``norm_weight``, ``linear(p, x)``.
+    x bf16 [..., K] -> bf16 [..., N].
+
+    layer, input_scales: None, or inside a scan over stacked layers the layer's index (int32
+    scalar) into the stacks: ``norm_weight`` is then the bf16 [L, K] stack of the layers'
+    norm weights and ``input_scales`` the fp32 [L] stack of ``p.input_scale`` (``p`` itself
+    the layer's slice). Where the Mosaic kernel runs this W4A4 linear (``gemm.prologue_applies``:
+    Hopper and SM 12.x with ``plgpu.mma``, M <= 64) one Pallas-Triton launch reads x and the
+    stacks in place, norms x (the fp32 sum of squares in another order than XLA's, which can
+    move a bf16 rounding by an ulp) and quantizes, pads and permutes it for the GEMM
+    (``gemm.matmul_w4a4_prologue``): in XLA the norm and the quantizer are four launches
+    (three without the norm), and a per-layer slice handed to a Pallas-Triton kernel is a copy
+    of its own. Elsewhere the composition, the stacks sliced at ``layer``.
+    """
+    stacked = layer is not None
+    if stacked and norm_weight is not None and jnp.ndim(norm_weight) != 2:
+        raise ValueError(f"norm_weight: expected the bf16 [L, K] stack with layer given, got "
+                         f"shape {jnp.shape(norm_weight)}")
+    if isinstance(p, Linear) and p.input_scale is not None and w4a4 and x.dtype == jnp.bfloat16:
+        n, k = p.shape
+        lead = tuple(x.shape[:-1])
+        m = 1
+        for d in lead:
+            m *= d
+        scales = input_scales if stacked else p.input_scale
+        if (scales is not None and x.shape[-1] == k and m >= 1
+                and prologue_applies(m, n, k, backend, norm=norm_weight is not None)):
+            out = matmul_w4a4_prologue(x.reshape(m, k), p.w, scales, layer=layer,
+                                       norm_weight=norm_weight, eps=eps)
+            return out.reshape(lead + (n,))
+    if norm_weight is not None:
+        w = norm_weight[layer] if stacked else norm_weight
+        x = rms_norm(x, w, eps)
+    if callable(p) and not isinstance(p, Linear):  # a parallel share (models.sharding)
+        return p(x, backend=backend, w4a4=w4a4)
+    return linear(p, x, backend=backend, w4a4=w4a4)

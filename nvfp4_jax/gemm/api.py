@@ -34,6 +34,9 @@ divisions (``operand.w4a4_operand``); the ``"mosaic"`` and ``"xla"`` backends us
 fuses with x's producer: in a decode step that is one kernel fewer per linear than the
 Pallas-Triton operand and its input-scale slice (Llama-3-8B on the H200: 3.43 against 3.56 ms
 per step, docs/models.md). Either way the activation codes are the oracle's.
+:func:`matmul_w4a4_prologue` is the decoders' form at decode (``nn.norm_linear``): one
+Pallas-Triton launch makes the Mosaic kernel's operand, RMSNorm'd if asked, reading the layer's
+norm weight and input scale in place from their stacks inside a scan.
 """
 
 from __future__ import annotations
@@ -50,7 +53,7 @@ from ..division import divide
 from ..quantize import NVFP4Array, dequantize, quantize
 from . import configs, mosaic
 from .fp4mma import MMAS, Fp4MmaConfig, gemm_fp4mma
-from .operand import w4a4_codes, w4a4_operand
+from .operand import NORM_MAX_K, mosaic_w4a4_operand, w4a4_codes, w4a4_operand
 from .pallas_triton import Config, matmul_pallas
 from .xla import matmul_xla
 
@@ -363,3 +366,53 @@ def matmul(
         out = matmul_pallas(x2, wc, ws, alpha, out_dtype=out_dtype, config=cfg,
                             interpret=interpret, layer=wl)
     return out.reshape(lead + (n,))
+
+
+def prologue_applies(m: int, n: int, k: int, backend: str = "auto", *,
+                     norm: bool = False) -> bool:
+    """Whether :func:`matmul_w4a4_prologue` can run here: on a GPU where ``matmul(backend=...)``
+    runs this W4A4 [M, K] x [N, K]^T (bf16 x) on the Mosaic kernel (M <= 64); with ``norm``,
+    K a power of two <= ``operand.NORM_MAX_K``."""
+    if pallas_interpret() or (norm and (k & (k - 1) or k > NORM_MAX_K)):
+        return False
+    if backend not in BACKENDS or backend == "xla":
+        return False
+    impl = "pallas" if backend == "auto" and gpu_compute_capability() else backend
+    return _pick_mosaic(backend, impl, m, n, k, jnp.bfloat16) == "mosaic"
+
+
+def matmul_w4a4_prologue(x: jax.Array, w: NVFP4Array, input_scale: jax.Array, *,
+                         layer: jax.Array | int | None = None,
+                         norm_weight: jax.Array | None = None, eps: float = 1e-6,
+                         out_dtype=jnp.bfloat16) -> jax.Array:
+    """W4A4 ``matmul(x, w, input_scale=s)`` on the Mosaic kernel, x's operand made in one
+    Pallas-Triton launch (``operand.mosaic_w4a4_operand``: quantized with IEEE divisions,
+    zero-padded, permuted), optionally RMSNorm'd first: ``matmul(nn.rms_norm(x, norm_weight,
+    eps), w, input_scale=s)``, the norm's fp32 sum of squares in another order.
+
+    x: bf16 [M, K], M <= 64; w: NVFP4Array [N, K] (linear scales). layer: None (input_scale
+    an fp32 scalar, norm_weight bf16 [K]), or an int32 scalar inside a scan over stacked
+    layers: input_scale fp32 [L] and norm_weight bf16 [L, K] are the stacks, which the launch
+    reads in place (a per-layer slice would be copied for it on every step). Where
+    :func:`prologue_applies` says so; ValueError elsewhere. Returns out_dtype [M, N]."""
+    _check_weight(w)
+    x = jnp.asarray(x)
+    if x.ndim != 2 or x.dtype != jnp.bfloat16:
+        raise ValueError(f"x: expected bf16 [M, K], got {x.dtype} {x.shape}")
+    m, k = x.shape
+    n = w.shape[0]
+    if w.shape != (n, k):
+        raise ValueError(f"x: K mismatch, x has shape {x.shape}, w has shape {w.shape}")
+    if not prologue_applies(m, n, k, "mosaic", norm=norm_weight is not None):
+        raise ValueError(f"x: the Mosaic W4A4 prologue does not run M={m} N={n} K={k} here "
+                         "(prologue_applies)")
+    s = jnp.asarray(input_scale, jnp.float32)
+    s_layer = s.reshape(()) if layer is None else jnp.take(s, jnp.asarray(layer, jnp.int32),
+                                                           mode="clip")
+    xp = mosaic_w4a4_operand(x, s, mosaic.token_tile(m), layer=layer, norm_weight=norm_weight,
+                             eps=eps)
+    w_scales = w.linear_scales() if w.layout != "linear" else w.scales
+    alpha = s_layer * jnp.asarray(w.decode_scale, jnp.float32)
+    mcfg = mosaic.config_for(m, n, k, gpu_compute_capability())
+    return mosaic.matmul_mosaic_permuted(xp, m, w.codes, w_scales, alpha, out_dtype=out_dtype,
+                                         config=mcfg)

@@ -1052,12 +1052,35 @@ def matmul_mosaic(
     if alpha.size != 1:
         raise ValueError(f"alpha: expected an fp32 scalar, got shape {alpha.shape}")
     check_supported(m, n, k)
+    return matmul_mosaic_permuted(permute_x(x, token_tile(m)), m, w_codes, w_scales, alpha,
+                                  out_dtype=out_dtype, config=config, poison=poison)
+
+
+def matmul_mosaic_permuted(
+    xp: jax.Array,
+    m: int,
+    w_codes: jax.Array,
+    w_scales: jax.Array,
+    alpha: jax.Array | float,
+    *,
+    out_dtype=jnp.bfloat16,
+    config: MosaicConfig | None = None,
+    poison: bool = False,
+) -> jax.Array:
+    """:func:`matmul_mosaic` on x already in the kernel's layout: ``xp`` bf16 [token_tile(m),
+    K], :func:`permute_x` of the M = ``m`` tokens (``gemm.operand.mosaic_w4a4_operand`` writes
+    it in one launch). The other arguments and the result as :func:`matmul_mosaic`'s, whose
+    checks the weights and alpha are assumed to have passed."""
+    mt, k = xp.shape
+    n = w_codes.shape[0]
+    if xp.dtype != jnp.bfloat16 or mt != token_tile(m):
+        raise ValueError(f"xp: expected bf16 [{token_tile(m)}, K] for M={m}, got {xp.dtype} "
+                         f"{xp.shape}")
+    alpha = jnp.asarray(alpha, jnp.float32)
     cfg = config or default_config(m, n, k)
-    mt = token_tile(m)
     split = check_config(cfg, k, mt)
     if w_scales.dtype != jnp.uint8:
         w_scales = lax.bitcast_convert_type(w_scales, jnp.uint8)
-    xp = permute_x(x, mt)
     # bf16_store: the kernel stores bf16(acc * alpha * POST_SCALE), the same fp32 multiply and
     # round to nearest even as the XLA epilogue, one launch fewer
     scaled = cfg.bf16_store and split == 1 and jnp.dtype(out_dtype) == jnp.bfloat16
@@ -1065,7 +1088,7 @@ def matmul_mosaic(
         log.info("nvfp4_jax.gemm: bf16_store needs split_k 1 and a bf16 output (split %d, %s): "
                  "fp32 partials and the XLA epilogue", split, jnp.dtype(out_dtype).name)
     make, out_type = _build(mt, n, k, cfg, split, scaled=scaled)
-    if poison and not isinstance(x, jax.core.Tracer):
+    if poison and not isinstance(xp, jax.core.Tracer):
         # best effort (plgpu.kernel has no input_output_aliases): free a NaN buffer of the
         # output's size just before the call, so the allocator tends to hand that memory to
         # the kernel's output and a skipped tile reads NaN (or stale data from another call)

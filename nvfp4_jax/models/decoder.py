@@ -123,20 +123,26 @@ def apply_rope(x: jax.Array, rope: tuple[jax.Array, jax.Array]) -> jax.Array:
 
 def attention(cfg: DecoderConfig, p: dict, x: jax.Array, pos: jax.Array, k_all: jax.Array,
               v_all: jax.Array, li, start: jax.Array, rope: tuple | None, backend: str,
-              w4a4: bool, ablate: frozenset = frozenset()):
+              w4a4: bool, ablate: frozenset = frozenset(), qkv: jax.Array | None = None,
+              o_proj=None):
     """GQA attention of one layer. x bf16 [B, T, H] at positions ``pos`` int32 [B, T]
     (start..start+T-1); caches bf16 [L, B, S, KVH, D], this layer's index ``li``; ``cfg``:
     any config with num_heads, num_kv_heads, head_dim, qk_norm, rms_norm_eps. ``rope``:
     :func:`rope_tables` of ``pos``, or None for attention without RoPE (Nemotron-H). Returns
-    (out bf16 [B, T, H], k_all, v_all), the caches updated in place.
+    (out bf16 [B, T, H], k_all, v_all), the caches updated in place. ``qkv``: None, or the
+    fused q/k/v projection already made from the layer's input (x is then unused);
+    ``o_proj``: None, or the callable ``o -> o_proj(o)`` to use.
 
     A decode step (T = 1) where ``attention.runs_kernel`` says so runs
     ``attention.decode_qkv_attention`` on the q/k/v projection: three launches from it to the
     attention output (q/k norms, RoPE, the cache writes and the attention itself)."""
-    b, t, _ = x.shape
+    b, t = (x if qkv is None else qkv).shape[:2]
     nh, kvh, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     lin = _linear_or_stub(ablate, backend, w4a4)
-    if "qkv_proj" in p:  # one GEMM (fuse_projections)
+    out_proj = o_proj or (lambda o: lin(p["o_proj"], o))
+    if qkv is not None:
+        pass
+    elif "qkv_proj" in p:  # one GEMM (fuse_projections)
         qkv = lin(p["qkv_proj"], x)
     else:
         qkv = jnp.concatenate([lin(p[n], x) for n in ("q_proj", "k_proj", "v_proj")], axis=-1)
@@ -147,7 +153,7 @@ def attention(cfg: DecoderConfig, p: dict, x: jax.Array, pos: jax.Array, k_all: 
             k_norm=p["k_norm"] if cfg.qk_norm else None, eps=cfg.rms_norm_eps,
             rope=None if rope is None else (rope[0][:, 0], rope[1][:, 0]),
             interpret=pallas_interpret())
-        return lin(p["o_proj"], o.reshape(b, 1, nh * d)), k_all, v_all
+        return out_proj(o.reshape(b, 1, nh * d)), k_all, v_all
     q, k, v = jnp.split(qkv, [nh * d, (nh + kvh) * d], axis=-1)
     q = q.reshape(b, t, nh, d)
     k = k.reshape(b, t, kvh, d)
@@ -160,7 +166,7 @@ def attention(cfg: DecoderConfig, p: dict, x: jax.Array, pos: jax.Array, k_all: 
         k = apply_rope(k, rope)
     if "attention" in ablate:  # no RoPE, cache or attention core: q + k + v stand in
         o = (q + jnp.repeat(k + v, nh // kvh, axis=2)).reshape(b, t, nh * d)
-        return lin(p["o_proj"], o), k_all, v_all
+        return out_proj(o), k_all, v_all
     zero = jnp.zeros((), jnp.int32)
     at = (jnp.asarray(li, jnp.int32), zero, start, zero, zero)
     k_all = jax.lax.dynamic_update_slice(k_all, k[None], at)
@@ -168,7 +174,7 @@ def attention(cfg: DecoderConfig, p: dict, x: jax.Array, pos: jax.Array, k_all: 
     kc = jax.lax.dynamic_index_in_dim(k_all, li, axis=0, keepdims=False)
     vc = jax.lax.dynamic_index_in_dim(v_all, li, axis=0, keepdims=False)
     o = cache_attention(q, kc, vc, pos).reshape(b, t, nh * d)
-    return lin(p["o_proj"], o), k_all, v_all
+    return out_proj(o), k_all, v_all
 
 
 def _linear_or_stub(ablate: frozenset, backend: str, w4a4: bool):
@@ -199,12 +205,57 @@ def _mlp(p: dict, x: jax.Array, backend: str, w4a4: bool,
     return lin(p["down_proj"], h)
 
 
-def _layer(cfg, p, x, pos, k_all, v_all, li, start, rope, backend, w4a4, ablate):
-    h = nn.rms_norm(x, p["input_layernorm"], cfg.rms_norm_eps)
-    a, k_all, v_all = attention(cfg, p["self_attn"], h, pos, k_all, v_all, li, start, rope,
-                                backend, w4a4, ablate)
+#: (block, linear, norm before it): the linears whose stacked norm weights and input scales a
+#: scanned layer hands to ``nn.norm_linear`` (in place on the Mosaic W4A4 decode path)
+PROLOGUE_LINEARS = (("self_attn", "qkv_proj", "input_layernorm"), ("self_attn", "o_proj", None),
+                    ("mlp", "gate_up_proj", "post_attention_layernorm"), ("mlp", "down_proj", None))
+
+
+def prologue_stacks(g: dict) -> dict | None:
+    """Of a group of stacked layers: {(block, linear): (norm stack bf16 [n, H] or None, input
+    scale stack fp32 [n])} for :data:`PROLOGUE_LINEARS` that are W4A4 ``nn.Linear``s; None if
+    there are none."""
+    out = {}
+    for block, name, norm in PROLOGUE_LINEARS:
+        lin = g.get(block, {}).get(name)
+        if isinstance(lin, nn.Linear) and lin.input_scale is not None:
+            out[(block, name)] = (None if norm is None else g[norm], lin.input_scale)
+    return out or None
+
+
+def _layer(cfg, p, x, pos, k_all, v_all, li, start, rope, backend, w4a4, ablate,
+           stacks=None, gl=None):
+    """One decoder layer. ``stacks``: None, or :func:`prologue_stacks` of the scanned group
+    and ``gl`` this layer's index in it: its W4A4 linears then go through ``nn.norm_linear``
+    on the stacks (their norm before them)."""
+    eps = cfg.rms_norm_eps
+    sa = p["self_attn"]
+    stacks = stacks if stacks and "dense" not in ablate else {}
+
+    def pro(block, name, v, norm_weight=None):
+        st = stacks.get((block, name))
+        if st is None:
+            h = v if norm_weight is None else nn.rms_norm(v, norm_weight, eps)
+            return _linear_or_stub(ablate, backend, w4a4)(p[block][name], h)
+        return nn.norm_linear(p[block][name], v, st[0], eps, backend=backend, w4a4=w4a4,
+                              layer=gl, input_scales=st[1])
+
+    if ("self_attn", "qkv_proj") in stacks:
+        qkv = pro("self_attn", "qkv_proj", x, p["input_layernorm"])
+        a, k_all, v_all = attention(cfg, sa, None, pos, k_all, v_all, li, start, rope,
+                                    backend, w4a4, ablate, qkv=qkv,
+                                    o_proj=lambda o: pro("self_attn", "o_proj", o))
+    else:
+        h = nn.rms_norm(x, p["input_layernorm"], eps)
+        a, k_all, v_all = attention(cfg, sa, h, pos, k_all, v_all, li, start, rope,
+                                    backend, w4a4, ablate)
     x = x + a
-    h = nn.rms_norm(x, p["post_attention_layernorm"], cfg.rms_norm_eps)
+    if ("mlp", "gate_up_proj") in stacks and ("mlp", "down_proj") in stacks:
+        gate, up = jnp.split(pro("mlp", "gate_up_proj", x, p["post_attention_layernorm"])
+                             .astype(jnp.float32), 2, axis=-1)
+        hm = (jax.nn.silu(gate).astype(jnp.bfloat16).astype(jnp.float32) * up).astype(jnp.bfloat16)
+        return x + pro("mlp", "down_proj", hm), k_all, v_all
+    h = nn.rms_norm(x, p["post_attention_layernorm"], eps)
     if "moe" in p:
         if "moe" in ablate:
             m = h
@@ -473,17 +524,19 @@ def forward(model: Model, tokens: jax.Array, cache: KVCache, *, backend: str = "
         else:
             n = jax.tree_util.tree_leaves(g)[0].shape[0]
 
-            def body(carry, xs, stacks=None, li=li):
+            def body(carry, xs, stacks=None, pro=None, li=li):
                 x, k_all, v_all = carry
                 p, i = xs
                 if stacks is not None:
                     p = nn.join_stacks(p, stacks, i - li)
                 x, k_all, v_all = _layer(cfg, p, x, pos, k_all, v_all, i, start, rope,
-                                         backend, w4a4, ablate)
+                                         backend, w4a4, ablate, stacks=pro, gl=i - li)
                 return (x, k_all, v_all), None
 
             idx = jnp.arange(li, li + n, dtype=jnp.int32)
             lin, moe = (nn.stacks_read_in_place(backend, kind) for kind in ("linear", "moe"))
+            # the W4A4 linears' norm weights and input scales, read in place at decode
+            body = functools.partial(body, pro=prologue_stacks(g) if w4a4 else None)
             if lin or moe:  # those kernels read the stacks in place; the rest keep slices
                 body = functools.partial(body, stacks=nn.weight_stacks(g))
                 g = nn.strip_stacks(g, linears=lin, moe=moe)

@@ -177,3 +177,27 @@ def test_sm12x_path_lowered_as_sm12x(arch, monkeypatch, caplog):
         assert f"auto -> mosaic (sm_{cc}, mma.sync" in caplog.text
         assert_gemm_close(np.asarray(out, np.float32), np.asarray(x, np.float32), wo,
                           out_dtype="bfloat16", splits=16)
+
+
+@pytest.mark.parametrize("m,n,k,x_mag", [(1, 5120, 2048, 1.0), (8, 2048, 4096, 1e-3),
+                                         (37, 3000, 1024, 40.0), (64, 4096, 14336, 1.0)])
+def test_w4a4_prologue_from_a_scale_stack(m, n, k, x_mag):
+    """``gemm.matmul_w4a4_prologue``: the activation quantized, zero-padded and permuted in one
+    launch, its input scale read from a [3] stack at layer 2, within the oracle's W4A4 bound;
+    the activation's blocks span 2^-14..2^5 so its scales reach E4M3 subnormals."""
+    import nvfp4_jax
+    from nvfp4_jax.gemm import matmul_w4a4_prologue
+
+    rng = np.random.default_rng(m * 7 + k)
+    wo, _ = _case(rng, 1, n, k, 1.0)
+    mag = np.exp2(rng.uniform(-14, 5, (m, k // 16))).repeat(16, 1)
+    x = jnp.asarray((rng.standard_normal((m, k)) * mag * x_mag).astype(np.float32))
+    x = x.astype(jnp.bfloat16)
+    s_in = np.float32(np.abs(np.asarray(x, np.float32)).max() / np.float32(2688))
+    stack = jnp.asarray([s_in * 8, s_in / 8, s_in], jnp.float32)
+    w = nvfp4_jax.from_oracle(wo)
+    f = jax.jit(lambda x, w, s: matmul_w4a4_prologue(x, w, s, layer=jnp.int32(2),
+                                                      out_dtype=jnp.float32))
+    assert "nvfp4_mosaic_w4a4_operand" in f.lower(x, w, stack).as_text()
+    assert_gemm_close(np.asarray(f(x, w, stack), np.float32), np.asarray(x, np.float32), wo,
+                      input_scale=float(s_in), out_dtype="float32", splits=16)

@@ -255,3 +255,26 @@ def test_which_stacks_are_read_in_place(monkeypatch):
         assert (nn.stacks_read_in_place("auto", "linear"), nn.stacks_read_in_place("auto", "moe")) == want
     with pytest.raises(ValueError, match="^kind"):
         nn.stacks_read_in_place("auto", "dense")
+
+
+def test_norm_linear_off_the_mosaic_path_is_the_composition_at_the_layer():
+    """``nn.norm_linear`` with stacks (here, off the Mosaic decode path: the composition)
+    computes ``linear(p, rms_norm(x, norm_stack[layer]))`` bit for bit, under jit with a
+    traced layer; norm weights that differ by layer catch reading another one."""
+    rng = np.random.default_rng(9)
+    k, n = 256, 64
+    w = nj.quantize(jnp.asarray(rng.standard_normal((n, k)), jnp.float32), "modelopt")
+    norms = jnp.asarray(rng.uniform(0.5, 2.0, (N_LAYERS, k)), jnp.bfloat16)
+    scales = jnp.asarray([0.01, 0.002, 0.03], jnp.float32)
+    x = jnp.asarray(rng.standard_normal((2, 1, k)), jnp.bfloat16)
+    p = nn.Linear(w, scales[1])
+    got = jax.jit(lambda x, i: nn.norm_linear(p, x, norms, 1e-6, layer=i, input_scales=scales))(
+        x, jnp.int32(1))
+    want = nn.linear(p, nn.rms_norm(x, norms[1], 1e-6))
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    assert not np.array_equal(np.asarray(want, np.float32),
+                              np.asarray(nn.linear(p, nn.rms_norm(x, norms[0], 1e-6)), np.float32))
+    np.testing.assert_array_equal(np.asarray(nn.norm_linear(p, x), np.float32),
+                                  np.asarray(nn.linear(p, x), np.float32))
+    with pytest.raises(ValueError, match=r"norm_weight: expected the bf16 \[L, K\] stack"):
+        nn.norm_linear(p, x, norms[0], layer=jnp.int32(0), input_scales=scales)

@@ -14,8 +14,9 @@ the FP8/FP4 MMAs (QMMA/OMMA), in the whole kernel and in its main loop (``main_l
 body of the backward branch that holds the MMAs), and from the main loop the warp-instructions
 issued per weight (``per_weight``), which ``bench/sm12x_model.py`` sets against each GPU's
 issue rate. Usage: ``python bench/sm12x_compile.py --out DIR`` -> ``DIR/gemm-sm12x-compile.json``.
-``--attention`` and ``--routing`` compile the decode attention's kernels and the MoE routing
-kernel instead (``DIR/attention-sm12x-compile.json``, ``DIR/routing-sm12x-compile.json``).
+``--attention``, ``--routing`` and ``--operand`` compile the decode attention's kernels, the
+MoE routing kernel and the W4A4 prologue instead (``DIR/attention-sm12x-compile.json``,
+``DIR/routing-sm12x-compile.json``, ``DIR/operand-sm12x-compile.json``).
 
 No GPU is needed: without one the kernel is lowered for CUDA from the CPU
 (``lowering_platforms=("cuda",)``) and compiled by the pip ``triton`` package, whose wheel
@@ -544,17 +545,19 @@ def run_variants(out_dir: str, candidates: list) -> dict:
 def attention_entries(workdir: str) -> list[dict]:
     """The decoders' one-token attention, ``attention.decode_qkv_attention``'s three kernels
     (q/k/v prologue, chunks, combine) at Qwen3-30B-A3B's heads (32 / 4, head_dim 128, q/k
-    RMSNorm, RoPE, batch 1, 1060 cache slots), compiled by pip triton per arch."""
+    RMSNorm read from 48-layer stacks as the decoders' scan passes them, RoPE, batch 1, 1060
+    cache slots), compiled by pip triton per arch."""
     from nvfp4_jax import attention
 
     qkv = jnp.zeros((1, 40 * 128), jnp.bfloat16)
     kv = jnp.zeros((48, 1, 1060, 4, 128), jnp.bfloat16)
-    norm = jnp.ones((128,), jnp.bfloat16)
+    norm = jnp.ones((48, 128), jnp.bfloat16)
     rope = (jnp.ones((1, 128), jnp.float32), jnp.zeros((1, 128), jnp.float32))
     kernels = lowered_kernels(
         lambda a, k, v: attention.decode_qkv_attention(a, k, v, jnp.int32(0), jnp.int32(5),
                                                        num_heads=32, q_norm=norm, k_norm=norm,
-                                                       rope=rope), qkv, kv, kv)
+                                                       norm_layer=jnp.int32(0), rope=rope),
+        qkv, kv, kv)
     # num_stages: 2 for the chunks, 1 for the prologue and the combine
     return compiled_entries(kernels, 4, lambda name: 2 if name == "nvfp4_decode_attention"
                             else 1, workdir)
@@ -584,6 +587,30 @@ def routing_entries(workdir: str) -> list[dict]:
     x = jnp.zeros((8, 2048), jnp.bfloat16)
     kernels = lowered_kernels(lambda a, b: select_kernel(a, b, 8, renormalize=True), lg, x)
     return compiled_entries(kernels, 1, lambda name: 1, workdir)
+
+
+def operand_entries(workdir: str) -> list[dict]:
+    """``gemm.operand.mosaic_w4a4_operand``, the W4A4 prologue SM 12.x also runs before the
+    Mosaic GEMM at M <= 64: RMSNorm'd at Qwen3-30B-A3B's K 2048 and Llama-3-8B's 4096 (layer
+    read in place from 48-layer stacks, one program a row), and plain at Llama's down_proj K
+    14336 (a stack of 32 input_scales); batch 1, compiled by pip triton per arch."""
+    from nvfp4_jax.gemm import mosaic
+    from nvfp4_jax.gemm.operand import mosaic_w4a4_operand
+
+    entries = []
+    for tag, k, layers, norm in (("norm_k2048", 2048, 48, True), ("norm_k4096", 4096, 32, True),
+                                 ("plain_k14336", 14336, 32, False)):
+        x = jnp.zeros((1, k), jnp.bfloat16)
+        s = jnp.ones((layers,), jnp.float32)
+        w = jnp.ones((layers, k), jnp.bfloat16)
+        kernels = lowered_kernels(
+            lambda a, b, c, norm=norm: mosaic_w4a4_operand(
+                a, b, mosaic.token_tile(1), layer=jnp.int32(3),
+                norm_weight=c if norm else None), x, s, w)
+        nw = 8 if norm and k > 4096 else 4  # as mosaic_w4a4_operand picks: 8 above 4096 values
+        for e in compiled_entries(kernels, nw, lambda name: 1, workdir):
+            entries.append({"case": tag, "k": k, **e})
+    return entries
 
 
 def lowered_for() -> str:
@@ -669,9 +696,13 @@ if __name__ == "__main__":
     p.add_argument("--routing", action="store_true",
                    help="compile moe.select_kernel for sm_90a, sm_120a, sm_121a -> "
                    "OUT/routing-sm12x-compile.json")
+    p.add_argument("--operand", action="store_true",
+                   help="compile gemm.operand.mosaic_w4a4_operand (the W4A4 prologue) for "
+                   "sm_90a, sm_120a, sm_121a -> OUT/operand-sm12x-compile.json")
     a = p.parse_args()
     for flag, entries, fname in ((a.attention, attention_entries, "attention"),
-                                 (a.routing, routing_entries, "routing")):
+                                 (a.routing, routing_entries, "routing"),
+                                 (a.operand, operand_entries, "operand")):
         if not flag:
             continue
         from run_meta import run_metadata
@@ -682,7 +713,7 @@ if __name__ == "__main__":
         os.makedirs(a.out, exist_ok=True)
         with open(os.path.join(a.out, f"{fname}-sm12x-compile.json"), "w") as f:
             json.dump(doc, f, indent=1)
-    if a.attention or a.routing:
+    if a.attention or a.routing or a.operand:
         sys.exit(0)
     if a.variants:
         from gemm_bench import all_sweep_candidates

@@ -195,28 +195,35 @@ def cache_attention(q: jax.Array, k: jax.Array, v: jax.Array, pos: jax.Array) ->
     return o.astype(jnp.bfloat16).reshape(b, t, nh, d)
 
 
-def _prologue_kernel(qkv_ref, norm_ref, cos_ref, sin_ref, layer_ref, start_ref, kin_ref, vin_ref,
-                     q_ref, meta_ref, k_ref, v_ref, *, n_layers: int, batch: int, capacity: int,
-                     kv_heads: int, d: int, g: int, gp: int, eps: float, norm: bool, rope: bool,
-                     exact_asm: bool):
+def _prologue_kernel(qkv_ref, qn_ref, kn_ref, cos_ref, sin_ref, layer_ref, nrow_ref, start_ref,
+                     kin_ref, vin_ref, q_ref, meta_ref, k_ref, v_ref, *, n_layers: int,
+                     batch: int, capacity: int, kv_heads: int, d: int, g: int, gp: int,
+                     eps: float, norm: bool, norm_rows: int, rope: bool, exact_asm: bool):
     """Program (b, h): the g query heads of kv head h and its k, v of sequence b's new token,
     RMSNorm'd (``norm``) and rotated (``rope``) as ``nn.rms_norm`` and ``models.apply_rope``
     round them; q into its zero-padded rows of the attention kernel's operand, k and v into
     the caches (aliased) at (layer, b, start), clamped into the stack as XLA's
-    ``dynamic_update_slice`` clamps; the attention kernel's (layer, lengths) operand."""
+    ``dynamic_update_slice`` clamps; the attention kernel's (layer, lengths) operand. The
+    norm weights: row 0 of ``qn_ref`` and row 1 of ``kn_ref`` (both the packed [2, D]), or
+    with ``norm_rows`` > 0 row ``nrow_ref[0]`` (clamped) of each [norm_rows, D] stack."""
     del kin_ref, vin_ref  # aliased to k_ref, v_ref
     b, h = pl.program_id(0), pl.program_id(1)
     layer = jnp.minimum(jnp.maximum(layer_ref[0], 0), n_layers - 1)
+    if norm_rows:
+        row = jnp.minimum(jnp.maximum(nrow_ref[0], 0), norm_rows - 1)
+        rows = (row, row)
+    else:
+        rows = (0, 1)
     pos = jnp.minimum(jnp.maximum(start_ref[0], 0), capacity - 1)
     c = jnp.arange(d)
     partner = (c + d // 2) % d  # rotate-half: column c takes -x[c + d/2] or x[c - d/2]
     sign = jnp.where(c < d // 2, -1.0, 1.0).astype(jnp.float32)
     nh = kv_heads * g
 
-    def heads(col0, rows: int, live, which: int):
-        """[rows, d] fp32 values (bf16) of ``rows`` heads from column ``col0``, normed and
-        rotated; ``live`` masks the padding rows (zeros)."""
-        r = jnp.arange(rows)[:, None]
+    def heads(col0, n: int, live, which: int):
+        """[n, d] fp32 values (bf16) of ``n`` heads from column ``col0``, normed (q's norm
+        weight for ``which`` 0, k's for 1) and rotated; ``live`` masks the padding rows."""
+        r = jnp.arange(n)[:, None]
 
         def load(cols):
             v = plgpu.load(qkv_ref.at[b, col0 + r * d + cols[None, :]],
@@ -226,7 +233,8 @@ def _prologue_kernel(qkv_ref, norm_ref, cos_ref, sin_ref, layer_ref, start_ref, 
         x, xr = load(c), load(partner)
         if norm:
             inv = lax.rsqrt(jnp.sum(x * x, axis=1, keepdims=True) / d + eps)
-            w, wr = (plgpu.load(norm_ref.at[which, cols]).astype(jnp.float32)
+            ref = (qn_ref, kn_ref)[which]
+            w, wr = (plgpu.load(ref.at[rows[which], cols]).astype(jnp.float32)
                      for cols in (c, partner))
             x = bf16_rne(w[None, :] * bf16_rne(x * inv, exact_asm), exact_asm)
             xr = bf16_rne(wr[None, :] * bf16_rne(xr * inv, exact_asm), exact_asm)
@@ -252,14 +260,19 @@ def decode_qkv_attention(qkv: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
                          layer: jax.Array | int, start: jax.Array | int, *, num_heads: int,
                          q_norm: jax.Array | None = None, k_norm: jax.Array | None = None,
                          eps: float = 1e-6, rope: tuple[jax.Array, jax.Array] | None = None,
+                         norm_layer: jax.Array | int | None = None,
                          interpret: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
     """A decode step's attention from its fused q/k/v projection, in three launches.
 
     qkv: bf16 [B, (NH + 2 KVH) * D], the new token's q, k and v heads side by side (the
     decoders' ``qkv_proj``); k_cache, v_cache: bf16 [L, B, S, KVH, D]; layer: int32 scalar;
     start: int32 scalar, the new token's position (every sequence's). q_norm, k_norm: None or
-    bf16 [D], RMSNorm weights over each head (Qwen3; ``eps``); rope: None or (cos, sin) fp32
-    [B, D] of the position (``models.rope_tables``; rotate-half RoPE).
+    bf16 [D], RMSNorm weights over each head (Qwen3; ``eps``); or with ``norm_layer`` (an
+    int32 scalar, inside a scan over stacked layers) bf16 [L', D] stacks of them, read in
+    place at row ``norm_layer`` (clamped into the stack): a Pallas-Triton kernel gets a copy
+    of each scanned per-layer slice it takes (one fusion for the pair, about 1.4 us a step on
+    the H200). rope: None or (cos, sin) fp32 [B, D] of the position (``models.rope_tables``;
+    rotate-half RoPE).
 
     One Pallas-Triton launch norms and rotates the new token's q and k heads, writes k and v
     into the caches at (layer, b, start) (in place: the caches are aliased), and lays out q
@@ -284,9 +297,17 @@ def decode_qkv_attention(qkv: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
         raise ValueError(f"qkv: {why}")
     if (q_norm is None) != (k_norm is None):
         raise ValueError("q_norm, k_norm: give both RMSNorm weights or neither")
+    stacked = norm_layer is not None
     for name, w in (("q_norm", q_norm), ("k_norm", k_norm)):
-        if w is not None and (w.shape != (d,)):
+        if w is None:
+            continue
+        if stacked and (w.ndim != 2 or w.shape[1] != d or w.shape != q_norm.shape):
+            raise ValueError(f"{name}: expected the [L', D={d}] stack of both norms with "
+                             f"norm_layer given, got {w.shape}")
+        if not stacked and w.shape != (d,):
             raise ValueError(f"{name}: expected [D={d}], got {w.shape}")
+    if stacked and jnp.size(norm_layer) != 1:
+        raise ValueError(f"norm_layer: expected an int32 scalar, got shape {jnp.shape(norm_layer)}")
     if rope is not None:
         for name, t in zip(("rope cos", "rope sin"), rope):
             if t.shape != (b, d) or t.dtype != jnp.float32:
@@ -296,12 +317,17 @@ def decode_qkv_attention(qkv: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
     gp = max(16, pow2(g))
     zeros = jnp.zeros((b, d), jnp.float32)
     cos, sin = rope if rope is not None else (zeros, zeros)
-    # one operand: a Pallas-Triton kernel gets its own copy of each scanned per-layer slice
-    norms = (jnp.ones((2, d), jnp.bfloat16) if q_norm is None
-             else jnp.stack([q_norm, k_norm]).astype(jnp.bfloat16))
+    if q_norm is not None and stacked:  # the stacks in place
+        qn, kn = q_norm.astype(jnp.bfloat16), k_norm.astype(jnp.bfloat16)
+        norm_rows = q_norm.shape[0]
+    else:  # one packed operand (one copy of the two scanned slices, not one of each)
+        qn = kn = (jnp.ones((2, d), jnp.bfloat16) if q_norm is None
+                   else jnp.stack([q_norm, k_norm]).astype(jnp.bfloat16))
+        norm_rows = 0
     kernel = functools.partial(
         _prologue_kernel, n_layers=n_layers, batch=b, capacity=s, kv_heads=kvh, d=d, g=g, gp=gp,
-        eps=float(eps), norm=q_norm is not None, rope=rope is not None, exact_asm=not interpret)
+        eps=float(eps), norm=q_norm is not None, norm_rows=norm_rows, rope=rope is not None,
+        exact_asm=not interpret)
     flat = (n_layers * b * s, kvh * d)
     qp, meta, kc, vc = pl.pallas_call(
         kernel, grid=(b, kvh), interpret=interpret, name="nvfp4_decode_qkv",
@@ -309,11 +335,11 @@ def decode_qkv_attention(qkv: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
                    jax.ShapeDtypeStruct((1 + b,), jnp.int32),
                    jax.ShapeDtypeStruct(flat, jnp.bfloat16),
                    jax.ShapeDtypeStruct(flat, jnp.bfloat16)),
-        input_output_aliases={6: 2, 7: 3},
+        input_output_aliases={8: 2, 9: 3},
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
-    )(qkv, norms, cos, sin,
-      jnp.asarray(layer, jnp.int32).reshape(1), jnp.asarray(start, jnp.int32).reshape(1),
-      k_cache.reshape(flat), v_cache.reshape(flat))
+    )(qkv, qn, kn, cos, sin, jnp.asarray(layer, jnp.int32).reshape(1),
+      jnp.asarray(0 if norm_layer is None else norm_layer, jnp.int32).reshape(1),
+      jnp.asarray(start, jnp.int32).reshape(1), k_cache.reshape(flat), v_cache.reshape(flat))
     o = _attend(qp, kc, vc, meta, n_layers=n_layers, batch=b, capacity=s, kv_heads=kvh, d=d,
                 g=g, gp=gp, interpret=interpret)
     return o.reshape(b, num_heads, d), kc.reshape(k_cache.shape), vc.reshape(v_cache.shape)

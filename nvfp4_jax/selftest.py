@@ -23,7 +23,12 @@ powers of two, so that E4M3 block scales reach the subnormals, underflow and sat
 * ``attention/qkv`` (``nvfp4_jax.attention.decode_qkv_attention``, the decoders' one-token
   attention on a GPU: q/k RMSNorm, RoPE and the cache writes, then ``decode_attention``'s
   kernels): the same caches, the new k row among ``oracle.decode_qkv_attention_error_bound``'s
-  values, every other slot untouched, the output within its bound.
+  values, every other slot untouched, the output within its bound;
+* ``linear/norm_linear`` (``nvfp4_jax.nn.norm_linear``, the decoders' W4A4 linears with their
+  RMSNorm, the norm weight and input scale read from layer stacks: on Hopper and SM 12.x at
+  M <= 64 one Pallas-Triton prologue launch before the Mosaic GEMM, else the composition):
+  within ``testing.norm_linear_bound`` (the norm's rounding interval carried through the
+  quantizer and the GEMM); the detail says which path ran.
 
 A verdict per kernel; for each failure an ``.npz`` (GEMM failures in the form ``nvfp4 explain
 FILE.npz`` reads; quantize, MoE and attention failures hold their inputs, the output and the
@@ -304,6 +309,58 @@ def _matmul_check(select: dict, w4a4: bool, seed: int, m: int, n: int, k: int, i
                 "_writer": lambda path, c=case, o=out: explain.save_npz(path, c, o)}
         worst = max(worst, e.margin)
     return PASS, f"within the oracle's bound on {inputs} inputs (largest margin {worst:.3g})", None
+
+
+def _norm_linear_inputs(seed: int, m: int, n: int, k: int, norm: bool, i: int):
+    """Fuzzed input ``i`` of a norm_linear check: x blocks over 2^-3..2^3, two layers' bf16
+    norm weights over 2^-10..2^4 (block scales reach E4M3 subnormals), layer 1's input scale
+    at the normed amax / 2688 times 1 or 2^-6 (saturating), layer 0's 1.5x that."""
+    rng = np.random.default_rng([seed, 7, m, n, k, int(norm), i])
+    wo = _weight(rng, n, k)
+    x = spread_values(rng, (m, k), -3.0, 3.0)
+    norms = bf16_round(np.exp2(rng.uniform(-10, 4, (2, k))) * rng.choice([-1, 1], (2, k)))
+    xn = oracle.norm_rope_interval(x, norms[1], 1e-6, None, None)[0] if norm else x
+    s = float(f32(np.abs(xn).max() / 2688 * (1.0 if i % 2 == 0 else 2.0**-6)))
+    return wo, x, (norms if norm else None), np.array([1.5 * s, s], np.float32)
+
+
+def _norm_linear_check(seed: int, m: int, n: int, k: int, norm: bool, inputs: int):
+    """One compile of ``nn.norm_linear`` (W4A4, RMSNorm'd when ``norm``) with the norm weight
+    and input scale read from two-layer stacks at layer 1, as the decoders' scan runs it;
+    ``inputs`` fuzzed cases each held to ``testing.norm_linear_bound`` (the norm's rounding
+    interval through the quantizer and the GEMM). Where ``gemm.prologue_applies`` (Hopper,
+    SM 12.x with ``plgpu.mma``, M <= 64) that is the one-launch prologue before the Mosaic
+    GEMM; elsewhere the composition in XLA ops. The detail says which ran."""
+    import jax
+    import jax.numpy as jnp
+
+    import nvfp4_jax as nj
+
+    from . import nn
+    from .gemm import prologue_applies
+    from .testing.assertions import interval_violations, norm_linear_bound
+
+    fn = jax.jit(lambda p, x, nw, ss: nn.norm_linear(p, x, nw, 1e-6, layer=jnp.int32(1),
+                                                      input_scales=ss))
+    for i in range(inputs):
+        wo, x, norms, scales = _norm_linear_inputs(seed, m, n, k, norm, i)
+        p = nn.Linear(nj.from_oracle(wo), jnp.float32(scales[1]))
+        out = fn(p, jnp.asarray(x, jnp.bfloat16),
+                 None if norms is None else jnp.asarray(norms, jnp.bfloat16), jnp.asarray(scales))
+        out = np.asarray(out.astype(jnp.float32), np.float64)
+        b = norm_linear_bound(x, wo, float(scales[1]), None if norms is None else norms[1])
+        v = interval_violations(out, b)
+        if v.any():
+            r, c = np.unravel_index(int(np.argmax(v)), v.shape)
+            return FAIL, (f"input {i}: {int((v > 0).sum())} of {v.size} outputs outside the "
+                          f"norm_linear interval; worst [{r}, {c}]: {float(out[r, c])!r} "
+                          f"against [{float(b.lo[r, c])!r}, {float(b.hi[r, c])!r}] (oracle "
+                          f"{float(b.ref[r, c])!r})"), {
+                "x": x, "norm_weight": np.zeros(0) if norms is None else norms,
+                "input_scales": scales, "out": out, "ref": b.ref, "lo": b.lo, "hi": b.hi}
+    ran = ("one-launch prologue + Mosaic GEMM" if prologue_applies(m, n, k, norm=norm)
+           else "composition in XLA ops")
+    return PASS, f"within the norm_linear interval on {inputs} inputs ({ran})", None
 
 
 def _moe_kwargs(path: str) -> dict:
@@ -706,6 +763,12 @@ ROUTING_SHAPES = {"cpu": ((5, 60, 6, 64, True),),
                   "gpu": ((33, 128, 8, 2048, True), (7, 512, 22, 256, False)),
                   "full": ((1, 128, 8, 2048, True), (300, 16, 2, 32, False),
                            (2048, 128, 8, 2048, True))}
+#: norm_linear (M, N, K, RMSNorm'd): Qwen3-30B-A3B's q/k/v and Llama-3-8B's gate/up at
+#: decode, Llama's down_proj (no norm); "cpu" runs the XLA composition
+NORM_LINEAR_SHAPES = {"cpu": ((3, 64, 256, True), (2, 48, 512, False)),
+                      "gpu": ((1, 5120, 2048, True), (8, 2048, 4096, True),
+                              (33, 1024, 14336, False)),
+                      "full": ((64, 4096, 4096, True), (5, 1024, 8192, True))}
 #: fuzzed inputs per compiled shape (``--fuzz`` overrides)
 FUZZ = {"cpu": 2, "gpu": 3}
 
@@ -752,6 +815,9 @@ def plan(cc: int | None, seed: int = 0, *, full: bool = False,
             if fits(h):
                 add(f"moe/{path}/{mode}/{act}", f"T{t} H{h} I{i} E{e} k{k}", _moe_check, path,
                     mode, act, seed, t, h, i, e, k, n_in)
+    for m, n, k, norm in _shapes(NORM_LINEAR_SHAPES, gpu, full):
+        add("linear/norm_linear", f"{m}x{n}x{k}" + (" rmsnorm" if norm else ""),
+            _norm_linear_check, seed, m, n, k, norm, n_in)
     if _pallas_triton(cc):  # moe's softmax top-k routing on the kernel backends
         for t, e, k, h, renorm in _shapes(ROUTING_SHAPES, gpu, full):
             add("moe/routing", f"T{t} E{e} k{k} H{h}" + (" renorm" if renorm else ""),

@@ -124,14 +124,16 @@ def apply_rope(x: jax.Array, rope: tuple[jax.Array, jax.Array]) -> jax.Array:
 def attention(cfg: DecoderConfig, p: dict, x: jax.Array, pos: jax.Array, k_all: jax.Array,
               v_all: jax.Array, li, start: jax.Array, rope: tuple | None, backend: str,
               w4a4: bool, ablate: frozenset = frozenset(), qkv: jax.Array | None = None,
-              o_proj=None):
+              o_proj=None, qk_norms: tuple | None = None, norm_layer=None):
     """GQA attention of one layer. x bf16 [B, T, H] at positions ``pos`` int32 [B, T]
     (start..start+T-1); caches bf16 [L, B, S, KVH, D], this layer's index ``li``; ``cfg``:
     any config with num_heads, num_kv_heads, head_dim, qk_norm, rms_norm_eps. ``rope``:
     :func:`rope_tables` of ``pos``, or None for attention without RoPE (Nemotron-H). Returns
     (out bf16 [B, T, H], k_all, v_all), the caches updated in place. ``qkv``: None, or the
     fused q/k/v projection already made from the layer's input (x is then unused);
-    ``o_proj``: None, or the callable ``o -> o_proj(o)`` to use.
+    ``o_proj``: None, or the callable ``o -> o_proj(o)`` to use; ``qk_norms``: None, or
+    inside a scan the (q_norm, k_norm) stacks bf16 [n, D] of the scanned group, with this
+    layer's row ``norm_layer``, which the decode kernel reads in place.
 
     A decode step (T = 1) where ``attention.runs_kernel`` says so runs
     ``attention.decode_qkv_attention`` on the q/k/v projection: three launches from it to the
@@ -147,10 +149,13 @@ def attention(cfg: DecoderConfig, p: dict, x: jax.Array, pos: jax.Array, k_all: 
     else:
         qkv = jnp.concatenate([lin(p[n], x) for n in ("q_proj", "k_proj", "v_proj")], axis=-1)
     if t == 1 and "attention" not in ablate and runs_kernel(backend, d, nh, kvh):
+        norms = (None, None, None)
+        if cfg.qk_norm:
+            norms = ((p["q_norm"], p["k_norm"], None) if qk_norms is None
+                     else (*qk_norms, norm_layer))
         o, k_all, v_all = decode_qkv_attention(
-            qkv[:, 0], k_all, v_all, li, start, num_heads=nh,
-            q_norm=p["q_norm"] if cfg.qk_norm else None,
-            k_norm=p["k_norm"] if cfg.qk_norm else None, eps=cfg.rms_norm_eps,
+            qkv[:, 0], k_all, v_all, li, start, num_heads=nh, q_norm=norms[0],
+            k_norm=norms[1], norm_layer=norms[2], eps=cfg.rms_norm_eps,
             rope=None if rope is None else (rope[0][:, 0], rope[1][:, 0]),
             interpret=pallas_interpret())
         return out_proj(o.reshape(b, 1, nh * d)), k_all, v_all
@@ -224,10 +229,11 @@ def prologue_stacks(g: dict) -> dict | None:
 
 
 def _layer(cfg, p, x, pos, k_all, v_all, li, start, rope, backend, w4a4, ablate,
-           stacks=None, gl=None):
+           stacks=None, gl=None, qk_norms=None):
     """One decoder layer. ``stacks``: None, or :func:`prologue_stacks` of the scanned group
     and ``gl`` this layer's index in it: its W4A4 linears then go through ``nn.norm_linear``
-    on the stacks (their norm before them)."""
+    on the stacks (their norm before them). ``qk_norms``: None, or the group's (q_norm,
+    k_norm) stacks, which the decode attention kernel reads at ``gl``."""
     eps = cfg.rms_norm_eps
     sa = p["self_attn"]
     stacks = stacks if stacks and "dense" not in ablate else {}
@@ -244,11 +250,12 @@ def _layer(cfg, p, x, pos, k_all, v_all, li, start, rope, backend, w4a4, ablate,
         qkv = pro("self_attn", "qkv_proj", x, p["input_layernorm"])
         a, k_all, v_all = attention(cfg, sa, None, pos, k_all, v_all, li, start, rope,
                                     backend, w4a4, ablate, qkv=qkv,
-                                    o_proj=lambda o: pro("self_attn", "o_proj", o))
+                                    o_proj=lambda o: pro("self_attn", "o_proj", o),
+                                    qk_norms=qk_norms, norm_layer=gl)
     else:
         h = nn.rms_norm(x, p["input_layernorm"], eps)
         a, k_all, v_all = attention(cfg, sa, h, pos, k_all, v_all, li, start, rope,
-                                    backend, w4a4, ablate)
+                                    backend, w4a4, ablate, qk_norms=qk_norms, norm_layer=gl)
     x = x + a
     if ("mlp", "gate_up_proj") in stacks and ("mlp", "down_proj") in stacks:
         gate, up = jnp.split(pro("mlp", "gate_up_proj", x, p["post_attention_layernorm"])
@@ -524,19 +531,23 @@ def forward(model: Model, tokens: jax.Array, cache: KVCache, *, backend: str = "
         else:
             n = jax.tree_util.tree_leaves(g)[0].shape[0]
 
-            def body(carry, xs, stacks=None, pro=None, li=li):
+            def body(carry, xs, stacks=None, pro=None, qk=None, li=li):
                 x, k_all, v_all = carry
                 p, i = xs
                 if stacks is not None:
                     p = nn.join_stacks(p, stacks, i - li)
                 x, k_all, v_all = _layer(cfg, p, x, pos, k_all, v_all, i, start, rope,
-                                         backend, w4a4, ablate, stacks=pro, gl=i - li)
+                                         backend, w4a4, ablate, stacks=pro, gl=i - li,
+                                         qk_norms=qk)
                 return (x, k_all, v_all), None
 
             idx = jnp.arange(li, li + n, dtype=jnp.int32)
             lin, moe = (nn.stacks_read_in_place(backend, kind) for kind in ("linear", "moe"))
             # the W4A4 linears' norm weights and input scales, read in place at decode
             body = functools.partial(body, pro=prologue_stacks(g) if w4a4 else None)
+            if cfg.qk_norm:  # the decode attention kernel reads them in place
+                body = functools.partial(body, qk=(g["self_attn"]["q_norm"],
+                                                   g["self_attn"]["k_norm"]))
             if lin or moe:  # those kernels read the stacks in place; the rest keep slices
                 body = functools.partial(body, stacks=nn.weight_stacks(g))
                 g = nn.strip_stacks(g, linears=lin, moe=moe)

@@ -3,6 +3,10 @@
 * :func:`assert_gemm_close` -- a GEMM output against ``oracle.gemm_w4a4`` / ``gemm_w4a16``
   within ``oracle.gemm_error_bound`` (fp32 accumulation in any order, the alpha multiply and
   the output cast).
+* :func:`norm_linear_bound` / :func:`assert_norm_linear_close` -- a W4A4 linear of an
+  RMSNorm'd activation (``nn.norm_linear``) within an elementwise interval: the norm's
+  rounding interval (``oracle.norm_rope_interval``) through the activation quantizer and the
+  GEMM as in steps 1-2 below, then the output cast.
 * :func:`moe_bound` / :func:`assert_moe_close` -- an MoE output against ``oracle.moe`` within
   an elementwise interval ``[lo, hi]`` propagated through every rounding point of the MoE
   (derivation below).
@@ -225,6 +229,82 @@ def _dot_interval(point, a_lo, a_hi, a_point, w_nvfp4, expert, alpha, accum_u):
 
 
 @dataclasses.dataclass(frozen=True)
+class IntervalBound:
+    """An oracle output and the interval a correct backend must land in (float64, same shape)."""
+
+    ref: np.ndarray
+    lo: np.ndarray
+    hi: np.ndarray
+
+
+def norm_linear_bound(x, w: oracle.NVFP4, input_scale: float, norm_weight=None,
+                      eps: float = 1e-6, *, out_dtype: str = "bfloat16",
+                      quant_slack: float = 2.0**-21, accum_u: float = 2.0**-23) -> IntervalBound:
+    """W4A4 ``linear(rms_norm(x, norm_weight, eps))`` (``nn.norm_linear``) and its bound.
+
+    x: bf16 values [M, K]; w: the oracle's NVFP4 [N, K]; input_scale: the activation's
+    decode scale (``G = fp32(1/input_scale)``, ``alpha = fp32(input_scale * w.decode_scale)``);
+    norm_weight: bf16 values [K], or None (no norm: the plain W4A4 linear). The normed
+    activation may be any value of ``oracle.norm_rope_interval`` (an fp32 sum of squares in
+    any order, an inexact rsqrt); the interval follows it through the ``trtllm`` quantizer
+    (:func:`quantize_interval`) and the GEMM (fp32 accumulation in any order, the alpha
+    multiply), and both ends through the output cast. ``ref``: the oracle's value at the
+    interval's low end, cast as the output. Returns an :class:`IntervalBound` [M, N]."""
+    x = np.asarray(x, np.float64)
+    if norm_weight is None:
+        xlo = xhi = x
+    else:
+        xlo, xhi = oracle.norm_rope_interval(x, np.asarray(norm_weight, np.float64), eps, None,
+                                             None)
+    s = float(f32(input_scale))
+    g = float(f32(1.0 / s))
+    alpha = np.array([float(f32(s * float(w.decode_scale)))])
+    point = oracle.dequantize(oracle.quantize(xlo, "trtllm", encode_scale=g),
+                              include_decode_scale=False)
+    wd = oracle.dequantize(w, include_decode_scale=False)
+    ref = alpha[0] * (point @ wd.T)
+    qlo, qhi = quantize_interval(xlo, xhi, np.full(x.shape[:-1], g), quant_slack)
+    one = oracle.NVFP4(np.asarray(w.codes)[None], np.asarray(w.scales)[None], np.float64(1.0))
+    lo, hi = _dot_interval(ref, qlo, qhi, point, one, np.zeros(len(x), np.int64), alpha,
+                           accum_u)
+    if str(out_dtype) not in ("float32", "fp32"):
+        rnd = bf16_round if _out_u(out_dtype) == 2.0**-8 else (
+            lambda v: np.asarray(v, np.float16).astype(np.float64))
+        ref, lo, hi = rnd(ref), rnd(lo), rnd(hi)
+    if not (np.all(lo <= ref) and np.all(ref <= hi)):  # pragma: no cover - a bug here
+        raise RuntimeError("norm_linear_bound: the interval does not contain the oracle")
+    return IntervalBound(ref, lo, hi)
+
+
+def interval_violations(out, bound) -> np.ndarray:
+    """Distance of each element of ``out`` outside ``bound``'s ``[lo, hi]`` (0 inside, inf
+    for NaN); ``bound``: an :class:`IntervalBound` or a :class:`MoEBound`."""
+    out = _as_f64(out)
+    d = np.maximum(bound.lo - out, out - bound.hi)
+    return np.where(np.isnan(out), np.inf, np.maximum(d, 0.0))
+
+
+def assert_norm_linear_close(out, x, w: oracle.NVFP4, input_scale: float, norm_weight=None,
+                             eps: float = 1e-6, *, out_dtype: str = "bfloat16",
+                             label: str = "norm_linear") -> IntervalBound:
+    """Assert a backend's ``nn.norm_linear`` output [M, N] lies in :func:`norm_linear_bound`'s
+    interval elementwise; the AssertionError names the worst element, the backend value, the
+    oracle's and the interval."""
+    bound = norm_linear_bound(x, w, input_scale, norm_weight, eps, out_dtype=out_dtype)
+    out = _as_f64(out)
+    if out.shape != bound.ref.shape:
+        raise AssertionError(f"{label}: output shape {out.shape}, oracle shape {bound.ref.shape}")
+    v = interval_violations(out, bound)
+    if not v.any():
+        return bound
+    m, n = np.unravel_index(int(np.argmax(v)), v.shape)
+    raise AssertionError(
+        f"{label}: {int((v > 0).sum())} of {v.size} elements outside the derived interval; "
+        f"worst at [{m}, {n}]: backend {out[m, n]!r}, oracle {bound.ref[m, n]!r}, interval "
+        f"[{bound.lo[m, n]!r}, {bound.hi[m, n]!r}]")
+
+
+@dataclasses.dataclass(frozen=True)
 class MoEBound:
     """``oracle.moe`` output and the interval a correct backend must land in ([T, H] float64)."""
 
@@ -286,9 +366,7 @@ def moe_bound(
 
 def moe_violations(out, bound: MoEBound) -> np.ndarray:
     """Distance of each element of ``out`` outside ``[lo, hi]`` (0 inside, inf for NaN)."""
-    out = _as_f64(out)
-    d = np.maximum(bound.lo - out, out - bound.hi)
-    return np.where(np.isnan(out), np.inf, np.maximum(d, 0.0))
+    return interval_violations(out, bound)
 
 
 def assert_moe_close(out, hidden, topk_ids, topk_weights, fc1, fc2, fc1_input_scale,

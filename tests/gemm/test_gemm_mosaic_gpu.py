@@ -201,3 +201,50 @@ def test_w4a4_prologue_from_a_scale_stack(m, n, k, x_mag):
     assert "nvfp4_mosaic_w4a4_operand" in f.lower(x, w, stack).as_text()
     assert_gemm_close(np.asarray(f(x, w, stack), np.float32), np.asarray(x, np.float32), wo,
                       input_scale=float(s_in), out_dtype="float32", splits=16)
+
+
+@pytest.mark.parametrize("m,n,k,norm,sm12x", [
+    (1, 5120, 2048, True, False), (8, 2048, 4096, True, False), (37, 3000, 2048, True, False),
+    (64, 4096, 8192, True, False), (5, 1024, 14336, False, False),
+    (1, 5120, 2048, True, True), (33, 1024, 14336, False, True)])
+def test_norm_linear_on_the_prologue_within_its_bound(m, n, k, norm, sm12x, monkeypatch):
+    """``nn.norm_linear`` as the decoders' scan runs it (norm weight and input scale read from
+    two-layer stacks at layer 1; RMSNorm'd or plain) on the one-launch prologue and the Mosaic
+    GEMM, inside ``testing.norm_linear_bound`` (the norm's rounding interval through the
+    quantizer and the GEMM); the norm weights span 2^-10..2^4, so activation block scales
+    reach E4M3 subnormals, and the input scale saturates every other case. ``sm12x``: the GEMM
+    lowered as SM 12.0 (mma.sync), the capability it reads patched."""
+    import contextlib
+
+    import nvfp4_jax
+    from nvfp4_jax import nn
+    from nvfp4_jax.gemm import api, mosaic, prologue_applies
+    from nvfp4_jax.testing import assert_norm_linear_close, mosaic_lowered_as
+    from oracle.formats import bf16_round, f32
+
+    ctx = contextlib.nullcontext()
+    if sm12x:
+        if not mosaic.has_mma_sync():
+            pytest.skip(f"plgpu.mma needs JAX >= 0.11, this is {jax.__version__}")
+        monkeypatch.setattr(api, "gpu_compute_capability", lambda: 120)
+        monkeypatch.setattr(mosaic, "is_sm12x", lambda: True)
+        ctx = mosaic_lowered_as((12, 0))
+    assert prologue_applies(m, n, k, norm=norm)
+    fn = jax.jit(lambda p, x, nw, ss: nn.norm_linear(p, x, nw, 1e-6, layer=jnp.int32(1),
+                                                      input_scales=ss))
+    for i in range(2):
+        rng = np.random.default_rng([m, n, k, i])
+        wo, _ = _case(rng, 1, n, k, 1.0)
+        x = bf16_round(rng.standard_normal((m, k)) * 10.0 ** rng.uniform(-2, 2))
+        norms = bf16_round(np.exp2(rng.uniform(-10, 4, (2, k))) * rng.choice([-1, 1], (2, k)))
+        xn = oracle.norm_rope_interval(x, norms[1], 1e-6, None, None)[0] if norm else x
+        s = float(f32(np.abs(xn).max() / 2688 * (1.0 if i == 0 else 2.0**-6)))
+        args = (nn.Linear(nvfp4_jax.from_oracle(wo), jnp.float32(s)), jnp.asarray(x, jnp.bfloat16),
+                jnp.asarray(norms, jnp.bfloat16) if norm else None,
+                jnp.asarray([1.5 * s, s], jnp.float32))
+        with ctx if i == 0 else contextlib.nullcontext():
+            if i == 0:
+                assert "nvfp4_mosaic_w4a4_operand" in fn.lower(*args).as_text()
+            out = fn(*args)
+        assert_norm_linear_close(np.asarray(out, np.float32), x, wo, s,
+                                 norms[1] if norm else None, label=f"case {i}")

@@ -122,6 +122,32 @@ def test_decode_qkv_attention_traced_start_past_the_cache_clamps_like_update_sli
     assert _same(kc, k_ref) and _same(vc, v_ref)
 
 
+def test_norm_stacks_read_in_place_at_norm_layer():
+    """q_norm, k_norm as [L', D] stacks with a traced ``norm_layer``: bit for bit the call
+    with that row's [D] weights (caches and output), under jit; rows that differ catch
+    reading another one, and a norm_layer past the stack clamps to its last row."""
+    qkv, k, v, _ = _case(5, 2, 2, 40, 2, 4, 32, 1.0, 9)
+    rng = np.random.default_rng(6)
+    qs, ks = (jnp.asarray(rng.uniform(0.25, 2.0, (3, 32)), jnp.bfloat16) for _ in range(2))
+    rope = _rope(2, 32, 9)
+    cs = (rope[0][:, 0], rope[1][:, 0])
+    step = jax.jit(functools.partial(attention.decode_qkv_attention, num_heads=8, rope=cs,
+                                     interpret=pallas_interpret()))
+    for row, want_row in ((1, 1), (7, 2)):
+        got = step(qkv, k, v, jnp.int32(1), jnp.int32(9), q_norm=qs, k_norm=ks,
+                   norm_layer=jnp.int32(row))
+        want = step(qkv, k, v, jnp.int32(1), jnp.int32(9), q_norm=qs[want_row],
+                    k_norm=ks[want_row])
+        assert all(_same(a, b) for a, b in zip(got, want)), row
+    other = step(qkv, k, v, jnp.int32(1), jnp.int32(9), q_norm=qs[0], k_norm=ks[0])
+    assert not _same(got[1], other[1]) and not _same(got[0], other[0])
+    with pytest.raises(ValueError, match=r"k_norm: expected the \[L', D=32\] stack"):
+        attention.decode_qkv_attention(qkv, k, v, 0, 3, num_heads=8, q_norm=qs, k_norm=ks[:2],
+                                       norm_layer=0)
+    with pytest.raises(ValueError, match=r"q_norm: expected \[D=32\]"):
+        attention.decode_qkv_attention(qkv, k, v, 0, 3, num_heads=8, q_norm=qs, k_norm=ks)
+
+
 def test_decode_qkv_attention_rejects_bad_arguments():
     qkv, k, v, norms = _case(0, 2, 1, 8, 2, 4, 32, 1.0, 3)
     with pytest.raises(ValueError, match="qkv: expected bf16"):
@@ -161,10 +187,23 @@ def test_decode_step_runs_the_qkv_kernel_not_xla_cache_updates():
                            "q_norm": jnp.ones((d,), jnp.bfloat16),
                            "k_norm": jnp.ones((d,), jnp.bfloat16)},
              "mlp": {"gate_up_proj": w(128, h), "down_proj": w(h, 64)}}
-    model = models.Model.build(cfg, w(64, h), [layer, layer], jnp.ones((h,), jnp.bfloat16),
+    model = models.Model.build(cfg, w(64, h), [layer] * 3, jnp.ones((h,), jnp.bfloat16),
                                w(64, h))
     cache = models.init_cache(cfg, 1, 8)
     step = functools.partial(models.decode_step, backend="pallas")
-    text = str(jax.make_jaxpr(step)(model, jnp.zeros((1,), jnp.int32), cache))
+    jaxpr = jax.make_jaxpr(step)(model, jnp.zeros((1,), jnp.int32), cache)
+    text = str(jaxpr)
     assert text.count("name=nvfp4_decode_qkv") == 1  # one scan body
     assert "dynamic_update_slice" not in text
+
+    def calls(jx):
+        for e in jx.eqns:
+            if e.primitive.name == "pallas_call" and "nvfp4_decode_qkv" in str(e.params):
+                yield e
+            for sub in jax.core.jaxprs_in_params(e.params):
+                yield from calls(sub)
+
+    (call,) = calls(jaxpr.jaxpr)
+    # the q and k norm weights: the scanned group's [3, D] stacks, read in place (a [2, D]
+    # operand would be the two scanned slices packed, one copy a step)
+    assert [tuple(v.aval.shape) for v in call.invars[1:3]] == [(3, d), (3, d)]

@@ -56,9 +56,9 @@ def test_the_cpu_plan_covers_every_kernel_family(monkeypatch):
     assert {k.split("/")[1] for k in kernels if k.startswith("moe/") and k != "moe/routing"} == {
         "pallas-triton", "pallas-triton-fp4", "xla"}
     assert "matmul/fp4mma/w4a4" in kernels and {"attention/decode", "attention/qkv"} <= kernels
-    assert "moe/routing" in kernels
+    assert "moe/routing" in kernels and "linear/norm_linear" in kernels
     gpu90 = {k for k, _, _ in selftest.plan(90)}
-    assert {"attention/decode", "attention/qkv", "moe/routing"} <= gpu90
+    assert {"attention/decode", "attention/qkv", "moe/routing", "linear/norm_linear"} <= gpu90
     assert "matmul/mosaic/w4a4" in gpu90 and any(k.startswith("moe/mosaic/") for k in gpu90)
     assert "matmul/fp4mma/w4a4" in gpu90  # Triton's decomposed scaled dot on sm_90
     from nvfp4_jax.gemm import mosaic
@@ -73,7 +73,7 @@ def test_the_cpu_plan_covers_every_kernel_family(monkeypatch):
         assert {"matmul/mosaic/w4a16", "matmul/mosaic/w4a4"} <= sm12x
         assert any(k.startswith("moe/mosaic/") for k in sm12x)
         # what nvfp4 generate runs there, never yet run
-        assert {"attention/decode", "attention/qkv"} <= sm12x
+        assert {"attention/decode", "attention/qkv", "linear/norm_linear"} <= sm12x
         assert "moe/routing" in sm12x
     sm89 = {k for k, _, _ in selftest.plan(89)}  # no scaled dot in jaxlib's Triton before sm_90
     assert "matmul/pallas/w4a4" in sm89 and not any("fp4" in k for k in sm89)
@@ -130,6 +130,28 @@ def test_a_qkv_attention_with_swapped_norms_fails_with_an_npz(tmp_path, monkeypa
     assert ((saved["k_new"] < saved["k_lo"]) | (saved["k_new"] > saved["k_hi"])).any()
 
 
+def test_a_norm_linear_reading_another_layer_fails_with_an_npz(tmp_path, monkeypatch, capsys):
+    """linear/norm_linear holds nn.norm_linear to the oracle's interval: the norm weight of
+    layer 0 where the scan is at layer 1 fails, and the failure's inputs are saved."""
+    from nvfp4_jax import nn
+
+    real = nn.norm_linear
+
+    def first_layer(p, x, norm_weight=None, eps=1e-6, *, layer=None, **kw):
+        return real(p, x, norm_weight, eps, layer=None if layer is None else layer * 0, **kw)
+
+    monkeypatch.setattr(nn, "norm_linear", first_layer)
+    path = tmp_path / "s.json"
+    assert cli.main(["selftest", "--only", "linear/norm_linear", "--json", str(path),
+                     "--out-dir", str(tmp_path / "fail")]) == 1, capsys.readouterr().out
+    # the CPU's plain composition takes the layer's own Linear (its input scale), not the stacks
+    (c,) = [c for c in json.loads(path.read_text())["checks"] if "rmsnorm" in c["shape"]]
+    assert c["status"] == "FAIL" and "outside the norm_linear interval" in c["detail"], c
+    saved = np.load(c["npz"])
+    assert {"x", "norm_weight", "input_scales", "out", "lo", "hi"} <= set(saved.files)
+    assert ((saved["out"] < saved["lo"]) | (saved["out"] > saved["hi"])).any()
+
+
 @pytest.mark.gpu
 def test_gpu_selftest_passes_for_every_backend_without_xla_flags(tmp_path):
     """On the GPU, in a process without XLA_FLAGS: every kernel the device runs passes."""
@@ -165,9 +187,9 @@ def test_the_default_gpu_plan_is_small_covers_every_kernel_and_full_adds_shapes(
     assert any(m % 16 and m > 16 for m, _, _ in gemm)  # ragged M beyond one block
     assert any(k % 256 for _, _, k in gemm)  # K not a multiple of 256
     assert {s for k, s, _ in quick if k == "matmul/mosaic/w4a16"}  # Mosaic gets its shapes
-    # one compile per check: 48 on sm_90, 3 of them attention (the decoders' q/k/v step with
-    # and without q/k norms, and ragged lengths), 2 routing
-    assert len(quick) <= 48, len(quick)
+    # one compile per check: 51 on sm_90, 3 of them attention (the decoders' q/k/v step with
+    # and without q/k norms, and ragged lengths), 2 routing, 3 norm_linear
+    assert len(quick) <= 51, len(quick)
     assert all(fn.inputs == selftest.FUZZ["gpu"] for _, _, fn in quick)
     assert all(fn.inputs == 5 for _, _, fn in selftest.plan(120, fuzz=5))
     with pytest.raises(ValueError, match="fuzz"):

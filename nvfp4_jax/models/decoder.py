@@ -11,8 +11,8 @@ attention are bf16. The KV cache is bf16 ``[L, B, S_max, KVH, D]``; a decode ste
 reads it in place with ``nvfp4_jax.attention.decode_attention`` where
 ``attention.runs_kernel`` says so (GPUs, and ``backend="pallas"``), else XLA's einsums on the
 layer's slice. Layers of one structure
-are stacked and run under ``lax.scan`` (one compiled layer body for all 48 layers of a
-Qwen3-30B-A3B), otherwise unrolled.
+are stacked and run under one ``lax.while_loop`` over the layer index (one compiled layer body
+for all 48 layers of a Qwen3-30B-A3B), otherwise unrolled.
 
 Entry points: :func:`prefill` (prompt [B, T] -> logits, cache), :func:`decode_step` (one token
 per sequence), :func:`sample`, :func:`generate` (jitted prefill and decode step, greedy or
@@ -401,7 +401,7 @@ def stack_layers(layers: list[dict], *, consume: bool = False) -> list[tuple[str
     """Group consecutive layers of one pytree structure: ``[("scan", stacked) | ("one", p)]``.
 
     Stacked leaves gain a leading layer axis; NVFP4Array metadata (logical shape) stays that of
-    one layer, so ``lax.scan`` hands each step a valid per-layer array. ``consume``: see
+    one layer, so the layer loop's slice at an index is a valid per-layer array. ``consume``: see
     :func:`stack_trees` (the stacked layers' arrays are deleted as they are stacked).
     """
     groups: list[list[dict]] = []
@@ -444,7 +444,7 @@ class Model:
     @staticmethod
     def build(config: DecoderConfig, embed, layers: list[dict], norm, lm_head, *,
               stack: bool = True, fuse: bool = True, consume: bool = False) -> Model:
-        """A Model from per-layer dicts: stacked for ``lax.scan`` where consecutive layers
+        """A Model from per-layer dicts: stacked for the layer loop where consecutive layers
         share a structure (``stack``), else one unrolled layer each (separate weight buffers,
         longer compiles). ``fuse``: q/k/v and gate/up as one linear each where their scales
         agree (:func:`fuse_projections`). ``consume``: ``layers`` are given up, their arrays
@@ -541,7 +541,6 @@ def forward(model: Model, tokens: jax.Array, cache: KVCache, *, backend: str = "
                                          qk_norms=qk)
                 return (x, k_all, v_all), None
 
-            idx = jnp.arange(li, li + n, dtype=jnp.int32)
             lin, moe = (nn.stacks_read_in_place(backend, kind) for kind in ("linear", "moe"))
             # the W4A4 linears' norm weights and input scales, read in place at decode
             body = functools.partial(body, pro=prologue_stacks(g) if w4a4 else None)
@@ -551,7 +550,16 @@ def forward(model: Model, tokens: jax.Array, cache: KVCache, *, backend: str = "
             if lin or moe:  # those kernels read the stacks in place; the rest keep slices
                 body = functools.partial(body, stacks=nn.weight_stacks(g))
                 g = nn.strip_stacks(g, linears=lin, moe=moe)
-            (x, k_all, v_all), _ = jax.lax.scan(body, (x, k_all, v_all), (g, idx))
+            # a while loop over the layer index (a lax.scan over (layers, indices) slices the
+            # index too: one more launch a layer); its trip count is static, as a scan's
+            def step(c, g=g, body=body, li=li):
+                i, carry = c[0], c[1:]
+                p = jax.tree_util.tree_map(
+                    lambda a: jax.lax.dynamic_index_in_dim(a, i - li, keepdims=False), g)
+                return (i + 1, *body(carry, (p, i))[0])
+
+            _, x, k_all, v_all = jax.lax.while_loop(lambda c, end=li + n: c[0] < end, step,
+                                                    (jnp.int32(li), x, k_all, v_all))
             li += n
     x = nn.rms_norm(past_cache_nan(x, start + t, k_all.shape[2]), model.norm, cfg.rms_norm_eps)
     if isinstance(model.lm_head, nn.Linear):

@@ -25,7 +25,8 @@ runs everything here, as each child does).
 
 Usage (H200, under ~8 minutes):  python bench/e2e_bench.py --out "$OUT"
 CPU smoke test with tiny shapes:   python bench/e2e_bench.py --tiny --out /tmp/x
-Writes OUT/e2e-h200.json (``--tiny``: OUT/e2e-tiny.json). ``--budget-s`` (default 420) skips
+Writes OUT/e2e-GPU.json, GPU the children's device (``run_meta.gpu_tag``: e2e-h200.json,
+e2e-h100-80gb-hbm3.json; ``--tiny``: OUT/e2e-tiny.json). ``--budget-s`` (default 420) skips
 what would start after that many seconds (listed under "skipped").
 """
 
@@ -49,7 +50,7 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from run_meta import hbm_copy_tbps, run_metadata  # noqa: E402
+from run_meta import gpu_tag, hbm_copy_tbps, run_metadata  # noqa: E402
 
 from nvfp4_jax import NVFP4Array, models, nn  # noqa: E402
 from nvfp4_jax.models import DecoderConfig, Model  # noqa: E402
@@ -545,6 +546,9 @@ def run_children(args, names, precs, batches, path, t_start) -> int:
     merged["skipped"] = skipped
     merged["summary"] = summarize(merged["records"], names, batches)
     merged["wall_s"] = time.perf_counter() - t_start
+    if not args.tiny:  # named by the GPU the children ran on ("e2e-h200", "e2e-h100-80gb-hbm3")
+        path = os.path.join(os.path.dirname(path), os.path.basename(path).replace(
+            "e2e-h200", "e2e-" + gpu_tag(merged.get("gpu") or "h200")))
     with open(path, "w") as f:
         json.dump(merged, f, indent=2)
     print(f"wrote {path}: {json.dumps(merged['summary'])}", file=sys.stderr)

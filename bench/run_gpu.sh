@@ -20,7 +20,7 @@
 #            (180 + 140 by default). PROXY_RESUME=bench/results: skip the rows the committed
 #            proxy JSONs already hold (merge the new ones with bench/merge_results.py).
 #   e2e:     bench/e2e_bench.py without XLA flags (E2E_ARGS, e.g. "--models llama-3-8b
-#            --precisions nvfp4 --batches 1"); OUT/e2e-h200.json; T_E2E seconds (420).
+#            --precisions nvfp4 --batches 1"); OUT/e2e-<gpu>.json; T_E2E seconds (420).
 #   candidates: bench/gemm_bench.py --candidates, the decode/tile candidates against bf16
 #            (CAND_SHAPES, CAND_MS narrow it); T_CAND seconds (300).
 #   mcand:   bench/moe_bench.py --candidates, the Pallas-Triton MoE's tile/decode candidates

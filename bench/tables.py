@@ -217,7 +217,8 @@ def e2e(doc: dict) -> str:
                          + " | ".join(f"{ms[k]:.2f}" if k in ms else "-"
                                       for k in ("attention", "moe", "dense", "other")) + " |")
     if doc.get("skipped"):
-        lines += ["", "skipped (time budget): " + ", ".join(doc["skipped"])]
+        lines += ["", "skipped (out of time budget, or failed with the exit status shown): "
+                  + ", ".join(doc["skipped"])]
     return "\n".join(lines)
 
 
@@ -225,16 +226,19 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("which", choices=("gemm", "moe", "proxy", "e2e"))
     p.add_argument("--results", default=os.path.join(os.path.dirname(__file__), "results"))
-    p.add_argument("--gpu", default="*",
-                   help="proxy: the tag of gemm/moe-proxy-<gpu>.json (default: every one found)")
+    p.add_argument("--gpu", default=None,
+                   help="the tag of the results file (run_meta.gpu_tag): proxy: "
+                   "gemm/moe-proxy-<gpu>.json (default: every one found); gemm, moe, e2e: "
+                   "<which>-<gpu>.json (default h200)")
     a = p.parse_args()
     if a.which == "proxy":
         import glob
 
         for kind, render in (("gemm", proxy_gemm), ("moe", proxy_moe)):
-            paths = sorted(glob.glob(os.path.join(a.results, f"{kind}-proxy-{a.gpu}.json")))
+            gpu = a.gpu or "*"
+            paths = sorted(glob.glob(os.path.join(a.results, f"{kind}-proxy-{gpu}.json")))
             if not paths:
-                print(f"({kind}-proxy-{a.gpu}.json: not measured yet)\n")
+                print(f"({kind}-proxy-{gpu}.json: not measured yet)\n")
             for path in paths:
                 with open(path) as f:
                     doc = json.load(f)
@@ -243,9 +247,10 @@ def main() -> None:
                       f"{doc.get('xla_flags') or 'none'})\n")
                 print(render(doc) + "\n")
         return
-    path = os.path.join(a.results, f"{a.which}-h200.json")
+    name = f"{a.which}-{a.gpu or 'h200'}.json"
+    path = os.path.join(a.results, name)
     if not os.path.exists(path):
-        raise SystemExit(f"--results: no {a.which}-h200.json in {a.results}")
+        raise SystemExit(f"--results: no {name} in {a.results}")
     with open(path) as f:
         doc = json.load(f)
     print({"gemm": gemm, "moe": moe, "e2e": e2e}[a.which](doc))

@@ -251,6 +251,16 @@ def norm_linear_bound(x, w: oracle.NVFP4, input_scale: float, norm_weight=None,
     multiply), and both ends through the output cast. ``ref``: the oracle's value at the
     interval's low end, cast as the output. Returns an :class:`IntervalBound` [M, N]."""
     x = np.asarray(x, np.float64)
+    if x.ndim != 2 or x.shape[1] % 16:
+        raise ValueError(f"x: expected [M, K] with K a multiple of 16, got shape {x.shape}")
+    if tuple(np.shape(w.codes)) != (np.shape(w.codes)[0], x.shape[1] // 2):
+        raise ValueError(f"w: expected an NVFP4 [N, K={x.shape[1]}] (codes [N, K/2]), got codes "
+                         f"of shape {np.shape(w.codes)}")
+    if norm_weight is not None and np.shape(norm_weight) != (x.shape[1],):
+        raise ValueError(f"norm_weight: expected [K={x.shape[1]}], got shape "
+                         f"{np.shape(norm_weight)}")
+    if not (np.size(input_scale) == 1 and np.isfinite(input_scale) and float(input_scale) > 0):
+        raise ValueError(f"input_scale: expected a positive finite scalar, got {input_scale!r}")
     if norm_weight is None:
         xlo = xhi = x
     else:

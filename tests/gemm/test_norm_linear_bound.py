@@ -85,3 +85,17 @@ def test_nan_never_passes_and_the_bound_is_narrow():
     assert interval_violations(out, b)[1, 5] == np.inf
     # the interval is a few bf16 ulps, not a tolerance: most outputs have one value
     assert np.mean(b.lo == b.hi) > 0.5
+
+
+def test_bad_arguments_name_themselves():
+    x, norms, w, s = _case(2, 2, 16, 128, 1.0, 1.0)
+    wo = nj.to_oracle(w)
+    with pytest.raises(ValueError, match=r"^x: expected \[M, K\]"):
+        norm_linear_bound(x[0], wo, s, norms[1])
+    with pytest.raises(ValueError, match=r"^w: expected an NVFP4 \[N, K=256\]"):
+        norm_linear_bound(np.concatenate([x, x], 1), wo, s)
+    with pytest.raises(ValueError, match=r"^norm_weight: expected \[K=128\]"):
+        norm_linear_bound(x, wo, s, norms)
+    for bad in (0.0, -s, float("nan"), [s, s]):
+        with pytest.raises(ValueError, match="^input_scale: expected a positive finite scalar"):
+            norm_linear_bound(x, wo, bad, norms[1])

@@ -531,15 +531,11 @@ def forward(model: Model, tokens: jax.Array, cache: KVCache, *, backend: str = "
         else:
             n = jax.tree_util.tree_leaves(g)[0].shape[0]
 
-            def body(carry, xs, stacks=None, pro=None, qk=None, li=li):
-                x, k_all, v_all = carry
-                p, i = xs
+            def body(x, k_all, v_all, p, i, stacks=None, pro=None, qk=None, li=li):
                 if stacks is not None:
                     p = nn.join_stacks(p, stacks, i - li)
-                x, k_all, v_all = _layer(cfg, p, x, pos, k_all, v_all, i, start, rope,
-                                         backend, w4a4, ablate, stacks=pro, gl=i - li,
-                                         qk_norms=qk)
-                return (x, k_all, v_all), None
+                return _layer(cfg, p, x, pos, k_all, v_all, i, start, rope, backend, w4a4,
+                              ablate, stacks=pro, gl=i - li, qk_norms=qk)
 
             lin, moe = (nn.stacks_read_in_place(backend, kind) for kind in ("linear", "moe"))
             # the W4A4 linears' norm weights and input scales, read in place at decode
@@ -553,10 +549,10 @@ def forward(model: Model, tokens: jax.Array, cache: KVCache, *, backend: str = "
             # a while loop over the layer index (a lax.scan over (layers, indices) slices the
             # index too: one more launch a layer); its trip count is static, as a scan's
             def step(c, g=g, body=body, li=li):
-                i, carry = c[0], c[1:]
+                i, x, k_all, v_all = c
                 p = jax.tree_util.tree_map(
                     lambda a: jax.lax.dynamic_index_in_dim(a, i - li, keepdims=False), g)
-                return (i + 1, *body(carry, (p, i))[0])
+                return (i + 1, *body(x, k_all, v_all, p, i))
 
             _, x, k_all, v_all = jax.lax.while_loop(lambda c, end=li + n: c[0] < end, step,
                                                     (jnp.int32(li), x, k_all, v_all))

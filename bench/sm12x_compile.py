@@ -14,9 +14,10 @@ the FP8/FP4 MMAs (QMMA/OMMA), in the whole kernel and in its main loop (``main_l
 body of the backward branch that holds the MMAs), and from the main loop the warp-instructions
 issued per weight (``per_weight``), which ``bench/sm12x_model.py`` sets against each GPU's
 issue rate. Usage: ``python bench/sm12x_compile.py --out DIR`` -> ``DIR/gemm-sm12x-compile.json``.
-``--attention``, ``--routing`` and ``--operand`` compile the decode attention's kernels, the
-MoE routing kernel and the W4A4 prologue instead (``DIR/attention-sm12x-compile.json``,
-``DIR/routing-sm12x-compile.json``, ``DIR/operand-sm12x-compile.json``).
+``--attention``, ``--routing``, ``--operand`` and ``--norm-router`` compile the decode
+attention's kernels, the MoE routing kernel, the W4A4 prologue and the MoE norm-router kernel
+instead (``DIR/attention-sm12x-compile.json``, ``DIR/routing-sm12x-compile.json``,
+``DIR/operand-sm12x-compile.json``, ``DIR/norm-router-sm12x-compile.json``).
 
 No GPU is needed: without one the kernel is lowered for CUDA from the CPU
 (``lowering_platforms=("cuda",)``) and compiled by the pip ``triton`` package, whose wheel
@@ -613,6 +614,25 @@ def operand_entries(workdir: str) -> list[dict]:
     return entries
 
 
+def norm_router_entries(workdir: str) -> list[dict]:
+    """``moe.norm_router.norm_router_kernel``, a MoE layer's RMSNorm and router logits, at
+    Qwen3-30B-A3B's H 2048 and 128 experts (norm weight and router read in place from 48-layer
+    stacks) for batch 1 and 8, compiled by pip triton per arch."""
+    from nvfp4_jax.moe import norm_router as nr
+
+    entries = []
+    for t in (1, 8):
+        x = jnp.zeros((t, 2048), jnp.bfloat16)
+        w = jnp.ones((48, 2048), jnp.bfloat16)
+        r = jnp.zeros((48, 128, 2048), jnp.bfloat16)
+        kernels = lowered_kernels(
+            lambda a, b, c: nr.norm_router_kernel(a, b, c, 1e-6, layer=jnp.int32(3)), x, w, r)
+        eb = nr.expert_block(t, 128)
+        for e in compiled_entries(kernels, nr.num_warps(eb, 2048), lambda name: 1, workdir):
+            entries.append({"case": f"t{t}_h2048_e128", "experts_per_program": eb, **e})
+    return entries
+
+
 def lowered_for() -> str:
     """How :func:`lowered_kernels` lowered: for CUDA on the local GPU, or from the CPU."""
     on_cpu = jax.default_backend() != "gpu"
@@ -699,8 +719,12 @@ if __name__ == "__main__":
     p.add_argument("--operand", action="store_true",
                    help="compile gemm.operand.mosaic_w4a4_operand (the W4A4 prologue) for "
                    "sm_90a, sm_120a, sm_121a -> OUT/operand-sm12x-compile.json")
+    p.add_argument("--norm-router", action="store_true",
+                   help="compile moe.norm_router's kernel (a MoE layer's RMSNorm and router "
+                   "logits) for sm_90a, sm_120a, sm_121a -> OUT/norm-router-sm12x-compile.json")
     a = p.parse_args()
-    for flag, entries, fname in ((a.attention, attention_entries, "attention"),
+    for flag, entries, fname in ((a.norm_router, norm_router_entries, "norm-router"),
+                                 (a.attention, attention_entries, "attention"),
                                  (a.routing, routing_entries, "routing"),
                                  (a.operand, operand_entries, "operand")):
         if not flag:
@@ -713,7 +737,7 @@ if __name__ == "__main__":
         os.makedirs(a.out, exist_ok=True)
         with open(os.path.join(a.out, f"{fname}-sm12x-compile.json"), "w") as f:
             json.dump(doc, f, indent=1)
-    if a.attention or a.routing or a.operand:
+    if a.attention or a.routing or a.operand or a.norm_router:
         sys.exit(0)
     if a.variants:
         from gemm_bench import all_sweep_candidates

@@ -7,7 +7,8 @@
   sigmoid-and-bias) top-k, and the experts on ``nvfp4_jax.moe`` (W4A4, TensorRT-LLM CUTLASS
   arithmetic: one activation scale per layer, the max of the experts' ``input_scale``).
 * :func:`rms_norm`; :func:`norm_linear` (an RMSNorm then a linear, one launch before the GEMM
-  where the Mosaic kernel runs W4A4 at decode); expert stacks are quantized with
+  where the Mosaic kernel runs W4A4 at decode); :func:`norm_router` (a MoE layer's RMSNorm and
+  router logits, one launch at decode on a GPU); expert stacks are quantized with
   :func:`nvfp4_jax.quantize_experts`.
 
 The parameter classes are registered pytrees (arrays are leaves, configuration is static), so
@@ -23,9 +24,10 @@ import jax
 import jax.numpy as jnp
 
 from . import moe as moe_pkg
-from .device import gpu_compute_capability, is_sm90, on_gpu
+from .device import gpu_compute_capability, is_sm90, on_gpu, pallas_interpret
 from .gemm.api import matmul, matmul_w4a4_prologue, prologue_applies
 from .gemm.mosaic import unavailable as mosaic_unavailable
+from .moe.norm_router import norm_router_fits, norm_router_kernel
 from .quantize import NVFP4Array
 
 BACKENDS = ("auto", "mosaic", "pallas", "xla")
@@ -112,13 +114,57 @@ def router_logits(p: MoE | MoEBF16, x: jax.Array) -> jax.Array:
     """bf16 router ``x [T, H] @ router^T`` -> float32 [T, E] (fp32 accumulation, rounded to bf16
     as a bf16 ``nn.Linear`` rounds it). A float32 router (Nemotron-H keeps its gate in fp32)
     gives the fp32 product of fp32(x) and the router, unrounded, as HF computes it."""
-    if p.router.dtype == jnp.float32:
-        return jax.lax.dot_general(x.astype(jnp.float32), p.router, (((1,), (1,)), ((), ())),
+    return _router_product(p.router, x)
+
+
+def _router_product(router: jax.Array, x: jax.Array) -> jax.Array:
+    if router.dtype == jnp.float32:
+        return jax.lax.dot_general(x.astype(jnp.float32), router, (((1,), (1,)), ((), ())),
                                    precision=jax.lax.Precision.HIGHEST,
                                    preferred_element_type=jnp.float32)
-    y = jax.lax.dot_general(x, p.router, (((1,), (1,)), ((), ())),
+    y = jax.lax.dot_general(x, router, (((1,), (1,)), ((), ())),
                             preferred_element_type=jnp.float32)
     return y.astype(jnp.bfloat16).astype(jnp.float32)
+
+
+def norm_router(x: jax.Array, norm_weight: jax.Array, router: jax.Array, eps: float = 1e-6, *,
+                layer: jax.Array | None = None,
+                backend: str = "auto") -> tuple[jax.Array, jax.Array]:
+    """A MoE layer's input: ``h = rms_norm(x, norm_weight, eps)`` and its router logits, as
+    :func:`router_logits` computes them. x bf16 [T, H] -> (h bf16 [T, H], logits float32 [T, E]).
+
+    norm_weight bf16 [H] and router [E, H] (bf16, or float32 as :func:`router_logits` takes
+    it); with ``layer`` (an int32 scalar, inside a loop over stacked layers) the stacks bf16
+    [L, H] and [L, E, H], at row ``layer``. On a GPU (``backend`` other than "xla"; "pallas"
+    also off the GPU, interpreted) with a bf16 router, T <= 64 and H a power of two <= 8192
+    (``moe.norm_router.norm_router_fits``), one Pallas-Triton launch reads x and the stacks in
+    place (``moe.norm_router.norm_router_kernel``): the fp32 sum of squares and the logits'
+    fp32 sums in another order than XLA's, which can move a bf16 rounding by an ulp (h within
+    ``oracle.norm_rope_interval``; the tests bound the logits). In XLA these are three launches
+    at decode, and a per-layer slice handed to a Pallas-Triton kernel is a copy of its own.
+    Elsewhere the composition, the stacks sliced at ``layer``."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+    x = jnp.asarray(x)
+    if x.ndim != 2:
+        raise ValueError(f"x: expected [T, H], got shape {x.shape}")
+    stacked = layer is not None
+    if jnp.ndim(router) != (3 if stacked else 2):
+        raise ValueError(f"router: expected {'[L, E, H]' if stacked else '[E, H]'}"
+                         f"{' with layer given' if stacked else ''}, got shape {jnp.shape(router)}")
+    if jnp.ndim(norm_weight) != (2 if stacked else 1):
+        raise ValueError(f"norm_weight: expected {'[L, H]' if stacked else '[H]'}"
+                         f"{' with layer given' if stacked else ''}, got shape "
+                         f"{jnp.shape(norm_weight)}")
+    kernel = backend == "pallas" or (backend != "xla" and on_gpu())
+    if kernel and x.dtype == jnp.bfloat16 and jnp.dtype(norm_weight.dtype) == jnp.bfloat16 and \
+            norm_router_fits(x.shape[0], x.shape[1], router.shape[-2], router.dtype) is None:
+        return norm_router_kernel(x, norm_weight, router, eps, layer=layer,
+                                  interpret=pallas_interpret())
+    if stacked:
+        norm_weight, router = norm_weight[layer], router[layer]
+    h = rms_norm(x, norm_weight, eps)
+    return h, _router_product(router, h)
 
 
 @jax.tree_util.register_dataclass
@@ -160,17 +206,21 @@ def moe_block_bf16(p: MoEBF16, x: jax.Array) -> jax.Array:
     return out.reshape(t, p.top_k, -1).sum(axis=1).astype(jnp.bfloat16)
 
 
-def moe_block(p: MoE | MoEBF16, x: jax.Array, *, backend: str = "auto") -> jax.Array:
+def moe_block(p: MoE | MoEBF16, x: jax.Array, *, backend: str = "auto",
+              logits: jax.Array | None = None) -> jax.Array:
     """``x [T, H]`` bf16 -> bf16 [T, H]: route, then ``nvfp4_jax.moe`` (mode trtllm_cutlass),
     or :func:`moe_block_bf16` for a :class:`MoEBF16`.
 
     ``backend``: "auto" | "mosaic" | "pallas" | "xla", as ``nvfp4_jax.moe`` takes it.
+    ``logits``: None, or x's router logits float32 [T, E] made already (by
+    :func:`norm_router`); None: :func:`router_logits` of ``p`` and x.
     """
     if x.ndim != 2:
         raise ValueError(f"x: expected [T, H], got shape {x.shape}")
     if isinstance(p, MoEBF16):
         return moe_block_bf16(p, x)
-    logits = router_logits(p, x)
+    if logits is None:
+        logits = router_logits(p, x)
     return moe_pkg.moe(x, fc1=p.fc1, fc2=p.fc2, fc1_input_scale=p.fc1_input_scale,
                        fc2_input_scale=p.fc2_input_scale, router_logits=logits, top_k=p.top_k,
                        routing=p.routing, renormalize=p.renormalize,

@@ -28,7 +28,11 @@ powers of two, so that E4M3 block scales reach the subnormals, underflow and sat
   RMSNorm, the norm weight and input scale read from layer stacks: on Hopper and SM 12.x at
   M <= 64 one Pallas-Triton prologue launch before the Mosaic GEMM, else the composition):
   within ``testing.norm_linear_bound`` (the norm's rounding interval carried through the
-  quantizer and the GEMM); the detail says which path ran.
+  quantizer and the GEMM); the detail says which path ran;
+* ``moe/norm_router`` (``nvfp4_jax.nn.norm_router``, a MoE layer's RMSNorm and router logits
+  in one Pallas-Triton launch at decode, the norm weight and router read from layer stacks):
+  rows from 2^-20 to 300, h among ``oracle.norm_rope_interval``'s values and the logits among
+  ``oracle.router_logits_interval``'s (of the kernel's h).
 
 A verdict per kernel; for each failure an ``.npz`` (GEMM failures in the form ``nvfp4 explain
 FILE.npz`` reads; quantize, MoE and attention failures hold their inputs, the output and the
@@ -672,6 +676,48 @@ def _routing_check(seed: int, t: int, e: int, k: int, h: int, renorm: bool, inpu
                   f"(largest |err| / bound {worst:.3g})"), None
 
 
+def _norm_router_check(seed: int, t: int, h: int, e: int, inputs: int):
+    """One compile of ``nn.norm_router`` on its kernel (backend "pallas"; interpreted on CPU)
+    with [2, H] / [2, E, H] stacks read at a traced layer 1, ``inputs`` fuzzed cases: x rows at
+    2^-20 (mean square near eps), 1 or 300, router rows from 2^-12 to 1, other data in layer
+    0; h within ``oracle.norm_rope_interval``, logits bf16 values within
+    ``oracle.router_logits_interval`` of the kernel's h."""
+    import jax
+    import jax.numpy as jnp
+
+    from . import nn
+
+    fn = jax.jit(lambda x, w, r: nn.norm_router(x, w, r, 1e-6, layer=jnp.int32(1),
+                                                backend="pallas"))
+    narrow = 0
+    for i in range(inputs):
+        rng = np.random.default_rng([seed, 7, t, h, e, i])
+        x = (rng.standard_normal((t, h)) * rng.choice([2.0**-20, 1.0, 300.0], (t, 1)))
+        x = x.astype(ml_dtypes.bfloat16)
+        w = rng.uniform(0.25, 2.0, (2, h)).astype(ml_dtypes.bfloat16)
+        r = (rng.standard_normal((2, e, h)) * rng.choice([2.0**-12, 0.05, 1.0], (1, e, 1)))
+        r = r.astype(ml_dtypes.bfloat16)
+        hh, lg = fn(jnp.asarray(x), jnp.asarray(w), jnp.asarray(r))
+        hh = np.asarray(hh.astype(jnp.float32), np.float64)
+        lg = np.asarray(lg, np.float64)
+        lo, hi = oracle.norm_rope_interval(x.astype(np.float64), w[1].astype(np.float64),
+                                           1e-6, None, None)
+        llo, lhi = oracle.router_logits_interval(hh, r[1].astype(np.float64))
+        why = None
+        if not ((lo <= hh) & (hh <= hi)).all():  # NaN fails
+            why = f"{int((~((lo <= hh) & (hh <= hi))).sum())} normed values outside the interval"
+        elif not ((llo <= lg) & (lg <= lhi)).all() or (oracle.bf16_round(lg) != lg).any():
+            why = f"{int((~((llo <= lg) & (lg <= lhi))).sum())} logits outside the interval"
+        if why:
+            return FAIL, f"input {i}: {why}", {
+                "x": x.astype(np.float32), "norm_weight": w.astype(np.float32),
+                "router": r.astype(np.float32), "h": hh, "logits": lg, "h_lo": lo, "h_hi": hi,
+                "logits_lo": llo, "logits_hi": lhi}
+        narrow += int((llo == lhi).sum())
+    return PASS, (f"h and logits within the oracle's intervals on {inputs} inputs ("
+                  f"{narrow / (inputs * t * e):.0%} of the logits' intervals one value)"), None
+
+
 # ----------------------------------------------------------------------------- the plan
 # Time on a GPU is compile time: every (kernel, shape, mode, activation) is one compile (XLA's,
 # with the Triton or Mosaic kernels inside), and every further fuzzed input through it costs
@@ -769,6 +815,11 @@ NORM_LINEAR_SHAPES = {"cpu": ((3, 64, 256, True), (2, 48, 512, False)),
                       "gpu": ((1, 5120, 2048, True), (8, 2048, 4096, True),
                               (33, 1024, 14336, False)),
                       "full": ((64, 4096, 4096, True), (5, 1024, 8192, True))}
+#: norm_router (T, H, E): Qwen3-30B-A3B's H 2048 and 128 experts at batch 1, 60 experts in
+#: blocks of 8 at T = 64 (the last block part empty); full: H 4096, 256 experts
+NORM_ROUTER_SHAPES = {"cpu": ((3, 64, 10),),
+                      "gpu": ((1, 2048, 128), (64, 2048, 60)),
+                      "full": ((8, 4096, 256),)}
 #: fuzzed inputs per compiled shape (``--fuzz`` overrides)
 FUZZ = {"cpu": 2, "gpu": 3}
 
@@ -822,6 +873,8 @@ def plan(cc: int | None, seed: int = 0, *, full: bool = False,
         for t, e, k, h, renorm in _shapes(ROUTING_SHAPES, gpu, full):
             add("moe/routing", f"T{t} E{e} k{k} H{h}" + (" renorm" if renorm else ""),
                 _routing_check, seed, t, e, k, h, renorm, n_in)
+        for t, h, e in _shapes(NORM_ROUTER_SHAPES, gpu, full):
+            add("moe/norm_router", f"T{t} H{h} E{e}", _norm_router_check, seed, t, h, e, n_in)
     if _pallas_triton(cc):  # the decoders' one-token attention (Pallas-Triton)
         for b, s, kvh, g, d in _shapes(ATTENTION_SHAPES, gpu, full):
             add("attention/decode", f"B{b} S{s} KVH{kvh} G{g} D{d}", _attention_check, seed, b,

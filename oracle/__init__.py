@@ -36,7 +36,7 @@ from .quantize import (
     encode_scale_from_amax,
     quantize,
 )
-from .routing import select_experts, select_experts_error_bound
+from .routing import router_logits_interval, select_experts, select_experts_error_bound
 
 __all__ = [
     "E2M1_VALUES", "LAYOUTS", "NVFP4", "RECIPES", "bf16_round", "codes_of",
@@ -47,5 +47,5 @@ __all__ = [
     "gemm_error_bound", "gemm_w4a4", "gemm_w4a16", "pack_nibbles", "padded_shape", "quantize",
     "scaled_integers", "swizzle", "unpack_nibbles", "unswizzle",
 ]
-__all__ += ["MOE_MODES", "MoETrace", "moe", "moe_scales", "moe_trace", "select_experts",
-            "select_experts_error_bound"]
+__all__ += ["MOE_MODES", "MoETrace", "moe", "moe_scales", "moe_trace", "router_logits_interval",
+            "select_experts", "select_experts_error_bound"]

@@ -35,6 +35,8 @@ import math
 
 import numpy as np
 
+from .formats import bf16_round
+
 U = 2.0**-24
 EXP_EPS = 2.0**-21
 
@@ -91,3 +93,26 @@ def select_experts_error_bound(logits, top_k: int, *, renormalize: bool = False
             sigma = (e - 1) * U + EXP_EPS + 2 * U * (e - 1) / math.e
             rel = eta + sigma + 2 * U
         return ids, w, 1.01 * rel * w + e * 2.0**-125
+
+
+def router_logits_interval(h, router) -> tuple[np.ndarray, np.ndarray]:
+    """(lo, hi) float64 [T, E]: the values a bf16 router's logits may take, ``bf16(fp32 sum_k
+    h_k r_ek)`` with the H products exact in fp32 (bf16 times bf16) and summed in any order
+    (``nvfp4_jax.nn.router_logits``, ``nvfp4_jax.moe.norm_router``).
+
+    h: [T, H] and router: [E, H], bf16 values. The fp32 sum of H terms in any order is within
+    ``gamma_{H-1} sum |h_k r_ek|`` of the exact sum ``s`` (``gamma_n = n u / (1 - n u)``),
+    plus ``H 2^-126`` for products and partial sums that flush below the fp32 normal range;
+    the float64 ``s`` here adds its own ``gamma64_H`` relative. bf16 rounding (to nearest,
+    ties to even) is monotone, so the logit lies in ``[bf16(s - b), bf16(s + b)]``.
+    """
+    hh = np.asarray(h, np.float64)
+    r = np.asarray(router, np.float64)
+    if hh.ndim != 2 or r.ndim != 2 or hh.shape[1] != r.shape[1]:
+        raise ValueError(f"h, router: expected [T, H] and [E, H], got {hh.shape} and {r.shape}")
+    n = hh.shape[1]
+    s = hh @ r.T
+    mag = np.abs(hh) @ np.abs(r).T
+    gamma = (n - 1) * U / (1 - (n - 1) * U) + n * 2.0**-53 / (1 - n * 2.0**-53)
+    b = gamma * mag + n * 2.0**-126
+    return bf16_round(s - b), bf16_round(s + b)

@@ -229,11 +229,13 @@ def prologue_stacks(g: dict) -> dict | None:
 
 
 def _layer(cfg, p, x, pos, k_all, v_all, li, start, rope, backend, w4a4, ablate,
-           stacks=None, gl=None, qk_norms=None):
+           stacks=None, gl=None, qk_norms=None, moe_norm=None):
     """One decoder layer. ``stacks``: None, or :func:`prologue_stacks` of the scanned group
     and ``gl`` this layer's index in it: its W4A4 linears then go through ``nn.norm_linear``
     on the stacks (their norm before them). ``qk_norms``: None, or the group's (q_norm,
-    k_norm) stacks, which the decode attention kernel reads at ``gl``."""
+    k_norm) stacks, which the decode attention kernel reads at ``gl``. ``moe_norm``: None, or
+    the group's (post_attention_layernorm, router) stacks, which ``nn.norm_router`` reads at
+    ``gl``."""
     eps = cfg.rms_norm_eps
     sa = p["self_attn"]
     stacks = stacks if stacks and "dense" not in ablate else {}
@@ -262,6 +264,16 @@ def _layer(cfg, p, x, pos, k_all, v_all, li, start, rope, backend, w4a4, ablate,
                              .astype(jnp.float32), 2, axis=-1)
         hm = (jax.nn.silu(gate).astype(jnp.bfloat16).astype(jnp.float32) * up).astype(jnp.bfloat16)
         return x + pro("mlp", "down_proj", hm), k_all, v_all
+    mp = p.get("moe")
+    if isinstance(mp, nn.MoE) and "moe" not in ablate:
+        # the MoE's input norm and router logits: one launch at decode (nn.norm_router)
+        b, t, hd = x.shape
+        norm, router, row = ((p["post_attention_layernorm"], mp.router, None) if moe_norm is None
+                             else (*moe_norm, gl))
+        h2, logits = nn.norm_router(x.reshape(b * t, hd), norm, router, eps, layer=row,
+                                    backend=backend)
+        return x + nn.moe_block(mp, h2, backend=backend, logits=logits).reshape(b, t, hd), \
+            k_all, v_all
     h = nn.rms_norm(x, p["post_attention_layernorm"], eps)
     if "moe" in p:
         if "moe" in ablate:
@@ -531,11 +543,11 @@ def forward(model: Model, tokens: jax.Array, cache: KVCache, *, backend: str = "
         else:
             n = jax.tree_util.tree_leaves(g)[0].shape[0]
 
-            def body(x, k_all, v_all, p, i, stacks=None, pro=None, qk=None, li=li):
+            def body(x, k_all, v_all, p, i, stacks=None, pro=None, qk=None, mn=None, li=li):
                 if stacks is not None:
                     p = nn.join_stacks(p, stacks, i - li)
                 return _layer(cfg, p, x, pos, k_all, v_all, i, start, rope, backend, w4a4,
-                              ablate, stacks=pro, gl=i - li, qk_norms=qk)
+                              ablate, stacks=pro, gl=i - li, qk_norms=qk, moe_norm=mn)
 
             lin, moe = (nn.stacks_read_in_place(backend, kind) for kind in ("linear", "moe"))
             # the W4A4 linears' norm weights and input scales, read in place at decode
@@ -543,6 +555,8 @@ def forward(model: Model, tokens: jax.Array, cache: KVCache, *, backend: str = "
             if cfg.qk_norm:  # the decode attention kernel reads them in place
                 body = functools.partial(body, qk=(g["self_attn"]["q_norm"],
                                                    g["self_attn"]["k_norm"]))
+            if isinstance(g.get("moe"), nn.MoE):  # nn.norm_router reads them in place
+                body = functools.partial(body, mn=(g["post_attention_layernorm"], g["moe"].router))
             if lin or moe:  # those kernels read the stacks in place; the rest keep slices
                 body = functools.partial(body, stacks=nn.weight_stacks(g))
                 g = nn.strip_stacks(g, linears=lin, moe=moe)

@@ -53,10 +53,11 @@ def test_the_cpu_plan_covers_every_kernel_family(monkeypatch):
     assert {"quantize/trtllm", "quantize/modelopt", "quantize/jax", "quantize/b12x",
             "matmul/pallas/w4a16", "matmul/pallas/w4a4", "matmul/xla/w4a16", "matmul/xla/w4a4",
             } <= kernels
-    assert {k.split("/")[1] for k in kernels if k.startswith("moe/") and k != "moe/routing"} == {
+    assert {k.split("/")[1] for k in kernels if k.startswith("moe/")
+            and k not in ("moe/routing", "moe/norm_router")} == {
         "pallas-triton", "pallas-triton-fp4", "xla"}
     assert "matmul/fp4mma/w4a4" in kernels and {"attention/decode", "attention/qkv"} <= kernels
-    assert "moe/routing" in kernels and "linear/norm_linear" in kernels
+    assert {"moe/routing", "moe/norm_router", "linear/norm_linear"} <= kernels
     gpu90 = {k for k, _, _ in selftest.plan(90)}
     assert {"attention/decode", "attention/qkv", "moe/routing", "linear/norm_linear"} <= gpu90
     assert "matmul/mosaic/w4a4" in gpu90 and any(k.startswith("moe/mosaic/") for k in gpu90)
@@ -74,7 +75,7 @@ def test_the_cpu_plan_covers_every_kernel_family(monkeypatch):
         assert any(k.startswith("moe/mosaic/") for k in sm12x)
         # what nvfp4 generate runs there, never yet run
         assert {"attention/decode", "attention/qkv", "linear/norm_linear"} <= sm12x
-        assert "moe/routing" in sm12x
+        assert {"moe/routing", "moe/norm_router"} <= sm12x
     sm89 = {k for k, _, _ in selftest.plan(89)}  # no scaled dot in jaxlib's Triton before sm_90
     assert "matmul/pallas/w4a4" in sm89 and not any("fp4" in k for k in sm89)
 
@@ -187,9 +188,9 @@ def test_the_default_gpu_plan_is_small_covers_every_kernel_and_full_adds_shapes(
     assert any(m % 16 and m > 16 for m, _, _ in gemm)  # ragged M beyond one block
     assert any(k % 256 for _, _, k in gemm)  # K not a multiple of 256
     assert {s for k, s, _ in quick if k == "matmul/mosaic/w4a16"}  # Mosaic gets its shapes
-    # one compile per check: 51 on sm_90, 3 of them attention (the decoders' q/k/v step with
-    # and without q/k norms, and ragged lengths), 2 routing, 3 norm_linear
-    assert len(quick) <= 51, len(quick)
+    # one compile per check: 53 on sm_90, 3 of them attention (the decoders' q/k/v step with
+    # and without q/k norms, and ragged lengths), 2 routing, 2 norm_router, 3 norm_linear
+    assert len(quick) <= 53, len(quick)
     assert all(fn.inputs == selftest.FUZZ["gpu"] for _, _, fn in quick)
     assert all(fn.inputs == 5 for _, _, fn in selftest.plan(120, fuzz=5))
     with pytest.raises(ValueError, match="fuzz"):
@@ -283,6 +284,28 @@ def test_a_broken_routing_kernel_fails_with_an_npz(tmp_path, monkeypatch, capsys
     assert want in c["detail"], c["detail"]
     d = np.load(c["npz"])
     assert {"logits", "hidden", "ids", "weights", "oracle_ids", "oracle_weights"} <= set(d.files)
+
+
+@pytest.mark.parametrize("fault", ["other_layer", "unrounded_logits"])
+def test_a_broken_norm_router_fails_with_an_npz(tmp_path, monkeypatch, capsys, fault):
+    """The norm weight and router read at layer 0 instead of the given layer, or logits left
+    unrounded to bf16, fail ``moe/norm_router``; the .npz holds the inputs and intervals."""
+    from nvfp4_jax import nn
+
+    real = nn.norm_router_kernel
+
+    def broken(x, norm_weight, router, eps, *, layer=None, interpret=False):
+        if fault == "other_layer":
+            layer = jnp.int32(0)
+        h, lg = real(x, norm_weight, router, eps, layer=layer, interpret=interpret)
+        return h, (lg * (1 + 2.0**-12) if fault == "unrounded_logits" else lg)
+
+    monkeypatch.setattr(nn, "norm_router_kernel", broken)
+    c = _only_check_fails(tmp_path, capsys, "moe/norm_router")
+    want = {"other_layer": "normed values outside", "unrounded_logits": "logits outside"}[fault]
+    assert want in c["detail"], c["detail"]
+    d = np.load(c["npz"])
+    assert {"x", "norm_weight", "router", "h", "logits", "logits_lo", "logits_hi"} <= set(d.files)
 
 
 def test_jobs_run_checks_at_once_and_report_them_in_plan_order(tmp_path, capsys):

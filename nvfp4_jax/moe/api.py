@@ -46,7 +46,7 @@ from .pallas_triton import moe_pallas
 from .routing import ROUTINGS, select_experts
 from .select_kernel import select_fits, select_kernel
 from .weights import intermediate_size, padded_inter, unpad_fc2
-from .xla import ACTIVATION_SCALES, ACTIVATIONS, GATE_UP_ORDERS, MODES, moe_xla
+from .xla import ACTIVATION_SCALES, ACTIVATIONS, GATE_UP_ORDERS, MODES, add_residual, moe_xla
 
 log = logging.getLogger(__name__)
 
@@ -186,6 +186,7 @@ def moe(
     config: MoEConfig | MosaicMoEConfig | None = None,
     stacks: tuple[NVFP4Array, NVFP4Array] | None = None,
     layer: jax.Array | None = None,
+    residual: jax.Array | None = None,
 ) -> jax.Array:
     """Routed NVFP4 mixture-of-experts layer -> bf16 [T, H]. Jittable for any T; no host sync.
 
@@ -213,6 +214,10 @@ def moe(
     (linear scales, unpadded fc2; else fc1/fc2, logged): XLA copies a per-layer slice of a
     stack whole into every Pallas-Triton kernel that reads it, on every step of the scan. The
     Mosaic kernels and XLA take fc1/fc2 (uncopied there); XLA drops the form left unused.
+    ``residual``: None, or bf16 [T, H]: returns residual + the layer output, bf16 (as XLA adds
+    two bf16 arrays: both widened to fp32, added, rounded to nearest even); the Mosaic path
+    adds it in its combine launch (in XLA where its FC2 runs on Pallas-Triton), the others in
+    XLA (``xla.add_residual``). A decoder's ``x + moe(h)`` is ``moe(h, residual=x)``.
 
     Bad values (docs/input-policy.md): a concrete non-finite ``hidden``, ``topk_ids`` outside
     [0, E), input scales not finite and > 0, or inconsistent ``fc1``/``fc2`` raise; traced, they
@@ -235,6 +240,11 @@ def moe(
     e, inter = _check(hidden, fc1, fc2, s1, s2, activation, gate_up_order, mode, backend,
                       activation_scale)
     validate.check_moe_args(hidden, fc1, fc2, s1, s2, topk_ids)
+    if residual is not None:
+        residual = jnp.asarray(residual)
+        if residual.shape != hidden.shape or residual.dtype != jnp.bfloat16:
+            raise ValueError(f"residual: expected bfloat16 {tuple(hidden.shape)} (hidden's shape "
+                             f"[T, H]), got {residual.dtype} {tuple(residual.shape)}")
     s1, s2 = jnp.broadcast_to(s1, (e,)), jnp.broadcast_to(s2, (e,))
     if router_logits is not None:
         if topk_ids is not None or topk_weights is not None:
@@ -283,13 +293,14 @@ def moe(
     kw = {"activation": activation, "gate_up_order": gate_up_order, "mode": mode,
           "activation_scale": activation_scale}
     if backend == "xla":
-        return moe_xla(hidden, topk_ids, topk_weights, fc1, unpad_fc2(fc2, inter), s1, s2, **kw)
+        out = moe_xla(hidden, topk_ids, topk_weights, fc1, unpad_fc2(fc2, inter), s1, s2, **kw)
+        return out if residual is None else add_residual(residual, out)
     interpret = pallas_interpret()
     if backend == "mosaic":
         if interpret:
             log.info("nvfp4_jax.moe: backend mosaic off the GPU -> XLA emulation of the kernels")
         return moe_mosaic(hidden, topk_ids, topk_weights, fc1, fc2, s1, s2, config=config,
-                          reference=interpret, **kw)
+                          reference=interpret, residual=residual, **kw)
     if stacks is not None:
         inter = intermediate_size(fc1.shape[1], activation)
         if all(w.layout == "linear" for w in stacks) and stacks[1].shape[-1] == inter:
@@ -298,5 +309,6 @@ def moe(
             log.info("nvfp4_jax.moe: a stack with swizzled scales or padded fc2: the kernels "
                      "read fc1/fc2, the layer's slice (inside a scan a copy on every call)")
             layer = None
-    return moe_pallas(hidden, topk_ids, topk_weights, fc1, fc2, s1, s2, config=config,
-                      interpret=interpret, layer=layer, **kw)
+    out = moe_pallas(hidden, topk_ids, topk_weights, fc1, fc2, s1, s2, config=config,
+                     interpret=interpret, layer=layer, **kw)
+    return out if residual is None else add_residual(residual, out)

@@ -4,7 +4,9 @@ launch.
 One program per (token, ``combine_width`` columns of H): the token's k route rows as one
 [kp, width] gather (positions, experts and router weights loaded, then a CTA barrier, then the
 rows: one round trip each), ``* alpha2[e]`` (bf16 in trtllm_cutlass) ``* router weight``, summed
-over the routes in fp32 (a tree order; the tests bound it) -> bf16.
+over the routes in fp32 (a tree order; the tests bound it) -> bf16; with a residual, that bf16
+sum widened, plus the residual's bf16 value in fp32, -> bf16 (the bits of XLA's ``residual +
+out`` on bf16 arrays), so a decoder's residual add needs no launch of its own.
 """
 
 from __future__ import annotations
@@ -26,9 +28,15 @@ COMBINE_WIDTH = 64  # columns per combine program
 COMBINE_ELEMS = 8  # route-row elements each thread holds: num_warps = kp * width / (32 * 8)
 
 
-def _combine_kernel(pos_ref, ids_ref, w_ref, part_ref, a2_ref, o_ref, *, split: int, top_k: int,
-                    kp: int, mode: str, width: int, interpret: bool, prescaled: bool):
+def _combine_kernel(pos_ref, ids_ref, w_ref, part_ref, a2_ref, *refs, split: int, top_k: int,
+                    kp: int, mode: str, width: int, interpret: bool, prescaled: bool,
+                    has_residual: bool):
     """One token's ``width`` output columns from its ``top_k`` route rows, as one 2-D gather.
+
+    ``refs``: (residual bf16 [T, H], output bf16 [T, H]) with ``has_residual``, else (output,).
+    With a residual the route sum is rounded to bf16 (the store without one), widened, added
+    to the residual's [width] slice in fp32 and rounded to bf16 (round to nearest even), as XLA
+    adds two bf16 arrays.
 
     The k route rows are read as a single [kp, width] tile (kp: k rounded up to a power of two,
     rows past k masked), so every row load is in flight at once. A version that loaded the k
@@ -61,6 +69,13 @@ def _combine_kernel(pos_ref, ids_ref, w_ref, part_ref, a2_ref, o_ref, *, split: 
         if mode == "trtllm_cutlass":  # GEMM2 output is bf16 in TRT-LLM CUTLASS
             d = bf16_rne(d, exact_asm=not interpret)
     out = jnp.sum(d * wts[:, None], axis=0)  # fp32; masked rows add 0
+    if has_residual:
+        res_ref, o_ref = refs
+        res = plgpu.load(res_ref.at[t, pl.ds(c0, width)]).astype(jnp.float32)
+        # bf16(f32(residual) + f32(bf16(out))): the layer output's bf16 value, then XLA's bf16 add
+        out = res + bf16_rne(out, exact_asm=not interpret)
+    else:
+        (o_ref,) = refs
     plgpu.store(o_ref.at[t, pl.ds(c0, width)], out.astype(jnp.bfloat16))
 
 
@@ -78,8 +93,8 @@ def combine_width(hidden: int, kp: int, wide: bool) -> int:
 
 def combine(part: jax.Array, route_pos: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array,
             a2: jax.Array, *, hidden: int, mode: str, interpret: bool = False,
-            wide: bool = False) -> jax.Array:
-    """FC2 partials -> the layer output bf16 [T, H].
+            wide: bool = False, residual: jax.Array | None = None) -> jax.Array:
+    """FC2 partials -> the layer output bf16 [T, H] (plus ``residual``, in the same launch).
 
     part fp32 [split, EM, H_pad] (``mosaic.grouped_matmul``'s output, token-major, times 2^-7),
     or bf16 [1, EM, H_pad]: bf16(alpha2 * acc) as ``grouped_matmul(alpha=a2)`` stores it
@@ -91,20 +106,28 @@ def combine(part: jax.Array, route_pos: jax.Array, topk_ids: jax.Array, topk_wei
     not always the same bits on a GPU: Triton's sum over the k routes follows the tile's
     register layout, so another width may associate it differently (nemotron T = 4096 on
     the H200, width 512 vs 256: up to 3.5e-3 of max |out|); every order stays
-    within the tests' bound.
+    within the tests' bound. ``residual``: None, or bf16 [T, H]: returns ``bf16(f32(residual)
+    + f32(out))`` with ``out`` the bf16 layer output, bit for bit XLA's ``residual + out`` on
+    the two bf16 arrays (a decoder's residual add, without a launch of its own).
     """
     t, k = topk_weights.shape
     if part.ndim != 3 or hidden % TILE or part.shape[2] < hidden:
         raise ValueError(f"part: expected fp32 [split, EM, H_pad >= H] with H % {TILE} == 0, got "
                          f"{part.shape} for H={hidden}")
+    if residual is not None and (residual.shape != (t, hidden) or residual.dtype != jnp.bfloat16):
+        raise ValueError(f"residual: expected bfloat16 [T={t}, H={hidden}], got {residual.dtype} "
+                         f"{residual.shape}")
     split = part.shape[0]
     prescaled = check_prescaled(part, mode)
     kp = pow2(k)
     width = combine_width(hidden, kp, wide)
     nw = max(1, min(8, kp * width // (32 * COMBINE_ELEMS)))
     kern = functools.partial(_combine_kernel, split=split, top_k=k, kp=kp, mode=mode, width=width,
-                             interpret=interpret, prescaled=prescaled)
+                             interpret=interpret, prescaled=prescaled,
+                             has_residual=residual is not None)
+    operands = (route_pos, topk_ids.reshape(-1).astype(jnp.int32),
+                topk_weights.reshape(-1).astype(jnp.float32), part, a2)
+    if residual is not None:
+        operands += (residual,)
     return call(kern, jax.ShapeDtypeStruct((t, hidden), jnp.bfloat16), (t, hidden // width),
-                 num_warps=nw, name="nvfp4_moe_combine", interpret=interpret)(
-        route_pos, topk_ids.reshape(-1).astype(jnp.int32),
-        topk_weights.reshape(-1).astype(jnp.float32), part, a2)
+                 num_warps=nw, name="nvfp4_moe_combine", interpret=interpret)(*operands)

@@ -85,7 +85,7 @@ from .routing import block_routing, max_blocks
 from .routing_kernel import routing_kernel, routing_kernel_fits, routing_operand_kernel
 from .scales import moe_scales_kernel
 from .weights import intermediate_size, padded_inter, unpad_fc2
-from .xla import activate, bf16_round, quantized_values, recipe_of, sorted_rows
+from .xla import activate, add_residual, bf16_round, quantized_values, recipe_of, sorted_rows
 
 log = logging.getLogger(__name__)
 
@@ -616,6 +616,7 @@ def moe_mosaic(
     config: MosaicMoEConfig | None = None,
     reference: bool = False,
     return_intermediates: bool = False,
+    residual: jax.Array | None = None,
 ):
     """Routed MoE with Mosaic GPU grouped GEMMs -> bf16 [T, H] (+ per-route ``h`` [T*k, I]).
 
@@ -624,6 +625,9 @@ def moe_mosaic(
     a multiple of 256 and not 128 mod 256 (logged). fc2 may be zero-padded along K
     (``pad_fc2``): the grouped kernel reads its aligned rows as they are. ``reference=True``: the Mosaic kernels are
     replaced by their XLA emulation and the Pallas-Triton ones run in interpret mode (CPU tests).
+    ``residual``: None, or bf16 [T, H]: returns ``residual + out`` (bf16, the bits of XLA's add
+    of two bf16 arrays), added in the combine launch where FC2 runs on Mosaic, in XLA
+    (``xla.add_residual``) after the Pallas-Triton FC2's top-k sum otherwise.
     """
     t, k = topk_ids.shape
     e, r, h_dim = fc1.shape
@@ -747,7 +751,7 @@ def moe_mosaic(
                            alpha=products(a1, cfg1, h_dim, lay1, "fc1") if on2 else None)
     if on2:
         # FC1 epilogue (alpha, bf16, activation, requantization, K permutation), FC2 (Mosaic),
-        # combine (alpha2, bf16, router weight, top-k sum): one launch each
+        # combine (alpha2, bf16, router weight, top-k sum, residual): one launch each
         if config.epilogue == "routes":  # one program per route: only routed rows, unmasked
             skip = {"route_pos": br.route_pos, "route_expert": topk_ids.reshape(-1)}
         elif config.skip_padding:
@@ -762,7 +766,7 @@ def moe_mosaic(
                                reference=reference, name="fc2", scale_layout=lay2,
                                alpha=products(a2, cfg2, k2, lay2, "fc2", padded=k2 != inter))
         out = combine(part2, br.route_pos, topk_ids, topk_weights, a2, hidden=h_dim,
-                      mode=mode, interpret=reference, wide=config.wide_glue)
+                      mode=mode, interpret=reference, wide=config.wide_glue, residual=residual)
     else:
         # FC2 on Pallas-Triton (I % 128 != 0): the FC1 epilogue in XLA (the functions of xla.py)
         _, wt, row_expert = sorted_rows(hidden, topk_weights, g1, br.sorted_route,
@@ -777,6 +781,8 @@ def moe_mosaic(
         contrib = fc2_triton(meta + (br.block_expert,), hv[:, 0::2], hv[:, 1::2], fc2, a2, wt, cfg=tcfg, em=em,
                              h_dim=h_dim, inter=inter, mode=mode, interpret=reference)
         out = contrib[br.route_pos].reshape(t, k, h_dim).sum(axis=1).astype(jnp.bfloat16)
+        if residual is not None:  # no combine launch here: XLA's bf16 add
+            out = add_residual(residual, out)
     if return_intermediates:
         return out, {"h": hb[br.route_pos]}
     return out

@@ -38,6 +38,17 @@ def bf16_round(v: jax.Array) -> jax.Array:
     return lax.reduce_precision(v, exponent_bits=8, mantissa_bits=7)
 
 
+def add_residual(residual: jax.Array, out: jax.Array) -> jax.Array:
+    """bf16 [T, H] + bf16 [T, H] -> bf16 [T, H]: the bits of XLA's add of the two arrays
+    materialized (each widened to fp32, added, rounded to nearest even), as the Mosaic combine
+    kernel adds its residual.
+
+    ``out``'s bf16 rounding goes through ``bf16_round``: inside one fusion XLA (the CPU backend
+    too) may add the fp32 value ``out`` was converted from instead of its bf16 value.
+    """
+    return (residual.astype(jnp.float32) + bf16_round(out.astype(jnp.float32))).astype(jnp.bfloat16)
+
+
 def recipe_of(mode: str) -> str:
     return "trtllm" if mode == "trtllm_cutlass" else "b12x"
 

@@ -482,3 +482,40 @@ def test_moe_mosaic_sm12x_form_lowered_as_sm12x(monkeypatch, caplog):
         assert "grouped GEMMs on mma.sync" in caplog.text
         check_against_oracle(case, out, h, mode="trtllm_cutlass", activation=shape["activation"],
                              gate_up_order="up_gate")
+
+
+@pytest.mark.parametrize("name,shape,mode,config", [
+    # both GEMMs on Mosaic: the combine launch adds the residual (narrow and wide combine,
+    # nemotron's FC2 with whole-K scales)
+    ("qwen_T8_b12x", {**QWEN, "t": 8, "e": 16, "k": 8}, "b12x", None),
+    ("nemotron_T20_trtllm", {**NEMO, "t": 20, "e": 8, "k": 6}, "trtllm_cutlass", None),
+    ("qwen_T64_wide_trtllm", {**QWEN, "t": 64, "e": 8, "k": 4}, "trtllm_cutlass",
+     MosaicMoEConfig(block_m=16, wide_glue=True, bf16_partials=True, skip_padding=True)),
+    # I % 128 != 0: FC2 on Pallas-Triton, XLA adds the residual
+    ("fc2_triton_trtllm", {"h": 1024, "inter": 800, "activation": "relu2", "t": 6, "e": 8, "k": 4},
+     "trtllm_cutlass", None),
+])
+def test_moe_mosaic_gpu_residual_is_xla_add(name, shape, mode, config):
+    """``moe(backend="mosaic", residual=r)`` is bit for bit ``r + moe(backend="mosaic")`` (XLA's
+    add of the two bf16 arrays) with the residual larger than, comparable with and cancelling
+    the layer output, eager and inside one jit."""
+    from nvfp4_jax.moe.api import moe
+
+    case = make_case_fast(np.random.default_rng(len(name)), **shape)
+    hidden, ids, w, fc1, fc2, s1, s2 = to_jax(case)
+    kw = {"fc1": fc1, "fc2": fc2, "fc1_input_scale": s1, "fc2_input_scale": s2, "topk_ids": ids,
+          "topk_weights": w, "activation": shape["activation"], "mode": mode, "backend": "mosaic",
+          "config": config}
+    out = moe(hidden, **kw)
+    o = np.asarray(out, np.float32)
+    assert np.all(np.isfinite(o)) and np.abs(o).max() > 0
+    rng = np.random.default_rng(0)
+    g = rng.standard_normal(o.shape).astype(np.float32)
+    bits = lambda a: np.asarray(a).view(np.uint16)
+    for kind, r in (("larger", g * np.abs(o).max() * 2.0**10), ("same", g * np.abs(o).max()),
+                    ("cancel", -o * (1 + g * 2.0**-7))):
+        r = jnp.asarray(r, jnp.bfloat16)
+        want = bits(r + out)
+        np.testing.assert_array_equal(bits(moe(hidden, residual=r, **kw)), want, err_msg=kind)
+        jitted = jax.jit(lambda x, r: moe(x, residual=r, **kw))(hidden, r)
+        np.testing.assert_array_equal(bits(jitted), want, err_msg=f"{kind}, jit")

@@ -207,18 +207,22 @@ def moe_block_bf16(p: MoEBF16, x: jax.Array) -> jax.Array:
 
 
 def moe_block(p: MoE | MoEBF16, x: jax.Array, *, backend: str = "auto",
-              logits: jax.Array | None = None) -> jax.Array:
+              logits: jax.Array | None = None, residual: jax.Array | None = None) -> jax.Array:
     """``x [T, H]`` bf16 -> bf16 [T, H]: route, then ``nvfp4_jax.moe`` (mode trtllm_cutlass),
     or :func:`moe_block_bf16` for a :class:`MoEBF16`.
 
     ``backend``: "auto" | "mosaic" | "pallas" | "xla", as ``nvfp4_jax.moe`` takes it.
     ``logits``: None, or x's router logits float32 [T, E] made already (by
     :func:`norm_router`); None: :func:`router_logits` of ``p`` and x.
+    ``residual``: None, or bf16 [T, H]: returns ``residual +`` the block's output (a decoder
+    layer's ``x + moe(h)``), as ``nvfp4_jax.moe(residual=)`` adds it (in the combine launch on
+    the Mosaic path); for a :class:`MoEBF16` an XLA add.
     """
     if x.ndim != 2:
         raise ValueError(f"x: expected [T, H], got shape {x.shape}")
     if isinstance(p, MoEBF16):
-        return moe_block_bf16(p, x)
+        out = moe_block_bf16(p, x)
+        return out if residual is None else residual + out
     if logits is None:
         logits = router_logits(p, x)
     return moe_pkg.moe(x, fc1=p.fc1, fc2=p.fc2, fc1_input_scale=p.fc1_input_scale,
@@ -227,7 +231,7 @@ def moe_block(p: MoE | MoEBF16, x: jax.Array, *, backend: str = "auto",
                        correction_bias=p.correction_bias,
                        routed_scaling_factor=p.routed_scaling_factor, activation=p.activation,
                        gate_up_order="up_gate", mode="trtllm_cutlass", backend=backend,
-                       stacks=p.stacks, layer=p.layer)
+                       stacks=p.stacks, layer=p.layer, residual=residual)
 
 
 def _is_stacked_param(v) -> bool:

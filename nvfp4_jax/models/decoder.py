@@ -272,8 +272,9 @@ def _layer(cfg, p, x, pos, k_all, v_all, li, start, rope, backend, w4a4, ablate,
                              else (*moe_norm, gl))
         h2, logits = nn.norm_router(x.reshape(b * t, hd), norm, router, eps, layer=row,
                                     backend=backend)
-        return x + nn.moe_block(mp, h2, backend=backend, logits=logits).reshape(b, t, hd), \
-            k_all, v_all
+        # x + the MoE's output: added in the MoE's last launch on the Mosaic path
+        out = nn.moe_block(mp, h2, backend=backend, logits=logits, residual=x.reshape(b * t, hd))
+        return out.reshape(b, t, hd), k_all, v_all
     h = nn.rms_norm(x, p["post_attention_layernorm"], eps)
     if "moe" in p:
         if "moe" in ablate:

@@ -225,6 +225,9 @@ def moe_block(p: MoE | MoEBF16, x: jax.Array, *, backend: str = "auto",
         return out if residual is None else residual + out
     if logits is None:
         logits = router_logits(p, x)
+    elif jnp.shape(logits) != (x.shape[0], p.router.shape[-2]):
+        raise ValueError(f"logits: expected the router logits [T={x.shape[0]}, "
+                         f"E={p.router.shape[-2]}], got shape {jnp.shape(logits)}")
     return moe_pkg.moe(x, fc1=p.fc1, fc2=p.fc2, fc1_input_scale=p.fc1_input_scale,
                        fc2_input_scale=p.fc2_input_scale, router_logits=logits, top_k=p.top_k,
                        routing=p.routing, renormalize=p.renormalize,

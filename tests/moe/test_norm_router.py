@@ -148,6 +148,8 @@ def test_rejects_bad_arguments():
         nn.norm_router(x, w[None], r)
     with pytest.raises(ValueError, match="layer"):
         nn.norm_router(x, w[None], r[None], layer=3, backend="pallas")
+    with pytest.raises(ValueError, match=r"logits: expected the router logits \[T=2, E=8\]"):
+        nn.moe_block(nn.MoE(r, None, None, None, None), x, logits=jnp.zeros((2, 7)))
     interp = pallas_interpret()
     with pytest.raises(ValueError, match="x: expected bf16"):
         nr.norm_router_kernel(x.astype(jnp.float32), w, r, EPS, interpret=interp)

@@ -19,6 +19,7 @@ with shardings.
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -29,6 +30,8 @@ from .gemm.api import matmul, matmul_w4a4_prologue, prologue_applies
 from .gemm.mosaic import unavailable as mosaic_unavailable
 from .moe.norm_router import norm_router_fits, norm_router_kernel
 from .quantize import NVFP4Array
+
+log = logging.getLogger(__name__)
 
 BACKENDS = ("auto", "mosaic", "pallas", "xla")
 
@@ -156,11 +159,15 @@ def norm_router(x: jax.Array, norm_weight: jax.Array, router: jax.Array, eps: fl
         raise ValueError(f"norm_weight: expected {'[L, H]' if stacked else '[H]'}"
                          f"{' with layer given' if stacked else ''}, got shape "
                          f"{jnp.shape(norm_weight)}")
-    kernel = backend == "pallas" or (backend != "xla" and on_gpu())
-    if kernel and x.dtype == jnp.bfloat16 and jnp.dtype(norm_weight.dtype) == jnp.bfloat16 and \
-            norm_router_fits(x.shape[0], x.shape[1], router.shape[-2], router.dtype) is None:
-        return norm_router_kernel(x, norm_weight, router, eps, layer=layer,
-                                  interpret=pallas_interpret())
+    if backend == "pallas" or (backend != "xla" and on_gpu()):
+        why = norm_router_fits(x.shape[0], x.shape[1], router.shape[-2], router.dtype)
+        if why is None and (x.dtype != jnp.bfloat16 or norm_weight.dtype != jnp.bfloat16):
+            why = f"{x.dtype} x and a {norm_weight.dtype} norm weight (bf16 only)"
+        if why is None:
+            return norm_router_kernel(x, norm_weight, router, eps, layer=layer,
+                                      interpret=pallas_interpret())
+        log.info("nvfp4_jax.nn.norm_router: the kernel does not take %s; XLA's norm and router",
+                 why)
     if stacked:
         norm_weight, router = norm_weight[layer], router[layer]
     h = rms_norm(x, norm_weight, eps)

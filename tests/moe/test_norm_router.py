@@ -114,10 +114,10 @@ def test_stacks_read_in_place_at_layer():
 
 
 @pytest.mark.parametrize("why", ["fp32 router", "65 tokens", "hidden 96", "xla"])
-def test_off_the_kernel_the_composition(why, monkeypatch):
+def test_off_the_kernel_the_composition(why, monkeypatch, caplog):
     """Where the kernel does not take the layer (``norm_router_fits``) or the backend is XLA,
     ``nn.norm_router`` is ``nn.rms_norm`` then ``nn.router_logits`` bit for bit, the stacks
-    sliced at ``layer``; the kernel is not called."""
+    sliced at ``layer``; the kernel is not called, and the log says why."""
     t, hd = (65 if why == "65 tokens" else 4), (96 if why == "hidden 96" else 64)
     x, w, r = _case(6, t, hd, 8, 1.0, 1.0, layers=2)
     if why == "fp32 router":
@@ -127,8 +127,14 @@ def test_off_the_kernel_the_composition(why, monkeypatch):
         raise AssertionError("the kernel ran")
 
     monkeypatch.setattr(nn, "norm_router_kernel", boom)
-    h, lg = nn.norm_router(x, w, r, EPS, layer=jnp.int32(1),
-                           backend="xla" if why == "xla" else "pallas")
+    with caplog.at_level("INFO", logger="nvfp4_jax.nn"):
+        h, lg = nn.norm_router(x, w, r, EPS, layer=jnp.int32(1),
+                               backend="xla" if why == "xla" else "pallas")
+    said = {"fp32 router": "float32 router", "65 tokens": "65 tokens", "hidden 96": "hidden size 96"}
+    if why in said:  # a kernel backend asked for: the log says why XLA runs instead
+        assert said[why] in caplog.text, caplog.text
+    else:
+        assert "norm_router" not in caplog.text
     h_ref = nn.rms_norm(x, w[1], EPS)
     moe = nn.MoEBF16(r[1], None, None, 2)
     lg_ref = nn.router_logits(moe, h_ref)

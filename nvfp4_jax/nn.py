@@ -134,23 +134,27 @@ def norm_router(x: jax.Array, norm_weight: jax.Array, router: jax.Array, eps: fl
                 layer: jax.Array | None = None,
                 backend: str = "auto") -> tuple[jax.Array, jax.Array]:
     """A MoE layer's input: ``h = rms_norm(x, norm_weight, eps)`` and its router logits, as
-    :func:`router_logits` computes them. x bf16 [T, H] -> (h bf16 [T, H], logits float32 [T, E]).
+    :func:`router_logits` computes them. x bf16 [..., H] -> (h bf16 [..., H], logits float32
+    [..., E]).
 
     norm_weight bf16 [H] and router [E, H] (bf16, or float32 as :func:`router_logits` takes
     it); with ``layer`` (an int32 scalar, inside a loop over stacked layers) the stacks bf16
     [L, H] and [L, E, H], at row ``layer``. On a GPU (``backend`` other than "xla"; "pallas"
-    also off the GPU, interpreted) with a bf16 router, T <= 64 and H a power of two <= 8192
-    (``moe.norm_router.norm_router_fits``), one Pallas-Triton launch reads x and the stacks in
-    place (``moe.norm_router.norm_router_kernel``): the fp32 sum of squares and the logits'
-    fp32 sums in another order than XLA's, which can move a bf16 rounding by an ulp (h within
-    ``oracle.norm_rope_interval``; the tests bound the logits). In XLA these are three launches
-    at decode, and a per-layer slice handed to a Pallas-Triton kernel is a copy of its own.
-    Elsewhere the composition, the stacks sliced at ``layer``."""
+    also off the GPU, interpreted) with a bf16 router, at most 64 tokens and H a power of two
+    <= 8192 (``moe.norm_router.norm_router_fits``), one Pallas-Triton launch reads x and the
+    stacks in place (``moe.norm_router.norm_router_kernel``): the fp32 sum of squares and the
+    logits' fp32 sums in another order than XLA's, which can move a bf16 rounding by an ulp (h
+    within ``oracle.norm_rope_interval``; the logits within
+    ``oracle.router_logits_interval``). In XLA these are three launches at decode, and a
+    per-layer slice handed to a Pallas-Triton kernel is a copy of its own. Elsewhere the
+    composition on x's own shape (XLA:CPU's sum of squares over [T, H] and over [B, T, H]
+    need not round alike), the stacks sliced at ``layer``; where a kernel backend was asked
+    for, the log says why."""
     if backend not in BACKENDS:
         raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
     x = jnp.asarray(x)
-    if x.ndim != 2:
-        raise ValueError(f"x: expected [T, H], got shape {x.shape}")
+    if x.ndim < 1:
+        raise ValueError(f"x: expected [..., H], got shape {x.shape}")
     stacked = layer is not None
     if jnp.ndim(router) != (3 if stacked else 2):
         raise ValueError(f"router: expected {'[L, E, H]' if stacked else '[E, H]'}"
@@ -159,19 +163,25 @@ def norm_router(x: jax.Array, norm_weight: jax.Array, router: jax.Array, eps: fl
         raise ValueError(f"norm_weight: expected {'[L, H]' if stacked else '[H]'}"
                          f"{' with layer given' if stacked else ''}, got shape "
                          f"{jnp.shape(norm_weight)}")
+    hd, e = x.shape[-1], router.shape[-2]
+    if router.shape[-1] != hd or norm_weight.shape[-1] != hd:
+        raise ValueError(f"router, norm_weight: expected H = {hd} (x's last axis), got "
+                         f"{jnp.shape(router)} and {jnp.shape(norm_weight)}")
+    x2 = x.reshape(-1, hd)
     if backend == "pallas" or (backend != "xla" and on_gpu()):
-        why = norm_router_fits(x.shape[0], x.shape[1], router.shape[-2], router.dtype)
+        why = norm_router_fits(x2.shape[0], hd, e, router.dtype)
         if why is None and (x.dtype != jnp.bfloat16 or norm_weight.dtype != jnp.bfloat16):
             why = f"{x.dtype} x and a {norm_weight.dtype} norm weight (bf16 only)"
         if why is None:
-            return norm_router_kernel(x, norm_weight, router, eps, layer=layer,
-                                      interpret=pallas_interpret())
+            h, logits = norm_router_kernel(x2, norm_weight, router, eps, layer=layer,
+                                           interpret=pallas_interpret())
+            return h.reshape(x.shape), logits.reshape(x.shape[:-1] + (e,))
         log.info("nvfp4_jax.nn.norm_router: the kernel does not take %s; XLA's norm and router",
                  why)
     if stacked:
         norm_weight, router = norm_weight[layer], router[layer]
     h = rms_norm(x, norm_weight, eps)
-    return h, _router_product(router, h)
+    return h, _router_product(router, h.reshape(-1, hd)).reshape(x.shape[:-1] + (e,))
 
 
 @jax.tree_util.register_dataclass

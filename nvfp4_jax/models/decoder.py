@@ -35,6 +35,7 @@ import numpy as np
 from .. import nn
 from ..attention import cache_attention, decode_qkv_attention, runs_kernel
 from ..device import pallas_interpret
+from ..moe.xla import add_residual
 from ..quantize import NVFP4Array
 
 
@@ -270,10 +271,10 @@ def _layer(cfg, p, x, pos, k_all, v_all, li, start, rope, backend, w4a4, ablate,
         b, t, hd = x.shape
         norm, router, row = ((p["post_attention_layernorm"], mp.router, None) if moe_norm is None
                              else (*moe_norm, gl))
-        h2, logits = nn.norm_router(x.reshape(b * t, hd), norm, router, eps, layer=row,
-                                    backend=backend)
+        h, logits = nn.norm_router(x, norm, router, eps, layer=row, backend=backend)
         # x + the MoE's output: added in the MoE's last launch on the Mosaic path
-        out = nn.moe_block(mp, h2, backend=backend, logits=logits, residual=x.reshape(b * t, hd))
+        out = nn.moe_block(mp, h.reshape(b * t, hd), backend=backend,
+                           logits=logits.reshape(b * t, -1), residual=x.reshape(b * t, hd))
         return out.reshape(b, t, hd), k_all, v_all
     h = nn.rms_norm(x, p["post_attention_layernorm"], eps)
     if "moe" in p:
@@ -282,8 +283,10 @@ def _layer(cfg, p, x, pos, k_all, v_all, li, start, rope, backend, w4a4, ablate,
         else:
             b, t, hd = h.shape
             mp, x2 = p["moe"], h.reshape(b * t, hd)
-            m = (mp(x2, backend=backend) if callable(mp)  # expert-parallel (models.sharding)
-                 else nn.moe_block(mp, x2, backend=backend)).reshape(b, t, hd)
+            if callable(mp):  # expert-parallel (models.sharding): the add as moe(residual=)'s
+                out = add_residual(x.reshape(b * t, hd), mp(x2, backend=backend))
+                return out.reshape(b, t, hd), k_all, v_all
+            m = nn.moe_block(mp, x2, backend=backend).reshape(b, t, hd)
     else:
         m = _mlp(p["mlp"], h, backend, w4a4, ablate)
     return x + m, k_all, v_all

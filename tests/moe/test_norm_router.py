@@ -113,6 +113,24 @@ def test_stacks_read_in_place_at_layer():
     _check_against_oracle(x, w[1], r[1], *got)
 
 
+@pytest.mark.parametrize("backend", ["pallas", "xla"])
+def test_leading_axes(backend):
+    """x [B, T, H]: h [B, T, H] and logits [B, T, E]; on the kernel the [B * T, H] call's bits,
+    in XLA the norm on x's own shape (what a decoder layer not on this path computes)."""
+    x, w, r = _case(8, 6, 64, 8, 1.0, 1.0)
+    x3 = x.reshape(2, 3, 64)
+    h, lg = nn.norm_router(x3, w, r, EPS, backend=backend)
+    assert h.shape == (2, 3, 64) and lg.shape == (2, 3, 8)
+    if backend == "pallas":
+        h2, lg2 = nn.norm_router(x, w, r, EPS, backend=backend)
+    else:
+        h2 = nn.rms_norm(x3, w, EPS)
+        lg2 = nn.router_logits(nn.MoEBF16(r, None, None, 2), h2.reshape(6, 64))
+    np.testing.assert_array_equal(np.asarray(h, np.float32).reshape(6, 64),
+                                  np.asarray(h2, np.float32).reshape(6, 64))
+    np.testing.assert_array_equal(np.asarray(lg).reshape(6, 8), np.asarray(lg2).reshape(6, 8))
+
+
 @pytest.mark.parametrize("why", ["fp32 router", "65 tokens", "hidden 96", "xla"])
 def test_off_the_kernel_the_composition(why, monkeypatch, caplog):
     """Where the kernel does not take the layer (``norm_router_fits``) or the backend is XLA,
@@ -146,8 +164,10 @@ def test_rejects_bad_arguments():
     x, w, r = _case(7, 2, 64, 8, 1.0, 1.0)
     with pytest.raises(ValueError, match="backend"):
         nn.norm_router(x, w, r, backend="cuda")
-    with pytest.raises(ValueError, match=r"x: expected \[T, H\]"):
-        nn.norm_router(x[0], w, r)
+    with pytest.raises(ValueError, match=r"x: expected \[\.\.\., H\]"):
+        nn.norm_router(x[0, 0], w, r)
+    with pytest.raises(ValueError, match="router, norm_weight: expected H = 32"):
+        nn.norm_router(x[:, :32], w, r)
     with pytest.raises(ValueError, match=r"router: expected \[L, E, H\] with layer given"):
         nn.norm_router(x, w[None], r, layer=0)
     with pytest.raises(ValueError, match=r"norm_weight: expected \[H\]"):
@@ -200,9 +220,9 @@ def test_decode_step_runs_the_norm_router_kernel_on_the_stacks():
 
 def test_decoder_through_the_kernel_gives_the_compositions_logits(monkeypatch):
     """A tiny Qwen3-MoE's prefill and decode step with every MoE layer's norm and router on
-    the kernel (interpreted) against the XLA composition: the same logits bit for bit. On the
-    CPU the interpreted kernel's sums are XLA:CPU reductions that round like the
-    composition's here (jax 0.10.2); a layer's norm or router read at another row, or h and
+    the kernel (interpreted) against the XLA composition on the same [B * T, H] rows: the same
+    logits bit for bit. On the CPU the interpreted kernel's sums are XLA:CPU reductions that
+    round like the composition's here (jax 0.10.2); a layer's norm or router read at another row, or h and
     the logits not the ones handed on to the experts, changes them."""
     from nvfp4_jax import models
 
@@ -213,9 +233,12 @@ def test_decoder_through_the_kernel_gives_the_compositions_logits(monkeypatch):
     for force in ("pallas", "xla"):
         used = []
 
-        def spy(*a, force=force, used=used, **k):
+        def spy(x, *a, force=force, used=used, **k):
             used.append(k["backend"])
-            return real(*a, **{**k, "backend": force})
+            # the [B * T, H] rows, as the kernel sees them (XLA:CPU's sum of squares over
+            # [B, T, H] may round otherwise)
+            h, lg = real(x.reshape(-1, x.shape[-1]), *a, **{**k, "backend": force})
+            return h.reshape(x.shape), lg.reshape(x.shape[:-1] + (-1,))
 
         monkeypatch.setattr(nn, "norm_router", spy)
         jax.clear_caches()

@@ -26,6 +26,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from jaxpr_calls import pallas_calls
 
 import oracle
 from nvfp4_jax import attention, nn
@@ -196,14 +197,7 @@ def test_decode_step_runs_the_qkv_kernel_not_xla_cache_updates():
     assert text.count("name=nvfp4_decode_qkv") == 1  # one scan body
     assert "dynamic_update_slice" not in text
 
-    def calls(jx):
-        for e in jx.eqns:
-            if e.primitive.name == "pallas_call" and "nvfp4_decode_qkv" in str(e.params):
-                yield e
-            for sub in jax.core.jaxprs_in_params(e.params):
-                yield from calls(sub)
-
-    (call,) = calls(jaxpr.jaxpr)
+    (call,) = pallas_calls(jaxpr.jaxpr, "nvfp4_decode_qkv")
     # the q and k norm weights: the scanned group's [3, D] stacks, read in place (a [2, D]
     # operand would be the two scanned slices packed, one copy a step)
     assert [tuple(v.aval.shape) for v in call.invars[1:3]] == [(3, d), (3, d)]

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from jaxpr_calls import pallas_calls
 
 import oracle
 from nvfp4_jax import nn
@@ -206,14 +207,7 @@ def test_decode_step_runs_the_norm_router_kernel_on_the_stacks():
     step = functools.partial(models.decode_step, backend="pallas")
     jaxpr = jax.make_jaxpr(step)(model, jnp.zeros((1,), jnp.int32), cache)
 
-    def calls(jx):
-        for q in jx.eqns:
-            if q.primitive.name == "pallas_call" and "nvfp4_moe_norm_router" in str(q.params):
-                yield q
-            for sub in jax.core.jaxprs_in_params(q.params):
-                yield from calls(sub)
-
-    (call,) = calls(jaxpr.jaxpr)
+    (call,) = pallas_calls(jaxpr.jaxpr, "nvfp4_moe_norm_router")
     hd, e = cfg.hidden_size, cfg.num_experts
     assert [tuple(v.aval.shape) for v in call.invars[2:4]] == [(3, hd), (3, e, hd)]
 

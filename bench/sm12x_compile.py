@@ -581,27 +581,13 @@ def compiled_entries(kernels: dict, num_warps: int, num_stages, workdir: str) ->
 
 def routing_entries(workdir: str) -> list[dict]:
     """``moe.select_kernel`` at Qwen3-30B-A3B's router (T = 8 tokens, 128 experts, top-8,
-    H 2048, renormalized: one program per token, one warp), and the launch the decoders' Mosaic
-    MoE runs at decode instead, ``routing_kernel.select_routing_operand_kernel`` (the picks,
-    the routing, the scales and the FC1 operand; T = 1 and 8), compiled by pip triton per
-    arch."""
-    from nvfp4_jax.moe import routing_kernel as rtk
+    H 2048, renormalized: one program per token, one warp), compiled by pip triton per arch."""
     from nvfp4_jax.moe.select_kernel import select_kernel
 
     lg = jnp.zeros((8, 128), jnp.float32)
     x = jnp.zeros((8, 2048), jnp.bfloat16)
     kernels = lowered_kernels(lambda a, b: select_kernel(a, b, 8, renormalize=True), lg, x)
-    entries = compiled_entries(kernels, 1, lambda name: 1, workdir)
-    vecs = (jnp.ones(128), jnp.ones(128), jnp.ones(128), jnp.ones(128), "trtllm_cutlass",
-            "scalar")
-    for t in (1, 8):
-        kernels = lowered_kernels(
-            lambda a, b: rtk.select_routing_operand_kernel(a, b, 8, 128, 8, vecs,
-                                                           renormalize=True, recipe="trtllm"),
-            jnp.zeros((t, 128), jnp.float32), jnp.zeros((t, 2048), jnp.bfloat16))
-        for e in compiled_entries(kernels, rtk.OPERAND_WARPS, lambda name: 1, workdir):
-            entries.append({"case": f"t{t}_h2048_e128_top8", **e})
-    return entries
+    return compiled_entries(kernels, 1, lambda name: 1, workdir)
 
 
 def operand_entries(workdir: str) -> list[dict]:

@@ -246,7 +246,6 @@ def moe(
             raise ValueError(f"residual: expected bfloat16 {tuple(hidden.shape)} (hidden's shape "
                              f"[T, H]), got {residual.dtype} {tuple(residual.shape)}")
     s1, s2 = jnp.broadcast_to(s1, (e,)), jnp.broadcast_to(s2, (e,))
-    router = None  # (router_logits, top_k, renormalize) for moe_mosaic's routing launch
     if router_logits is not None:
         if topk_ids is not None or topk_weights is not None:
             raise ValueError("router_logits: pass either router_logits (+ top_k) or topk_ids + topk_weights, not both")
@@ -260,9 +259,7 @@ def moe(
                                  hidden=hidden.shape[1], experts=e)
         in_kernel = (routing == "softmax" and backend != "xla" and select_fits(e, top_k)
                      and hidden.shape[0] > 0)
-        if in_kernel and backend == "mosaic":  # picked in moe_mosaic, in its routing launch
-            router = (router_logits, top_k, renormalize)
-        elif in_kernel:  # softmax, top-k, renormalization and the finite-row check: one launch
+        if in_kernel:  # softmax, top-k, renormalization and the finite-row check: one launch
             topk_ids, topk_weights = select_kernel(router_logits, hidden, top_k,
                                                    renormalize=renormalize,
                                                    interpret=pallas_interpret())
@@ -303,7 +300,7 @@ def moe(
         if interpret:
             log.info("nvfp4_jax.moe: backend mosaic off the GPU -> XLA emulation of the kernels")
         return moe_mosaic(hidden, topk_ids, topk_weights, fc1, fc2, s1, s2, config=config,
-                          reference=interpret, residual=residual, router=router, **kw)
+                          reference=interpret, residual=residual, **kw)
     if stacks is not None:
         inter = intermediate_size(fc1.shape[1], activation)
         if all(w.layout == "linear" for w in stacks) and stacks[1].shape[-1] == inter:

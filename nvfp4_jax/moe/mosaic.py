@@ -82,14 +82,8 @@ from .epilogue import fc1_epilogue
 from .operand import fc1_operand, token_operand
 from .pallas_triton import fc2_triton
 from .routing import block_routing, max_blocks
-from .routing_kernel import (
-    routing_kernel,
-    routing_kernel_fits,
-    routing_operand_kernel,
-    select_routing_operand_kernel,
-)
+from .routing_kernel import routing_kernel, routing_kernel_fits, routing_operand_kernel
 from .scales import moe_scales_kernel
-from .select_kernel import select_kernel
 from .weights import intermediate_size, padded_inter, unpad_fc2
 from .xla import activate, add_residual, bf16_round, quantized_values, recipe_of, sorted_rows
 
@@ -118,8 +112,7 @@ class MosaicMoEConfig:
     for routings that fit one program, ``routing_kernel_fits``; larger ones use "xla", logged)
     or "fused" (``routing_kernel.routing_operand_kernel``; needs ``skip_padding``: the routing,
     the scales and the FC1 operand in one launch, each program recomputing the small routing in
-    registers; given router logits, the softmax top-k picks too:
-    ``select_routing_operand_kernel``). The same routing either way; the one-program kernels pay at decode sizes only,
+    registers). The same routing either way; the one-program kernels pay at decode sizes only,
     and which one pays depends on the expert count, so ``AUTO_SM90`` sets it per shape.
     skip_padding: the FC1 operand and FC1 epilogue kernels leave the blocks' padding rows alone
     (no quantization, no reads of their partials, no writes; nothing downstream reads them)
@@ -624,7 +617,6 @@ def moe_mosaic(
     reference: bool = False,
     return_intermediates: bool = False,
     residual: jax.Array | None = None,
-    router: tuple | None = None,
 ):
     """Routed MoE with Mosaic GPU grouped GEMMs -> bf16 [T, H] (+ per-route ``h`` [T*k, I]).
 
@@ -636,18 +628,8 @@ def moe_mosaic(
     ``residual``: None, or bf16 [T, H]: returns ``residual + out`` (bf16, the bits of XLA's add
     of two bf16 arrays), added in the combine launch where FC2 runs on Mosaic, in XLA
     (``xla.add_residual``) after the Pallas-Triton FC2's top-k sum otherwise.
-    ``router``: None, or ``(router_logits fp32 [T, E], top_k, renormalize)`` in place of
-    topk_ids and topk_weights (both None): softmax top-k routing as ``select_kernel`` picks it
-    (``nvfp4_jax.moe`` passes it where that kernel applies), in the same launch as the routing,
-    the scales and the FC1 operand where ``config.routing`` is "fused" and the routing kernel
-    takes the routes (``routing_kernel.select_routing_operand_kernel``), else a launch of its
-    own first.
     """
-    if router is not None:
-        router_logits, top_k, renormalize = router
-        t, k = router_logits.shape[0], top_k
-    else:
-        t, k = topk_ids.shape
+    t, k = topk_ids.shape
     e, r, h_dim = fc1.shape
     inter = intermediate_size(r, activation)
     k2 = fc2.shape[2]  # inter, or zero-padded to a multiple of 256 (``pad_fc2``)
@@ -700,17 +682,9 @@ def moe_mosaic(
     scale_spec = (*scale_args, mode, activation_scale)  # the scale kernels' ``scales``
     sv = None  # (g1, 1/g1, alpha1, g2, 1/g2, alpha2)
     xp = None  # the FC1 operand, when the routing kernel writes it too ("fused")
-    in_kernel = config.routing != "xla" and routing_kernel_fits(
-        n_routes, e, bm, top_k=None if config.routing == "fused" else k)
-    if router is not None and not (in_kernel and config.routing == "fused"):
-        topk_ids, topk_weights = select_kernel(router_logits, hidden, k, renormalize=renormalize,
-                                               interpret=reference)
-    if in_kernel:
-        if config.routing == "fused" and router is not None:  # the expert picks too
-            topk_ids, topk_weights, br, sv, xp = select_routing_operand_kernel(
-                router_logits, hidden, k, e, bm, scale_spec, renormalize=renormalize,
-                recipe=recipe, interpret=reference)
-        elif config.routing == "fused":  # routing, scales and the FC1 operand in one launch
+    if config.routing != "xla" and routing_kernel_fits(
+            n_routes, e, bm, top_k=None if config.routing == "fused" else topk_ids.shape[1]):
+        if config.routing == "fused":  # routing, scales and the FC1 operand in one launch
             br, sv, xp = routing_operand_kernel(topk_ids, hidden, e, bm, scale_spec, recipe=recipe,
                                                 interpret=reference)
         else:  # the routing and the scales in one launch

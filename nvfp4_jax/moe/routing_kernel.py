@@ -3,9 +3,7 @@
 ``routing_kernel`` computes ``routing.block_routing``'s arrays (bit for bit: integers) in one
 launch instead of ~5 XLA fusions, optionally with the scales (``scales.scale_values``) in the
 same program; ``routing_operand_kernel`` adds the FC1 operand (``operand.fc1_operand``'s rows)
-to that launch, and ``select_routing_operand_kernel`` the softmax top-k picks before it
-(``select_kernel``'s, from the router logits): at decode a MoE layer's routing is then one
-launch. Three methods, one per regime (see ``routing_methods``).
+to that launch. Three methods, one per regime (see ``routing_methods``).
 """
 
 from __future__ import annotations
@@ -22,14 +20,6 @@ from ..gemm.mosaic import permute_k_order
 from ..triton_ops import call, pow2, requantize, row_tile
 from .routing import BlockRouting, max_blocks
 from .scales import scale_values, scales_kernel, scales_plan, store_scales
-from .select_kernel import (
-    CHUNK_PER_WARP,
-    bad_rows,
-    logits_tile,
-    pick_weights,
-    select_fits,
-    top_k_picks,
-)
 
 #: The routing kernels' three methods. "experts" (``_route_positions``): per-expert counts, a
 #: cumsum over experts and ranks from one [E, N] one-hot tile, the block experts from an
@@ -255,18 +245,12 @@ def _routing_plan(topk_ids: jax.Array, num_experts: int, block_m: int, interpret
     ``routing_methods`` (it must fit), None: its first; ``tokens``: whether "tokens" may be."""
     if topk_ids.ndim != 2:
         raise ValueError(f"topk_ids: expected [T, k] expert ids, got shape {topk_ids.shape}")
-    kw, outs = _plan(topk_ids.shape[0] * topk_ids.shape[1], topk_ids.shape[1], num_experts,
-                     block_m, interpret, method, tokens)
-    return topk_ids.reshape(-1).astype(jnp.int32), kw, outs
-
-
-def _plan(n: int, top_k: int, num_experts: int, block_m: int, interpret: bool,
-          method: str | None, tokens: bool, name: str = "topk_ids"):
-    """``_routing_plan``'s static arguments and output shapes for n routes of ``top_k`` each."""
+    flat = topk_ids.reshape(-1).astype(jnp.int32)
+    n, top_k = flat.shape[0], topk_ids.shape[1]
     fits = routing_methods(n, num_experts, block_m, top_k=top_k if tokens else None,
                            explicit=method is not None)
     if not fits or (method is not None and method not in fits):
-        raise ValueError(f"{name}: {n} routes over {num_experts} experts are too many for the "
+        raise ValueError(f"topk_ids: {n} routes over {num_experts} experts are too many for the "
                          f"one-program routing kernel ({method or 'any'} method, "
                          f"routing_kernel_fits); use block_routing")
     nb = max_blocks(n, num_experts, block_m)
@@ -278,7 +262,7 @@ def _plan(n: int, top_k: int, num_experts: int, block_m: int, interpret: bool,
     if kw["method"] == "tokens":
         kw["top_k"] = top_k
         outs += (i32(pow2(n // top_k) * pow2(num_experts)),)
-    return kw, outs
+    return flat, kw, outs
 
 
 def routing_methods(n_routes: int, num_experts: int, block_m: int, *, top_k: int | None = None,
@@ -395,44 +379,6 @@ def _routing_operand_kernel(ids_ref, sc_ref, x_ref, srt_ref, be_ref, nb_ref, pos
     plgpu.store(xp_ref.at[row, pl.ds(kt * bk, bk)], permute_k_order(q.reshape(bk)).astype(jnp.bfloat16))
 
 
-#: Warps of the routing-operand launch (one program per route and K tile of hidden).
-OPERAND_WARPS = 8
-
-
-def _select_routing_operand_kernel(lg_ref, xf_ref, sc_ref, x_ref, ids_ref, w_ref, *rest, t: int,
-                                   top_k: int, renormalize: bool, hk: int, **kw):
-    # every program picks every token's experts from the logits in registers and stores them
-    # (all programs the same values), then reads them back as the routing kernel reads its
-    # input; program (0, 0) also checks the hidden rows and stores the weights
-    e, interpret = kw["routing_kw"]["num_experts"], kw["routing_kw"]["interpret"]
-    tp = pow2(t)
-    cols, valid, lg = logits_tile(lg_ref, 0, t=t, e=e, tb=tp)
-    sel, m, undefined, hits, idxs = top_k_picks(cols, valid, lg, k=top_k, e=e)
-    r1 = lax.broadcasted_iota(jnp.int32, (tp,), 0)
-    live1 = r1 < t
-    out = lambda j: jnp.where(live1, r1 * top_k + j, t * top_k + r1)  # masked lanes: out of range
-    for j, idx in enumerate(idxs):
-        plgpu.store(ids_ref.at[out(j)], idx, mask=live1)
-
-    @pl.when((pl.program_id(0) == 0) & (pl.program_id(1) == 0))
-    def _():
-        bad = bad_rows(xf_ref, 0, t=t, h=x_ref.shape[1], tb=tp, hk=hk)
-        ws = pick_weights(valid, sel, m, undefined, hits, bad, renormalize=renormalize,
-                          exact_asm=kw["exact_asm"])
-        for j, w in enumerate(ws):
-            plgpu.store(w_ref.at[out(j)], w, mask=live1)
-
-    if not interpret:
-        plgpu.debug_barrier()  # the ids are in memory before the routing reads them
-    _routing_operand_kernel(ids_ref, sc_ref, x_ref, *rest, top_k=top_k, **kw)
-
-
-def _check_hidden(hidden: jax.Array) -> None:
-    if hidden.ndim != 2 or hidden.shape[1] % 256:
-        raise ValueError(f"hidden: expected [T, H] with H % 256 == 0 (the grouped kernel's K), "
-                         f"got {hidden.shape}")
-
-
 def routing_operand_kernel(topk_ids: jax.Array, hidden: jax.Array, num_experts: int, block_m: int,
                            scales: tuple, *, recipe: str, interpret: bool = False,
                            method: str | None = None):
@@ -448,8 +394,9 @@ def routing_operand_kernel(topk_ids: jax.Array, hidden: jax.Array, num_experts: 
     the FC1 operand's quantization recipe. Returns ``(BlockRouting, (g1, 1/g1, alpha1, g2,
     1/g2, alpha2), xp bf16 [EM, H])``. ``method``: as ``routing_kernel``'s (with "routes" each
     program needs only the first pass; program (0, 0) makes the second)."""
-    _check_hidden(hidden)
     t, h = hidden.shape
+    if h % 256:
+        raise ValueError(f"hidden: expected [T, H] with H % 256 == 0 (the grouped kernel's K), got {hidden.shape}")
     if topk_ids.ndim != 2 or topk_ids.shape[0] != t:
         raise ValueError(f"topk_ids: expected [T, k] with T = {t} (hidden's rows), got {topk_ids.shape}")
     flat, rkw, outs = _routing_plan(topk_ids, num_experts, block_m, interpret, method,
@@ -461,48 +408,6 @@ def routing_operand_kernel(topk_ids: jax.Array, hidden: jax.Array, num_experts: 
         recipe=recipe, per_expert=scales[-1] == "per_expert", exact_asm=not interpret)
     srt, be, nbk, pos, *sv, xp = call(
         kern, (*outs, *souts, jax.ShapeDtypeStruct((rkw["em"], h), jnp.bfloat16)),
-        (rkw["n"], h // bk), num_warps=OPERAND_WARPS, name="nvfp4_moe_routing_operand",
-        interpret=interpret)(flat, packed, hidden)
+        (rkw["n"], h // bk), num_warps=8, name="nvfp4_moe_routing_operand", interpret=interpret)(
+        flat, packed, hidden)
     return BlockRouting(srt, be, nbk, pos), tuple(sv), xp
-
-
-def select_routing_operand_kernel(router_logits: jax.Array, hidden: jax.Array, top_k: int,
-                                  num_experts: int, block_m: int, scales: tuple, *,
-                                  renormalize: bool, recipe: str, interpret: bool = False,
-                                  method: str | None = None):
-    """``select_kernel`` and ``routing_operand_kernel`` as one launch: every program picks the
-    experts of all T tokens from ``router_logits`` (``select_kernel``'s picks, bit for bit) and
-    goes on as ``routing_operand_kernel``; program (0, 0) also stores the weights (softmax,
-    ``renormalize``, NaN for a token whose softmax is undefined or whose hidden row holds a NaN
-    or Inf, as ``select_kernel``). For routings ``routing_kernel_fits`` takes (T * top_k routes,
-    no "tokens" method).
-
-    router_logits: fp32 [T, E] (E = ``num_experts``, ``select_fits``); hidden bf16 [T, H] (H %
-    256 == 0); ``scales``, ``recipe``, ``method``: as ``routing_operand_kernel``'s. Returns
-    ``(topk_ids int32 [T, top_k], topk_weights float32 [T, top_k], BlockRouting, (g1, 1/g1,
-    alpha1, g2, 1/g2, alpha2), xp bf16 [EM, H])``."""
-    _check_hidden(hidden)
-    t, h = hidden.shape
-    if router_logits.ndim != 2 or router_logits.shape != (t, num_experts):
-        raise ValueError(f"router_logits: expected [T, E] = {(t, num_experts)}, got "
-                         f"{router_logits.shape}")
-    if not select_fits(num_experts, top_k):
-        raise ValueError(f"top_k: expected 1 <= top_k <= E = {num_experts}, got {top_k}")
-    n = t * top_k
-    rkw, outs = _plan(n, top_k, num_experts, block_m, interpret, method, tokens=False,
-                      name="router_logits")
-    packed, skw, souts = scales_plan(scales, num_experts, interpret)
-    bk = row_tile(h)
-    kern = functools.partial(
-        _select_routing_operand_kernel, t=t, renormalize=renormalize,
-        hk=max(1, min(pow2(h), CHUNK_PER_WARP * OPERAND_WARPS // pow2(t))), routing_kw=rkw,
-        scales_kw=skw, top_k=top_k, bk=bk, recipe=recipe,
-        per_expert=scales[-1] == "per_expert", exact_asm=not interpret)
-    ids, w, srt, be, nbk, pos, *sv, xp = call(
-        kern, (jax.ShapeDtypeStruct((n,), jnp.int32), jax.ShapeDtypeStruct((n,), jnp.float32),
-               *outs, *souts, jax.ShapeDtypeStruct((rkw["em"], h), jnp.bfloat16)),
-        (n, h // bk), num_warps=OPERAND_WARPS, name="nvfp4_moe_select_routing_operand",
-        interpret=interpret)(router_logits.astype(jnp.float32).reshape(-1), hidden.reshape(-1),
-                             packed, hidden)
-    return (ids.reshape(t, top_k), w.reshape(t, top_k), BlockRouting(srt, be, nbk, pos),
-            tuple(sv), xp)

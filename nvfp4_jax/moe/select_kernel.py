@@ -55,92 +55,55 @@ def select_fits(num_experts: int, top_k: int) -> bool:
     return pow2(num_experts) <= MAX_EXPERTS and 1 <= top_k <= num_experts
 
 
-def logits_tile(lg_ref, r0, *, t: int, e: int, tb: int):
-    """(cols [1, ep], valid [tb, ep], logits [tb, ep]) of tokens r0..r0+tb-1 from the flat
-    fp32 [T * E] logits (-inf past T and E)."""
+def _select_kernel(lg_ref, x_ref, ids_ref, w_ref, *, t: int, e: int, k: int, h: int, tb: int,
+                   hk: int, renormalize: bool, exact_asm: bool):
     ep = pow2(e)
+    r0 = pl.program_id(0) * tb
     rows = r0 + lax.broadcasted_iota(jnp.int32, (tb, 1), 0)
     cols = lax.broadcasted_iota(jnp.int32, (1, ep), 1)
-    valid = (rows < t) & (cols < e)
+    live = rows < t
+    valid = live & (cols < e)
     inf = float("inf")  # a Python float: Triton lowering cannot negate a jnp constant
-    return cols, valid, jnp.where(valid, plgpu.load(lg_ref.at[jnp.where(valid, rows * e + cols, 0)]),
-                                  -inf)
-
-
-def top_k_picks(cols, valid, lg, *, k: int, e: int):
-    """The k largest logits of each row, the lower index first among equal ones: (sel, m,
-    undefined, hits, idxs) with sel the logits (NaN -> -inf: never selected), m their row max,
-    undefined [tb] where softmax is (a NaN or +inf logit, or every logit -inf), and hits the k
-    one-hot [tb, ep] masks of the picks in order, idxs their experts [tb] (E - 1 in rows past
-    T)."""
-    inf = float("inf")
+    lg = jnp.where(valid, plgpu.load(lg_ref.at[jnp.where(valid, rows * e + cols, 0)]), -inf)
     isnan = lg != lg
+    # softmax undefined: a NaN or +inf logit, or (below) every logit -inf
     undefined = jnp.max(jnp.where(valid & (isnan | (lg == inf)), 1, 0), axis=1) > 0
     sel = jnp.where(isnan, -inf, lg)  # NaN never selected (its token's weights are NaN)
     m = jnp.max(sel, axis=1)
     undefined = undefined | (m == -inf)
-    ep = cols.shape[1]
-    taken = jnp.zeros(valid.shape, jnp.bool_)
-    hits, idxs = [], []
-    for _ in range(k):  # static: the k largest logits one by one
+    ex = jnp.exp(jnp.where(valid & ~undefined[:, None], sel - m[:, None], -inf))  # [tb, ep]
+    total = jnp.sum(ex, axis=1)
+    # a non-finite hidden value anywhere in the token's row
+    hc = lax.broadcasted_iota(jnp.int32, (1, hk), 1)
+    bad_x = jnp.zeros((tb,), jnp.bool_)
+    for c0 in range(0, h, hk):  # static: h / hk chunks
+        ok = live & (c0 + hc < h)
+        xv = plgpu.load(x_ref.at[jnp.where(ok, rows * h + c0 + hc, 0)]).astype(jnp.float32)
+        bad_x = bad_x | (jnp.max(jnp.where(ok & ~(jnp.abs(xv) < inf), 1, 0), axis=1) > 0)
+    nan_w = undefined | bad_x
+    r1 = r0 + lax.broadcasted_iota(jnp.int32, (tb,), 0)
+    live1 = r1 < t
+    # masked lanes store out of range (never a clamped duplicate of a live lane's index:
+    # interpret mode writes them too, racing with that lane)
+    out = lambda j: jnp.where(live1, r1 * k + j, t * k + r1)
+    taken = jnp.zeros((tb, ep), jnp.bool_)
+    probs = []
+    for j in range(k):  # static: the k largest logits one by one
         cand = valid & ~taken
         v = jnp.where(cand, sel, -inf)
         mx = jnp.max(v, axis=1)
         idx = jnp.min(jnp.where(cand & (v == mx[:, None]), cols, ep), axis=1)
         hit = cols == idx[:, None]
         taken = taken | hit
-        hits.append(hit)
-        idxs.append(jnp.minimum(idx, e - 1))
-    return sel, m, undefined, hits, idxs
-
-
-def bad_rows(x_ref, r0, *, t: int, h: int, tb: int, hk: int):
-    """[tb] whether token r0 + i's hidden row (the flat [T * H] ``x_ref``) holds a NaN or Inf."""
-    inf = float("inf")
-    rows = r0 + lax.broadcasted_iota(jnp.int32, (tb, 1), 0)
-    live = rows < t
-    hc = lax.broadcasted_iota(jnp.int32, (1, hk), 1)
-    bad = jnp.zeros((tb,), jnp.bool_)
-    for c0 in range(0, h, hk):  # static: h / hk chunks
-        ok = live & (c0 + hc < h)
-        xv = plgpu.load(x_ref.at[jnp.where(ok, rows * h + c0 + hc, 0)]).astype(jnp.float32)
-        bad = bad | (jnp.max(jnp.where(ok & ~(jnp.abs(xv) < inf), 1, 0), axis=1) > 0)
-    return bad
-
-
-def pick_weights(valid, sel, m, undefined, hits, bad, *, renormalize: bool, exact_asm: bool) -> list:
-    """The k picks' weights [tb]: ``exp(l_j - m) / sum_i exp(l_i - m)`` (IEEE divisions),
-    renormalized over the k with ``renormalize``; NaN for an ``undefined`` or ``bad`` row."""
-    inf = float("inf")
-    ex = jnp.exp(jnp.where(valid & ~undefined[:, None], sel - m[:, None], -inf))  # [tb, ep]
-    total = jnp.sum(ex, axis=1)
-    probs = [div_rn(jnp.sum(jnp.where(hit, ex, 0.0), axis=1), total, exact_asm) for hit in hits]
+        plgpu.store(ids_ref.at[out(j)], jnp.minimum(idx, e - 1), mask=live1)
+        probs.append(div_rn(jnp.sum(jnp.where(hit, ex, 0.0), axis=1), total, exact_asm))
     if renormalize:
         norm = probs[0]
         for p in probs[1:]:
             norm = norm + p
         probs = [div_rn(p, norm, exact_asm) for p in probs]
-    nan_w = undefined | bad
-    return [jnp.where(nan_w, jnp.nan, p) for p in probs]
-
-
-def _select_kernel(lg_ref, x_ref, ids_ref, w_ref, *, t: int, e: int, k: int, h: int, tb: int,
-                   hk: int, renormalize: bool, exact_asm: bool):
-    r0 = pl.program_id(0) * tb
-    cols, valid, lg = logits_tile(lg_ref, r0, t=t, e=e, tb=tb)
-    sel, m, undefined, hits, idxs = top_k_picks(cols, valid, lg, k=k, e=e)
-    bad = bad_rows(x_ref, r0, t=t, h=h, tb=tb, hk=hk)
-    r1 = r0 + lax.broadcasted_iota(jnp.int32, (tb,), 0)
-    live1 = r1 < t
-    # masked lanes store out of range (never a clamped duplicate of a live lane's index:
-    # interpret mode writes them too, racing with that lane)
-    out = lambda j: jnp.where(live1, r1 * k + j, t * k + r1)
-    for j, idx in enumerate(idxs):
-        plgpu.store(ids_ref.at[out(j)], idx, mask=live1)
-    ws = pick_weights(valid, sel, m, undefined, hits, bad, renormalize=renormalize,
-                      exact_asm=exact_asm)
-    for j, w in enumerate(ws):
-        plgpu.store(w_ref.at[out(j)], w, mask=live1)
+    for j, p in enumerate(probs):
+        plgpu.store(w_ref.at[out(j)], jnp.where(nan_w, jnp.nan, p), mask=live1)
 
 
 def select_kernel(router_logits: jax.Array, hidden: jax.Array, top_k: int, *,

@@ -328,48 +328,6 @@ def test_routing_kernel_routes_method_on_gpu(t, e, k):
     np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32))
 
 
-@pytest.mark.parametrize("t,e,k,renorm", [(1, 128, 8, True), (8, 128, 8, True), (3, 512, 22, False),
-                                           (8, 512, 22, False)])
-def test_select_routing_operand_on_gpu(t, e, k, renorm):
-    """The expert picks, the routing, the scales and the FC1 operand in one launch on the GPU
-    (every program stores the picks, a CTA barrier, the routing reads them back): bit for bit
-    ``select_kernel`` then ``routing_operand_kernel``, with ties, a -inf logit, a NaN logit and
-    a NaN hidden value among the tokens."""
-    from nvfp4_jax.moe import routing_kernel as rtk
-    from nvfp4_jax.moe.select_kernel import select_kernel
-
-    rng = np.random.default_rng(t + e)
-    bm, h = 8, 2048
-    lg = (rng.standard_normal((t, e)) * 4).astype(np.float32)
-    lg[0, :3] = lg[0, 5]  # ties
-    lg[-1, 1] = -np.inf
-    if t > 2:
-        lg[1, 2] = np.nan
-    x = rng.standard_normal((t, h)) * 64
-    if t > 2:
-        x[2, 17] = np.nan
-    hidden, lg = jnp.asarray(x, jnp.bfloat16), jnp.asarray(lg)
-    vecs = [jnp.asarray(np.exp2(rng.uniform(-12, 4, e)).astype(np.float32)) for _ in range(4)]
-    scales = (*vecs, "trtllm_cutlass", "scalar")
-    ids, w, br, sv, xp = jax.jit(lambda lg, x: rtk.select_routing_operand_kernel(
-        lg, x, k, e, bm, scales, renormalize=renorm, recipe="trtllm"))(lg, hidden)
-    wids, ww = jax.jit(lambda lg, x: select_kernel(lg, x, k, renormalize=renorm))(lg, hidden)
-    wbr, wsv, wxp = jax.jit(lambda i, x: rtk.routing_operand_kernel(i, x, e, bm, scales,
-                                                                    recipe="trtllm"))(wids, hidden)
-    np.testing.assert_array_equal(np.asarray(ids), np.asarray(wids))
-    np.testing.assert_array_equal(np.asarray(w).view(np.uint32), np.asarray(ww).view(np.uint32))
-    assert np.isfinite(np.asarray(w)[0]).all() and (t <= 2 or np.isnan(np.asarray(w)[1:3]).all())
-    for name in ("sorted_route", "block_expert", "num_blocks", "route_pos"):
-        np.testing.assert_array_equal(np.asarray(getattr(br, name)), np.asarray(getattr(wbr, name)),
-                                      err_msg=name)
-    for a, b in zip(sv, wsv, strict=True):
-        np.testing.assert_array_equal(np.asarray(a).view(np.uint32), np.asarray(b).view(np.uint32))
-    live = np.asarray(br.route_pos)
-    a, b = np.asarray(xp, np.float32)[live], np.asarray(wxp, np.float32)[live]
-    np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32))
-    assert np.count_nonzero(a[np.isfinite(a)]) > a.size // 20
-
-
 @pytest.mark.parametrize("t,warps", [(1, None), (8, None), (23, None), (46, None), (8, 8), (8, 16)])
 def test_routing_kernel_tokens_method_on_gpu(t, warps, monkeypatch):
     """The routing kernels' "tokens" method (nemotron: 22 routes per token over 512 experts)

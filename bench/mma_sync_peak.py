@@ -3,9 +3,10 @@ registers only (no memory traffic in the loop), in the warp layout of the Mosaic
 form (``MosaicConfig(mma="sync")``: one warpgroup per CTA, each warp 16 rows of a 64-row block,
 all 64 tokens; 8 independent accumulator tiles per warp, as at M = 64).
 
-On Hopper ``mma.sync`` is the legacy path beside ``wgmma``; its rate bounds what that form can
-reach on the H200 proxy at M = 64, where the GEMM is MMA-bound. Prints one JSON line and writes
-``mma-sync-peak-<gpu>.json`` under ``--out``.
+On Hopper ``mma.sync`` is the legacy path beside ``wgmma``; its rate is the ceiling the SM 12.x
+form's M = 64 tiles are held against on the proxy (docs/performance.md). Prints one JSON line per
+CTA count (1, 2 and ``--ctas-per-sm`` per SM) and writes ``mma-sync-peak-<gpu>.json`` under
+``--out``.
 
     python bench/mma_sync_peak.py --out $OUT [--iters 2000] [--ctas-per-sm 4]
 """
@@ -32,7 +33,7 @@ ROWS, DEPTH, TOKENS = 64, 128, 64  # one warpgroup's operands: A [64, 128], B [1
 
 
 def peak(iters: int, ctas: int) -> dict:
-    pl, plgpu = pallas_mosaic_gpu()
+    _, plgpu = pallas_mosaic_gpu()
 
     def mma_sync_peak(seed_gmem, o_gmem):
         i = lax.axis_index("c")

@@ -149,7 +149,8 @@ def test_off_the_kernel_the_composition(why, monkeypatch, caplog):
     with caplog.at_level("INFO", logger="nvfp4_jax.nn"):
         h, lg = nn.norm_router(x, w, r, EPS, layer=jnp.int32(1),
                                backend="xla" if why == "xla" else "pallas")
-    said = {"fp32 router": "float32 router", "65 tokens": "65 tokens", "hidden 96": "hidden size 96"}
+    said = {"fp32 router": "float32 router", "65 tokens": "65 tokens",
+            "hidden 96": "hidden size 96"}
     if why in said:  # a kernel backend asked for: the log says why XLA runs instead
         assert said[why] in caplog.text, caplog.text
     else:
@@ -216,8 +217,8 @@ def test_decoder_through_the_kernel_gives_the_compositions_logits(monkeypatch):
     """A tiny Qwen3-MoE's prefill and decode step with every MoE layer's norm and router on
     the kernel (interpreted) against the XLA composition on the same [B * T, H] rows: the same
     logits bit for bit. On the CPU the interpreted kernel's sums are XLA:CPU reductions that
-    round like the composition's here (jax 0.10.2); a layer's norm or router read at another row, or h and
-    the logits not the ones handed on to the experts, changes them."""
+    round like the composition's here (jax 0.10.2); a layer's norm or router read at another
+    row, or h and the logits not the ones handed on to the experts, changes them."""
     from nvfp4_jax import models
 
     cfg, model = _tiny_qwen3()

@@ -31,6 +31,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from .device import on_gpu
+from .gemm.operand import mosaic_columns, operand_values
 from .triton_ops import bf16_rne, cdiv, div_rn, pow2
 from .validate import check_layer, is_concrete
 
@@ -91,10 +92,16 @@ def _kernel(q_ref, k_ref, v_ref, meta_ref, acc_ref, m_ref, l_ref, *, n_layers: i
     plgpu.store(l_ref.at[pl.ds(out0, gp)], l, mask=keep)
 
 
-def _combine_kernel(acc_ref, m_ref, l_ref, o_ref, *, splits: int, g: int, d: int, n_rows: int,
-                    exact_asm: bool):
+def _combine_kernel(acc_ref, m_ref, l_ref, *refs, splits: int, g: int, d: int, n_rows: int,
+                    operand: tuple[int, int, int, int] | None, exact_asm: bool):
     """o = sum_j w_j acc_j / sum_j w_j l_j over the chunks j of one (sequence, kv head), with
-    w_j = exp(m_j - max_j m_j) (an empty chunk: m_j = NEG, w_j = 0)."""
+    w_j = exp(m_j - max_j m_j) (an empty chunk: m_j = NEG, w_j = 0).
+
+    operand: None (refs: the output o [B * NH, D]), or (batch, kv_heads, rows, n_scales): refs
+    (layer [1] int32, input scales fp32 [n_scales], the operand bf16 [rows, NH * D]): o's
+    values quantized for the next W4A4 linear (``gemm.operand.operand_values`` with the scale
+    at ``layer``, clamped) at their ``gemm.operand.mosaic_columns`` of the sequence's row, and
+    zeros in rows batch..rows-1 (written by the sequence-0 programs)."""
     bh = pl.program_id(0)
     gq = pow2(g)
     r = jnp.arange(gq)
@@ -120,8 +127,24 @@ def _combine_kernel(acc_ref, m_ref, l_ref, o_ref, *, splits: int, g: int, d: int
 
     num, den = lax.fori_loop(0, cdiv(splits, COMBINE_SPLITS), body,
                              (jnp.zeros((gq, d), jnp.float32), jnp.zeros((gq,), jnp.float32)))
-    o = div_rn(num, jnp.broadcast_to(den[:, None], (gq, d)), exact_asm).astype(o_ref.dtype)
-    plgpu.store(o_ref.at[bh * g + r[:, None], cols[None, :]], o, mask=(r < g)[:, None])
+    o = div_rn(num, jnp.broadcast_to(den[:, None], (gq, d)), exact_asm)
+    keep = (r < g)[:, None]
+    if operand is None:
+        (o_ref,) = refs
+        plgpu.store(o_ref.at[bh * g + r[:, None], cols[None, :]], o.astype(jnp.bfloat16),
+                    mask=keep)
+        return
+    batch, kv_heads, n_tile, n_scales = operand
+    l_ref, s_ref, xp_ref = refs
+    b, h = bh // kv_heads, bh % kv_heads
+    layer = jnp.minimum(jnp.maximum(l_ref[0], 0), n_scales - 1)
+    s = plgpu.load(s_ref.at[pl.ds(layer, 1)]).reshape(1, 1)
+    # o's bf16 values (a convert pair that interpret mode's XLA could drop), quantized
+    q = operand_values(bf16_rne(o, exact_asm), s, exact_asm).astype(jnp.bfloat16)
+    dst = mosaic_columns((h * g + r[:, None]) * d + cols[None, :])  # [gq, d]
+    plgpu.store(xp_ref.at[b, dst], q, mask=keep)
+    for pad in range(batch, n_tile):  # the token tile's rows past the batch: zeros
+        plgpu.store(xp_ref.at[pad, dst], jnp.zeros_like(q), mask=keep & (b == 0))
 
 
 def _check(q, k_cache, v_cache, layer, lengths):
@@ -261,6 +284,7 @@ def decode_qkv_attention(qkv: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
                          q_norm: jax.Array | None = None, k_norm: jax.Array | None = None,
                          eps: float = 1e-6, rope: tuple[jax.Array, jax.Array] | None = None,
                          norm_layer: jax.Array | int | None = None,
+                         w4a4_operand: tuple[jax.Array, jax.Array | int | None, int] | None = None,
                          interpret: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
     """A decode step's attention from its fused q/k/v projection, in three launches.
 
@@ -282,7 +306,16 @@ def decode_qkv_attention(qkv: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
     RMSNorm's fp32 sum in another order). Out-of-range traced ``layer`` and ``start`` clamp
     into the stack as ``dynamic_update_slice`` does.
 
-    Returns (bf16 [B, NH, D] attention output, k_cache, v_cache).
+    w4a4_operand: None, or (input_scale, layer, rows) of the W4A4 linear the output feeds
+    (``o_proj``): the last launch then writes that linear's Mosaic operand instead of the
+    output, ``gemm.operand.mosaic_w4a4_operand(o.reshape(B, NH * D), input_scale, rows,
+    layer=layer)`` bit for bit (quantized with IEEE divisions, K permuted, rows B..rows-1
+    zero), for ``gemm.matmul_w4a4_operand``: one launch fewer. input_scale: an fp32 scalar
+    (layer None) or, inside a scan over stacked layers, the fp32 [L'] stack read in place at
+    ``layer`` (clamped); rows: the GEMM's token tile (``gemm.mosaic.token_tile(B)``), >= B.
+
+    Returns (bf16 [B, NH, D] attention output, or with ``w4a4_operand`` the operand bf16
+    [rows, NH * D]; k_cache, v_cache).
     """
     n_layers, b, s, kvh, d = k_cache.shape
     if qkv.ndim != 2 or qkv.dtype != jnp.bfloat16 or qkv.shape != (b, (num_heads + 2 * kvh) * d):
@@ -313,6 +346,9 @@ def decode_qkv_attention(qkv: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
             if t.shape != (b, d) or t.dtype != jnp.float32:
                 raise ValueError(f"{name}: expected fp32 [B={b}, D={d}], got {t.dtype} {t.shape}")
     check_layer(layer, n_layers)
+    operand = None
+    if w4a4_operand is not None:
+        operand = _operand_args(w4a4_operand, b, num_heads * d)
     g = num_heads // kvh
     gp = max(16, pow2(g))
     zeros = jnp.zeros((b, d), jnp.float32)
@@ -341,15 +377,45 @@ def decode_qkv_attention(qkv: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
       jnp.asarray(0 if norm_layer is None else norm_layer, jnp.int32).reshape(1),
       jnp.asarray(start, jnp.int32).reshape(1), k_cache.reshape(flat), v_cache.reshape(flat))
     o = _attend(qp, kc, vc, meta, n_layers=n_layers, batch=b, capacity=s, kv_heads=kvh, d=d,
-                g=g, gp=gp, interpret=interpret)
-    return o.reshape(b, num_heads, d), kc.reshape(k_cache.shape), vc.reshape(v_cache.shape)
+                g=g, gp=gp, interpret=interpret, operand=operand)
+    if operand is None:
+        o = o.reshape(b, num_heads, d)
+    return o, kc.reshape(k_cache.shape), vc.reshape(v_cache.shape)
+
+
+def _operand_args(w4a4_operand, batch: int, k: int):
+    """``decode_qkv_attention``'s ``w4a4_operand`` checked -> (layer int32 [1], input scales
+    fp32 [L'], rows) for ``_attend``."""
+    try:
+        scale, layer, rows = w4a4_operand
+    except (TypeError, ValueError):
+        raise ValueError("w4a4_operand: expected (input_scale, layer, rows), got "
+                         f"{type(w4a4_operand).__name__}") from None
+    sc = jnp.asarray(scale, jnp.float32)
+    if layer is None:
+        if sc.size != 1:
+            raise ValueError(f"w4a4_operand: expected an fp32 scalar input_scale, got shape "
+                             f"{sc.shape}")
+        sc = sc.reshape(1)
+    elif sc.ndim != 1 or jnp.size(layer) != 1:
+        raise ValueError(f"w4a4_operand: expected the fp32 [L] input_scale stack and an int32 "
+                         f"scalar layer, got shapes {sc.shape} and {jnp.shape(layer)}")
+    if not isinstance(rows, int) or not batch <= rows <= 64:
+        raise ValueError(f"w4a4_operand: expected rows an int in {batch}..64 (the GEMM's token "
+                         f"tile for B = {batch}), got {rows!r}")
+    if k % 128:
+        raise ValueError(f"w4a4_operand: the Mosaic operand needs NH * D % 128 == 0, got {k}")
+    lay = jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(1)
+    return lay, sc, rows
 
 
 def _attend(qp, k_flat, v_flat, meta, *, n_layers: int, batch: int, capacity: int,
-            kv_heads: int, d: int, g: int, gp: int, interpret: bool) -> jax.Array:
+            kv_heads: int, d: int, g: int, gp: int, interpret: bool,
+            operand: tuple | None = None) -> jax.Array:
     """The attention kernel and its combine on a laid-out q (``[B * KVH * gp, D]``, each kv
     head's g query heads then zero rows), the flattened caches and (layer, lengths):
-    bf16 [B * NH, D]."""
+    bf16 [B * NH, D]; with ``operand`` = (layer int32 [1], input scales fp32 [L'], rows) the
+    next W4A4 linear's Mosaic operand instead, bf16 [rows, NH * D] (``_combine_kernel``)."""
     chunk = chunking(batch, kv_heads, capacity)
     splits = cdiv(capacity, chunk)
     rows = batch * kv_heads * splits * g
@@ -365,13 +431,20 @@ def _attend(qp, k_flat, v_flat, meta, *, n_layers: int, batch: int, capacity: in
         name="nvfp4_decode_attention",
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
     )(qp, k_flat, v_flat, meta)
+    extra, out = (), jax.ShapeDtypeStruct((batch * kv_heads * g, d), jnp.bfloat16)
+    spec = None
+    if operand is not None:
+        lay, scales, n_tile = operand
+        extra = (lay, scales)
+        out = jax.ShapeDtypeStruct((n_tile, kv_heads * g * d), jnp.bfloat16)
+        spec = (batch, kv_heads, n_tile, scales.shape[0])
     combine = functools.partial(_combine_kernel, splits=splits, g=g, d=d, n_rows=rows,
-                                exact_asm=not interpret)
+                                operand=spec, exact_asm=not interpret)
     return pl.pallas_call(
-        combine, out_shape=jax.ShapeDtypeStruct((batch * kv_heads * g, d), jnp.bfloat16),
-        grid=(batch * kv_heads,), interpret=interpret, name="nvfp4_decode_attention_combine",
+        combine, out_shape=out, grid=(batch * kv_heads,), interpret=interpret,
+        name="nvfp4_decode_attention_combine" + ("_operand" if spec else ""),
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
-    )(acc, m, l)
+    )(acc, m, l, *extra)
 
 
 def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer: jax.Array | int,

@@ -26,9 +26,11 @@ import jax.numpy as jnp
 
 from . import moe as moe_pkg
 from .device import gpu_compute_capability, is_sm90, on_gpu, pallas_interpret
-from .gemm.api import matmul, matmul_w4a4_prologue, prologue_applies
+from .gemm.api import matmul, matmul_w4a4_operand, matmul_w4a4_prologue, prologue_applies
+from .gemm.mosaic import token_tile
 from .gemm.mosaic import unavailable as mosaic_unavailable
 from .moe.norm_router import norm_router_fits, norm_router_kernel
+from .moe.xla import add_residual
 from .quantize import NVFP4Array
 
 log = logging.getLogger(__name__)
@@ -150,6 +152,29 @@ def norm_router(x: jax.Array, norm_weight: jax.Array, router: jax.Array, eps: fl
     composition on x's own shape (XLA:CPU's sum of squares over [T, H] and over [B, T, H]
     need not round alike), the stacks sliced at ``layer``; where a kernel backend was asked
     for, the log says why."""
+    return _norm_router(x, norm_weight, router, eps, layer, backend, None)
+
+
+def add_norm_router(x: jax.Array, a: jax.Array, norm_weight: jax.Array, router: jax.Array,
+                    eps: float = 1e-6, *, layer: jax.Array | None = None,
+                    backend: str = "auto") -> tuple[jax.Array, jax.Array, jax.Array]:
+    """:func:`norm_router` of the residual stream ``s = x + a``: x, a bf16 [..., H] (a
+    decoder's residual and its attention output) -> (s bf16 [..., H], h bf16 [..., H], logits
+    float32 [..., E]), s the bits of adding the two bf16 arrays (``moe.xla.add_residual``: a
+    rounded to bf16 even where XLA would fuse the add with a's producer). Where
+    :func:`norm_router` runs its kernel, the add is in the same launch
+    (``norm_router_kernel(residual=)``; in XLA it is a launch of its own); elsewhere the add,
+    then :func:`norm_router`. The other arguments as :func:`norm_router`'s."""
+    x, a = jnp.asarray(x), jnp.asarray(a)
+    if a.shape != x.shape or a.dtype != x.dtype:
+        raise ValueError(f"a: expected {x.dtype} {list(x.shape)} (x's), got {a.dtype} "
+                         f"{list(a.shape)}")
+    return _norm_router(x, norm_weight, router, eps, layer, backend, a)
+
+
+def _norm_router(x, norm_weight, router, eps, layer, backend, a):
+    """:func:`norm_router` (``a`` None: returns (h, logits)) and :func:`add_norm_router`
+    (returns (x + a, h, logits))."""
     if backend not in BACKENDS:
         raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
     x = jnp.asarray(x)
@@ -173,15 +198,21 @@ def norm_router(x: jax.Array, norm_weight: jax.Array, router: jax.Array, eps: fl
         if why is None and (x.dtype != jnp.bfloat16 or norm_weight.dtype != jnp.bfloat16):
             why = f"{x.dtype} x and a {norm_weight.dtype} norm weight (bf16 only)"
         if why is None:
-            h, logits = norm_router_kernel(x2, norm_weight, router, eps, layer=layer,
-                                           interpret=pallas_interpret())
-            return h.reshape(x.shape), logits.reshape(x.shape[:-1] + (e,))
+            out = norm_router_kernel(x2, norm_weight, router, eps, layer=layer,
+                                     residual=None if a is None else a.reshape(-1, hd),
+                                     interpret=pallas_interpret())
+            shapes = (x.shape,) * (len(out) - 1) + (x.shape[:-1] + (e,),)
+            return tuple(v.reshape(sh) for v, sh in zip(out, shapes))
         log.info("nvfp4_jax.nn.norm_router: the kernel does not take %s; XLA's norm and router",
                  why)
+    # the add of the two arrays as materialized (moe.xla.add_residual: inside one fusion XLA
+    # may add the fp32 value ``a`` was rounded from)
+    s = x if a is None else add_residual(x, a)
     if stacked:
         norm_weight, router = norm_weight[layer], router[layer]
-    h = rms_norm(x, norm_weight, eps)
-    return h, _router_product(router, h.reshape(-1, hd)).reshape(x.shape[:-1] + (e,))
+    h = rms_norm(s, norm_weight, eps)
+    logits = _router_product(router, h.reshape(-1, hd)).reshape(x.shape[:-1] + (e,))
+    return (h, logits) if a is None else (s, h, logits)
 
 
 @jax.tree_util.register_dataclass
@@ -379,3 +410,30 @@ def norm_linear(p: Linear | jax.Array, x: jax.Array, norm_weight: jax.Array | No
     if callable(p) and not isinstance(p, Linear):  # a parallel share (models.sharding)
         return p(x, backend=backend, w4a4=w4a4)
     return linear(p, x, backend=backend, w4a4=w4a4)
+
+
+def w4a4_operand_rows(p: Linear | jax.Array, m: int, *, backend: str = "auto",
+                      w4a4: bool = True) -> int | None:
+    """Where :func:`norm_linear` without a norm runs this W4A4 linear on M = ``m`` tokens as
+    the Mosaic GEMM of a separately made operand (``gemm.prologue_applies``), the operand's
+    rows (the GEMM's token tile), which another launch may write instead
+    (``attention.decode_qkv_attention(w4a4_operand=)``) for :func:`linear_on_operand`; else
+    None."""
+    if not (isinstance(p, Linear) and p.input_scale is not None and w4a4):
+        return None
+    n, k = p.shape
+    return token_tile(m) if prologue_applies(m, n, k, backend) else None
+
+
+def linear_on_operand(p: Linear, xp: jax.Array, m: int, *, layer: jax.Array | None = None,
+                      input_scales: jax.Array | None = None) -> jax.Array:
+    """:func:`norm_linear` (no norm) of the M = ``m`` tokens whose W4A4 Mosaic operand ``xp``
+    bf16 [:func:`w4a4_operand_rows`, K] is already made for ``p.input_scale`` (or, with
+    ``layer``, for the fp32 [L] stack ``input_scales`` at ``layer``): bf16 [m, N]
+    (``gemm.matmul_w4a4_operand``)."""
+    if not isinstance(p, Linear) or p.input_scale is None:
+        raise ValueError("p: expected a W4A4 Linear (with input_scale)")
+    scales = p.input_scale if layer is None else input_scales
+    if scales is None:
+        raise ValueError("input_scales: expected the fp32 [L] stack with layer given")
+    return matmul_w4a4_operand(xp, m, p.w, scales, layer=layer)

@@ -551,23 +551,29 @@ def _qkv_inputs(seed: int, b: int, s: int, kvh: int, g: int, d: int, norm: bool,
 
 def _qkv_attention_check(seed: int, b: int, s: int, kvh: int, g: int, d: int, norm: bool,
                          inputs: int):
-    """One compile of ``nvfp4_jax.attention.decode_qkv_attention`` (the decoders' one-token
+    """Two compiles of ``nvfp4_jax.attention.decode_qkv_attention`` (the decoders' one-token
     attention: q/k RMSNorm, RoPE and the cache writes in one launch, then the attention's
     two), ``inputs`` fuzzed steps through it: the new k row among
     ``oracle.decode_qkv_attention_error_bound``'s values, the new v row copied, every other
     cache slot untouched (bit for bit), the output within the oracle's bound (NaN never
-    passes)."""
+    passes); and with ``w4a4_operand`` (the decoders' o_proj operand from the last launch) the
+    oracle's ``trtllm`` quantization of that output in the Mosaic GEMM's layout, bit for bit,
+    at input scales that put block scales among E4M3 subnormals, in range, or saturated."""
     import jax
     import jax.numpy as jnp
 
     from .attention import decode_qkv_attention
     from .device import pallas_interpret
+    from .gemm.mosaic import PERM, token_tile
 
-    def step(qkv, k, v, layer, start, norms, cos, sin):
+    rows = token_tile(b)
+
+    def step(qkv, k, v, layer, start, norms, cos, sin, scale=None):
         return decode_qkv_attention(qkv, k, v, layer, start, num_heads=kvh * g,
                                     q_norm=None if norms is None else norms[0],
                                     k_norm=None if norms is None else norms[1], eps=1e-6,
-                                    rope=(cos, sin), interpret=pallas_interpret())
+                                    rope=(cos, sin), interpret=pallas_interpret(),
+                                    w4a4_operand=None if scale is None else (scale, None, rows))
 
     fn = jax.jit(step)
     worst = 0.0
@@ -608,9 +614,27 @@ def _qkv_attention_check(seed: int, b: int, s: int, kvh: int, g: int, d: int, no
                 "oracle": want["out"], "bound": want["out_bound"], "k_new": new_k,
                 "k_lo": want["k_lo"], "k_hi": want["k_hi"]}
         worst = max(worst, float(np.max(err / want["out_bound"])))
+        if kvh * g * d % 128:
+            continue
+        # block scale amax / (6 s): below 2^-6 (E4M3 subnormal), about 1, above 448 (saturated)
+        scale = np.float32(np.abs(got).max() * (40.0, 1 / 6.0, 1 / 6000.0)[i % 3])
+        xp = fn(bf(qkv), bf(k), bf(v), jnp.int32(layer), jnp.int32(start),
+                None if norms is None else bf(norms), jnp.asarray(cos, jnp.float32),
+                jnp.asarray(sin, jnp.float32), jnp.float32(scale))[0]
+        vals = oracle.dequantize(oracle.quantize(got.reshape(b, -1), "trtllm",
+                                                 encode_scale=float(np.float32(1 / scale))),
+                                 include_decode_scale=False)
+        op = np.zeros((rows, vals.shape[1]))
+        op[:b] = vals.reshape(b, -1, 128)[:, :, PERM].reshape(b, -1)
+        gotp = np.asarray(xp.astype(jnp.float32), np.float64)
+        if gotp.shape != op.shape or not np.array_equal(gotp, op):
+            nbad = int((gotp != op).sum()) if gotp.shape == op.shape else gotp.size
+            return FAIL, (f"input {i}: {nbad} of {op.size} values of o_proj's operand (the "
+                          f"w4a4_operand output) not the oracle's quantization"), {
+                "out": got, "input_scale": np.float64(scale), "operand": gotp, "oracle": op}
     return PASS, (f"new k rows among the oracle's values, the rest of the caches untouched, "
-                  f"outputs within its bound on {inputs} inputs (largest |err| / bound "
-                  f"{worst:.3g})"), None
+                  f"outputs within its bound, o_proj's operand the oracle's, on {inputs} inputs "
+                  f"(largest |err| / bound {worst:.3g})"), None
 
 
 def _routing_inputs(seed: int, t: int, e: int, h: int, i: int):
@@ -677,18 +701,22 @@ def _routing_check(seed: int, t: int, e: int, k: int, h: int, renorm: bool, inpu
 
 
 def _norm_router_check(seed: int, t: int, h: int, e: int, inputs: int):
-    """One compile of ``nn.norm_router`` on its kernel (backend "pallas"; interpreted on CPU)
-    with [2, H] / [2, E, H] stacks read at a traced layer 1, ``inputs`` fuzzed cases: x rows at
-    2^-20 (mean square near eps), 1 or 300, router rows from 2^-12 to 1, other data in layer
-    0; h within ``oracle.norm_rope_interval``, logits bf16 values within
-    ``oracle.router_logits_interval`` of the kernel's h."""
+    """Two compiles on the kernel (backend "pallas"; interpreted on CPU), ``nn.norm_router``
+    (even inputs) and the decoders' ``nn.add_norm_router`` (odd inputs: x = x0 + a), with
+    [2, H] / [2, E, H] stacks read at a traced layer 1, ``inputs`` fuzzed cases: x rows at
+    2^-20 (mean square near eps), 1 or 300 (a at x0's scale, or cancelling it), router rows
+    from 2^-12 to 1, other data in layer 0; the sum the bf16 add bit for bit, h within
+    ``oracle.norm_rope_interval``, logits bf16 values within ``oracle.router_logits_interval``
+    of the kernel's h."""
     import jax
     import jax.numpy as jnp
 
     from . import nn
 
-    fn = jax.jit(lambda x, w, r: nn.norm_router(x, w, r, 1e-6, layer=jnp.int32(1),
-                                                backend="pallas"))
+    plain = jax.jit(lambda x, w, r: nn.norm_router(x, w, r, 1e-6, layer=jnp.int32(1),
+                                                   backend="pallas"))
+    add = jax.jit(lambda x, a, w, r: nn.add_norm_router(x, a, w, r, 1e-6, layer=jnp.int32(1),
+                                                        backend="pallas"))
     narrow = 0
     for i in range(inputs):
         rng = np.random.default_rng([seed, 7, t, h, e, i])
@@ -697,7 +725,20 @@ def _norm_router_check(seed: int, t: int, h: int, e: int, inputs: int):
         w = rng.uniform(0.25, 2.0, (2, h)).astype(ml_dtypes.bfloat16)
         r = (rng.standard_normal((2, e, h)) * rng.choice([2.0**-12, 0.05, 1.0], (1, e, 1)))
         r = r.astype(ml_dtypes.bfloat16)
-        hh, lg = fn(jnp.asarray(x), jnp.asarray(w), jnp.asarray(r))
+        if i % 2:  # the residual stream x0 + a, the add in the kernel's launch
+            x0 = x
+            a = (np.where(rng.random((t, 1)) < 0.5, -x0.astype(np.float32), 0.0)
+                 + rng.standard_normal((t, h)) * np.abs(x0.astype(np.float32)).mean())
+            a = a.astype(ml_dtypes.bfloat16)
+            x = (x0.astype(np.float32) + a.astype(np.float32)).astype(ml_dtypes.bfloat16)
+            sk, hh, lg = add(jnp.asarray(x0), jnp.asarray(a), jnp.asarray(w), jnp.asarray(r))
+            bad = np.asarray(sk.astype(jnp.float32)) != x.astype(np.float32)
+            if bad.any():
+                return FAIL, f"input {i}: {int(bad.sum())} sums x + a not the bf16 add", {
+                    "x": x0.astype(np.float32), "a": a.astype(np.float32),
+                    "sum": np.asarray(sk.astype(jnp.float32)), "want": x.astype(np.float32)}
+        else:
+            hh, lg = plain(jnp.asarray(x), jnp.asarray(w), jnp.asarray(r))
         hh = np.asarray(hh.astype(jnp.float32), np.float64)
         lg = np.asarray(lg, np.float64)
         lo, hi = oracle.norm_rope_interval(x.astype(np.float64), w[1].astype(np.float64),

@@ -5,6 +5,7 @@ Mosaic GPU kernel for Hopper with its tuning table (mosaic.py), in-kernel E2M1 d
 
 from .api import (
     matmul,
+    matmul_w4a4_operand,
     matmul_w4a4_prologue,
     prologue_applies,
     register_sm12x_device_kinds,
@@ -19,6 +20,7 @@ __all__ = [
     "dequantize_xla",
     "matmul",
     "matmul_pallas",
+    "matmul_w4a4_operand",
     "matmul_w4a4_prologue",
     "matmul_xla",
     "prologue_applies",

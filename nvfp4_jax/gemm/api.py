@@ -406,11 +406,39 @@ def matmul_w4a4_prologue(x: jax.Array, w: NVFP4Array, input_scale: jax.Array, *,
     if not prologue_applies(m, n, k, "mosaic", norm=norm_weight is not None):
         raise ValueError(f"x: the Mosaic W4A4 prologue does not run M={m} N={n} K={k} here "
                          "(prologue_applies)")
+    xp = mosaic_w4a4_operand(x, input_scale, mosaic.token_tile(m), layer=layer,
+                             norm_weight=norm_weight, eps=eps)
+    return _w4a4_on_operand(xp, m, w, input_scale, layer, out_dtype)
+
+
+def matmul_w4a4_operand(xp: jax.Array, m: int, w: NVFP4Array, input_scale: jax.Array, *,
+                        layer: jax.Array | int | None = None,
+                        out_dtype=jnp.bfloat16) -> jax.Array:
+    """The Mosaic GEMM of :func:`matmul_w4a4_prologue` on an operand another launch made:
+    ``xp`` bf16 [mosaic.token_tile(m), K], ``operand.mosaic_w4a4_operand``'s layout and
+    values for the same ``input_scale`` and ``layer`` (``attention.decode_qkv_attention``
+    writes it for ``o_proj``). m: the tokens (M <= 64); w, input_scale, layer as
+    :func:`matmul_w4a4_prologue`'s. Where :func:`prologue_applies` says so; ValueError
+    elsewhere. Returns out_dtype [m, N]."""
+    _check_weight(w)
+    xp = jnp.asarray(xp)
+    n, k = w.shape
+    if not isinstance(m, int) or not 1 <= m <= mosaic.MAX_M:
+        raise ValueError(f"m: expected an int in 1..{mosaic.MAX_M}, got {m!r}")
+    if xp.ndim != 2 or xp.dtype != jnp.bfloat16 or xp.shape != (mosaic.token_tile(m), k):
+        raise ValueError(f"xp: expected bf16 [{mosaic.token_tile(m)}, K={k}] for m={m}, got "
+                         f"{xp.dtype} {xp.shape}")
+    if not prologue_applies(m, n, k, "mosaic"):
+        raise ValueError(f"xp: the Mosaic W4A4 GEMM does not run M={m} N={n} K={k} here "
+                         "(prologue_applies)")
+    return _w4a4_on_operand(xp, m, w, input_scale, layer, out_dtype)
+
+
+def _w4a4_on_operand(xp, m, w, input_scale, layer, out_dtype):
+    n, k = w.shape
     s = jnp.asarray(input_scale, jnp.float32)
     s_layer = s.reshape(()) if layer is None else jnp.take(s, jnp.asarray(layer, jnp.int32),
                                                            mode="clip")
-    xp = mosaic_w4a4_operand(x, s, mosaic.token_tile(m), layer=layer, norm_weight=norm_weight,
-                             eps=eps)
     w_scales = w.linear_scales() if w.layout != "linear" else w.scales
     alpha = s_layer * jnp.asarray(w.decode_scale, jnp.float32)
     mcfg = mosaic.config_for(m, n, k, gpu_compute_capability())

@@ -89,8 +89,6 @@ def _mosaic_kernel(l_ref, s_ref, x_ref, *refs, m: int, bm: int, bk: int, n_layer
     r0 = pl.program_id(0) * bm
     k0 = pl.program_id(1) * bk
     s = plgpu.load(s_ref.at[pl.ds(layer, 1)]).reshape(1, 1)
-    g = div_rn(1.0, s, exact_asm)  # G = fp32(1 / input_scale), IEEE
-    rg = div_rn(1.0, g, exact_asm)  # fp32(1 / G), the recipe's
     rows = r0 + lax.broadcasted_iota(jnp.int32, (bm, 1), 0)
     cols = k0 + lax.broadcasted_iota(jnp.int32, (1, bk), 1)
     live = rows < m
@@ -99,10 +97,27 @@ def _mosaic_kernel(l_ref, s_ref, x_ref, *refs, m: int, bm: int, bk: int, n_layer
         inv = lax.rsqrt(jnp.sum(x * x, axis=1, keepdims=True) * (1.0 / bk) + eps)
         w = plgpu.load(w_ref.at[layer, cols]).astype(jnp.float32)
         x = bf16_rne(w * bf16_rne(x * inv, exact_asm), exact_asm)
-    q = requantize(x.reshape(bm, bk // 16, 16), g, rg, "trtllm", exact_asm).reshape(bm, bk)
-    e = cols & 127  # element 32c + 8w + 4l + j goes to position 32w + 8j + 2c + l
-    dst = (cols - e) + (((e >> 3) & 3) << 5) + ((e & 3) << 3) + ((e >> 5) << 1) + ((e >> 2) & 1)
-    plgpu.store(o_ref.at[rows, dst], jnp.where(live, q, 0.0).astype(jnp.bfloat16))
+    q = operand_values(x, s, exact_asm)
+    plgpu.store(o_ref.at[rows, mosaic_columns(cols)], jnp.where(live, q, 0.0).astype(jnp.bfloat16))
+
+
+def operand_values(x, input_scale, exact_asm: bool):
+    """Inside a Pallas-Triton kernel: x fp32 [R, C] (bf16 values, C % 16 == 0, blocks of 16
+    along C) -> the W4A4 operand's values fp32 [R, C], ``e2m1 * E4M3(sf)`` of the ``trtllm``
+    recipe with encode scale ``G = fp32(1 / input_scale)`` (``input_scale`` fp32 [1, 1]; IEEE
+    divisions on the GPU): what :func:`w4a4_operand` and :func:`mosaic_w4a4_operand` store."""
+    g = div_rn(1.0, input_scale, exact_asm)  # G = fp32(1 / input_scale), IEEE
+    rg = div_rn(1.0, g, exact_asm)  # fp32(1 / G), the recipe's
+    r, c = x.shape
+    return requantize(x.reshape(r, c // 16, 16), g, rg, "trtllm", exact_asm).reshape(r, c)
+
+
+def mosaic_columns(cols):
+    """Column indices (int32, any shape) of K -> their positions in the Mosaic kernel's operand
+    (``mosaic.permute_x``, within 128-groups): element 32c + 8w + 4l + j goes to position
+    32w + 8j + 2c + l."""
+    e = cols & 127
+    return (cols - e) + (((e >> 3) & 3) << 5) + ((e & 3) << 3) + ((e >> 5) << 1) + ((e >> 2) & 1)
 
 
 #: the most K an RMSNorm'd operand row may have (one program holds the row: 64 fp32 a thread)

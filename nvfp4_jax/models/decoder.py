@@ -125,7 +125,8 @@ def apply_rope(x: jax.Array, rope: tuple[jax.Array, jax.Array]) -> jax.Array:
 def attention(cfg: DecoderConfig, p: dict, x: jax.Array, pos: jax.Array, k_all: jax.Array,
               v_all: jax.Array, li, start: jax.Array, rope: tuple | None, backend: str,
               w4a4: bool, ablate: frozenset = frozenset(), qkv: jax.Array | None = None,
-              o_proj=None, qk_norms: tuple | None = None, norm_layer=None):
+              o_proj=None, qk_norms: tuple | None = None, norm_layer=None,
+              o_operand: tuple | None = None):
     """GQA attention of one layer. x bf16 [B, T, H] at positions ``pos`` int32 [B, T]
     (start..start+T-1); caches bf16 [L, B, S, KVH, D], this layer's index ``li``; ``cfg``:
     any config with num_heads, num_kv_heads, head_dim, qk_norm, rms_norm_eps. ``rope``:
@@ -134,7 +135,10 @@ def attention(cfg: DecoderConfig, p: dict, x: jax.Array, pos: jax.Array, k_all: 
     fused q/k/v projection already made from the layer's input (x is then unused);
     ``o_proj``: None, or the callable ``o -> o_proj(o)`` to use; ``qk_norms``: None, or
     inside a scan the (q_norm, k_norm) stacks bf16 [n, D] of the scanned group, with this
-    layer's row ``norm_layer``, which the decode kernel reads in place.
+    layer's row ``norm_layer``, which the decode kernel reads in place. ``o_operand``: None,
+    or (input_scale, layer, rows, linear) where o_proj is a W4A4 Mosaic GEMM: the decode
+    kernel's last launch then writes its operand (``decode_qkv_attention(w4a4_operand=)``)
+    and ``linear(operand)`` is the projection (``nn.linear_on_operand``).
 
     A decode step (T = 1) where ``attention.runs_kernel`` says so runs
     ``attention.decode_qkv_attention`` on the q/k/v projection: three launches from it to the
@@ -158,7 +162,10 @@ def attention(cfg: DecoderConfig, p: dict, x: jax.Array, pos: jax.Array, k_all: 
             qkv[:, 0], k_all, v_all, li, start, num_heads=nh, q_norm=norms[0],
             k_norm=norms[1], norm_layer=norms[2], eps=cfg.rms_norm_eps,
             rope=None if rope is None else (rope[0][:, 0], rope[1][:, 0]),
+            w4a4_operand=None if o_operand is None else o_operand[:3],
             interpret=pallas_interpret())
+        if o_operand is not None:  # o is o_proj's operand
+            return o_operand[3](o).reshape(b, 1, -1), k_all, v_all
         return out_proj(o.reshape(b, 1, nh * d)), k_all, v_all
     q, k, v = jnp.split(qkv, [nh * d, (nh + kvh) * d], axis=-1)
     q = q.reshape(b, t, nh, d)
@@ -235,7 +242,7 @@ def _layer(cfg, p, x, pos, k_all, v_all, li, start, rope, backend, w4a4, ablate,
     and ``gl`` this layer's index in it: its W4A4 linears then go through ``nn.norm_linear``
     on the stacks (their norm before them). ``qk_norms``: None, or the group's (q_norm,
     k_norm) stacks, which the decode attention kernel reads at ``gl``. ``moe_norm``: None, or
-    the group's (post_attention_layernorm, router) stacks, which ``nn.norm_router`` reads at
+    the group's (post_attention_layernorm, router) stacks, which ``nn.add_norm_router`` reads at
     ``gl``."""
     eps = cfg.rms_norm_eps
     sa = p["self_attn"]
@@ -251,31 +258,39 @@ def _layer(cfg, p, x, pos, k_all, v_all, li, start, rope, backend, w4a4, ablate,
 
     if ("self_attn", "qkv_proj") in stacks:
         qkv = pro("self_attn", "qkv_proj", x, p["input_layernorm"])
+        o_operand = None
+        st = stacks.get(("self_attn", "o_proj"))
+        rows = None if st is None or x.shape[1] != 1 else nn.w4a4_operand_rows(
+            sa["o_proj"], x.shape[0], backend=backend, w4a4=w4a4)
+        if rows is not None:  # the attention's last launch makes o_proj's operand
+            o_operand = (st[1], gl, rows, lambda xp: nn.linear_on_operand(
+                sa["o_proj"], xp, x.shape[0], layer=gl, input_scales=st[1]))
         a, k_all, v_all = attention(cfg, sa, None, pos, k_all, v_all, li, start, rope,
                                     backend, w4a4, ablate, qkv=qkv,
                                     o_proj=lambda o: pro("self_attn", "o_proj", o),
-                                    qk_norms=qk_norms, norm_layer=gl)
+                                    qk_norms=qk_norms, norm_layer=gl, o_operand=o_operand)
     else:
         h = nn.rms_norm(x, p["input_layernorm"], eps)
         a, k_all, v_all = attention(cfg, sa, h, pos, k_all, v_all, li, start, rope,
                                     backend, w4a4, ablate, qk_norms=qk_norms, norm_layer=gl)
+    mp = p.get("moe")
+    if isinstance(mp, nn.MoE) and "moe" not in ablate:
+        # the residual add, the MoE's input norm and its router logits: one launch at decode
+        # (nn.add_norm_router)
+        b, t, hd = x.shape
+        norm, router, row = ((p["post_attention_layernorm"], mp.router, None) if moe_norm is None
+                             else (*moe_norm, gl))
+        x, h, logits = nn.add_norm_router(x, a, norm, router, eps, layer=row, backend=backend)
+        # x + the MoE's output: added in the MoE's last launch on the Mosaic path
+        out = nn.moe_block(mp, h.reshape(b * t, hd), backend=backend,
+                           logits=logits.reshape(b * t, -1), residual=x.reshape(b * t, hd))
+        return out.reshape(b, t, hd), k_all, v_all
     x = x + a
     if ("mlp", "gate_up_proj") in stacks and ("mlp", "down_proj") in stacks:
         gate, up = jnp.split(pro("mlp", "gate_up_proj", x, p["post_attention_layernorm"])
                              .astype(jnp.float32), 2, axis=-1)
         hm = (jax.nn.silu(gate).astype(jnp.bfloat16).astype(jnp.float32) * up).astype(jnp.bfloat16)
         return x + pro("mlp", "down_proj", hm), k_all, v_all
-    mp = p.get("moe")
-    if isinstance(mp, nn.MoE) and "moe" not in ablate:
-        # the MoE's input norm and router logits: one launch at decode (nn.norm_router)
-        b, t, hd = x.shape
-        norm, router, row = ((p["post_attention_layernorm"], mp.router, None) if moe_norm is None
-                             else (*moe_norm, gl))
-        h, logits = nn.norm_router(x, norm, router, eps, layer=row, backend=backend)
-        # x + the MoE's output: added in the MoE's last launch on the Mosaic path
-        out = nn.moe_block(mp, h.reshape(b * t, hd), backend=backend,
-                           logits=logits.reshape(b * t, -1), residual=x.reshape(b * t, hd))
-        return out.reshape(b, t, hd), k_all, v_all
     h = nn.rms_norm(x, p["post_attention_layernorm"], eps)
     if "moe" in p:
         if "moe" in ablate:
@@ -559,7 +574,7 @@ def forward(model: Model, tokens: jax.Array, cache: KVCache, *, backend: str = "
             if cfg.qk_norm:  # the decode attention kernel reads them in place
                 body = functools.partial(body, qk=(g["self_attn"]["q_norm"],
                                                    g["self_attn"]["k_norm"]))
-            if isinstance(g.get("moe"), nn.MoE):  # nn.norm_router reads them in place
+            if isinstance(g.get("moe"), nn.MoE):  # nn.add_norm_router reads them in place
                 body = functools.partial(body, mn=(g["post_attention_layernorm"], g["moe"].router))
             if lin or moe:  # those kernels read the stacks in place; the rest keep slices
                 body = functools.partial(body, stacks=nn.weight_stacks(g))

@@ -14,6 +14,11 @@ inside a loop over stacked layers the norm weight and the router are per-layer s
   tile's order), as fp32 values: ``nn.router_logits``' bf16 rounding;
 * the programs of the first expert block store h, the MoE's input.
 
+With a ``residual`` (the decoders' ``x + attention(x)`` before the MoE) every program first
+adds its token's two bf16 rows (``bf16(f32(x) + f32(a))``, the bits of XLA's bf16 add) and
+norms the sum, which the first expert block's programs also store: the residual stream the
+MoE's output is added to. That add is otherwise an XLA launch of its own each layer.
+
 Each program recomputes its token's norm (H values, a few microseconds' worth of nothing next
 to a launch) instead of waiting for another program's.
 """
@@ -68,12 +73,18 @@ def num_warps(eb: int, hidden: int) -> int:
     return max(4, min(8, eb * hidden // (32 * 64)))
 
 
-def _kernel(l_ref, x_ref, w_ref, r_ref, h_ref, lg_ref, *, e: int, eb: int, hd: int,
-            n_layers: int, eps: float, exact_asm: bool):
+def _kernel(l_ref, x_ref, *refs, e: int, eb: int, hd: int, n_layers: int, eps: float,
+            add: bool, exact_asm: bool):
+    if add:
+        a_ref, w_ref, r_ref, h_ref, lg_ref, s_ref = refs
+    else:
+        (w_ref, r_ref, h_ref, lg_ref), a_ref, s_ref = refs, None, None
     t, j = pl.program_id(0), pl.program_id(1)
     layer = jnp.minimum(jnp.maximum(l_ref[0], 0), n_layers - 1)
     cols = lax.broadcasted_iota(jnp.int32, (1, hd), 1)
     x = plgpu.load(x_ref.at[t, cols]).astype(jnp.float32)  # [1, H]
+    if add:  # the residual stream: x + a rounded once to bf16, as XLA's bf16 add
+        x = bf16_rne(x + plgpu.load(a_ref.at[t, cols]).astype(jnp.float32), exact_asm)
     inv = lax.rsqrt(jnp.sum(x * x, axis=1, keepdims=True) * (1.0 / hd) + eps)
     w = plgpu.load(w_ref.at[layer, cols]).astype(jnp.float32)
     h = bf16_rne(w * bf16_rne(x * inv, exact_asm), exact_asm)  # [1, H], bf16 values
@@ -81,6 +92,8 @@ def _kernel(l_ref, x_ref, w_ref, r_ref, h_ref, lg_ref, *, e: int, eb: int, hd: i
     @pl.when(j == 0)
     def _():
         plgpu.store(h_ref.at[t, cols], h.astype(jnp.bfloat16))
+        if add:
+            plgpu.store(s_ref.at[t, cols], x.astype(jnp.bfloat16))
 
     ex = j * eb + lax.broadcasted_iota(jnp.int32, (eb, 1), 0)
     r = plgpu.load(r_ref.at[layer, jnp.minimum(ex, e - 1), cols]).astype(jnp.float32)  # [eb, H]
@@ -90,8 +103,8 @@ def _kernel(l_ref, x_ref, w_ref, r_ref, h_ref, lg_ref, *, e: int, eb: int, hd: i
 
 
 def norm_router_kernel(x: jax.Array, norm_weight: jax.Array, router: jax.Array, eps: float, *,
-                       layer: jax.Array | int | None = None,
-                       interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+                       layer: jax.Array | int | None = None, residual: jax.Array | None = None,
+                       interpret: bool = False) -> tuple[jax.Array, ...]:
     """``h = nn.rms_norm(x, norm_weight, eps)`` and ``nn.router_logits`` of it, one launch.
 
     x: bf16 [T, H] (``norm_router_fits``: T <= MAX_TOKENS, H a power of two <= MAX_HIDDEN);
@@ -100,11 +113,17 @@ def norm_router_kernel(x: jax.Array, norm_weight: jax.Array, router: jax.Array, 
     bf16 [T, H], logits float32 [T, E], bf16 values). h: ``nn.rms_norm``'s rounding points, its
     fp32 sum of squares in another order (within ``oracle.norm_rope_interval``); logits: the
     fp32 sum of the exact products h_k r_ek in another order than XLA's, rounded to bf16.
+    residual: None, or bf16 [T, H]: the layer's input is ``s = x + residual`` (XLA's bf16
+    add, bit for bit), normed as x would be; returns (s, h, logits).
     ``interpret``: Pallas interpret mode (CPU tests)."""
     x = jnp.asarray(x)
     if x.ndim != 2 or x.dtype != jnp.bfloat16:
         raise ValueError(f"x: expected bf16 [T, H], got {x.dtype} {x.shape}")
     t, hd = x.shape
+    add = residual is not None
+    if add and (jnp.shape(residual) != x.shape or jnp.asarray(residual).dtype != jnp.bfloat16):
+        raise ValueError(f"residual: expected bf16 {list(x.shape)} (x's shape), got "
+                         f"{jnp.asarray(residual).dtype} {jnp.shape(residual)}")
     stacked = layer is not None
     wn, r = jnp.asarray(norm_weight), jnp.asarray(router)
     if r.ndim != (3 if stacked else 2) or r.shape[-1] != hd or r.dtype != jnp.bfloat16:
@@ -123,8 +142,11 @@ def norm_router_kernel(x: jax.Array, norm_weight: jax.Array, router: jax.Array, 
     lay = jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(1)
     eb = expert_block(t, e)
     kern = functools.partial(_kernel, e=e, eb=eb, hd=hd, n_layers=n_layers, eps=float(eps),
-                             exact_asm=not interpret)
-    return call(kern, (jax.ShapeDtypeStruct((t, hd), jnp.bfloat16),
-                       jax.ShapeDtypeStruct((t, e), jnp.float32)),
-                (t, -(-e // eb)), num_warps=num_warps(eb, hd), name="nvfp4_moe_norm_router",
-                interpret=interpret)(lay, x, wn.reshape(n_layers, hd), r.reshape(n_layers, e, hd))
+                             add=add, exact_asm=not interpret)
+    out = [jax.ShapeDtypeStruct((t, hd), jnp.bfloat16), jax.ShapeDtypeStruct((t, e), jnp.float32)]
+    operands = [lay, x] + ([jnp.asarray(residual)] if add else [])
+    res = call(kern, tuple(out + out[:1] * add), (t, -(-e // eb)), num_warps=num_warps(eb, hd),
+               name="nvfp4_moe_add_norm_router" if add else "nvfp4_moe_norm_router",
+               interpret=interpret)(*operands, wn.reshape(n_layers, hd),
+                                    r.reshape(n_layers, e, hd))
+    return (res[2], res[0], res[1]) if add else tuple(res)

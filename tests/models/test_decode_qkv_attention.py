@@ -31,6 +31,7 @@ from jaxpr_calls import pallas_calls
 import oracle
 from nvfp4_jax import attention, nn
 from nvfp4_jax.device import pallas_interpret
+from nvfp4_jax.gemm.operand import mosaic_w4a4_operand
 from nvfp4_jax.models import decoder
 
 
@@ -149,6 +150,64 @@ def test_norm_stacks_read_in_place_at_norm_layer():
         attention.decode_qkv_attention(qkv, k, v, 0, 3, num_heads=8, q_norm=qs, k_norm=ks)
 
 
+@pytest.mark.parametrize("seed, b, kvh, g, d, rows, layer", [
+    (20, 1, 4, 8, 128, 8, 0),    # Qwen3-30B-A3B's heads, batch 1 in the 8-token tile
+    (21, 3, 2, 4, 64, 16, 1),    # heads of 64: two heads share a 128-group of the permutation
+    (22, 2, 1, 16, 32, 2, 2),    # no padding rows
+    (23, 5, 8, 4, 128, 8, 5),    # Llama-3-8B's heads; a layer past the stack clamps
+])
+def test_w4a4_operand_is_the_operand_kernels(seed, b, kvh, g, d, rows, layer):
+    """``w4a4_operand``: the combine's output is ``gemm.operand.mosaic_w4a4_operand`` of the
+    attention output bit for bit (that kernel is the oracle's quantization, padded and
+    permuted: tests/gemm/test_gemm_operand.py), the caches those of the plain call; input
+    scales that put the block scales among E4M3 subnormals (layer 0), in the normal range and
+    saturated, read at ``layer`` from the stack (clamped), and the scalar form."""
+    s = 40
+    qkv, k, v, norms = _case(seed, 3, b, s, kvh, g, d, 1.0, 30)
+    rope = _rope(b, d, 30)
+    kw = dict(num_heads=kvh * g, q_norm=norms[0], k_norm=norms[1],
+              rope=(rope[0][:, 0], rope[1][:, 0]), interpret=pallas_interpret())
+    o, kc, vc = attention.decode_qkv_attention(qkv, k, v, 1, 30, **kw)
+    amax = float(jnp.max(jnp.abs(o.astype(jnp.float32))))
+    # block scale sf = amax_block / (6 * input_scale): < 2^-6 (subnormal), ~1, > 448 (saturates)
+    stack = jnp.asarray([amax * 40.0, amax / 6.0, amax / 6000.0], jnp.float32)
+    xp, kc2, vc2 = attention.decode_qkv_attention(qkv, k, v, 1, 30, **kw,
+                                                  w4a4_operand=(stack, jnp.int32(layer), rows))
+    at = min(layer, 2)
+    want = mosaic_w4a4_operand(o.reshape(b, -1), stack, rows, layer=jnp.int32(at),
+                               interpret=pallas_interpret())
+    assert xp.shape == (rows, kvh * g * d) and xp.dtype == jnp.bfloat16
+    assert _same(xp, want), "the operand differs from the operand kernel's"
+    assert _same(kc2, kc) and _same(vc2, vc)
+    assert np.isfinite(np.asarray(xp, np.float32)).all()
+    assert not np.asarray(xp[b:], np.float32).any(), "padding rows not zero"
+    if at == 0:  # the case reaches E4M3 subnormal block scales
+        blocks = np.abs(np.asarray(o, np.float32)).reshape(b, -1, 16).max(-1)
+        assert (blocks / (6.0 * float(stack[0])) < 2.0**-6).any()
+    one, _, _ = attention.decode_qkv_attention(qkv, k, v, 1, 30, **kw,
+                                               w4a4_operand=(stack[at], None, rows))
+    assert _same(one, xp), "the scalar input scale differs from its row of the stack"
+    other = mosaic_w4a4_operand(o.reshape(b, -1), stack, rows, layer=jnp.int32((at + 1) % 3),
+                                interpret=pallas_interpret())
+    assert not _same(xp, other)
+
+
+def test_w4a4_operand_rejects_bad_arguments():
+    qkv, k, v, _ = _case(0, 2, 2, 8, 2, 4, 32, 1.0, 3)
+    sc = jnp.ones((3,), jnp.float32)
+    for bad, match in (((sc, None, 8), "fp32 scalar input_scale"),
+                       ((sc[0], None, 1), "rows an int in 2..64"),
+                       ((sc[0], None, 65), "rows an int in 2..64"),
+                       ((sc[:, None], jnp.int32(0), 8), r"fp32 \[L\] input_scale stack"),
+                       ((sc, None), "expected \\(input_scale, layer, rows\\)")):
+        with pytest.raises(ValueError, match=match):
+            attention.decode_qkv_attention(qkv, k, v, 0, 3, num_heads=8, w4a4_operand=bad)
+    qkv1, k1, v1, _ = _case(0, 2, 1, 8, 1, 1, 32, 1.0, 3)  # NH * D = 32
+    with pytest.raises(ValueError, match="NH \\* D % 128"):
+        attention.decode_qkv_attention(qkv1, k1, v1, 0, 3, num_heads=1,
+                                       w4a4_operand=(sc[0], None, 8))
+
+
 def test_decode_qkv_attention_rejects_bad_arguments():
     qkv, k, v, norms = _case(0, 2, 1, 8, 2, 4, 32, 1.0, 3)
     with pytest.raises(ValueError, match="qkv: expected bf16"):
@@ -201,3 +260,39 @@ def test_decode_step_runs_the_qkv_kernel_not_xla_cache_updates():
     # the q and k norm weights: the scanned group's [3, D] stacks, read in place (a [2, D]
     # operand would be the two scanned slices packed, one copy a step)
     assert [tuple(v.aval.shape) for v in call.invars[1:3]] == [(3, d), (3, d)]
+
+
+def test_decode_step_makes_o_projs_operand_in_the_attention_launch(monkeypatch):
+    """Where o_proj is a W4A4 Mosaic GEMM (``nn.w4a4_operand_rows``; on the CPU said so by
+    the test), the decoders' one-token step asks the attention's last launch for o_proj's
+    operand, with the scanned group's input-scale stack read in place at the layer, and hands
+    it to ``nn.linear_on_operand`` (a stub here: the GEMM runs on GPUs; the GPU decoder tests
+    hold the logits)."""
+    import pathlib
+    import sys
+
+    from nvfp4_jax import models
+    sys.path.insert(0, str(pathlib.Path(__file__).parents[2] / "bench"))
+    import e2e_bench
+
+    cfg = e2e_bench.config_of({**e2e_bench.TINY["qwen3-30b-a3b"], "num_layers": 3})
+    model = e2e_bench.build_model(cfg, "nvfp4")
+    seen = []
+
+    def rows(p, m, **kw):
+        return 8 if isinstance(p, nn.Linear) and p.input_scale is not None else None
+
+    def gemm(p, xp, m, *, layer=None, input_scales=None):
+        seen.append((xp.shape, input_scales.shape, layer is not None))
+        return jnp.zeros((m, p.shape[0]), jnp.bfloat16)
+
+    monkeypatch.setattr(nn, "w4a4_operand_rows", rows)
+    monkeypatch.setattr(nn, "linear_on_operand", gemm)
+    cache = models.init_cache(cfg, 1, 8)
+    step = functools.partial(models.decode_step, backend="pallas")
+    jaxpr = jax.make_jaxpr(step)(model, jnp.zeros((1,), jnp.int32), cache)
+    (call,) = pallas_calls(jaxpr.jaxpr, "nvfp4_decode_attention_combine_operand")
+    nhd = cfg.num_heads * cfg.head_dim
+    assert tuple(call.outvars[0].aval.shape) == (8, nhd)
+    assert tuple(call.invars[-1].aval.shape) == (3,)  # the [L] input-scale stack, in place
+    assert seen == [((8, nhd), (3,), True)]

@@ -118,3 +118,43 @@ def test_folded_experts_match_xla_on_gpu():
     rel = rel_rms(outs["auto"], outs["xla"])
     assert rel < bound, f"folded experts: rms(kernels - xla) / rms(xla) = {rel:.3g} " \
                         f"(bound {bound:.3g})"
+
+
+@pytest.mark.parametrize("name", list(SHAPES))
+@pytest.mark.parametrize("batch", [1, 3])
+def test_fused_o_proj_operand_and_residual_add_change_no_bit(name, batch, monkeypatch):
+    """The decode step with o_proj's W4A4 operand written by the attention's last launch
+    (``nn.w4a4_operand_rows``) and, on Qwen3, the residual add in the norm-router launch
+    (``nn.add_norm_router``) gives the logits of the step with the operand kernel and XLA's
+    add, bit for bit: the same operand bytes into the same GEMM, the same bf16 add."""
+    from nvfp4_jax import nn
+    from nvfp4_jax.moe.xla import add_residual
+
+    bench = fresh("e2e_bench")
+    model = bench.build_model(bench.config_of(SHAPES[name]), "nvfp4")
+    ids = (jnp.arange(batch * 16, dtype=jnp.int32).reshape(batch, 16) * 37) % 1024
+    nxt = (ids[:, -1] * 7 + 3) % 1024
+    cache = models.init_cache(model.config, batch, 20)
+    _, cache = models.prefill(model, ids, cache)
+    fused = models.decode_step(model, nxt, cache)[0]
+    text = str(jax.make_jaxpr(models.decode_step)(model, nxt, cache))
+    assert "nvfp4_decode_attention_combine_operand" in text
+    assert ("nvfp4_moe_add_norm_router" in text) == (name == "qwen3-moe")
+
+    real = nn.add_norm_router
+
+    def unfused_add(x, a, *args, **kw):  # XLA's add of the two arrays, then the kernel
+        s = add_residual(x, a)
+        return (s, *nn.norm_router(s, *args, **kw))
+
+    monkeypatch.setattr(nn, "w4a4_operand_rows", lambda *a, **k: None)
+    monkeypatch.setattr(nn, "add_norm_router", unfused_add)
+    jax.clear_caches()
+    plain = models.decode_step(model, nxt, cache)[0]
+    text = str(jax.make_jaxpr(models.decode_step)(model, nxt, cache))
+    assert "combine_operand" not in text and "nvfp4_moe_add_norm_router" not in text
+    monkeypatch.setattr(nn, "add_norm_router", real)
+    jax.clear_caches()
+    got, want = np.asarray(fused, np.float32), np.asarray(plain, np.float32)
+    assert np.isfinite(got).all()
+    np.testing.assert_array_equal(got, want)

@@ -1,5 +1,6 @@
 """``nvfp4_jax.nn.norm_router`` and its kernel ``nvfp4_jax.moe.norm_router``: a MoE layer's
-input RMSNorm and router logits in one launch.
+input RMSNorm and router logits in one launch; ``nn.add_norm_router``: the same of the residual
+stream ``x + a``, the add in that launch.
 
 References: ``oracle.norm_rope_interval`` (the bf16 values an fp32 RMSNorm with the decoders'
 rounding points may give: almost everywhere the one correctly rounded value) for h, and
@@ -11,7 +12,8 @@ magnitudes: x from 2^-20 (its mean square near eps) to 300, routers from 2^-12 t
 Faults the tests catch (each tried once by breaking the kernel): the sum of squares divided
 by E instead of H (h leaves its interval; the decoder's logits change), the logits left
 unrounded to bf16 (they leave theirs), the stacks read at row 0 instead of ``layer`` (the
-in-place and the decoder tests). Interpreted, a store past the logits' row is dropped, so the
+in-place and the decoder tests); with the add, its sum left unrounded to bf16 (the sum and h
+differ from XLA's add bit for bit) and x stored instead of the sum (the sum test). Interpreted, a store past the logits' row is dropped, so the
 expert block's mask is left to the GPU test (E = 60 in blocks of 8 experts: a store past a
 token's row lands in the next token's logits).
 """
@@ -114,6 +116,65 @@ def test_stacks_read_in_place_at_layer():
     _check_against_oracle(x, w[1], r[1], *got)
 
 
+def _residual(x, seed: int, kind: str):
+    """a for ``x + a``: random at x's scale, near -x (cancellation: the sum's exponent far
+    below x's), or odd multiples of half x's bf16 ulp (sums at and near rounding ties)."""
+    rng = np.random.default_rng(seed)
+    xf = np.asarray(x, np.float32)
+    a = {"random": rng.standard_normal(xf.shape) * np.abs(xf).mean(),
+         "cancel": -xf * (1 + rng.uniform(-2.0**-6, 2.0**-6, xf.shape)),
+         "half": np.exp2(np.floor(np.log2(np.abs(xf))) - 8) * rng.choice([-3, -1, 1, 3], xf.shape)
+         * rng.choice([1, 1 + 2.0**-6], xf.shape),
+         }[kind]
+    return jnp.asarray(a, jnp.bfloat16)
+
+
+@pytest.mark.parametrize("seed, t, hd, e, x_scale, kind", [
+    (11, 1, 128, 8, 1.0, "random"),
+    (12, 5, 256, 128, 300.0, "cancel"),     # Qwen3's 128 experts
+    (13, 64, 32, 10, 2.0**-20, "random"),   # 4 experts a program; x^2 ~ eps
+    (14, 8, 64, 60, 3e-3, "half"),
+])
+def test_add_kernel_is_xlas_add_then_the_norm_router(seed, t, hd, e, x_scale, kind):
+    """``add_norm_router`` on the kernel: s is XLA's bf16 add bit for bit (every row, from
+    every expert block's program of the first block), h and the logits within the oracle's
+    intervals of s, and the same bits as ``norm_router`` on XLA's sum."""
+    x, w, r = _case(seed, t, hd, e, x_scale, 0.05)
+    a = _residual(x, seed, kind)
+    s, h, logits = nn.add_norm_router(x, a, w, r, EPS, backend="pallas")
+    want = jax.jit(jnp.add)(x, a)
+    assert s.dtype == jnp.bfloat16 and s.shape == x.shape
+    np.testing.assert_array_equal(np.asarray(s, np.float32), np.asarray(want, np.float32))
+    if kind != "random":  # the case reaches what it is for: sums x alone would not give
+        assert not np.array_equal(np.asarray(want, np.float32), np.asarray(x, np.float32))
+    assert _check_against_oracle(want, w, r, h, logits) > 0.5
+    h2, lg2 = nn.norm_router(want, w, r, EPS, backend="pallas")
+    np.testing.assert_array_equal(np.asarray(h, np.float32), np.asarray(h2, np.float32))
+    np.testing.assert_array_equal(np.asarray(logits), np.asarray(lg2))
+
+
+def test_add_norm_router_off_the_kernel_and_on_stacks():
+    """XLA (``backend="xla"``): ``x + a`` then ``norm_router`` bit for bit; on the kernel
+    with [L, H] / [L, E, H] stacks and a traced layer: the call on that row's weights; bad
+    ``a`` raises naming it."""
+    x, w, r = _case(15, 3, 64, 12, 1.0, 1.0, layers=3)
+    a = _residual(x, 15, "random")
+    s, h, lg = nn.add_norm_router(x, a, w, r, EPS, layer=jnp.int32(2), backend="xla")
+    h2, lg2 = nn.norm_router(x + a, w, r, EPS, layer=jnp.int32(2), backend="xla")
+    for u, v in ((s, x + a), (h, h2), (lg, lg2)):
+        np.testing.assert_array_equal(np.asarray(u, np.float32), np.asarray(v, np.float32))
+    run = jax.jit(functools.partial(nn.add_norm_router, eps=EPS, backend="pallas"))
+    got = run(x, a, w, r, layer=jnp.int32(1))
+    want = run(x, a, w[1], r[1])
+    for u, v in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(u, np.float32), np.asarray(v, np.float32))
+    with pytest.raises(ValueError, match=r"a: expected bfloat16 \[3, 64\]"):
+        nn.add_norm_router(x, a[:2], w, r, layer=1)
+    with pytest.raises(ValueError, match="residual: expected bf16"):
+        nr.norm_router_kernel(x, w[0], r[0], EPS, residual=a.astype(jnp.float32),
+                              interpret=pallas_interpret())
+
+
 @pytest.mark.parametrize("backend", ["pallas", "xla"])
 def test_leading_axes(backend):
     """x [B, T, H]: h [B, T, H] and logits [B, T, E]; on the kernel the [B * T, H] call's bits,
@@ -198,9 +259,9 @@ def _tiny_qwen3():
 
 
 def test_decode_step_runs_the_norm_router_kernel_on_the_stacks():
-    """The decoders' one-token step on the kernel path: one norm-router launch in the layer
-    loop, its norm weight and router the group's [L, H] and [L, E, H] stacks (a [H] or [E, H]
-    operand would be a per-layer slice, one copy a step)."""
+    """The decoders' one-token step on the kernel path: one add-norm-router launch in the
+    layer loop (the residual add in it), its norm weight and router the group's [L, H] and
+    [L, E, H] stacks (a [H] or [E, H] operand would be a per-layer slice, one copy a step)."""
     from nvfp4_jax import models
 
     cfg, model = _tiny_qwen3()
@@ -208,34 +269,39 @@ def test_decode_step_runs_the_norm_router_kernel_on_the_stacks():
     step = functools.partial(models.decode_step, backend="pallas")
     jaxpr = jax.make_jaxpr(step)(model, jnp.zeros((1,), jnp.int32), cache)
 
-    (call,) = pallas_calls(jaxpr.jaxpr, "nvfp4_moe_norm_router")
+    (call,) = pallas_calls(jaxpr.jaxpr, "nvfp4_moe_add_norm_router")
     hd, e = cfg.hidden_size, cfg.num_experts
-    assert [tuple(v.aval.shape) for v in call.invars[2:4]] == [(3, hd), (3, e, hd)]
+    # (layer, x, a, norm stack, router stack)
+    assert [tuple(v.aval.shape) for v in call.invars[1:5]] == [(1, hd), (1, hd), (3, hd),
+                                                               (3, e, hd)]
+    assert not list(pallas_calls(jaxpr.jaxpr, "nvfp4_moe_norm_router"))
 
 
 def test_decoder_through_the_kernel_gives_the_compositions_logits(monkeypatch):
     """A tiny Qwen3-MoE's prefill and decode step with every MoE layer's norm and router on
     the kernel (interpreted) against the XLA composition on the same [B * T, H] rows: the same
-    logits bit for bit. On the CPU the interpreted kernel's sums are XLA:CPU reductions that
+    logits bit for bit (the residual add in the kernel too). On the CPU the interpreted kernel's sums are XLA:CPU reductions that
     round like the composition's here (jax 0.10.2); a layer's norm or router read at another
     row, or h and the logits not the ones handed on to the experts, changes them."""
     from nvfp4_jax import models
 
     cfg, model = _tiny_qwen3()
     ids = jnp.asarray([[3, 1, 4, 1, 5]], jnp.int32)
-    real = nn.norm_router
+    real = nn.add_norm_router
     outs = []
     for force in ("pallas", "xla"):
         used = []
 
-        def spy(x, *a, force=force, used=used, **k):
+        def spy(x, res, *a, force=force, used=used, **k):
             used.append(k["backend"])
             # the [B * T, H] rows, as the kernel sees them (XLA:CPU's sum of squares over
             # [B, T, H] may round otherwise)
-            h, lg = real(x.reshape(-1, x.shape[-1]), *a, **{**k, "backend": force})
-            return h.reshape(x.shape), lg.reshape(x.shape[:-1] + (-1,))
+            hd = x.shape[-1]
+            s, h, lg = real(x.reshape(-1, hd), res.reshape(-1, hd), *a,
+                            **{**k, "backend": force})
+            return s.reshape(x.shape), h.reshape(x.shape), lg.reshape(x.shape[:-1] + (-1,))
 
-        monkeypatch.setattr(nn, "norm_router", spy)
+        monkeypatch.setattr(nn, "add_norm_router", spy)
         jax.clear_caches()
         cache = models.init_cache(cfg, 1, 8)
         logits, cache = models.prefill(model, ids, cache, backend="xla")

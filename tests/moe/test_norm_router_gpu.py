@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_norm_router import EPS, _case, _check_against_oracle
+from test_norm_router import EPS, _case, _check_against_oracle, _residual
 
 from nvfp4_jax import nn
 
@@ -37,3 +37,22 @@ def test_kernel_within_the_oracle_intervals_on_gpu(t, e, x_scale):
     np.testing.assert_array_equal(np.asarray(logits), np.asarray(l1))
     text = str(jax.make_jaxpr(run)(x, w, r, layer=jnp.int32(2)))
     assert "nvfp4_moe_norm_router" in text
+
+
+@pytest.mark.parametrize("t, e", [(1, 128), (8, 128), (64, 60)])
+@pytest.mark.parametrize("kind", ["random", "cancel", "half"])
+def test_add_norm_router_on_gpu(t, e, kind):
+    """``add_norm_router`` compiled: the sum is the bf16 add of the two arrays bit for bit
+    (XLA's, each materialized), h and the logits the kernel's ``norm_router`` of that sum."""
+    x, w, r = _case(40 + t, t, 2048, e, 1.0, 0.05, layers=4)
+    a = _residual(x, t, kind)
+    run = jax.jit(functools.partial(nn.add_norm_router, eps=EPS, backend="auto"))
+    s, h, logits = run(x, a, w, r, layer=jnp.int32(1))
+    want = jax.jit(jnp.add)(x, a)
+    np.testing.assert_array_equal(np.asarray(s, np.float32), np.asarray(want, np.float32))
+    _check_against_oracle(want, w[1], r[1], h, logits)
+    h1, l1 = jax.jit(functools.partial(nn.norm_router, eps=EPS, backend="auto"))(
+        want, w, r, layer=jnp.int32(1))
+    np.testing.assert_array_equal(np.asarray(h, np.float32), np.asarray(h1, np.float32))
+    np.testing.assert_array_equal(np.asarray(logits), np.asarray(l1))
+    assert "nvfp4_moe_add_norm_router" in str(jax.make_jaxpr(run)(x, a, w, r, layer=jnp.int32(1)))

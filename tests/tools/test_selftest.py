@@ -286,26 +286,35 @@ def test_a_broken_routing_kernel_fails_with_an_npz(tmp_path, monkeypatch, capsys
     assert {"logits", "hidden", "ids", "weights", "oracle_ids", "oracle_weights"} <= set(d.files)
 
 
-@pytest.mark.parametrize("fault", ["other_layer", "unrounded_logits"])
+@pytest.mark.parametrize("fault", ["other_layer", "unrounded_logits", "sum_is_x"])
 def test_a_broken_norm_router_fails_with_an_npz(tmp_path, monkeypatch, capsys, fault):
-    """The norm weight and router read at layer 0 instead of the given layer, or logits left
-    unrounded to bf16, fail ``moe/norm_router``; the .npz holds the inputs and intervals."""
+    """The norm weight and router read at layer 0 instead of the given layer, logits left
+    unrounded to bf16, or the residual add's sum returned as x, fail ``moe/norm_router``; the
+    .npz holds the inputs and intervals (or the sums)."""
     from nvfp4_jax import nn
 
     real = nn.norm_router_kernel
 
-    def broken(x, norm_weight, router, eps, *, layer=None, interpret=False):
+    def broken(x, norm_weight, router, eps, *, layer=None, residual=None, interpret=False):
         if fault == "other_layer":
             layer = jnp.int32(0)
-        h, lg = real(x, norm_weight, router, eps, layer=layer, interpret=interpret)
-        return h, (lg * (1 + 2.0**-12) if fault == "unrounded_logits" else lg)
+        out = real(x, norm_weight, router, eps, layer=layer, residual=residual,
+                   interpret=interpret)
+        if fault == "unrounded_logits":
+            out = (*out[:-1], out[-1] * (1 + 2.0**-12))
+        if fault == "sum_is_x" and residual is not None:
+            out = (x, *out[1:])
+        return out
 
     monkeypatch.setattr(nn, "norm_router_kernel", broken)
     c = _only_check_fails(tmp_path, capsys, "moe/norm_router")
-    want = {"other_layer": "normed values outside", "unrounded_logits": "logits outside"}[fault]
+    want = {"other_layer": "normed values outside", "unrounded_logits": "logits outside",
+            "sum_is_x": "sums x + a not the bf16 add"}[fault]
     assert want in c["detail"], c["detail"]
     d = np.load(c["npz"])
-    assert {"x", "norm_weight", "router", "h", "logits", "logits_lo", "logits_hi"} <= set(d.files)
+    keys = ({"x", "a", "sum", "want"} if fault == "sum_is_x"
+            else {"x", "norm_weight", "router", "h", "logits", "logits_lo", "logits_hi"})
+    assert keys <= set(d.files)
 
 
 def test_jobs_run_checks_at_once_and_report_them_in_plan_order(tmp_path, capsys):
@@ -323,3 +332,15 @@ def test_jobs_run_checks_at_once_and_report_them_in_plan_order(tmp_path, capsys)
     assert docs[3]["options"]["jobs"] == 3 and docs[3]["summary"]["wall_s"] > 0
     assert cli.main(["selftest", "--jobs", "0"]) == 2
     assert "--jobs" in capsys.readouterr().err
+
+
+def test_a_misplaced_o_proj_operand_fails_attention_qkv(tmp_path, monkeypatch, capsys):
+    """The attention's last launch writing o_proj's operand in plain K order (not the Mosaic
+    GEMM's permutation) fails ``attention/qkv``; the .npz holds the output, the input scale,
+    the operand and the oracle's."""
+    from nvfp4_jax import attention
+
+    monkeypatch.setattr(attention, "mosaic_columns", lambda cols: cols)
+    c = _only_check_fails(tmp_path, capsys, "attention/qkv")
+    assert "o_proj's operand" in c["detail"], c["detail"]
+    assert {"out", "input_scale", "operand", "oracle"} <= set(np.load(c["npz"]).files)

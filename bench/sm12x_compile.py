@@ -545,20 +545,24 @@ def run_variants(out_dir: str, candidates: list) -> dict:
 
 def attention_entries(workdir: str) -> list[dict]:
     """The decoders' one-token attention, ``attention.decode_qkv_attention``'s three kernels
-    (q/k/v prologue, chunks, combine) at Qwen3-30B-A3B's heads (32 / 4, head_dim 128, q/k
-    RMSNorm read from 48-layer stacks as the decoders' scan passes them, RoPE, batch 1, 1060
-    cache slots), compiled by pip triton per arch."""
+    (q/k/v prologue, chunks, combine; and the combine writing o_proj's W4A4 operand) at
+    Qwen3-30B-A3B's heads (32 / 4, head_dim 128, q/k RMSNorm read from 48-layer stacks as the
+    decoders' scan passes them, RoPE, batch 1, 1060 cache slots), compiled by pip triton per
+    arch."""
     from nvfp4_jax import attention
 
     qkv = jnp.zeros((1, 40 * 128), jnp.bfloat16)
     kv = jnp.zeros((48, 1, 1060, 4, 128), jnp.bfloat16)
     norm = jnp.ones((48, 128), jnp.bfloat16)
     rope = (jnp.ones((1, 128), jnp.float32), jnp.zeros((1, 128), jnp.float32))
-    kernels = lowered_kernels(
-        lambda a, k, v: attention.decode_qkv_attention(a, k, v, jnp.int32(0), jnp.int32(5),
-                                                       num_heads=32, q_norm=norm, k_norm=norm,
-                                                       norm_layer=jnp.int32(0), rope=rope),
-        qkv, kv, kv)
+    scales = jnp.ones((48,), jnp.float32)
+    kernels = {}
+    for operand in (None, (scales, jnp.int32(3), 8)):  # and with o_proj's W4A4 operand
+        kernels.update(lowered_kernels(
+            lambda a, k, v, operand=operand: attention.decode_qkv_attention(
+                a, k, v, jnp.int32(0), jnp.int32(5), num_heads=32, q_norm=norm, k_norm=norm,
+                norm_layer=jnp.int32(0), rope=rope, w4a4_operand=operand),
+            qkv, kv, kv))
     # num_stages: 2 for the chunks, 1 for the prologue and the combine
     return compiled_entries(kernels, 4, lambda name: 2 if name == "nvfp4_decode_attention"
                             else 1, workdir)
@@ -615,9 +619,9 @@ def operand_entries(workdir: str) -> list[dict]:
 
 
 def norm_router_entries(workdir: str) -> list[dict]:
-    """``moe.norm_router.norm_router_kernel``, a MoE layer's RMSNorm and router logits, at
-    Qwen3-30B-A3B's H 2048 and 128 experts (norm weight and router read in place from 48-layer
-    stacks) for batch 1 and 8, compiled by pip triton per arch."""
+    """``moe.norm_router.norm_router_kernel``, a MoE layer's RMSNorm and router logits (and
+    with the residual add), at Qwen3-30B-A3B's H 2048 and 128 experts (norm weight and router
+    read in place from 48-layer stacks) for batch 1 and 8, compiled by pip triton per arch."""
     from nvfp4_jax.moe import norm_router as nr
 
     entries = []
@@ -625,8 +629,11 @@ def norm_router_entries(workdir: str) -> list[dict]:
         x = jnp.zeros((t, 2048), jnp.bfloat16)
         w = jnp.ones((48, 2048), jnp.bfloat16)
         r = jnp.zeros((48, 128, 2048), jnp.bfloat16)
-        kernels = lowered_kernels(
-            lambda a, b, c: nr.norm_router_kernel(a, b, c, 1e-6, layer=jnp.int32(3)), x, w, r)
+        kernels = {}
+        for res in (None, x):  # and with the residual add (the decoders' add_norm_router)
+            kernels.update(lowered_kernels(
+                lambda a, b, c, res=res: nr.norm_router_kernel(a, b, c, 1e-6, layer=jnp.int32(3),
+                                                               residual=res), x, w, r))
         eb = nr.expert_block(t, 128)
         for e in compiled_entries(kernels, nr.num_warps(eb, 2048), lambda name: 1, workdir):
             entries.append({"case": f"t{t}_h2048_e128", "experts_per_program": eb, **e})

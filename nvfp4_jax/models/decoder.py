@@ -285,7 +285,9 @@ def _layer(cfg, p, x, pos, k_all, v_all, li, start, rope, backend, w4a4, ablate,
         out = nn.moe_block(mp, h.reshape(b * t, hd), backend=backend,
                            logits=logits.reshape(b * t, -1), residual=x.reshape(b * t, hd))
         return out.reshape(b, t, hd), k_all, v_all
-    x = x + a
+    # the two bf16 arrays' add, as add_norm_router and HF have it (XLA may otherwise fuse the
+    # add with a's producer and add the fp32 value a was rounded from)
+    x = add_residual(x, a)
     if ("mlp", "gate_up_proj") in stacks and ("mlp", "down_proj") in stacks:
         gate, up = jnp.split(pro("mlp", "gate_up_proj", x, p["post_attention_layernorm"])
                              .astype(jnp.float32), 2, axis=-1)

@@ -80,6 +80,33 @@ def test_mosaic_operand_errors_name_the_argument():
         mosaic_w4a4_operand(x, jnp.ones((2,), jnp.float32), 8, interpret=True)
 
 
+def test_matmul_on_a_made_operand_errors_name_the_argument():
+    """``gemm.matmul_w4a4_operand`` and ``nn.linear_on_operand``: bad m, operand shapes and
+    dtypes, a bf16 weight and a missing scale stack name the argument; off the Mosaic kernel
+    (here: no GPU) the GEMM says it does not run rather than computing something else."""
+    from nvfp4_jax import nn
+    from nvfp4_jax.gemm import matmul_w4a4_operand
+    from nvfp4_jax.quantize import quantize
+
+    w = quantize(jnp.ones((64, 256), jnp.bfloat16), "trtllm")
+    xp = jnp.zeros((8, 256), jnp.bfloat16)
+    s = jnp.float32(0.01)
+    for m, op, match in ((0, xp, "m: expected an int in 1..64"),
+                         (65, xp, "m: expected an int in 1..64"),
+                         (3, xp[:, :128], r"xp: expected bf16 \[8, K=256\] for m=3"),
+                         (3, xp.astype(jnp.float32), r"xp: expected bf16 \[8, K=256\]"),
+                         (9, xp, r"xp: expected bf16 \[16, K=256\] for m=9"),
+                         (3, xp, "xp: the Mosaic W4A4 GEMM does not run M=3 N=64 K=256 here")):
+        with pytest.raises(ValueError, match=match):
+            matmul_w4a4_operand(op, m, w, s)
+    with pytest.raises(ValueError, match="p: expected a W4A4 Linear"):
+        nn.linear_on_operand(nn.Linear(w), xp, 3)
+    with pytest.raises(ValueError, match=r"input_scales: expected the fp32 \[L\] stack"):
+        nn.linear_on_operand(nn.Linear(w, s), xp, 3, layer=jnp.int32(0))
+    assert nn.w4a4_operand_rows(nn.Linear(w, s), 3) is None  # no GPU: no Mosaic GEMM
+    assert nn.w4a4_operand_rows(nn.Linear(w), 3) is None  # W4A16
+
+
 def test_fp16_activations_and_a_scalar_of_shape_1():
     x, s = _case(3, 4, 256, 4.0, 1.0)
     got = w4a4_operand(jnp.asarray(x, jnp.float16), jnp.asarray([s], jnp.float32), interpret=True)

@@ -31,7 +31,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from .device import on_gpu
-from .gemm.operand import mosaic_columns, operand_values
+from .gemm.operand import mosaic_columns, operand_values, scale_and_layer
 from .triton_ops import bf16_rne, cdiv, div_rn, pow2
 from .validate import check_layer, is_concrete
 
@@ -391,21 +391,15 @@ def _operand_args(w4a4_operand, batch: int, k: int):
     except (TypeError, ValueError):
         raise ValueError("w4a4_operand: expected (input_scale, layer, rows), got "
                          f"{type(w4a4_operand).__name__}") from None
-    sc = jnp.asarray(scale, jnp.float32)
-    if layer is None:
-        if sc.size != 1:
-            raise ValueError(f"w4a4_operand: expected an fp32 scalar input_scale, got shape "
-                             f"{sc.shape}")
-        sc = sc.reshape(1)
-    elif sc.ndim != 1 or jnp.size(layer) != 1:
-        raise ValueError(f"w4a4_operand: expected the fp32 [L] input_scale stack and an int32 "
-                         f"scalar layer, got shapes {sc.shape} and {jnp.shape(layer)}")
+    try:
+        lay, sc = scale_and_layer(scale, layer)
+    except ValueError as err:
+        raise ValueError(f"w4a4_operand: {err}") from None
     if not isinstance(rows, int) or not batch <= rows <= 64:
         raise ValueError(f"w4a4_operand: expected rows an int in {batch}..64 (the GEMM's token "
                          f"tile for B = {batch}), got {rows!r}")
     if k % 128:
         raise ValueError(f"w4a4_operand: the Mosaic operand needs NH * D % 128 == 0, got {k}")
-    lay = jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(1)
     return lay, sc, rows
 
 

@@ -120,6 +120,26 @@ def mosaic_columns(cols):
     return (cols - e) + (((e >> 3) & 3) << 5) + ((e & 3) << 3) + ((e >> 5) << 1) + ((e >> 2) & 1)
 
 
+def scale_and_layer(input_scale, layer) -> tuple[jax.Array, jax.Array]:
+    """A W4A4 operand kernel's scale operands, checked: (layer int32 [1], input scales fp32
+    [L]) from ``input_scale`` an fp32 scalar (``layer`` None; L = 1, layer 0) or the fp32 [L]
+    stack of a scan's layers with ``layer`` an int32 scalar (which the kernels clamp into
+    [0, L)). ValueError naming ``input_scale`` or ``layer`` otherwise."""
+    s = jnp.asarray(input_scale, jnp.float32)
+    if layer is None:
+        if s.size != 1:
+            raise ValueError("input_scale: expected an fp32 scalar, got shape "
+                             f"{jnp.shape(input_scale)}")
+        s = s.reshape(1)
+    elif s.ndim != 1:
+        raise ValueError(f"input_scale: expected the fp32 [L] stack with layer given, got shape "
+                         f"{s.shape}")
+    lay = jnp.asarray(0 if layer is None else layer, jnp.int32)
+    if lay.size != 1:
+        raise ValueError(f"layer: expected an int32 scalar, got shape {lay.shape}")
+    return lay.reshape(1), s
+
+
 #: the most K an RMSNorm'd operand row may have (one program holds the row: 64 fp32 a thread)
 NORM_MAX_K = 8192
 
@@ -153,20 +173,9 @@ def mosaic_w4a4_operand(x: jax.Array, input_scale: jax.Array, rows: int, *,
         raise ValueError(f"x: K must be a positive multiple of 128, got {k}")
     if not m <= rows:
         raise ValueError(f"rows: expected at least M = {m} rows, got {rows}")
-    s = jnp.asarray(input_scale, jnp.float32)
-    if layer is None:
-        if s.size != 1:
-            raise ValueError("input_scale: expected an fp32 scalar, got shape "
-                             f"{jnp.shape(input_scale)}")
-        s = s.reshape(1)
-    elif s.ndim != 1:
-        raise ValueError(f"input_scale: expected the fp32 [L] stack with layer given, got shape "
-                         f"{s.shape}")
+    lay, s = scale_and_layer(input_scale, layer)
     n_layers = s.shape[0]
-    lay = jnp.asarray(0 if layer is None else layer, jnp.int32)
-    if lay.size != 1:
-        raise ValueError(f"layer: expected an int32 scalar, got shape {lay.shape}")
-    operands = [lay.reshape(1), s, x]
+    operands = [lay, s, x]
     norm = norm_weight is not None
     if norm:
         wn = jnp.asarray(norm_weight)

@@ -136,7 +136,7 @@ def attention(cfg: DecoderConfig, p: dict, x: jax.Array, pos: jax.Array, k_all: 
     ``o_proj``: None, or the callable ``o -> o_proj(o)`` to use; ``qk_norms``: None, or
     inside a scan the (q_norm, k_norm) stacks bf16 [n, D] of the scanned group, with this
     layer's row ``norm_layer``, which the decode kernel reads in place. ``o_operand``: None,
-    or (input_scale, layer, rows, linear) where o_proj is a W4A4 Mosaic GEMM: the decode
+    or ((input_scale, layer, rows), linear) where o_proj is a W4A4 Mosaic GEMM: the decode
     kernel's last launch then writes its operand (``decode_qkv_attention(w4a4_operand=)``)
     and ``linear(operand)`` is the projection (``nn.linear_on_operand``).
 
@@ -162,10 +162,10 @@ def attention(cfg: DecoderConfig, p: dict, x: jax.Array, pos: jax.Array, k_all: 
             qkv[:, 0], k_all, v_all, li, start, num_heads=nh, q_norm=norms[0],
             k_norm=norms[1], norm_layer=norms[2], eps=cfg.rms_norm_eps,
             rope=None if rope is None else (rope[0][:, 0], rope[1][:, 0]),
-            w4a4_operand=None if o_operand is None else o_operand[:3],
+            w4a4_operand=None if o_operand is None else o_operand[0],
             interpret=pallas_interpret())
         if o_operand is not None:  # o is o_proj's operand
-            return o_operand[3](o).reshape(b, 1, -1), k_all, v_all
+            return o_operand[1](o).reshape(b, 1, -1), k_all, v_all
         return out_proj(o.reshape(b, 1, nh * d)), k_all, v_all
     q, k, v = jnp.split(qkv, [nh * d, (nh + kvh) * d], axis=-1)
     q = q.reshape(b, t, nh, d)
@@ -263,7 +263,7 @@ def _layer(cfg, p, x, pos, k_all, v_all, li, start, rope, backend, w4a4, ablate,
         rows = None if st is None or x.shape[1] != 1 else nn.w4a4_operand_rows(
             sa["o_proj"], x.shape[0], backend=backend, w4a4=w4a4)
         if rows is not None:  # the attention's last launch makes o_proj's operand
-            o_operand = (st[1], gl, rows, lambda xp: nn.linear_on_operand(
+            o_operand = ((st[1], gl, rows), lambda xp: nn.linear_on_operand(
                 sa["o_proj"], xp, x.shape[0], layer=gl, input_scales=st[1]))
         a, k_all, v_all = attention(cfg, sa, None, pos, k_all, v_all, li, start, rope,
                                     backend, w4a4, ablate, qkv=qkv,

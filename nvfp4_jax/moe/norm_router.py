@@ -143,10 +143,11 @@ def norm_router_kernel(x: jax.Array, norm_weight: jax.Array, router: jax.Array, 
     eb = expert_block(t, e)
     kern = functools.partial(_kernel, e=e, eb=eb, hd=hd, n_layers=n_layers, eps=float(eps),
                              add=add, exact_asm=not interpret)
-    out = [jax.ShapeDtypeStruct((t, hd), jnp.bfloat16), jax.ShapeDtypeStruct((t, e), jnp.float32)]
-    operands = [lay, x] + ([jnp.asarray(residual)] if add else [])
-    res = call(kern, tuple(out + out[:1] * add), (t, -(-e // eb)), num_warps=num_warps(eb, hd),
-               name="nvfp4_moe_add_norm_router" if add else "nvfp4_moe_norm_router",
-               interpret=interpret)(*operands, wn.reshape(n_layers, hd),
-                                    r.reshape(n_layers, e, hd))
-    return (res[2], res[0], res[1]) if add else tuple(res)
+    row = jax.ShapeDtypeStruct((t, hd), jnp.bfloat16)  # h, and with the add the sum
+    out = (row, jax.ShapeDtypeStruct((t, e), jnp.float32)) + ((row,) if add else ())
+    operands = (lay, x) + ((jnp.asarray(residual),) if add else ())
+    h, logits, *s = call(kern, out, (t, -(-e // eb)), num_warps=num_warps(eb, hd),
+                         name="nvfp4_moe_add_norm_router" if add else "nvfp4_moe_norm_router",
+                         interpret=interpret)(*operands, wn.reshape(n_layers, hd),
+                                              r.reshape(n_layers, e, hd))
+    return (*s, h, logits)

@@ -195,10 +195,13 @@ def test_w4a4_operand_is_the_operand_kernels(seed, b, kvh, g, d, rows, layer):
 def test_w4a4_operand_rejects_bad_arguments():
     qkv, k, v, _ = _case(0, 2, 2, 8, 2, 4, 32, 1.0, 3)
     sc = jnp.ones((3,), jnp.float32)
-    for bad, match in (((sc, None, 8), "fp32 scalar input_scale"),
+    for bad, match in (((sc, None, 8), "w4a4_operand: input_scale: expected an fp32 scalar"),
                        ((sc[0], None, 1), "rows an int in 2..64"),
                        ((sc[0], None, 65), "rows an int in 2..64"),
-                       ((sc[:, None], jnp.int32(0), 8), r"fp32 \[L\] input_scale stack"),
+                       ((sc[:, None], jnp.int32(0), 8),
+                        r"w4a4_operand: input_scale: expected the fp32 \[L\] stack"),
+                       ((sc, jnp.zeros((2,), jnp.int32), 8),
+                        "w4a4_operand: layer: expected an int32 scalar"),
                        ((sc, None), "expected \\(input_scale, layer, rows\\)")):
         with pytest.raises(ValueError, match=match):
             attention.decode_qkv_attention(qkv, k, v, 0, 3, num_heads=8, w4a4_operand=bad)

@@ -585,13 +585,24 @@ def compiled_entries(kernels: dict, num_warps: int, num_stages, workdir: str) ->
 
 def routing_entries(workdir: str) -> list[dict]:
     """``moe.select_kernel`` at Qwen3-30B-A3B's router (T = 8 tokens, 128 experts, top-8,
-    H 2048, renormalized: one program per token, one warp), compiled by pip triton per arch."""
+    H 2048, renormalized: one program per token, one warp), and the routing-operand launch
+    that follows it at batch 1 (``routing_kernel.routing_operand_kernel``: 8 routes, block_m
+    8, the scales read in place from 48-layer [L, E] stacks, the trtllm recipe; eight warps),
+    compiled by pip triton per arch."""
+    from nvfp4_jax.moe.routing_kernel import routing_operand_kernel
     from nvfp4_jax.moe.select_kernel import select_kernel
 
     lg = jnp.zeros((8, 128), jnp.float32)
     x = jnp.zeros((8, 2048), jnp.bfloat16)
     kernels = lowered_kernels(lambda a, b: select_kernel(a, b, 8, renormalize=True), lg, x)
-    return compiled_entries(kernels, 1, lambda name: 1, workdir)
+    entries = compiled_entries(kernels, 1, lambda name: 1, workdir)
+    ids = jnp.zeros((1, 8), jnp.int32)
+    st = jnp.ones((48, 128), jnp.float32)
+    kernels = lowered_kernels(
+        lambda i, h, a, b, c, d: routing_operand_kernel(
+            i, h, 128, 8, (a, b, c, d, "trtllm_cutlass", "scalar"), recipe="trtllm",
+            layer=jnp.int32(3)), ids, x[:1], st, st, st, st)
+    return entries + compiled_entries(kernels, 8, lambda name: 1, workdir)
 
 
 def operand_entries(workdir: str) -> list[dict]:

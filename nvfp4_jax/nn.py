@@ -95,9 +95,11 @@ class MoE:
     routed_scaling_factor, activation ("swiglu" | "relu2").
 
     stacks, layer: None, or inside a scan over stacked layers the whole expert stacks
-    (fc1 [n, E, R, H], fc2 [n, E, H, I]) that fc1 / fc2 are layer ``layer`` (int32 scalar) of
-    (``nvfp4_jax.moe``'s ``stacks`` and ``layer``: the Pallas-Triton kernels read them in
-    place; :func:`join_stacks` sets them).
+    (fc1 [n, E, R, H], fc2 [n, E, H, I], fc1_input_scale [n, E], fc2_input_scale [n, E]) that
+    this layer's are row ``layer`` (int32 scalar) of (``nvfp4_jax.moe``'s ``stacks`` and
+    ``layer``: the Pallas-Triton kernels read them in place, and the launch that computes the
+    scales reads the scale stacks in place on every kernel path; :func:`join_stacks` sets
+    them).
     """
 
     router: jax.Array
@@ -312,11 +314,18 @@ def stacks_read_in_place(backend: str, kind: str = "linear") -> bool:
 
 def weight_stacks(stacked) -> list:
     """The NVFP4 weight stacks of a pytree of stacked layers (leading axis n): every
-    :class:`Linear`'s ``w`` and every :class:`MoE`'s (fc1, fc2), in tree order, for a scan's
-    body to close over and hand to :func:`join_stacks`."""
-    return [v.w if isinstance(v, Linear) else (v.fc1, v.fc2)
+    :class:`Linear`'s ``w`` and every :class:`MoE`'s (fc1, fc2, fc1_input_scale,
+    fc2_input_scale), in tree order, for a scan's body to close over and hand to
+    :func:`join_stacks`."""
+    return [v.w if isinstance(v, Linear) else moe_stacks(v)
             for v in jax.tree_util.tree_leaves(stacked, is_leaf=_is_stacked_param)
             if _is_stacked_param(v)]
+
+
+def moe_stacks(stacked: MoE) -> tuple:
+    """A stacked :class:`MoE`'s (fc1, fc2, fc1_input_scale, fc2_input_scale) stacks, leading
+    axis n: its ``stacks`` inside a loop over the layers."""
+    return (stacked.fc1, stacked.fc2, stacked.fc1_input_scale, stacked.fc2_input_scale)
 
 
 def strip_stacks(stacked, *, linears: bool = True, moe: bool = True):

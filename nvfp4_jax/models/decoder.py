@@ -564,9 +564,12 @@ def forward(model: Model, tokens: jax.Array, cache: KVCache, *, backend: str = "
         else:
             n = jax.tree_util.tree_leaves(g)[0].shape[0]
 
-            def body(x, k_all, v_all, p, i, stacks=None, pro=None, qk=None, mn=None, li=li):
+            def body(x, k_all, v_all, p, i, stacks=None, pro=None, qk=None, mn=None, ms=None,
+                     li=li):
                 if stacks is not None:
                     p = nn.join_stacks(p, stacks, i - li)
+                if ms is not None:  # the MoE's scale launch reads the scale stacks in place
+                    p = {**p, "moe": dataclasses.replace(p["moe"], stacks=ms, layer=i - li)}
                 return _layer(cfg, p, x, pos, k_all, v_all, i, start, rope, backend, w4a4,
                               ablate, stacks=pro, gl=i - li, qk_norms=qk, moe_norm=mn)
 
@@ -581,6 +584,8 @@ def forward(model: Model, tokens: jax.Array, cache: KVCache, *, backend: str = "
             if lin or moe:  # those kernels read the stacks in place; the rest keep slices
                 body = functools.partial(body, stacks=nn.weight_stacks(g))
                 g = nn.strip_stacks(g, linears=lin, moe=moe)
+            elif isinstance(g.get("moe"), nn.MoE):  # the MoE's weights stay the loop's slices
+                body = functools.partial(body, ms=nn.moe_stacks(g["moe"]))
             # a while loop over the layer index (a lax.scan over (layers, indices) slices the
             # index too: one more launch a layer); its trip count is static, as a scan's
             def step(c, g=g, body=body, li=li):

@@ -184,7 +184,7 @@ def moe(
     activation_scale: str | None = None,
     backend: str = "auto",
     config: MoEConfig | MosaicMoEConfig | None = None,
-    stacks: tuple[NVFP4Array, NVFP4Array] | None = None,
+    stacks: tuple | None = None,
     layer: jax.Array | None = None,
     residual: jax.Array | None = None,
 ) -> jax.Array:
@@ -210,10 +210,14 @@ def moe(
     ``moe.mosaic.MosaicMoEConfig`` (Mosaic tiles), None for the defaults.
     ``stacks``, ``layer``: None, or together: fc1 and fc2 are layer ``layer`` (an int32
     scalar) of ``stacks`` = (fc1 stack [L, E, R, H], fc2 stack [L, E, H, I]), a scan over
-    stacked layers. The Pallas-Triton kernels then read layer ``layer``'s experts in place
-    (linear scales, unpadded fc2; else fc1/fc2, logged): XLA copies a per-layer slice of a
-    stack whole into every Pallas-Triton kernel that reads it, on every step of the scan. The
-    Mosaic kernels and XLA take fc1/fc2 (uncopied there); XLA drops the form left unused.
+    stacked layers, optionally followed by the fc1_input_scale and fc2_input_scale stacks
+    fp32 [L, E] (or [L]) that the input scales are row ``layer`` of. The Pallas-Triton kernels
+    then read layer ``layer``'s experts in place (linear scales, unpadded fc2; else fc1/fc2,
+    logged): XLA copies a per-layer slice of a stack whole into every Pallas-Triton kernel
+    that reads it, on every step of the scan. The Mosaic kernels and XLA take fc1/fc2
+    (uncopied there); XLA drops the form left unused. With the input scale stacks, the launch
+    that computes the scales (on both kernel paths) reads the four scale vectors in place
+    too.
     ``residual``: None, or bf16 [T, H]: returns residual + the layer output, bf16 (as XLA adds
     two bf16 arrays: both widened to fp32, added, rounded to nearest even); the Mosaic path
     adds it in its combine launch (in XLA where its FC2 runs on Pallas-Triton), the others in
@@ -229,10 +233,12 @@ def moe(
         raise ValueError("stacks, layer: pass both (fc1/fc2 are layer `layer` of `stacks`) or "
                          "neither")
     if stacks is not None:
-        if not isinstance(stacks, (tuple, list)) or len(stacks) != 2:
-            raise ValueError("stacks: expected (fc1 stack, fc2 stack)")
+        if not isinstance(stacks, (tuple, list)) or len(stacks) not in (2, 4):
+            raise ValueError("stacks: expected (fc1 stack, fc2 stack) or (fc1 stack, fc2 stack, "
+                             "fc1_input_scale stack, fc2_input_scale stack)")
         for name, w, st in (("fc1", fc1, stacks[0]), ("fc2", fc2, stacks[1])):
             validate.check_stack("stacks", st, w, layer, what=f"the {name} stack, an NVFP4Array")
+        _check_input_scale_stacks(stacks, fc1)
     if activation_scale is None:
         activation_scale = "scalar" if mode == "trtllm_cutlass" else "per_expert"
     s1 = jnp.asarray(fc1_input_scale)
@@ -299,16 +305,32 @@ def moe(
     if backend == "mosaic":
         if interpret:
             log.info("nvfp4_jax.moe: backend mosaic off the GPU -> XLA emulation of the kernels")
+        scale_stacks = None
+        if stacks is not None and len(stacks) == 4:  # the scale launch reads them in place
+            scale_stacks = (stacks[0].decode_scale, stacks[1].decode_scale, *stacks[2:])
         return moe_mosaic(hidden, topk_ids, topk_weights, fc1, fc2, s1, s2, config=config,
-                          reference=interpret, residual=residual, **kw)
+                          reference=interpret, residual=residual, scale_stacks=scale_stacks,
+                          layer=None if scale_stacks is None else layer, **kw)
     if stacks is not None:
         inter = intermediate_size(fc1.shape[1], activation)
-        if all(w.layout == "linear" for w in stacks) and stacks[1].shape[-1] == inter:
-            fc1, fc2 = stacks
+        if all(w.layout == "linear" for w in stacks[:2]) and stacks[1].shape[-1] == inter:
+            fc1, fc2 = stacks[:2]
         else:
             log.info("nvfp4_jax.moe: a stack with swizzled scales or padded fc2: the kernels "
                      "read fc1/fc2, the layer's slice (inside a scan a copy on every call)")
             layer = None
+    in_stacks = tuple(stacks[2:]) if layer is not None and len(stacks) == 4 else None
     out = moe_pallas(hidden, topk_ids, topk_weights, fc1, fc2, s1, s2, config=config,
-                     interpret=interpret, layer=layer, **kw)
+                     interpret=interpret, layer=layer, input_scale_stacks=in_stacks, **kw)
     return out if residual is None else add_residual(residual, out)
+
+
+def _check_input_scale_stacks(stacks, fc1) -> None:
+    """``moe``'s optional input scale stacks: float [L, E] or [L], L the fc1 stack's."""
+    n_layers, e = stacks[0].shape[0], fc1.shape[0]
+    for name, st in zip(("fc1_input_scale", "fc2_input_scale"), stacks[2:]):
+        shape = jnp.shape(st)
+        if (not jnp.issubdtype(jnp.result_type(st), jnp.floating) or not 1 <= len(shape) <= 2
+                or shape[0] != n_layers or shape[1:] not in ((), (1,), (e,))):
+            raise ValueError(f"stacks: expected the {name} stack, float [L={n_layers}, E={e}] or "
+                             f"[{n_layers}], got {jnp.result_type(st)}{shape}")

@@ -617,6 +617,8 @@ def moe_mosaic(
     reference: bool = False,
     return_intermediates: bool = False,
     residual: jax.Array | None = None,
+    scale_stacks: tuple | None = None,
+    layer: jax.Array | None = None,
 ):
     """Routed MoE with Mosaic GPU grouped GEMMs -> bf16 [T, H] (+ per-route ``h`` [T*k, I]).
 
@@ -628,7 +630,14 @@ def moe_mosaic(
     ``residual``: None, or bf16 [T, H]: returns ``residual + out`` (bf16, the bits of XLA's add
     of two bf16 arrays), added in the combine launch where FC2 runs on Mosaic, in XLA
     (``xla.add_residual``) after the Pallas-Triton FC2's top-k sum otherwise.
+    ``scale_stacks``, ``layer``: None, or together (inside a loop over stacked layers): the
+    stacks fp32 [L, E] of (fc1 decode_scale, fc2 decode_scale, fc1_input_scale,
+    fc2_input_scale) that this layer's scales are row ``layer`` (int32 scalar) of; the scale
+    launch reads them in place (``scales.scales_plan``) instead of a fusion packing the
+    layer's slices (a launch each layer).
     """
+    if (scale_stacks is None) != (layer is None):
+        raise ValueError("scale_stacks, layer: pass both or neither")
     t, k = topk_ids.shape
     e, r, h_dim = fc1.shape
     inter = intermediate_size(r, activation)
@@ -679,6 +688,8 @@ def moe_mosaic(
     recipe = recipe_of(mode)
 
     scale_args = (fc1.decode_scale, fc2.decode_scale, fc1_input_scale, fc2_input_scale)
+    if scale_stacks is not None:
+        scale_args = tuple(scale_stacks)
     scale_spec = (*scale_args, mode, activation_scale)  # the scale kernels' ``scales``
     sv = None  # (g1, 1/g1, alpha1, g2, 1/g2, alpha2)
     xp = None  # the FC1 operand, when the routing kernel writes it too ("fused")
@@ -686,9 +697,10 @@ def moe_mosaic(
             n_routes, e, bm, top_k=None if config.routing == "fused" else topk_ids.shape[1]):
         if config.routing == "fused":  # routing, scales and the FC1 operand in one launch
             br, sv, xp = routing_operand_kernel(topk_ids, hidden, e, bm, scale_spec, recipe=recipe,
-                                                interpret=reference)
+                                                interpret=reference, layer=layer)
         else:  # the routing and the scales in one launch
-            br, sv = routing_kernel(topk_ids, e, bm, scales=scale_spec, interpret=reference)
+            br, sv = routing_kernel(topk_ids, e, bm, scales=scale_spec, interpret=reference,
+                                    layer=layer)
     else:
         if config.routing != "xla":
             log.info("nvfp4_jax.moe: routing kernel does not fit %d routes x %d experts; XLA "
@@ -697,7 +709,7 @@ def moe_mosaic(
         br = block_routing(topk_ids, e, bm)
     if sv is None:
         sv = moe_scales_kernel(*scale_args, num_experts=e, mode=mode,
-                               activation_scale=activation_scale, interpret=reference)
+                               activation_scale=activation_scale, interpret=reference, layer=layer)
     g1, rg1, a1, g2, rg2, a2 = sv
     em = br.sorted_route.shape[0]
     assert em // bm == max_blocks(n_routes, e, bm)

@@ -265,6 +265,7 @@ def moe_pallas(
     interpret: bool = False,
     return_intermediates: bool = False,
     layer: jax.Array | None = None,
+    input_scale_stacks: tuple | None = None,
 ):
     """Pallas-Triton MoE -> bf16 [T, H] (and per-route ``h`` [T*k, I] with ``return_intermediates``).
 
@@ -273,7 +274,13 @@ def moe_pallas(
     Pallas interpret mode (CPU). ``layer``: None, or an int32 scalar with fc1/fc2 stacks of
     layers [L, E, ...] (linear scales, unpadded fc2): the kernels read layer ``layer``'s
     experts in place; routing, scales and tiles are the layer's (E experts).
+    ``input_scale_stacks``: None, or with ``layer`` the stacks fp32 [L, E] that
+    fc1/fc2_input_scale are row ``layer`` of: the scale launch then reads the four scale
+    vectors in place (the stacks' decode scales too) instead of per-layer slices, which XLA
+    would copy into it.
     """
+    if input_scale_stacks is not None and layer is None:
+        raise ValueError("input_scale_stacks: needs layer (the stacks' row)")
     t, k = topk_ids.shape
     e, r, h_dim = fc1.shape[-3:]
     inter = intermediate_size(r, activation)
@@ -302,9 +309,14 @@ def moe_pallas(
 
     # the encode scales, alphas and 1/G2 (the trtllm recipe's) from one launch with IEEE
     # divisions (in XLA they are 11-14 small fusions per layer)
+    if input_scale_stacks is None:
+        scale_ops, scale_layer = (ds1, ds2, fc1_input_scale, fc2_input_scale), None
+    else:
+        scale_ops = (fc1.decode_scale, fc2.decode_scale, *input_scale_stacks)
+        scale_layer = layer
     g1, rg1, a1, g2, rg2, a2 = moe_scales_kernel(
-        ds1, ds2, fc1_input_scale, fc2_input_scale, num_experts=e,
-        mode=mode, activation_scale=activation_scale, interpret=interpret)
+        *scale_ops, num_experts=e, mode=mode, activation_scale=activation_scale,
+        interpret=interpret, layer=scale_layer)
     br = block_routing(topk_ids, e, bm)
     em = br.sorted_route.shape[0]
     nb = em // bm

@@ -310,7 +310,8 @@ def routing_kernel_fits(n_routes: int, num_experts: int, block_m: int, *,
 
 
 def routing_kernel(topk_ids: jax.Array, num_experts: int, block_m: int, *,
-                   scales: tuple | None = None, interpret: bool = False, method: str | None = None):
+                   scales: tuple | None = None, interpret: bool = False, method: str | None = None,
+                   layer: jax.Array | int | None = None):
     """``routing.block_routing`` as one Pallas-Triton launch (one program) instead of ~5 XLA
     fusions: counts, padded cumsum and each route's rank among its expert's routes from an
     [E, N] one-hot tile, the block experts from an [NB, E] compare tile, the inverse
@@ -321,7 +322,8 @@ def routing_kernel(topk_ids: jax.Array, num_experts: int, block_m: int, *,
     scales: None, or ``(fc1_weight_scale_2, fc2_weight_scale_2, fc1_input_scale,
     fc2_input_scale, mode, activation_scale)``: the same program also computes
     ``moe_scales_kernel``'s six vectors (one launch for both), returned after the routing:
-    ``(BlockRouting, (g1, 1/g1, alpha1, g2, 1/g2, alpha2))``."""
+    ``(BlockRouting, (g1, 1/g1, alpha1, g2, 1/g2, alpha2))``; with ``layer`` (an int32 scalar)
+    the four are stacks fp32 [L, E] or [L], read in place at that row (``scales.scales_plan``)."""
     flat, rkw, outs = _routing_plan(topk_ids, num_experts, block_m, interpret, method)
     kern = functools.partial(_routing_kernel, **rkw)
     nw = routing_warps(rkw["method"], rkw["n"])
@@ -329,27 +331,29 @@ def routing_kernel(topk_ids: jax.Array, num_experts: int, block_m: int, *,
     if scales is None:
         res = call(kern, outs, (1,), num_warps=nw, name="nvfp4_moe_routing", interpret=interpret)(flat)
         return BlockRouting(*res[:4])
-    packed, skw, souts = scales_plan(scales, num_experts, interpret)
+    sops, skw, souts = scales_plan(scales, num_experts, interpret, layer)
+    ns = len(sops)
 
-    def both(ids_ref, sc_ref, *refs):
-        scales_kernel(sc_ref, *refs[nr:], **skw)
-        kern(ids_ref, *refs[:nr])
+    def both(ids_ref, *refs):
+        scales_kernel(*refs[:ns], *refs[ns + nr:], n_in=ns, **skw)
+        kern(ids_ref, *refs[ns:ns + nr])
 
     res = call(both, (*outs, *souts), (1,), num_warps=nw, name="nvfp4_moe_routing_scales",
-                interpret=interpret)(flat, packed)
+                interpret=interpret)(flat, *sops)
     return BlockRouting(*res[:4]), tuple(res[nr:])
 
 
-def _routing_operand_kernel(ids_ref, sc_ref, x_ref, srt_ref, be_ref, nb_ref, pos_ref, *rest,
-                            routing_kw: dict, scales_kw: dict, top_k: int, bk: int, recipe: str,
-                            per_expert: bool, exact_asm: bool):
+def _routing_operand_kernel(ids_ref, *refs, n_scale_ops: int, routing_kw: dict, scales_kw: dict,
+                            top_k: int, bk: int, recipe: str, per_expert: bool, exact_asm: bool):
+    sc_refs = refs[:n_scale_ops]
+    x_ref, srt_ref, be_ref, nb_ref, pos_ref, *rest = refs[n_scale_ops:]
     scale_refs, xp_ref = rest[:6], rest[6]
     r, kt = pl.program_id(0), pl.program_id(1)
     # every program computes the routing and the scales (a few thousand register ops; no
     # second launch, no wait for another program's stores); program (0, 0) also stores them
     kw = {k: v for k, v in routing_kw.items() if k != "method"}
     n, bm = kw["n"], kw["block_m"]
-    je, evalid, vals = scale_values(sc_ref, **scales_kw)
+    je, evalid, vals = scale_values(sc_refs, **scales_kw)
     if routing_kw["method"] == "routes":  # this route's row from the first pass alone
         j, valid, ids, rank, count = _route_counts(ids_ref, n=n)
         fp = _first_padded(valid, rank, count, bm)
@@ -381,7 +385,7 @@ def _routing_operand_kernel(ids_ref, sc_ref, x_ref, srt_ref, be_ref, nb_ref, pos
 
 def routing_operand_kernel(topk_ids: jax.Array, hidden: jax.Array, num_experts: int, block_m: int,
                            scales: tuple, *, recipe: str, interpret: bool = False,
-                           method: str | None = None):
+                           method: str | None = None, layer: jax.Array | int | None = None):
     """``routing_kernel(scales=...)`` and ``fc1_operand(skip_padding=True)`` as one launch
     (``MosaicMoEConfig.routing="fused"``): one program per (route, K tile of ``hidden``) stores
     its route's quantized row at the route's sorted position; program (0, 0) also stores the
@@ -393,7 +397,8 @@ def routing_operand_kernel(topk_ids: jax.Array, hidden: jax.Array, num_experts: 
     fc2_weight_scale_2, fc1_input_scale, fc2_input_scale, mode, activation_scale)``; recipe:
     the FC1 operand's quantization recipe. Returns ``(BlockRouting, (g1, 1/g1, alpha1, g2,
     1/g2, alpha2), xp bf16 [EM, H])``. ``method``: as ``routing_kernel``'s (with "routes" each
-    program needs only the first pass; program (0, 0) makes the second)."""
+    program needs only the first pass; program (0, 0) makes the second). ``layer``: as
+    ``routing_kernel``'s (the scale stacks read in place)."""
     t, h = hidden.shape
     if h % 256:
         raise ValueError(f"hidden: expected [T, H] with H % 256 == 0 (the grouped kernel's K), got {hidden.shape}")
@@ -401,13 +406,13 @@ def routing_operand_kernel(topk_ids: jax.Array, hidden: jax.Array, num_experts: 
         raise ValueError(f"topk_ids: expected [T, k] with T = {t} (hidden's rows), got {topk_ids.shape}")
     flat, rkw, outs = _routing_plan(topk_ids, num_experts, block_m, interpret, method,
                                     tokens=False)  # each program needs its row alone
-    packed, skw, souts = scales_plan(scales, num_experts, interpret)
+    sops, skw, souts = scales_plan(scales, num_experts, interpret, layer)
     bk = row_tile(h)
     kern = functools.partial(
-        _routing_operand_kernel, routing_kw=rkw, scales_kw=skw, top_k=topk_ids.shape[1], bk=bk,
+        _routing_operand_kernel, n_scale_ops=len(sops), routing_kw=rkw, scales_kw=skw, top_k=topk_ids.shape[1], bk=bk,
         recipe=recipe, per_expert=scales[-1] == "per_expert", exact_asm=not interpret)
     srt, be, nbk, pos, *sv, xp = call(
         kern, (*outs, *souts, jax.ShapeDtypeStruct((rkw["em"], h), jnp.bfloat16)),
         (rkw["n"], h // bk), num_warps=8, name="nvfp4_moe_routing_operand", interpret=interpret)(
-        flat, packed, hidden)
+        flat, *sops, hidden)
     return BlockRouting(srt, be, nbk, pos), tuple(sv), xp

@@ -4,6 +4,11 @@
 glue kernels take in one program instead of ~8 small XLA fusions, every division
 ``div.rn.f32`` whatever XLA's division flags. ``scale_values`` / ``store_scales`` are its body,
 which the routing kernels reuse to compute the scales in their own launch.
+
+Inside a loop over stacked layers the four operands are per-layer slices; a Pallas-Triton
+kernel gets each slice copied (a launch), so one XLA fusion packs them into one operand. With
+``layer`` the kernels read the four [L, E] (or [L]) stacks in place at the layer's row
+instead, and no launch packs or copies them.
 """
 
 from __future__ import annotations
@@ -16,29 +21,49 @@ from jax import lax
 from jax.experimental.pallas import triton as plgpu
 
 from ..triton_ops import call, div_rn, pow2
+from ..validate import check_layer
 
 
-def scales_plan(scales: tuple, num_experts: int, interpret: bool):
+def scales_plan(scales: tuple, num_experts: int, interpret: bool, layer=None):
     """``(fc1_weight_scale_2, fc2_weight_scale_2, fc1_input_scale, fc2_input_scale, mode,
-    activation_scale)`` -> (the four packed in one fp32 [4 * E] operand, ``scale_values``' static
-    arguments, the six fp32 [E] outputs' shapes)."""
+    activation_scale)`` -> (the kernel's scale operands, ``scale_values``' static arguments,
+    the six fp32 [E] outputs' shapes).
+
+    ``layer``: None (the four fp32 [E] or scalars, packed in one fp32 [4 * E] operand), or an
+    int32 scalar: the four are stacks fp32 [L, E] or [L] (one value per layer for every
+    expert), read in place at row ``layer`` (clamped to [0, L)); the operands are then
+    ``layer`` int32 [1] and the four stacks, flat."""
     *vecs, mode, activation_scale = scales
     kw = {"e": num_experts, "activation_scale": activation_scale, "mode": mode,
           "exact_asm": not interpret}
     f32 = jax.ShapeDtypeStruct((num_experts,), jnp.float32)
-    return _scale_operands(vecs, num_experts), kw, (f32,) * 6
+    if layer is None:
+        return (_scale_operands(vecs, num_experts),), kw, (f32,) * 6
+    stacks, cols = _scale_stacks(vecs, num_experts)
+    n_layers = stacks[0].size // cols[0]
+    check_layer(layer, n_layers)
+    lay = jnp.asarray(layer, jnp.int32).reshape(1)
+    return (lay, *stacks), {**kw, "cols": cols, "n_layers": n_layers}, (f32,) * 6
 
 
-def scale_values(sc_ref, *, e: int, activation_scale: str, mode: str, exact_asm: bool):
+def scale_values(sc_refs, *, e: int, activation_scale: str, mode: str, exact_asm: bool,
+                 cols: tuple | None = None, n_layers: int = 1):
     """(j, valid, [g1, 1/g1, alpha1, g2, 1/g2, alpha2]): the six [E] scale vectors in registers
-    (lanes past E invalid), from ``_scale_operands``' packed fp32 [4 * E]."""
+    (lanes past E invalid), from ``scales_plan``'s operands ``sc_refs``: the packed fp32
+    [4 * E], or (``cols``: each stack's columns, E or 1) the layer and the four flat stacks."""
     ep = pow2(e)
     j = lax.broadcasted_iota(jnp.int32, (ep,), 0)
     valid = j < e
     jc = jnp.minimum(j, e - 1)
+    if cols is None:
+        def vec(row):  # row ``row`` of the packed [4, E]
+            return plgpu.load(sc_refs[0].at[row * e + jc])
+    else:
+        layer = jnp.minimum(jnp.maximum(sc_refs[0][0], 0), n_layers - 1)
 
-    def vec(row):  # row ``row`` of the packed [4, E]
-        return plgpu.load(sc_ref.at[row * e + jc])
+        def vec(row):  # stack ``row`` at the layer's row; one column: every expert's value
+            c = cols[row]
+            return plgpu.load(sc_refs[1 + row].at[layer * c + (jc if c > 1 else jnp.zeros_like(jc))])
 
     one = jnp.ones((ep,), jnp.float32)
     vals = []
@@ -65,23 +90,26 @@ def store_scales(j, valid, vals, out_refs) -> None:
         plgpu.store(ref.at[j], v, mask=valid)
 
 
-def scales_kernel(sc_ref, *out_refs, e: int, activation_scale: str, mode: str, exact_asm: bool):
-    store_scales(*scale_values(sc_ref, e=e, activation_scale=activation_scale, mode=mode,
-                               exact_asm=exact_asm), out_refs)
+def scales_kernel(*refs, n_in: int, **kw):
+    """``scale_values`` of the first ``n_in`` refs, stored to the six after them."""
+    store_scales(*scale_values(refs[:n_in], **kw), refs[n_in:])
 
 
 def moe_scales_kernel(fc1_weight_scale_2: jax.Array, fc2_weight_scale_2: jax.Array,
                       fc1_input_scale: jax.Array, fc2_input_scale: jax.Array, *, num_experts: int,
-                      mode: str, activation_scale: str, interpret: bool = False):
+                      mode: str, activation_scale: str, interpret: bool = False,
+                      layer: jax.Array | int | None = None):
     """``xla.moe_scales`` plus the two reciprocals the glue kernels take, as one Pallas-Triton
     launch (one program) instead of ~8 small XLA fusions, each division ``div.rn.f32`` (IEEE,
     whatever XLA's division flags). Operands: fp32 [E] or scalars (one value for every
-    expert). Returns fp32 [E] each: ``(g1, 1/g1, alpha1, g2, 1/g2, alpha2)``, bit for bit the
-    expressions of ``oracle.moe_scales``."""
-    packed, kw, outs = scales_plan((fc1_weight_scale_2, fc2_weight_scale_2, fc1_input_scale,
-                                  fc2_input_scale, mode, activation_scale), num_experts, interpret)
-    return call(functools.partial(scales_kernel, **kw), outs, (1,), num_warps=4,
-                 name="nvfp4_moe_scales", interpret=interpret)(packed)
+    expert); with ``layer`` (an int32 scalar) stacks fp32 [L, E] or [L], read in place at
+    that row (``scales_plan``). Returns fp32 [E] each: ``(g1, 1/g1, alpha1, g2, 1/g2,
+    alpha2)``, bit for bit the expressions of ``oracle.moe_scales``."""
+    ops, kw, outs = scales_plan((fc1_weight_scale_2, fc2_weight_scale_2, fc1_input_scale,
+                                 fc2_input_scale, mode, activation_scale), num_experts, interpret,
+                                layer)
+    return call(functools.partial(scales_kernel, n_in=len(ops), **kw), outs, (1,), num_warps=4,
+                name="nvfp4_moe_scales", interpret=interpret)(*ops)
 
 
 def _scale_operands(vecs, e: int) -> jax.Array:
@@ -96,3 +124,28 @@ def _scale_operands(vecs, e: int) -> jax.Array:
             raise ValueError(f"{name}: expected a scalar or shape ({e},), got {v.shape}")
         ops.append(jnp.broadcast_to(v.reshape(-1), (e,)))
     return jnp.concatenate(ops)
+
+
+def _scale_stacks(vecs, e: int) -> tuple[tuple, tuple]:
+    """The four scale stacks (fp32 [L, E], or [L] for every expert), validated, flat, and
+    their columns (E or 1)."""
+    names = ("fc1_weight_scale_2", "fc2_weight_scale_2", "fc1_input_scale", "fc2_input_scale")
+    flat, cols, n_layers = [], [], None
+    for name, v in zip(names, vecs, strict=True):
+        v = jnp.asarray(v, jnp.float32)
+        if v.ndim == 1 or (v.ndim == 2 and v.shape[1] == 1):
+            c = 1
+        elif v.ndim == 2 and v.shape[1] == e:
+            c = e
+        else:
+            raise ValueError(f"{name}: expected a stack [L, {e}] or [L] with layer given, got "
+                             f"shape {v.shape}")
+        if n_layers is not None and v.shape[0] != n_layers:
+            raise ValueError(f"{name}: expected {n_layers} layers (the stacks before it), got "
+                             f"shape {v.shape}")
+        n_layers = v.shape[0]
+        if n_layers == 0:
+            raise ValueError(f"{name}: expected a stack of at least one layer, got shape {v.shape}")
+        flat.append(v.reshape(-1))
+        cols.append(c)
+    return tuple(flat), tuple(cols)

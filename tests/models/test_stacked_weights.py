@@ -27,7 +27,7 @@ from nvfp4_jax.gemm.pallas_triton import Config
 N_LAYERS, E, H, I = 3, 4, 64, 32
 
 
-def _layers(routing: str, activation: str) -> list[nn.MoE]:
+def _layers(routing: str, activation: str, H=H, I=I) -> list[nn.MoE]:  # noqa: N803
     """Three MoE layers with different experts, routers and input scales (the scales differ
     by layer, so a max taken across layers would change the result)."""
     rng = np.random.default_rng(3)
@@ -206,6 +206,34 @@ def test_moe_stacks_reject_what_is_not_a_stack_and_an_index(bad, what):
                **bad(stacked, one))
 
 
+@pytest.mark.parametrize("backend", ["pallas", "mosaic"])
+def test_the_scale_launch_reads_the_scale_stacks(backend):
+    """Probe with an inconsistent layer (the slices are layer 0's, ``layer`` says 1, the
+    stacks carry the input scales too): the launch computing the scales reads all four scale
+    vectors at row 1 of the stacks on both kernel paths. The Pallas-Triton MoE reads the
+    experts there too (all of layer 1 but the router); the Mosaic one keeps layer 0's experts
+    (its kernels take the slices) with layer 1's scales. Mosaic: its XLA emulation off the GPU,
+    the scale launch interpreted."""
+    h, i = (H, I) if backend == "pallas" else (256, 256)  # the Mosaic MoE takes H % 256 == 0
+    layers = _layers("softmax", "swiglu", H=h, I=i)
+    stacked = jax.tree_util.tree_map(lambda *a: jnp.stack(a), *layers)
+    xm = jnp.asarray(np.random.default_rng(9).standard_normal((2, h)), jnp.bfloat16)
+    probe = dataclasses.replace(layers[0], stacks=nn.moe_stacks(stacked), layer=jnp.int32(1))
+    got = nn.moe_block(probe, xm, backend=backend)
+    one = layers[1]
+    if backend == "mosaic":
+        zero = layers[0]
+        one = dataclasses.replace(
+            zero, fc1=dataclasses.replace(zero.fc1, decode_scale=one.fc1.decode_scale),
+            fc2=dataclasses.replace(zero.fc2, decode_scale=one.fc2.decode_scale),
+            fc1_input_scale=one.fc1_input_scale, fc2_input_scale=one.fc2_input_scale)
+    want = nn.moe_block(dataclasses.replace(one, router=layers[0].router), xm, backend=backend)
+    plain = nn.moe_block(layers[0], xm, backend=backend)
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    assert np.isfinite(want).all() and not np.array_equal(want, np.asarray(plain, np.float32))
+    np.testing.assert_array_equal(got, want)
+
+
 @pytest.mark.parametrize("name", ["qwen3-30b-a3b", "llama-3-8b"])
 def test_decoder_scan_on_the_stacks_equals_the_scan_on_slices(name, monkeypatch):
     """``backend="pallas"`` (``nn.stacks_read_in_place``): the decoder's scan closes over the
@@ -278,3 +306,30 @@ def test_norm_linear_off_the_mosaic_path_is_the_composition_at_the_layer():
                                   np.asarray(nn.linear(p, x), np.float32))
     with pytest.raises(ValueError, match=r"norm_weight: expected the bf16 \[L, K\] stack"):
         nn.norm_linear(p, x, norms[0], layer=jnp.int32(0), input_scales=scales)
+
+
+def test_decoder_hands_the_moe_its_scale_stacks_on_the_mosaic_path():
+    """The Mosaic path keeps the MoE's weights as the layer loop's slices, yet its scale launch
+    reads the four scale vectors from the group's stacks at the layer: the launch's operands
+    are the layer and four fp32 [L * E] stacks, not [E] slices (a copy each, or a packing
+    fusion, every layer)."""
+    sys.path.insert(0, str(pathlib.Path(__file__).parents[2] / "bench"))
+    import e2e_bench
+    from jaxpr_calls import pallas_calls
+
+    from nvfp4_jax import models
+
+    # the Mosaic MoE takes H % 256 == 0
+    cfg = e2e_bench.config_of({**e2e_bench.TINY["qwen3-30b-a3b"], "num_layers": 3,
+                               "hidden_size": 256, "moe_intermediate_size": 128})
+    model = e2e_bench.build_model(cfg, "nvfp4")
+    cache = models.init_cache(cfg, 1, 8)
+    jaxpr = jax.make_jaxpr(lambda m, t, c: models.decode_step(m, t, c, backend="mosaic"))(
+        model, jnp.zeros((1,), jnp.int32), cache)
+    calls = [c for name in ("nvfp4_moe_routing_operand", "nvfp4_moe_routing_scales",
+                            "nvfp4_moe_scales") for c in pallas_calls(jaxpr.jaxpr, name)]
+    assert len(calls) == 1  # one launch in the loop body computes the scales
+    le = 3 * cfg.num_experts
+    ops = [(tuple(v.aval.shape), str(v.aval.dtype)) for v in calls[0].invars]
+    assert ((1,), "int32") in ops and ops.count(((le,), "float32")) == 4, ops
+    assert ((cfg.num_experts,), "float32") not in ops and ((4 * cfg.num_experts,), "float32") not in ops

@@ -554,3 +554,80 @@ def test_scales_kernel_validates_operands():
         msc.moe_scales_kernel(np.ones(8, np.float32), np.ones(8, np.float32), np.ones(8, np.float32),
                              np.ones(3, np.float32), num_experts=8, mode="b12x",
                              activation_scale="per_expert", interpret=True)
+
+
+def _layer_stacks(rng, n_layers: int, e: int):
+    """Four scale stacks fp32 [L, E] whose layers sit at magnitudes apart (weight_scale_2 from
+    2^-24, ModelOpt's folded ~2e-5 and below, to 2^4; input scales over 2^-12..2^8): a read at
+    another layer's row changes every value. The fc2 input scale stack is [L], one value per
+    layer for every expert."""
+    out = []
+    for lo, hi in ((-24, 4), (-24, 4), (-12, 8), (-12, 8)):
+        base = np.linspace(lo, hi, n_layers)[:, None]  # each layer its own binade band
+        out.append((np.exp2(base + rng.uniform(0, 1, (n_layers, e)))
+                    * rng.uniform(1, 2, (n_layers, e))).astype(np.float32))
+    out[3] = out[3][:, 0].copy()
+    return out
+
+
+@pytest.mark.parametrize("mode,act_scale", [("trtllm_cutlass", "scalar"), ("b12x", "per_expert")])
+def test_scale_stacks_read_in_place_at_the_layer(mode, act_scale):
+    """With ``layer`` the three scale launches (scales kernel, routing kernel, routing-operand
+    kernel) read the four [L, E] / [L] stacks at the layer's row: their six vectors are bit for
+    bit those of the layer's slices packed (the form checked against the oracle above), at the
+    first, an inner and the last layer, the layer traced too; the routing and the FC1 operand
+    are unchanged."""
+    rng = np.random.default_rng(11)
+    n_layers, t, k, e, h, bm = 5, 2, 6, 24, 256, 8
+    stacks = _layer_stacks(rng, n_layers, e)
+    ids = jnp.asarray(np.argsort(rng.random((t, e)), axis=1)[:, :k].astype(np.int32))
+    hidden = jnp.asarray(rng.standard_normal((t, h)), jnp.bfloat16)
+    recipe = recipe_of(mode)
+
+    def bits(vs):
+        return [np.asarray(v).view(np.uint32) for v in vs]
+
+    for layer in (0, 2, n_layers - 1):
+        want = bits(msc.moe_scales_kernel(*(s[layer] for s in stacks), num_experts=e, mode=mode,
+                                          activation_scale=act_scale, interpret=True))
+        got = msc.moe_scales_kernel(*stacks, num_experts=e, mode=mode, activation_scale=act_scale,
+                                    interpret=True, layer=layer)
+        traced = jax.jit(lambda lay: msc.moe_scales_kernel(
+            *stacks, num_experts=e, mode=mode, activation_scale=act_scale, interpret=True,
+            layer=lay))(jnp.int32(layer))
+        br, got_r = rtk.routing_kernel(ids, e, bm, scales=(*stacks, mode, act_scale),
+                                       interpret=True, layer=jnp.int32(layer))
+        br_f, got_f, xp = rtk.routing_operand_kernel(
+            ids, hidden, e, bm, (*stacks, mode, act_scale), recipe=recipe, interpret=True,
+            layer=jnp.int32(layer))
+        br_p, _, xp_p = rtk.routing_operand_kernel(
+            ids, hidden, e, bm, (*(s[layer] for s in stacks), mode, act_scale), recipe=recipe,
+            interpret=True)
+        for name, vs in (("scales", got), ("traced", traced), ("routing", got_r),
+                         ("routing_operand", got_f)):
+            for i, (g, w) in enumerate(zip(bits(vs), want, strict=True)):
+                np.testing.assert_array_equal(g, w, err_msg=f"{name} vector {i} at layer {layer}")
+        for name in ("sorted_route", "block_expert", "num_blocks", "route_pos"):
+            np.testing.assert_array_equal(np.asarray(getattr(br, name)),
+                                          np.asarray(getattr(br_p, name)), err_msg=name)
+            np.testing.assert_array_equal(np.asarray(getattr(br_f, name)),
+                                          np.asarray(getattr(br_p, name)), err_msg=name)
+        live = np.asarray(br_p.route_pos)
+        np.testing.assert_array_equal(np.asarray(xp, np.float32)[live].view(np.uint32),
+                                      np.asarray(xp_p, np.float32)[live].view(np.uint32))
+
+
+def test_scale_stacks_are_checked():
+    """Stacks that do not fit the experts or one another, and a concrete layer past the
+    stacks, are refused naming the argument."""
+    e = 8
+    st = [np.ones((3, e), np.float32)] * 4
+    kw = {"num_experts": e, "mode": "b12x", "activation_scale": "per_expert", "interpret": True}
+    with pytest.raises(ValueError, match=r"^fc2_input_scale: expected a stack \[L, 8\] or \[L\]"):
+        msc.moe_scales_kernel(*st[:3], np.ones((3, 5), np.float32), layer=0, **kw)
+    with pytest.raises(ValueError, match=r"^fc1_input_scale: expected 3 layers"):
+        msc.moe_scales_kernel(*st[:2], np.ones((4, e), np.float32), st[3], layer=0, **kw)
+    with pytest.raises(ValueError, match=r"^layer: expected 0 <= layer < L = 3, got 3"):
+        msc.moe_scales_kernel(*st, layer=3, **kw)
+    with pytest.raises(ValueError, match=r"^layer: expected an integer scalar"):
+        msc.moe_scales_kernel(*st, layer=jnp.zeros(2, jnp.int32), **kw)

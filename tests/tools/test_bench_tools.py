@@ -183,3 +183,21 @@ def test_merge_keeps_the_old_runs_commit_on_rows_it_keeps():
     assert (by_m[1]["commit"], by_m[1]["date"], by_m[1]["timing"]) == ("aaaa", "d-old", "t-old")
     assert by_m[16]["commit"] == "cccc"
     assert (by_m[64]["commit"], by_m[64]["date"]) == ("bbbb", "d-new")
+
+
+def test_e2e_ab_kernel_rows_pair_the_arms_kernels():
+    """bench/e2e_ab.py's table: each kernel of either arm once, the arm without it at 0, by
+    the larger device time per step first, cut at ``top``."""
+    ab = fresh("e2e_ab")
+    a = [{"name": "gemm", "us_per_step": 500.0, "calls_per_step": 96.0},
+         {"name": "concat", "us_per_step": 65.0, "calls_per_step": 48.0},
+         {"name": "attn", "us_per_step": 190.0, "calls_per_step": 48.0}]
+    b = [{"name": "attn", "us_per_step": 210.0, "calls_per_step": 48.0},
+         {"name": "gemm", "us_per_step": 498.0, "calls_per_step": 96.0},
+         {"name": "new", "us_per_step": 1.0, "calls_per_step": 1.0}]
+    rows = ab.kernel_rows(a, b)
+    assert [r["name"] for r in rows] == ["gemm", "attn", "concat", "new"]
+    assert rows[1] == {"name": "attn", "a_us": 190.0, "a_calls": 48.0, "b_us": 210.0,
+                       "b_calls": 48.0}
+    assert (rows[2]["b_us"], rows[2]["b_calls"], rows[3]["a_us"]) == (0.0, 0.0, 0.0)
+    assert [r["name"] for r in ab.kernel_rows(a, None, top=2)] == ["gemm", "attn"]

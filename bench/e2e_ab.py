@@ -1,0 +1,142 @@
+"""A/B of two trees of this repository on a decoder's batch-1 step: ``bench/e2e_profile.py``
+run from each tree in a process of its own, arms alternated, and the per-kernel device time of
+the two side by side.
+
+Usage, here (with git): ``python bench/e2e_ab.py prepare --base REV`` writes the tree of commit
+REV to ``.ab/a`` (arm A) and the working tree's tracked and untracked files to ``.ab/b`` (arm
+B), and lists ``.ab/`` in ``.git/info/exclude``. On the GPU machine (``.ab`` carried; no git
+needed): ``python3 bench/e2e_ab.py run --out $OUT [--models qwen3-30b-a3b] [--arms "A B A B"]
+[--steps 64] [--arm-timeout 150] [--tiny]`` -> ``OUT/e2e-ab.json``: per model and arm each
+run's untraced wall time, device-busy time and launches per step, and the kernels of the last
+run of each arm; the table of the kernels by device time per step, A against B, is printed.
+Arms run at full depth (``--layers 0``), stacked layers, 1024 cached tokens, no XLA flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+AB = os.path.join(ROOT, ".ab")
+
+
+def prepare(base: str) -> None:
+    """``.ab/a``: the tree of commit ``base``; ``.ab/b``: the working tree (tracked and
+    untracked files git does not ignore)."""
+    shutil.rmtree(AB, ignore_errors=True)
+    for arm in ("a", "b"):
+        os.makedirs(os.path.join(AB, arm))
+    archive = subprocess.run(["git", "archive", base], cwd=ROOT, check=True, capture_output=True)
+    subprocess.run(["tar", "-x", "-C", os.path.join(AB, "a")], input=archive.stdout, check=True)
+    files = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+                           cwd=ROOT, check=True, capture_output=True).stdout.decode().split("\0")
+    for f in filter(None, files):
+        src = os.path.join(ROOT, f)
+        if os.path.isfile(src) and not f.startswith(".ab/"):
+            os.makedirs(os.path.dirname(os.path.join(AB, "b", f)) or ".", exist_ok=True)
+            shutil.copy2(src, os.path.join(AB, "b", f))
+    exclude = os.path.join(ROOT, ".git", "info", "exclude")
+    lines = open(exclude).read().split("\n") if os.path.exists(exclude) else []
+    if "/.ab/" not in lines:
+        with open(exclude, "a") as fh:
+            fh.write("\n/.ab/\n")
+    print(f"arm A: {base}, arm B: the working tree, under {AB}")
+
+
+def kernel_rows(a: list[dict] | None, b: list[dict] | None, top: int = 30) -> list[dict]:
+    """The kernels of two ``e2e_profile`` records side by side: ``[{name, a_us, a_calls, b_us,
+    b_calls}]`` per step, by the larger device time first (a kernel one arm lacks: 0)."""
+    ka = {k["name"]: k for k in a or []}
+    kb = {k["name"]: k for k in b or []}
+
+    def get(d, n, key):
+        return d[n][key] if n in d else 0.0
+
+    names = sorted(set(ka) | set(kb), key=lambda n: -max(get(ka, n, "us_per_step"),
+                                                         get(kb, n, "us_per_step")))
+    return [{"name": n, "a_us": get(ka, n, "us_per_step"), "a_calls": get(ka, n, "calls_per_step"),
+             "b_us": get(kb, n, "us_per_step"), "b_calls": get(kb, n, "calls_per_step")}
+            for n in names[:top]]
+
+
+def run(args) -> int:
+    arms = args.arms.split()
+    if not arms or set(arms) - {"A", "B"}:
+        raise SystemExit(f"--arms: expected A and B, got {args.arms!r}")
+    for arm in set(arms):
+        if not os.path.isfile(os.path.join(AB, arm.lower(), "bench", "e2e_profile.py")):
+            raise SystemExit(f"arm {arm}: no tree under {AB}/{arm.lower()} "
+                             "(python bench/e2e_ab.py prepare --base REV, then carry .ab)")
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["PYTHONUNBUFFERED"] = "1"
+    doc = {"what": "bench/e2e_profile.py --layouts scan --layers 0 per arm, each in a process "
+                   "of its own, arms alternated", "arms": arms, "steps": args.steps,
+           "records": {}}
+    os.makedirs(args.out, exist_ok=True)
+    for model in args.models.split(","):
+        per = doc["records"].setdefault(model, {"A": [], "B": []})
+        for arm in arms:
+            with tempfile.TemporaryDirectory() as d:
+                cmd = [sys.executable, "bench/e2e_profile.py", "--models", model, "--layouts",
+                       "scan", "--layers", "0", "--steps", str(args.steps), "--out", d]
+                cmd += ["--tiny"] if args.tiny else []
+                try:
+                    proc = subprocess.run(cmd, cwd=os.path.join(AB, arm.lower()), env=env,
+                                          capture_output=True, text=True,
+                                          timeout=args.arm_timeout)
+                except subprocess.TimeoutExpired:
+                    print(f"{model} {arm}: over {args.arm_timeout} s", flush=True)
+                    continue
+                path = os.path.join(d, "e2e-profile.json")
+                if proc.returncode or not os.path.exists(path):
+                    print(f"{model} {arm}: rc {proc.returncode}\n{proc.stderr[-3000:]}", flush=True)
+                    continue
+                prof = json.load(open(path))
+            doc.setdefault("meta", {k: v for k, v in prof.items() if k != "records"})
+            rec = prof["records"][0]
+            per[arm].append({k: rec.get(k) for k in (
+                "untraced_wall_ms_per_step", "busy_ms_per_step", "copies_ms_per_step",
+                "launches_per_step", "kernels")})
+            print(f"{model} {arm}: {rec['untraced_wall_ms_per_step']:.4f} ms untraced, "
+                  f"{rec.get('busy_ms_per_step') or 0:.4f} busy, "
+                  f"{rec.get('launches_per_step') or 0:.0f} launches per step", flush=True)
+            # only the last run of each arm keeps its kernels (the file stays small)
+            for r in per[arm][:-1]:
+                r.pop("kernels", None)
+            with open(os.path.join(args.out, "e2e-ab.json"), "w") as f:
+                json.dump(doc, f, indent=1)
+        if per["A"] and per["B"]:
+            print(f"{model}: us per step, A | B")
+            for r in kernel_rows(per["A"][-1].get("kernels"), per["B"][-1].get("kernels")):
+                print(f"  {r['a_us']:9.1f} x{r['a_calls']:5.1f} | {r['b_us']:9.1f} "
+                      f"x{r['b_calls']:5.1f}  {r['name'][:90]}")
+    return 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("prepare", help="write the two trees under .ab (needs git)")
+    p.add_argument("--base", required=True, help="arm A's commit")
+    r = sub.add_parser("run", help="profile the arms (on the GPU machine)")
+    r.add_argument("--out", default=os.environ.get("OUT", "."))
+    r.add_argument("--models", default="qwen3-30b-a3b")
+    r.add_argument("--arms", default="A B A B")
+    r.add_argument("--steps", type=int, default=64)
+    r.add_argument("--arm-timeout", type=float, default=150.0)
+    r.add_argument("--tiny", action="store_true", help="tiny shapes (CPU smoke test)")
+    args = ap.parse_args(argv)
+    if args.cmd == "prepare":
+        prepare(args.base)
+        return 0
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

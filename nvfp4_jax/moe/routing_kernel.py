@@ -409,8 +409,9 @@ def routing_operand_kernel(topk_ids: jax.Array, hidden: jax.Array, num_experts: 
     sops, skw, souts = scales_plan(scales, num_experts, interpret, layer)
     bk = row_tile(h)
     kern = functools.partial(
-        _routing_operand_kernel, n_scale_ops=len(sops), routing_kw=rkw, scales_kw=skw, top_k=topk_ids.shape[1], bk=bk,
-        recipe=recipe, per_expert=scales[-1] == "per_expert", exact_asm=not interpret)
+        _routing_operand_kernel, n_scale_ops=len(sops), routing_kw=rkw, scales_kw=skw,
+        top_k=topk_ids.shape[1], bk=bk, recipe=recipe, per_expert=scales[-1] == "per_expert",
+        exact_asm=not interpret)
     srt, be, nbk, pos, *sv, xp = call(
         kern, (*outs, *souts, jax.ShapeDtypeStruct((rkw["em"], h), jnp.bfloat16)),
         (rkw["n"], h // bk), num_warps=8, name="nvfp4_moe_routing_operand", interpret=interpret)(

@@ -63,7 +63,8 @@ def scale_values(sc_refs, *, e: int, activation_scale: str, mode: str, exact_asm
 
         def vec(row):  # stack ``row`` at the layer's row; one column: every expert's value
             c = cols[row]
-            return plgpu.load(sc_refs[1 + row].at[layer * c + (jc if c > 1 else jnp.zeros_like(jc))])
+            col = jc if c > 1 else jnp.zeros_like(jc)
+            return plgpu.load(sc_refs[1 + row].at[layer * c + col])
 
     one = jnp.ones((ep,), jnp.float32)
     vals = []

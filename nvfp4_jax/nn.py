@@ -296,7 +296,9 @@ def stacks_read_in_place(backend: str, kind: str = "linear") -> bool:
     the Pallas-Triton ones, which read a layer of a weight stack in place: ``"pallas"``; for
     ``"auto"`` on a GPU other than sm_90, the MoE and the linears, except on SM12x with
     ``plgpu.mma`` (JAX >= 0.11), where decode-sized linears and MoE layers run the Mosaic
-    kernels' mma.sync form (prefill-sized ones the Pallas-Triton kernels, on scanned slices).
+    kernels' mma.sync form (prefill-sized linears the Pallas-Triton kernels, on scanned
+    slices; a stacked MoE gets its stacks from the decoders on every path, :func:`moe_stacks`,
+    so its Pallas-Triton kernels read them in place there too).
     A scan over stacked layers then closes over the weight
     stacks (:func:`strip_stacks`, :func:`weight_stacks`, :func:`join_stacks`): XLA copies a
     per-layer slice of a stack whole into every Pallas-Triton kernel that reads it, on every

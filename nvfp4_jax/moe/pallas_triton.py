@@ -287,9 +287,6 @@ def moe_pallas(
     n_routes = t * k
     if layer is None:
         fc2 = unpad_fc2(fc2, inter)  # these kernels read K = I (a padded stack is sliced, logged)
-        ds1, ds2 = fc1.decode_scale, fc2.decode_scale
-    else:
-        ds1, ds2 = fc1.decode_scale[layer], fc2.decode_scale[layer]
     if config is None:
         config = default_config(n_routes, e, inter=inter, hidden=h_dim, gated=activation == "swiglu")
         if interpret:
@@ -309,11 +306,13 @@ def moe_pallas(
 
     # the encode scales, alphas and 1/G2 (the trtllm recipe's) from one launch with IEEE
     # divisions (in XLA they are 11-14 small fusions per layer)
-    if input_scale_stacks is None:
+    ds1, ds2 = fc1.decode_scale, fc2.decode_scale  # [E], or with layer the [L, E] stacks
+    if input_scale_stacks is not None:  # all four stacks, read in place at the layer
+        scale_ops, scale_layer = (ds1, ds2, *input_scale_stacks), layer
+    elif layer is None:
         scale_ops, scale_layer = (ds1, ds2, fc1_input_scale, fc2_input_scale), None
-    else:
-        scale_ops = (fc1.decode_scale, fc2.decode_scale, *input_scale_stacks)
-        scale_layer = layer
+    else:  # the decode scales' slices (copied into the launch) with the input scales given
+        scale_ops, scale_layer = (ds1[layer], ds2[layer], fc1_input_scale, fc2_input_scale), None
     g1, rg1, a1, g2, rg2, a2 = moe_scales_kernel(
         *scale_ops, num_experts=e, mode=mode, activation_scale=activation_scale,
         interpret=interpret, layer=scale_layer)

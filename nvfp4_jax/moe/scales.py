@@ -23,6 +23,9 @@ from jax.experimental.pallas import triton as plgpu
 from ..triton_ops import call, div_rn, pow2
 from ..validate import check_layer
 
+#: the four scale operands, in the order the kernels take them (the names errors give)
+SCALE_NAMES = ("fc1_weight_scale_2", "fc2_weight_scale_2", "fc1_input_scale", "fc2_input_scale")
+
 
 def scales_plan(scales: tuple, num_experts: int, interpret: bool, layer=None):
     """``(fc1_weight_scale_2, fc2_weight_scale_2, fc1_input_scale, fc2_input_scale, mode,
@@ -118,8 +121,7 @@ def _scale_operands(vecs, e: int) -> jax.Array:
     fp32 [4 * E]: one XLA fusion makes it from a scan's per-layer slices, where four operands
     of their own would each be copied out of their stack (a launch each) for the kernel."""
     ops = []
-    names = ("fc1_weight_scale_2", "fc2_weight_scale_2", "fc1_input_scale", "fc2_input_scale")
-    for name, v in zip(names, vecs, strict=True):
+    for name, v in zip(SCALE_NAMES, vecs, strict=True):
         v = jnp.asarray(v, jnp.float32)
         if v.shape not in ((), (1,), (e,)):
             raise ValueError(f"{name}: expected a scalar or shape ({e},), got {v.shape}")
@@ -130,9 +132,8 @@ def _scale_operands(vecs, e: int) -> jax.Array:
 def _scale_stacks(vecs, e: int) -> tuple[tuple, tuple]:
     """The four scale stacks (fp32 [L, E], or [L] for every expert), validated, flat, and
     their columns (E or 1)."""
-    names = ("fc1_weight_scale_2", "fc2_weight_scale_2", "fc1_input_scale", "fc2_input_scale")
     flat, cols, n_layers = [], [], None
-    for name, v in zip(names, vecs, strict=True):
+    for name, v in zip(SCALE_NAMES, vecs, strict=True):
         v = jnp.asarray(v, jnp.float32)
         if v.ndim == 1 or (v.ndim == 2 and v.shape[1] == 1):
             c = 1

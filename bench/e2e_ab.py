@@ -101,9 +101,10 @@ def run(args) -> int:
             doc.setdefault("meta", {k: v for k, v in prof.items() if k != "records"})
             rec = prof["records"][0]
             per[arm].append({k: rec.get(k) for k in (
-                "untraced_wall_ms_per_step", "busy_ms_per_step", "copies_ms_per_step",
-                "launches_per_step", "kernels")})
-            print(f"{model} {arm}: {rec['untraced_wall_ms_per_step']:.4f} ms untraced, "
+                "untraced_wall_ms_per_step", "host_ms_per_step", "wall_ms_per_step",
+                "busy_ms_per_step", "copies_ms_per_step", "launches_per_step", "kernels")})
+            print(f"{model} {arm}: {rec['untraced_wall_ms_per_step']:.4f} ms untraced "
+                  f"(host {rec.get('host_ms_per_step') or 0:.4f}), "
                   f"{rec.get('busy_ms_per_step') or 0:.4f} busy, "
                   f"{rec.get('launches_per_step') or 0:.0f} launches per step", flush=True)
             # only the last run of each arm keeps its kernels (the file stays small)

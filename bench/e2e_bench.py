@@ -286,16 +286,18 @@ def _cache(cfg, batch, context, steps):
 
 
 def time_decode(model, batch, context, steps, ablate=frozenset()):
-    """Seconds per decode step (median of 3 runs of ``steps`` steps, after a warm-up)."""
+    """Seconds per decode step: the median of 7 runs of ``steps`` steps, after one such run as
+    a warm-up (a run of 32 steps at batch 1 lasts about 0.1 s: one host hiccup moves a single
+    run by several per cent)."""
     cfg = model.config
     tok = jnp.arange(batch, dtype=jnp.int32) % cfg.vocab_size
     runs = []
-    for r in range(4):
+    for r in range(8):
         cache = _cache(cfg, batch, context, steps)
         jax.block_until_ready(cache)
         t0 = time.perf_counter()
         t = tok
-        for _ in range(steps if r else 2):
+        for _ in range(steps):
             logits, cache = models.decode_step(model, t, cache, ablate=ablate)
             t = jnp.argmax(logits, axis=-1).astype(jnp.int32)
         t.block_until_ready()

@@ -19,7 +19,7 @@ from jax.experimental.pallas import triton as plgpu
 from ..gemm.mosaic import permute_k_order
 from ..triton_ops import call, pow2, requantize, row_tile
 from .routing import BlockRouting, max_blocks
-from .scales import scale_values, scales_kernel, scales_plan, store_scales
+from .scales import load_scales, scales_kernel, scales_plan, store_scales
 
 #: The routing kernels' three methods. "experts" (``_route_positions``): per-expert counts, a
 #: cumsum over experts and ranks from one [E, N] one-hot tile, the block experts from an
@@ -353,13 +353,19 @@ def _routing_operand_kernel(ids_ref, *refs, n_scale_ops: int, routing_kw: dict, 
     # second launch, no wait for another program's stores); program (0, 0) also stores them
     kw = {k: v for k, v in routing_kw.items() if k != "method"}
     n, bm = kw["n"], kw["block_m"]
-    je, evalid, vals = scale_values(sc_refs, **scales_kw)
+    # every global load before the first reduction (a load after a reduction's barrier waits
+    # for it; issued here, their latencies overlap): this program's row of hidden, its route's
+    # expert, the scales (after the layer's row, with stacks), then the routing's expert ids
+    ex = plgpu.load(ids_ref.at[r]) if per_expert else 0
+    x = plgpu.load(x_ref.at[r // top_k, pl.ds(kt * bk, bk)]).astype(jnp.float32)
+    scale_vals = load_scales(sc_refs, **scales_kw)
     if routing_kw["method"] == "routes":  # this route's row from the first pass alone
         j, valid, ids, rank, count = _route_counts(ids_ref, n=n)
         fp = _first_padded(valid, rank, count, bm)
         mine = j == r
         row = (jnp.sum(jnp.where(ids < jnp.sum(jnp.where(mine, ids, 0)), fp, 0))
                + jnp.sum(jnp.where(mine, rank, 0)))
+        je, evalid, vals = scale_vals()
 
         @pl.when((r == 0) & (kt == 0))
         def _():
@@ -368,6 +374,7 @@ def _routing_operand_kernel(ids_ref, *refs, n_scale_ops: int, routing_kw: dict, 
             store_scales(je, evalid, vals, scale_refs)
     else:
         route = _route_positions(ids_ref, n=n, num_experts=kw["num_experts"], block_m=bm)
+        je, evalid, vals = scale_vals()
 
         @pl.when((r == 0) & (kt == 0))
         def _():
@@ -376,9 +383,7 @@ def _routing_operand_kernel(ids_ref, *refs, n_scale_ops: int, routing_kw: dict, 
 
         j, pos = route[0], route[2]
         row = jnp.sum(jnp.where(j == r, pos, 0))  # this program's route's sorted row
-    ex = plgpu.load(ids_ref.at[r]) if per_expert else 0
     g, rg = (jnp.sum(jnp.where(je == ex, v, 0.0)) for v in vals[:2])  # one lane each: exact
-    x = plgpu.load(x_ref.at[r // top_k, pl.ds(kt * bk, bk)]).astype(jnp.float32)
     q = requantize(x.reshape(bk // 16, 16), g, rg, recipe, exact_asm)
     plgpu.store(xp_ref.at[row, pl.ds(kt * bk, bk)], permute_k_order(q.reshape(bk)).astype(jnp.bfloat16))
 

@@ -49,11 +49,11 @@ def scales_plan(scales: tuple, num_experts: int, interpret: bool, layer=None):
     return (lay, *stacks), {**kw, "cols": cols, "n_layers": n_layers}, (f32,) * 6
 
 
-def scale_values(sc_refs, *, e: int, activation_scale: str, mode: str, exact_asm: bool,
-                 cols: tuple | None = None, n_layers: int = 1):
-    """(j, valid, [g1, 1/g1, alpha1, g2, 1/g2, alpha2]): the six [E] scale vectors in registers
-    (lanes past E invalid), from ``scales_plan``'s operands ``sc_refs``: the packed fp32
-    [4 * E], or (``cols``: each stack's columns, E or 1) the layer and the four flat stacks."""
+def load_scales(sc_refs, *, e: int, activation_scale: str, mode: str, exact_asm: bool,
+                cols: tuple | None = None, n_layers: int = 1):
+    """Issues the loads of ``scale_values`` and returns the function that computes its values
+    from them: a kernel loads early, before reductions whose barriers a later load cannot be
+    hoisted across, and computes where it needs the values."""
     ep = pow2(e)
     j = lax.broadcasted_iota(jnp.int32, (ep,), 0)
     valid = j < e
@@ -69,25 +69,38 @@ def scale_values(sc_refs, *, e: int, activation_scale: str, mode: str, exact_asm
             col = jc if c > 1 else jnp.zeros_like(jc)
             return plgpu.load(sc_refs[1 + row].at[layer * c + col])
 
-    one = jnp.ones((ep,), jnp.float32)
-    vals = []
-    for w_row, s_row in ((0, 2), (1, 3)):
-        ws2, s_in = vec(w_row), vec(s_row)
-        if activation_scale == "scalar":  # one encode scale: 1 / max over the experts' input scales
-            m = jnp.max(jnp.where(valid, s_in, -jnp.inf))
-            g = div_rn(one, jnp.full((ep,), m, jnp.float32), exact_asm)
-        else:
-            g = div_rn(one, s_in, exact_asm)
-        if mode == "trtllm_cutlass":
-            alpha = div_rn(one, g * div_rn(one, ws2, exact_asm), exact_asm)
-        else:
-            alpha = div_rn(ws2, g, exact_asm)
-        vals += [g, div_rn(one, g, exact_asm), alpha]
-    return j, valid, vals
+    loaded = [vec(row) for row in range(4)]
+
+    def values():
+        one = jnp.ones((ep,), jnp.float32)
+        vals = []
+        for w_row, s_row in ((0, 2), (1, 3)):
+            ws2, s_in = loaded[w_row], loaded[s_row]
+            if activation_scale == "scalar":  # one encode scale: 1 / max over the input scales
+                m = jnp.max(jnp.where(valid, s_in, -jnp.inf))
+                g = div_rn(one, jnp.full((ep,), m, jnp.float32), exact_asm)
+            else:
+                g = div_rn(one, s_in, exact_asm)
+            if mode == "trtllm_cutlass":
+                alpha = div_rn(one, g * div_rn(one, ws2, exact_asm), exact_asm)
+            else:
+                alpha = div_rn(ws2, g, exact_asm)
+            vals += [g, div_rn(one, g, exact_asm), alpha]
+        return j, valid, vals
+
+    return values
+
+
+def scale_values(sc_refs, **kw):
+    """(j, valid, [g1, 1/g1, alpha1, g2, 1/g2, alpha2]): the six [E] scale vectors in registers
+    (lanes past E invalid), from ``scales_plan``'s operands ``sc_refs``: the packed fp32
+    [4 * E], or (``cols``: each stack's columns, E or 1) the layer and the four flat stacks.
+    ``kw``: ``scales_plan``'s static arguments (``load_scales``' keywords)."""
+    return load_scales(sc_refs, **kw)()
 
 
 def store_scales(j, valid, vals, out_refs) -> None:
-    """Stores ``_scale_values``' six vectors."""
+    """Stores ``scale_values``' six vectors."""
     for ref, v in zip(out_refs, vals, strict=True):
         # masked lanes index past E (not clamped: a duplicate index would race with the valid
         # lane's store; interpret mode drops them)

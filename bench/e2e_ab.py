@@ -41,6 +41,12 @@ def prepare(base: str) -> None:
         if os.path.isfile(src) and not f.startswith(".ab/"):
             os.makedirs(os.path.dirname(os.path.join(AB, "b", f)) or ".", exist_ok=True)
             shutil.copy2(src, os.path.join(AB, "b", f))
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, check=True,
+                          capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                           check=True, capture_output=True, text=True).stdout.strip()
+    with open(os.path.join(AB, "arms.json"), "w") as fh:
+        json.dump({"A": base, "B": head + (" with uncommitted changes" if dirty else "")}, fh)
     exclude = os.path.join(ROOT, ".git", "info", "exclude")
     lines = open(exclude).read().split("\n") if os.path.exists(exclude) else []
     if "/.ab/" not in lines:
@@ -78,6 +84,9 @@ def run(args) -> int:
     doc = {"what": "bench/e2e_profile.py --layouts scan --layers 0 per arm, each in a process "
                    "of its own, arms alternated", "arms": arms, "steps": args.steps,
            "records": {}}
+    arms_file = os.path.join(AB, "arms.json")
+    if os.path.exists(arms_file):  # what ``prepare`` put in each arm
+        doc["arm_trees"] = json.load(open(arms_file))
     os.makedirs(args.out, exist_ok=True)
     for model in args.models.split(","):
         per = doc["records"].setdefault(model, {"A": [], "B": []})

@@ -110,7 +110,8 @@ def run(args) -> int:
             doc.setdefault("meta", {k: v for k, v in prof.items() if k != "records"})
             rec = prof["records"][0]
             per[arm].append({k: rec.get(k) for k in (
-                "untraced_wall_ms_per_step", "host_ms_per_step", "wall_ms_per_step",
+                "untraced_wall_ms_per_step", "untraced_runs_ms_per_step", "host_ms_per_step",
+                "wall_ms_per_step",
                 "busy_ms_per_step", "copies_ms_per_step", "launches_per_step", "kernels")})
             print(f"{model} {arm}: {rec['untraced_wall_ms_per_step']:.4f} ms untraced "
                   f"(host {rec.get('host_ms_per_step') or 0:.4f}), "

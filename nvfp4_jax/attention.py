@@ -7,8 +7,8 @@ read it. :func:`decode_attention` takes the whole stack and the layer index inst
 program reads its (sequence, kv head, key chunk) rows of layer ``layer`` straight from the
 stack, only the ``lengths[b]`` written positions (``S`` is the cache's capacity), and keeps a
 running softmax over its chunk (flash decoding). The chunks' partial results (fp32
-numerators, maxima and sums) are combined by a second launch, one program per (sequence, kv
-head). :func:`cache_attention` is XLA's attention on one layer's slice (T query tokens:
+numerators, maxima and sums) are combined by a second launch, one program per (sequence,
+query head). :func:`cache_attention` is XLA's attention on one layer's slice (T query tokens:
 prefill, and decode steps where the kernel does not run).
 
 Arithmetic (:func:`cache_attention` has the same rounding points, in another order):
@@ -38,7 +38,7 @@ from .validate import check_layer, is_concrete
 log = logging.getLogger(__name__)
 
 BLOCK_S = 64  # keys per inner step (an MMA's N for the scores, its K for p . v)
-COMBINE_SPLITS = 4  # chunks the combine adds per step ([4, G, D] fp32 in registers)
+COMBINE_CHUNKS = 32  # chunks a combine program adds per step ([32, D] fp32 in registers)
 TARGET_PROGRAMS = 256  # about two per SM on an H200 (132 SMs) at the longest contexts
 NEG = -1e30  # the running maximum's start: finite, so an empty chunk gives exp(NEG - m) = 0
 
@@ -94,57 +94,66 @@ def _kernel(q_ref, k_ref, v_ref, meta_ref, acc_ref, m_ref, l_ref, *, n_layers: i
 
 def _combine_kernel(acc_ref, m_ref, l_ref, *refs, splits: int, g: int, d: int, n_rows: int,
                     operand: tuple[int, int, int, int] | None, exact_asm: bool):
-    """o = sum_j w_j acc_j / sum_j w_j l_j over the chunks j of one (sequence, kv head), with
-    w_j = exp(m_j - max_j m_j) (an empty chunk: m_j = NEG, w_j = 0).
+    """o = sum_j w_j acc_j / sum_j w_j l_j over the chunks j of one query head of one
+    (sequence, kv head), with w_j = exp(m_j - max_j m_j) (an empty chunk: m_j = NEG, w_j = 0).
+    One program per query head: its chunks' rows ([COMBINE_CHUNKS, D] at a time, all of them
+    at once up to that many chunks) are loaded together, no load waiting on another's sum.
 
     operand: None (refs: the output o [B * NH, D]), or (batch, kv_heads, rows, n_scales): refs
     (layer [1] int32, input scales fp32 [n_scales], the operand bf16 [rows, NH * D]): o's
     values quantized for the next W4A4 linear (``gemm.operand.operand_values`` with the scale
     at ``layer``, clamped) at their ``gemm.operand.mosaic_columns`` of the sequence's row, and
     zeros in rows batch..rows-1 (written by the sequence-0 programs)."""
-    bh = pl.program_id(0)
-    gq = pow2(g)
-    r = jnp.arange(gq)
+    pid = pl.program_id(0)
+    bh, r = pid // g, pid % g  # (sequence, kv head), query head within it
+    if operand is not None:  # the input scale's loads first, in flight with the chunks'
+        batch, kv_heads, n_tile, n_scales = operand
+        lay_ref, s_ref, xp_ref = refs
+        layer = jnp.minimum(jnp.maximum(lay_ref[0], 0), n_scales - 1)
+        s = plgpu.load(s_ref.at[pl.ds(layer, 1)]).reshape(1, 1)
 
     def chunk_rows(j):
-        """[len(j), gq] rows of chunks ``j``, clamped into the buffer (these are gathers; the
-        mask drops them), and the mask of the real ones."""
-        rows = jnp.minimum(bh * splits * g + j[:, None] * g + r[None, :], n_rows - 1)
-        return rows, (j[:, None] < splits) & (r[None, :] < g)
+        """The rows [len(j)] of this head in chunks ``j``, clamped into the buffer (gathers;
+        the mask drops them), and the mask of the real ones."""
+        return jnp.minimum(bh * splits * g + j * g + r, n_rows - 1), j < splits
 
-    rows, valid = chunk_rows(jnp.arange(pow2(splits)))
-    m_max = jnp.max(plgpu.load(m_ref.at[rows], mask=valid, other=NEG), axis=0)  # [gq]
     cols = jnp.arange(d)
+    cs = min(pow2(splits), COMBINE_CHUNKS)
 
-    def body(i, carry):
+    def load_step(i):
+        """(m, l, acc) of the chunks of step ``i``: [cs], [cs], [cs, d] (masked chunks: NEG,
+        0, 0)."""
+        rr, ok = chunk_rows(i * cs + jnp.arange(cs))
+        return (plgpu.load(m_ref.at[rr], mask=ok, other=NEG),
+                plgpu.load(l_ref.at[rr], mask=ok, other=0.0),
+                plgpu.load(acc_ref.at[rr[:, None], cols[None, :]], mask=ok[:, None], other=0.0))
+
+    def add_step(carry, m_max, m, l, acc):
         num, den = carry
-        rr, ok = chunk_rows(i * COMBINE_SPLITS + jnp.arange(COMBINE_SPLITS))
-        w = jnp.exp(plgpu.load(m_ref.at[rr], mask=ok, other=NEG) - m_max[None, :])
-        den = den + jnp.sum(plgpu.load(l_ref.at[rr], mask=ok, other=0.0) * w, axis=0)
-        acc = plgpu.load(acc_ref.at[rr[:, :, None], cols[None, None, :]], mask=ok[:, :, None],
-                         other=0.0)  # [cs, gq, d]
-        return num + jnp.sum(acc * w[:, :, None], axis=0), den
+        w = jnp.exp(m - m_max)  # [cs]
+        return num + jnp.sum(acc * w[:, None], axis=0, keepdims=True), den + jnp.sum(l * w)
 
-    num, den = lax.fori_loop(0, cdiv(splits, COMBINE_SPLITS), body,
-                             (jnp.zeros((gq, d), jnp.float32), jnp.zeros((gq,), jnp.float32)))
-    o = div_rn(num, jnp.broadcast_to(den[:, None], (gq, d)), exact_asm)
-    keep = (r < g)[:, None]
+    init = (jnp.zeros((1, d), jnp.float32), jnp.zeros((), jnp.float32))
+    if splits <= cs:  # one step: every load issued at once, the maximum from the same rows
+        m, l, acc = load_step(0)
+        num, den = add_step(init, jnp.max(m), m, l, acc)
+    else:
+        rows, valid = chunk_rows(jnp.arange(pow2(splits)))
+        m_max = jnp.max(plgpu.load(m_ref.at[rows], mask=valid, other=NEG))
+        num, den = lax.fori_loop(0, cdiv(splits, cs),
+                                 lambda i, c: add_step(c, m_max, *load_step(i)), init)
+    o = div_rn(num, jnp.broadcast_to(den, (1, d)), exact_asm)  # [1, d]
     if operand is None:
         (o_ref,) = refs
-        plgpu.store(o_ref.at[bh * g + r[:, None], cols[None, :]], o.astype(jnp.bfloat16),
-                    mask=keep)
+        plgpu.store(o_ref.at[bh * g + r, cols], o.reshape(d).astype(jnp.bfloat16))
         return
-    batch, kv_heads, n_tile, n_scales = operand
-    l_ref, s_ref, xp_ref = refs
     b, h = bh // kv_heads, bh % kv_heads
-    layer = jnp.minimum(jnp.maximum(l_ref[0], 0), n_scales - 1)
-    s = plgpu.load(s_ref.at[pl.ds(layer, 1)]).reshape(1, 1)
     # o's bf16 values (a convert pair that interpret mode's XLA could drop), quantized
-    q = operand_values(bf16_rne(o, exact_asm), s, exact_asm).astype(jnp.bfloat16)
-    dst = mosaic_columns((h * g + r[:, None]) * d + cols[None, :])  # [gq, d]
-    plgpu.store(xp_ref.at[b, dst], q, mask=keep)
+    q = operand_values(bf16_rne(o, exact_asm), s, exact_asm).astype(jnp.bfloat16).reshape(d)
+    dst = mosaic_columns((h * g + r) * d + cols)  # [d]
+    plgpu.store(xp_ref.at[b, dst], q)
     for pad in range(batch, n_tile):  # the token tile's rows past the batch: zeros
-        plgpu.store(xp_ref.at[pad, dst], jnp.zeros_like(q), mask=keep & (b == 0))
+        plgpu.store(xp_ref.at[pad, dst], jnp.zeros_like(q), mask=(cols >= 0) & (b == 0))
 
 
 def _check(q, k_cache, v_cache, layer, lengths):
@@ -435,7 +444,7 @@ def _attend(qp, k_flat, v_flat, meta, *, n_layers: int, batch: int, capacity: in
     combine = functools.partial(_combine_kernel, splits=splits, g=g, d=d, n_rows=rows,
                                 operand=spec, exact_asm=not interpret)
     return pl.pallas_call(
-        combine, out_shape=out, grid=(batch * kv_heads,), interpret=interpret,
+        combine, out_shape=out, grid=(batch * kv_heads * g,), interpret=interpret,
         name="nvfp4_decode_attention_combine" + ("_operand" if spec else ""),
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
     )(acc, m, l, *extra)

@@ -75,6 +75,18 @@ def test_decode_attention_many_chunks_and_an_empty_tail():
     _check(got, q, k, v, 1, [250])
 
 
+def test_decode_attention_combines_more_chunks_than_one_step_holds():
+    """Capacity 2560 at batch 2 and one kv head: 40 chunks of 64 keys, more than a combine
+    program adds in one step (COMBINE_CHUNKS): sequence 0's keys end in the second step's
+    first chunk (the rest empty), sequence 1's fill both steps."""
+    lengths = [2100, 2560]
+    assert attention.chunking(2, 1, 2560) == 64 and 2560 // 64 > attention.COMBINE_CHUNKS
+    q, k, v = _case(11, 1, 2, 2560, 1, 4, 16, 1.0, lengths)
+    got = attention.decode_attention(q, k, v, 0, jnp.asarray(lengths, jnp.int32),
+                                     interpret=pallas_interpret())
+    _check(got, q, k, v, 0, lengths)
+
+
 def test_decode_attention_chunks_of_several_blocks():
     """Batch 8 of 8 kv heads: 4 chunks of 128 keys, two blocks each (the running maximum's
     rescale of the first block's sums), lengths ending in either block or exactly at one's edge."""

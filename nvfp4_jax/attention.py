@@ -70,13 +70,15 @@ def _kernel(q_ref, k_ref, v_ref, meta_ref, acc_ref, m_ref, l_ref, *, n_layers: i
         valid = kpos < n
         rows = pl.ds(row0 + i * BLOCK_S, BLOCK_S)
         k = plgpu.load(k_ref.at[rows, cols], mask=valid[:, None], other=0.0)
+        # v with k: issued after the softmax's reductions (their barriers), its load would
+        # wait for them
+        v = plgpu.load(v_ref.at[rows, cols], mask=valid[:, None], other=0.0)
         s = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
                             preferred_element_type=jnp.float32) * scale  # [gp, BLOCK_S]
         s = jnp.where(valid[None, :], s, -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         p = jnp.exp(s - m_new[:, None])
         rescale = jnp.exp(m - m_new)
-        v = plgpu.load(v_ref.at[rows, cols], mask=valid[:, None], other=0.0)
         pv = lax.dot_general(p.astype(jnp.bfloat16), v, (((1,), (0,)), ((), ())),
                              preferred_element_type=jnp.float32)  # [gp, d]
         return m_new, l * rescale + jnp.sum(p, axis=1), acc * rescale[:, None] + pv

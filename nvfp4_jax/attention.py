@@ -254,9 +254,9 @@ def _prologue_kernel(qkv_ref, qn_ref, kn_ref, cos_ref, sin_ref, layer_ref, nrow_
     sign = jnp.where(c < d // 2, -1.0, 1.0).astype(jnp.float32)
     nh = kv_heads * g
 
-    def heads(col0, n: int, live, which: int):
-        """[n, d] fp32 values (bf16) of ``n`` heads from column ``col0``, normed (q's norm
-        weight for ``which`` 0, k's for 1) and rotated; ``live`` masks the padding rows."""
+    def load_heads(col0, n: int, live):
+        """([n, d], [n, d]) fp32: ``n`` heads from column ``col0`` (bf16 values) and their
+        rotate-half partner columns; ``live`` masks the padding rows."""
         r = jnp.arange(n)[:, None]
 
         def load(cols):
@@ -264,25 +264,38 @@ def _prologue_kernel(qkv_ref, qn_ref, kn_ref, cos_ref, sin_ref, layer_ref, nrow_
                            mask=live[:, None], other=0.0)
             return v.astype(jnp.float32)
 
-        x, xr = load(c), load(partner)
+        return load(c), load(partner)
+
+    def load_weights(which: int):
+        """q's (``which`` 0) or k's norm weight at columns c and their partners."""
+        ref = (qn_ref, kn_ref)[which]
+        return tuple(plgpu.load(ref.at[rows[which], cols]).astype(jnp.float32)
+                     for cols in (c, partner))
+
+    # every load before the first reduction (a load after a reduction's barrier waits for
+    # it): the q heads, the k head, v, the norm weights, the rotation
+    one = jnp.arange(1) < 1
+    q_in = load_heads(h * g * d, gp, jnp.arange(gp) < g)
+    k_in = load_heads((nh + h) * d, 1, one)
+    v = plgpu.load(qkv_ref.at[b, (nh + kv_heads + h) * d + c])
+    weights = (load_weights(0), load_weights(1)) if norm else (None, None)
+    if rope:
+        cs = plgpu.load(cos_ref.at[b, c])[None, :]
+        sn = plgpu.load(sin_ref.at[b, c])[None, :]
+
+    def finish(x, xr, w):
+        """Heads [n, d] normed (norm weight ``w``: (at c, at the partners)) and rotated."""
         if norm:
             inv = lax.rsqrt(jnp.sum(x * x, axis=1, keepdims=True) / d + eps)
-            ref = (qn_ref, kn_ref)[which]
-            w, wr = (plgpu.load(ref.at[rows[which], cols]).astype(jnp.float32)
-                     for cols in (c, partner))
-            x = bf16_rne(w[None, :] * bf16_rne(x * inv, exact_asm), exact_asm)
-            xr = bf16_rne(wr[None, :] * bf16_rne(xr * inv, exact_asm), exact_asm)
+            x = bf16_rne(w[0][None, :] * bf16_rne(x * inv, exact_asm), exact_asm)
+            xr = bf16_rne(w[1][None, :] * bf16_rne(xr * inv, exact_asm), exact_asm)
         if rope:
-            cs = plgpu.load(cos_ref.at[b, c])[None, :]
-            sn = plgpu.load(sin_ref.at[b, c])[None, :]
             x = x * cs + (sign[None, :] * xr) * sn
         return x
 
-    q = heads(h * g * d, gp, jnp.arange(gp) < g, 0)
+    q = finish(*q_in, weights[0])
     plgpu.store(q_ref.at[pl.ds((b * kv_heads + h) * gp, gp), :], q.astype(jnp.bfloat16))
-    one = jnp.arange(1) < 1
-    k = heads((nh + h) * d, 1, one, 1)
-    v = plgpu.load(qkv_ref.at[b, (nh + kv_heads + h) * d + c])
+    k = finish(*k_in, weights[1])
     row = (layer * batch + b) * capacity + pos
     plgpu.store(k_ref.at[row, pl.ds(h * d, d)], k.reshape(d).astype(jnp.bfloat16))
     plgpu.store(v_ref.at[row, pl.ds(h * d, d)], v)

@@ -82,11 +82,15 @@ def _kernel(l_ref, x_ref, *refs, e: int, eb: int, hd: int, n_layers: int, eps: f
     t, j = pl.program_id(0), pl.program_id(1)
     layer = jnp.minimum(jnp.maximum(l_ref[0], 0), n_layers - 1)
     cols = lax.broadcasted_iota(jnp.int32, (1, hd), 1)
+    # every load before the norm's sum (a load after a reduction's barrier waits for it)
     x = plgpu.load(x_ref.at[t, cols]).astype(jnp.float32)  # [1, H]
-    if add:  # the residual stream: x + a rounded once to bf16, as XLA's bf16 add
-        x = bf16_rne(x + plgpu.load(a_ref.at[t, cols]).astype(jnp.float32), exact_asm)
-    inv = lax.rsqrt(jnp.sum(x * x, axis=1, keepdims=True) * (1.0 / hd) + eps)
+    a = plgpu.load(a_ref.at[t, cols]).astype(jnp.float32) if add else None
     w = plgpu.load(w_ref.at[layer, cols]).astype(jnp.float32)
+    ex = j * eb + lax.broadcasted_iota(jnp.int32, (eb, 1), 0)
+    r = plgpu.load(r_ref.at[layer, jnp.minimum(ex, e - 1), cols]).astype(jnp.float32)  # [eb, H]
+    if add:  # the residual stream: x + a rounded once to bf16, as XLA's bf16 add
+        x = bf16_rne(x + a, exact_asm)
+    inv = lax.rsqrt(jnp.sum(x * x, axis=1, keepdims=True) * (1.0 / hd) + eps)
     h = bf16_rne(w * bf16_rne(x * inv, exact_asm), exact_asm)  # [1, H], bf16 values
 
     @pl.when(j == 0)
@@ -95,8 +99,6 @@ def _kernel(l_ref, x_ref, *refs, e: int, eb: int, hd: int, n_layers: int, eps: f
         if add:
             plgpu.store(s_ref.at[t, cols], x.astype(jnp.bfloat16))
 
-    ex = j * eb + lax.broadcasted_iota(jnp.int32, (eb, 1), 0)
-    r = plgpu.load(r_ref.at[layer, jnp.minimum(ex, e - 1), cols]).astype(jnp.float32)  # [eb, H]
     logit = bf16_rne(jnp.sum(r * h, axis=1), exact_asm)  # [eb]
     e1 = j * eb + lax.broadcasted_iota(jnp.int32, (eb,), 0)
     plgpu.store(lg_ref.at[t, e1], logit, mask=e1 < e)

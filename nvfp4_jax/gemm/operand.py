@@ -94,8 +94,9 @@ def _mosaic_kernel(l_ref, s_ref, x_ref, *refs, m: int, bm: int, bk: int, n_layer
     live = rows < m
     x = plgpu.load(x_ref.at[jnp.minimum(rows, m - 1), cols]).astype(jnp.float32)
     if norm:  # y = bf16(x * rsqrt(mean(x^2) + eps)), h = bf16(w * y); the sum in its own order
-        inv = lax.rsqrt(jnp.sum(x * x, axis=1, keepdims=True) * (1.0 / bk) + eps)
+        # the weight loaded before the sum (a load after a reduction's barrier waits for it)
         w = plgpu.load(w_ref.at[layer, cols]).astype(jnp.float32)
+        inv = lax.rsqrt(jnp.sum(x * x, axis=1, keepdims=True) * (1.0 / bk) + eps)
         x = bf16_rne(w * bf16_rne(x * inv, exact_asm), exact_asm)
     q = operand_values(x, s, exact_asm)
     plgpu.store(o_ref.at[rows, mosaic_columns(cols)], jnp.where(live, q, 0.0).astype(jnp.bfloat16))

@@ -19,7 +19,7 @@ from jax.experimental.pallas import triton as plgpu
 from ..gemm.mosaic import permute_k_order
 from ..triton_ops import call, pow2, requantize, row_tile
 from .routing import BlockRouting, max_blocks
-from .scales import load_scales, scales_kernel, scales_plan, store_scales
+from .scales import load_scales, scales_plan, store_scales
 
 #: The routing kernels' three methods. "experts" (``_route_positions``): per-expert counts, a
 #: cumsum over experts and ranks from one [E, N] one-hot tile, the block experts from an
@@ -335,8 +335,11 @@ def routing_kernel(topk_ids: jax.Array, num_experts: int, block_m: int, *,
     ns = len(sops)
 
     def both(ids_ref, *refs):
-        scales_kernel(*refs[:ns], *refs[ns + nr:], n_in=ns, **skw)
+        # the scales' loads, then the routing (its expert ids loaded before its first
+        # reduction), then the scales' arithmetic: no load waits on another part's barriers
+        values = load_scales(refs[:ns], **skw)
         kern(ids_ref, *refs[ns:ns + nr])
+        store_scales(*values(), refs[ns + nr:])
 
     res = call(both, (*outs, *souts), (1,), num_warps=nw, name="nvfp4_moe_routing_scales",
                 interpret=interpret)(flat, *sops)

@@ -1,7 +1,7 @@
 """Block routing in one Pallas-Triton program, for small routings (decode).
 
 ``routing_kernel`` computes ``routing.block_routing``'s arrays (bit for bit: integers) in one
-launch instead of ~5 XLA fusions, optionally with the scales (``scales.scale_values``) in the
+launch instead of ~5 XLA fusions, optionally with the scales (``scales.load_scales``) in the
 same program; ``routing_operand_kernel`` adds the FC1 operand (``operand.fc1_operand``'s rows)
 to that launch. Three methods, one per regime (see ``routing_methods``).
 """

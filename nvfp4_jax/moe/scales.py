@@ -2,7 +2,7 @@
 
 ``moe_scales_kernel`` computes ``xla.moe_scales``' four [E] vectors and the two reciprocals the
 glue kernels take in one program instead of ~8 small XLA fusions, every division
-``div.rn.f32`` whatever XLA's division flags. ``scale_values`` / ``store_scales`` are its body,
+``div.rn.f32`` whatever XLA's division flags. ``load_scales`` / ``store_scales`` are its body,
 which the routing kernels reuse to compute the scales in their own launch.
 
 Inside a loop over stacked layers the four operands are per-layer slices; a Pallas-Triton
@@ -29,7 +29,7 @@ SCALE_NAMES = ("fc1_weight_scale_2", "fc2_weight_scale_2", "fc1_input_scale", "f
 
 def scales_plan(scales: tuple, num_experts: int, interpret: bool, layer=None):
     """``(fc1_weight_scale_2, fc2_weight_scale_2, fc1_input_scale, fc2_input_scale, mode,
-    activation_scale)`` -> (the kernel's scale operands, ``scale_values``' static arguments,
+    activation_scale)`` -> (the kernel's scale operands, ``load_scales``' static arguments,
     the six fp32 [E] outputs' shapes).
 
     ``layer``: None (the four fp32 [E] or scalars, packed in one fp32 [4 * E] operand), or an
@@ -51,9 +51,12 @@ def scales_plan(scales: tuple, num_experts: int, interpret: bool, layer=None):
 
 def load_scales(sc_refs, *, e: int, activation_scale: str, mode: str, exact_asm: bool,
                 cols: tuple | None = None, n_layers: int = 1):
-    """Issues the loads of ``scale_values`` and returns the function that computes its values
-    from them: a kernel loads early, before reductions whose barriers a later load cannot be
-    hoisted across, and computes where it needs the values."""
+    """Issues the loads of the four scale vectors from ``scales_plan``'s operands ``sc_refs``
+    (the packed fp32 [4 * E], or with ``cols``, each stack's columns E or 1, the layer and the
+    four flat stacks) and returns the function that computes from them (j, valid, [g1, 1/g1,
+    alpha1, g2, 1/g2, alpha2]): the six [E] scale vectors in registers, lanes past E invalid.
+    A kernel loads early, before reductions whose barriers a later load cannot be hoisted
+    across, and computes where it needs the values."""
     ep = pow2(e)
     j = lax.broadcasted_iota(jnp.int32, (ep,), 0)
     valid = j < e
@@ -91,16 +94,8 @@ def load_scales(sc_refs, *, e: int, activation_scale: str, mode: str, exact_asm:
     return values
 
 
-def scale_values(sc_refs, **kw):
-    """(j, valid, [g1, 1/g1, alpha1, g2, 1/g2, alpha2]): the six [E] scale vectors in registers
-    (lanes past E invalid), from ``scales_plan``'s operands ``sc_refs``: the packed fp32
-    [4 * E], or (``cols``: each stack's columns, E or 1) the layer and the four flat stacks.
-    ``kw``: ``scales_plan``'s static arguments (``load_scales``' keywords)."""
-    return load_scales(sc_refs, **kw)()
-
-
 def store_scales(j, valid, vals, out_refs) -> None:
-    """Stores ``scale_values``' six vectors."""
+    """Stores ``load_scales``' six vectors."""
     for ref, v in zip(out_refs, vals, strict=True):
         # masked lanes index past E (not clamped: a duplicate index would race with the valid
         # lane's store; interpret mode drops them)
@@ -108,8 +103,8 @@ def store_scales(j, valid, vals, out_refs) -> None:
 
 
 def scales_kernel(*refs, n_in: int, **kw):
-    """``scale_values`` of the first ``n_in`` refs, stored to the six after them."""
-    store_scales(*scale_values(refs[:n_in], **kw), refs[n_in:])
+    """``load_scales`` of the first ``n_in`` refs, stored to the six after them."""
+    store_scales(*load_scales(refs[:n_in], **kw)(), refs[n_in:])
 
 
 def moe_scales_kernel(fc1_weight_scale_2: jax.Array, fc2_weight_scale_2: jax.Array,

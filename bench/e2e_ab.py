@@ -2,13 +2,15 @@
 run from each tree in a process of its own, arms alternated, and the per-kernel device time of
 the two side by side.
 
-Usage, here (with git): ``python bench/e2e_ab.py prepare --base REV`` writes the tree of commit
-REV to ``.ab/a`` (arm A) and the working tree's tracked and untracked files to ``.ab/b`` (arm
-B), and lists ``.ab/`` in ``.git/info/exclude``. On the GPU machine (``.ab`` carried; no git
-needed): ``python3 bench/e2e_ab.py run --out $OUT [--models qwen3-30b-a3b] [--arms "A B A B"]
-[--steps 64] [--arm-timeout 150] [--tiny]`` -> ``OUT/e2e-ab.json``: per model and arm each
-run's untraced wall time, device-busy time and launches per step, and the kernels of the last
-run of each arm; the table of the kernels by device time per step, A against B, is printed.
+Usage, here (with git): ``python bench/e2e_ab.py prepare --base REV [--arm C=REV2 ...]``
+writes the tree of commit REV to ``.ab/a`` (arm A), the working tree's tracked and untracked
+files to ``.ab/b`` (arm B) and each further arm's commit to its own folder (``.ab/c``), and
+lists ``.ab/`` in ``.git/info/exclude``; a folder made by hand (``cp -r .ab/b .ab/c`` then an
+edit) is an arm too. On the GPU machine (``.ab`` carried; no git needed): ``python3
+bench/e2e_ab.py run --out $OUT [--models qwen3-30b-a3b] [--arms "A B A B"] [--steps 64]
+[--arm-timeout 150] [--tiny]`` -> ``OUT/e2e-ab.json``: per model and arm each run's untraced
+wall time, device-busy time and launches per step, and the kernels of the last run of each
+arm; the table of the kernels by device time per step, the arms side by side, is printed.
 Arms run at full depth (``--layers 0``), stacked layers, 1024 cached tokens, no XLA flags.
 """
 
@@ -26,14 +28,21 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 AB = os.path.join(ROOT, ".ab")
 
 
-def prepare(base: str) -> None:
+def prepare(base: str, extra: dict[str, str] | None = None) -> None:
     """``.ab/a``: the tree of commit ``base``; ``.ab/b``: the working tree (tracked and
-    untracked files git does not ignore)."""
+    untracked files git does not ignore); ``extra``: {arm letter: commit}, each commit's tree
+    in ``.ab/<letter>``."""
+    extra = {k: subprocess.run(["git", "rev-parse", "--short", v], cwd=ROOT, check=True,
+                               capture_output=True, text=True).stdout.strip()
+             for k, v in (extra or {}).items()}
     shutil.rmtree(AB, ignore_errors=True)
-    for arm in ("a", "b"):
-        os.makedirs(os.path.join(AB, arm))
-    archive = subprocess.run(["git", "archive", base], cwd=ROOT, check=True, capture_output=True)
-    subprocess.run(["tar", "-x", "-C", os.path.join(AB, "a")], input=archive.stdout, check=True)
+    for arm, rev in {"A": base, **extra}.items():
+        os.makedirs(os.path.join(AB, arm.lower()))
+        archive = subprocess.run(["git", "archive", rev], cwd=ROOT, check=True,
+                                 capture_output=True)
+        subprocess.run(["tar", "-x", "-C", os.path.join(AB, arm.lower())],
+                       input=archive.stdout, check=True)
+    os.makedirs(os.path.join(AB, "b"))
     files = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
                            cwd=ROOT, check=True, capture_output=True).stdout.decode().split("\0")
     for f in filter(None, files):
@@ -46,35 +55,37 @@ def prepare(base: str) -> None:
     dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
                            check=True, capture_output=True, text=True).stdout.strip()
     with open(os.path.join(AB, "arms.json"), "w") as fh:
-        json.dump({"A": base, "B": head + (" with uncommitted changes" if dirty else "")}, fh)
+        json.dump({"A": base, "B": head + (" with uncommitted changes" if dirty else ""),
+                   **extra}, fh)
     exclude = os.path.join(ROOT, ".git", "info", "exclude")
     lines = open(exclude).read().split("\n") if os.path.exists(exclude) else []
     if "/.ab/" not in lines:
         with open(exclude, "a") as fh:
             fh.write("\n/.ab/\n")
-    print(f"arm A: {base}, arm B: the working tree, under {AB}")
+    more = "".join(f", arm {k}: {v}" for k, v in extra.items())
+    print(f"arm A: {base}, arm B: the working tree{more}, under {AB}")
 
 
-def kernel_rows(a: list[dict] | None, b: list[dict] | None, top: int = 30) -> list[dict]:
-    """The kernels of two ``e2e_profile`` records side by side: ``[{name, a_us, a_calls, b_us,
-    b_calls}]`` per step, by the larger device time first (a kernel one arm lacks: 0)."""
-    ka = {k["name"]: k for k in a or []}
-    kb = {k["name"]: k for k in b or []}
+def kernel_rows(arms: dict[str, list[dict] | None], top: int = 30) -> list[dict]:
+    """The kernels of several ``e2e_profile`` records side by side, ``arms`` {arm: kernels}:
+    ``[{name, us: {arm: us}, calls: {arm: calls}}]`` per step, by the largest device time of
+    any arm first (a kernel an arm lacks: 0 there)."""
+    by = {arm: {k["name"]: k for k in ks or []} for arm, ks in arms.items()}
 
-    def get(d, n, key):
-        return d[n][key] if n in d else 0.0
+    def get(arm, n, key):
+        return by[arm][n][key] if n in by[arm] else 0.0
 
-    names = sorted(set(ka) | set(kb), key=lambda n: -max(get(ka, n, "us_per_step"),
-                                                         get(kb, n, "us_per_step")))
-    return [{"name": n, "a_us": get(ka, n, "us_per_step"), "a_calls": get(ka, n, "calls_per_step"),
-             "b_us": get(kb, n, "us_per_step"), "b_calls": get(kb, n, "calls_per_step")}
-            for n in names[:top]]
+    names = sorted(set().union(*by.values()),
+                   key=lambda n: -max(get(a, n, "us_per_step") for a in by))
+    return [{"name": n, "us": {a: get(a, n, "us_per_step") for a in by},
+             "calls": {a: get(a, n, "calls_per_step") for a in by}} for n in names[:top]]
 
 
 def run(args) -> int:
     arms = args.arms.split()
-    if not arms or set(arms) - {"A", "B"}:
-        raise SystemExit(f"--arms: expected A and B, got {args.arms!r}")
+    if not arms or not all(len(a) == 1 and a.isupper() for a in arms):
+        raise SystemExit(f"--arms: expected arm letters (A B ...), got {args.arms!r}")
+    order = list(dict.fromkeys(arms))
     for arm in set(arms):
         if not os.path.isfile(os.path.join(AB, arm.lower(), "bench", "e2e_profile.py")):
             raise SystemExit(f"arm {arm}: no tree under {AB}/{arm.lower()} "
@@ -89,7 +100,7 @@ def run(args) -> int:
         doc["arm_trees"] = json.load(open(arms_file))
     os.makedirs(args.out, exist_ok=True)
     for model in args.models.split(","):
-        per = doc["records"].setdefault(model, {"A": [], "B": []})
+        per = doc["records"].setdefault(model, {a: [] for a in order})
         for arm in arms:
             with tempfile.TemporaryDirectory() as d:
                 cmd = [sys.executable, "bench/e2e_profile.py", "--models", model, "--layouts",
@@ -122,11 +133,12 @@ def run(args) -> int:
                 r.pop("kernels", None)
             with open(os.path.join(args.out, "e2e-ab.json"), "w") as f:
                 json.dump(doc, f, indent=1)
-        if per["A"] and per["B"]:
-            print(f"{model}: us per step, A | B")
-            for r in kernel_rows(per["A"][-1].get("kernels"), per["B"][-1].get("kernels")):
-                print(f"  {r['a_us']:9.1f} x{r['a_calls']:5.1f} | {r['b_us']:9.1f} "
-                      f"x{r['b_calls']:5.1f}  {r['name'][:90]}")
+        done = [a for a in order if per[a]]
+        if len(done) > 1:
+            print(f"{model}: us per step, {' | '.join(done)}")
+            for r in kernel_rows({a: per[a][-1].get("kernels") for a in done}):
+                cols = " | ".join(f"{r['us'][a]:9.1f} x{r['calls'][a]:5.1f}" for a in done)
+                print(f"  {cols}  {r['name'][:90]}")
     return 0
 
 
@@ -135,6 +147,8 @@ def main(argv=None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("prepare", help="write the two trees under .ab (needs git)")
     p.add_argument("--base", required=True, help="arm A's commit")
+    p.add_argument("--arm", action="append", default=[], metavar="C=REV",
+                   help="a further arm's letter and commit (repeatable)")
     r = sub.add_parser("run", help="profile the arms (on the GPU machine)")
     r.add_argument("--out", default=os.environ.get("OUT", "."))
     r.add_argument("--models", default="qwen3-30b-a3b")
@@ -144,7 +158,10 @@ def main(argv=None) -> int:
     r.add_argument("--tiny", action="store_true", help="tiny shapes (CPU smoke test)")
     args = ap.parse_args(argv)
     if args.cmd == "prepare":
-        prepare(args.base)
+        extra = dict(a.split("=", 1) for a in args.arm)
+        if any(len(k) != 1 or not k.isupper() or k in "AB" for k in extra):
+            raise SystemExit(f"--arm: expected LETTER=REV with a letter past B, got {args.arm}")
+        prepare(args.base, extra)
         return 0
     return run(args)
 

@@ -195,9 +195,13 @@ def test_e2e_ab_kernel_rows_pair_the_arms_kernels():
     b = [{"name": "attn", "us_per_step": 210.0, "calls_per_step": 48.0},
          {"name": "gemm", "us_per_step": 498.0, "calls_per_step": 96.0},
          {"name": "new", "us_per_step": 1.0, "calls_per_step": 1.0}]
-    rows = ab.kernel_rows(a, b)
+    c = [{"name": "attn", "us_per_step": 700.0, "calls_per_step": 48.0}]
+    rows = ab.kernel_rows({"A": a, "B": b})
     assert [r["name"] for r in rows] == ["gemm", "attn", "concat", "new"]
-    assert rows[1] == {"name": "attn", "a_us": 190.0, "a_calls": 48.0, "b_us": 210.0,
-                       "b_calls": 48.0}
-    assert (rows[2]["b_us"], rows[2]["b_calls"], rows[3]["a_us"]) == (0.0, 0.0, 0.0)
-    assert [r["name"] for r in ab.kernel_rows(a, None, top=2)] == ["gemm", "attn"]
+    assert rows[1] == {"name": "attn", "us": {"A": 190.0, "B": 210.0},
+                       "calls": {"A": 48.0, "B": 48.0}}
+    assert (rows[2]["us"]["B"], rows[2]["calls"]["B"], rows[3]["us"]["A"]) == (0.0, 0.0, 0.0)
+    assert [r["name"] for r in ab.kernel_rows({"A": a, "B": None}, top=2)] == ["gemm", "attn"]
+    three = ab.kernel_rows({"A": a, "B": b, "C": c})  # a third arm orders by its time too
+    assert [r["name"] for r in three][:2] == ["attn", "gemm"]
+    assert three[0]["us"] == {"A": 190.0, "B": 210.0, "C": 700.0}

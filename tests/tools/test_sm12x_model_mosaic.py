@@ -83,23 +83,23 @@ def test_stored_counts_are_the_records_of_config_for_tiles(doc):
 
 
 def test_record_of_the_token_tile_and_block_n_is_picked(sm, tmp_path):
-    """4096 x 4096 at M = 1 runs 8-token tiles of block_n 128 (config_for). Of a record of
+    """4096 x 14336 at M = 1 runs 8-token tiles of block_n 128 (config_for). Of a record of
     another token tile with that block_n (0.9), one of that token tile with block_n 64 (0.8),
-    an sm_90a record of those tiles (0.7) and a failed build (rc 1, 5.0), none is its count:
-    the sm_120a build of token tile 8 and block_n 128 (0.3, its case config leaving block_n
-    at the default) is."""
+    an sm_90a record of those tiles (0.7) and a failed build at that shape (rc 1, 5.0), none
+    is its count: the sm_120a build of token tile 8 and block_n 128 (0.3, its case config
+    leaving block_n at the default) is. 4096 x 4096 at M = 16 (block_n 128) takes the 0.9."""
     path = _write(tmp_path, [
         _record(16, 4096, 14336, 0.9, block_n=128),
         _record(3, 14336, 4096, 0.8, block_n=64),
         _record(5, 4000, 4096, 0.7, arch="sm_90a", block_n=128),
-        _record(2, 4096, 4096, 5.0, rc=1, block_n=128),
+        _record(2, 4096, 14336, 5.0, rc=1, block_n=128),
         _record(5, 4000, 4096, 0.3, split_k=4),  # block_n left out: MosaicConfig's 128
     ])
     rows = _rows(sm, path)
     for g in GPUS:
-        assert rows[(g, 4096, 4096, 1)]["warp_instructions_per_weight"] == 0.3
+        assert rows[(g, 4096, 14336, 1)]["warp_instructions_per_weight"] == 0.3
         assert rows[(g, 4096, 4096, 16)]["warp_instructions_per_weight"] == 0.9
-    assert "M=5, 4000x4096" in rows[("rtx_5090", 4096, 4096, 1)]["ipw_from"]
+    assert "M=5, 4000x4096" in rows[("rtx_5090", 4096, 14336, 1)]["ipw_from"]
 
 
 def test_record_of_the_same_shape_first_then_the_largest_count(sm, tmp_path):
@@ -135,21 +135,21 @@ def test_nearest_token_tile_of_the_same_block_n_stands_in_and_says_so(sm, tmp_pa
 
 
 def test_count_above_the_budget_is_issue_bound_below_it_dram_bound(sm, tmp_path):
-    """4096 x 4096 at M = 1 (block_n 128) with 2.0 warp-instructions per weight, above every
+    """4096 x 14336 at M = 1 (block_n 128) with 2.0 warp-instructions per weight, above every
     GPU's budget at 85 % of DRAM (0.60, 0.55, 1.17), is issue-bound: on the RTX 5060 Ti
-    4096 x 4096 x 2.0 / 370.4e9 per s = 90.6 us; 14336 x 4096 at M = 1 (block_n 64) with 0.05,
+    4096 x 14336 x 2.0 / 370.4e9 per s = 317.1 us; 14336 x 4096 at M = 1 (block_n 64) with 0.05,
     below them, is DRAM-bound: (14336 x 4096 x 0.5625 + 2 x 4096 + 2 x 14336) B / 403.2 GB/s
     = 81.6 us. The MMA runs the 8-token tile: 2 x 8 x N x K at the bf16 rate."""
-    path = _write(tmp_path, [_record(1, 4096, 4096, 2.0, block_n=128),
+    path = _write(tmp_path, [_record(1, 4096, 14336, 2.0, block_n=128),
                              _record(1, 14336, 4096, 0.05, block_n=64)])
     rows = _rows(sm, path)
     for g in GPUS:
-        hot, cool = rows[(g, 4096, 4096, 1)], rows[(g, 14336, 4096, 1)]
+        hot, cool = rows[(g, 4096, 14336, 1)], rows[(g, 14336, 4096, 1)]
         assert hot["issue_budget_per_weight_at_85pct_dram"] == pytest.approx(BUDGET_85[g])
         assert 0.05 < BUDGET_85[g] < 2.0
         assert hot["limiter"] == "issue" and cool["limiter"] == "DRAM"
-    hot, cool = rows[("rtx_5060_ti", 4096, 4096, 1)], rows[("rtx_5060_ti", 14336, 4096, 1)]
-    assert hot["predicted_us"] == pytest.approx(4096 * 4096 * 2.0 / ISSUE_5060 * 1e6)
+    hot, cool = rows[("rtx_5060_ti", 4096, 14336, 1)], rows[("rtx_5060_ti", 14336, 4096, 1)]
+    assert hot["predicted_us"] == pytest.approx(4096 * 14336 * 2.0 / ISSUE_5060 * 1e6)
     t_mem = (14336 * 4096 * 0.5625 + 2 * 4096 + 2 * 14336) / STREAM_5060
     assert cool["predicted_us"] == pytest.approx(t_mem * 1e6)
     assert cool["predicted_dram_fraction"] == pytest.approx(0.9)
@@ -160,39 +160,40 @@ def test_count_above_the_budget_is_issue_bound_below_it_dram_bound(sm, tmp_path)
 
 
 def test_h200_run_calibrates_with_the_sm90_count_of_its_tiles(sm, tmp_path):
-    """An H200 run of 4096 x 4096, M = 1 at config_for's tiles (8 x 128, split 8, 3 stages)
-    taking 4096 x 4096 x 0.1 / (0.25 x 1.0454e12 per s) = 6.42 us, with an sm_90a count of
-    0.1, ran at 25 % issue efficiency; the 5060 Ti's issue ceiling at 0.5 per weight, 22.65 us,
-    becomes 90.6 us. At M = 16 no sm_90a record of token tile 16 exists (the 8-token one does
-    not stand in); a run of the wgmma form, one of the 64-token tile split over CTAs (m_split 2)
-    and a row of another label are other kernels: no efficiency, no calibrated time."""
+    """An H200 run of 4096 x 14336, M = 1 at config_for's tiles (8 x 128, split 8, 2 stages)
+    taking 4096 x 14336 x 0.1 / (0.25 x 1.0454e12 per s) = 22.5 us, with an sm_90a count of
+    0.1, ran at 25 % issue efficiency; the 5060 Ti's issue ceiling at 0.5 per weight, 79.3 us,
+    becomes 317.1 us. At 4096 x 4096, M = 16 (3 stages) no sm_90a record of token tile 16
+    exists (the 8-token one does not stand in); a run of the wgmma form, one of the 64-token
+    tile split over CTAs (m_split 2) and a row of another label are other kernels: no
+    efficiency, no calibrated time."""
     path = _write(tmp_path, [_record(5, 4000, 4096, 0.5, block_n=128),
                              _record(5, 4000, 4096, 0.1, arch="sm_90a", block_n=128),
                              _record(16, 4096, 4096, 0.5, block_n=128)])
-    cfg = {"block_n": 128, "split_k": 8, "num_stages": 3, "block_k": 256, "overlap": False,
+    cfg = {"block_n": 128, "split_k": 8, "num_stages": 2, "block_k": 256, "overlap": False,
            "consumers": 1, "bf16_store": False, "mma": "sync", "m_split": 1}
-    us = 4096 * 4096 * 0.1 / (0.25 * ISSUE_H200) * 1e6
+    us = 4096 * 14336 * 0.1 / (0.25 * ISSUE_H200) * 1e6
     with open(os.path.join(tmp_path, "mosaic-sm12x-forms-h200.json"), "w") as f:
         json.dump({"records": [
-            {"N": 4096, "K": 4096, "M": 1, "label": "mosaic_sm12x", "median_us": us,
+            {"N": 4096, "K": 14336, "M": 1, "label": "mosaic_sm12x", "median_us": us,
              "config": cfg},
             {"N": 4096, "K": 4096, "M": 16, "label": "mosaic_sm12x", "median_us": us,
-             "config": cfg},
+             "config": {**cfg, "num_stages": 3}},
             {"N": 14336, "K": 4096, "M": 1, "label": "mosaic_sm12x", "median_us": us,
              "config": {**cfg, "mma": "wgmma"}},
-            {"N": 4096, "K": 14336, "M": 1, "label": "mosaic_sm12x", "median_us": us,
-             "config": {**cfg, "num_stages": 2, "m_split": 2}},
-            {"N": 4096, "K": 14336, "M": 1, "label": "mosaic_wgmma", "median_us": us,
-             "config": {**cfg, "num_stages": 2}},
+            {"N": 28672, "K": 8192, "M": 1, "label": "mosaic_sm12x", "median_us": us,
+             "config": {**cfg, "m_split": 2}},
+            {"N": 4096, "K": 4096, "M": 1, "label": "mosaic_wgmma", "median_us": us,
+             "config": {**cfg, "block_n": 64}},
         ]}, f)
     measured, source = sm.load_mosaic_measured(str(tmp_path))
     assert source == "mosaic-sm12x-forms-h200.json"
     rows = _rows(sm, path, measured)
-    r = rows[("rtx_5060_ti", 4096, 4096, 1)]
+    r = rows[("rtx_5060_ti", 4096, 14336, 1)]
     assert r["h200_issue_efficiency"] == pytest.approx(0.25)
     assert r["h200_sm90_warp_instructions_per_weight"] == 0.1
-    assert r["issue_calibrated_us"] == pytest.approx(4096 * 4096 * 0.5 / ISSUE_5060 / 0.25 * 1e6)
-    for key in ((4096, 4096, 16), (14336, 4096, 1), (4096, 14336, 1)):
+    assert r["issue_calibrated_us"] == pytest.approx(4096 * 14336 * 0.5 / ISSUE_5060 / 0.25 * 1e6)
+    for key in ((4096, 4096, 16), (14336, 4096, 1), (28672, 8192, 1), (4096, 4096, 1)):
         r = rows[("rtx_5060_ti", *key)]
         assert r["h200_issue_efficiency"] is None and r["issue_calibrated_us"] is None
 

@@ -243,7 +243,8 @@ AUTO_SM90: dict[tuple[int, int, int], MosaicConfig] = {
     (8, 2048, 4096): MosaicConfig(
         block_n=64, split_k=8, num_stages=2,
         measured="6.56 us vs 7.60 default_config (block_n 128, split 8), 6.88 split 4, 8.47 "
-                 "split 2; bf16 dot 7.01 (h100, 2026-12-07, mosaic-sm90-tiles-h100-80gb-hbm3.json)"),
+                 "split 2; bf16 dot 7.01 (h100, 2026-12-07, "
+                 "mosaic-sm90-tiles-h100-80gb-hbm3.json)"),
     (8, 4096, 4096): MosaicConfig(
         block_n=64, split_k=8, num_stages=2,
         measured="7.61 us vs 8.55 the M <= 16 entry (block_n 128, split 8, 3 stages), 8.06 "

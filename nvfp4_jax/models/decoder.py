@@ -162,8 +162,9 @@ def attention(cfg: DecoderConfig, p: dict, x: jax.Array, pos: jax.Array, k_all: 
             norms = ((p["q_norm"], p["k_norm"], None) if qk_norms is None
                      else (*qk_norms, norm_layer))
         o, k_all, v_all = decode_qkv_attention(
-            qkv if isinstance(qkv, SplitK) else qkv[:, 0], k_all, v_all, li, start, num_heads=nh, q_norm=norms[0],
-            k_norm=norms[1], norm_layer=norms[2], eps=cfg.rms_norm_eps,
+            qkv if isinstance(qkv, SplitK) else qkv[:, 0], k_all, v_all, li, start,
+            num_heads=nh, q_norm=norms[0], k_norm=norms[1], norm_layer=norms[2],
+            eps=cfg.rms_norm_eps,
             rope=None if rope is None else (rope[0][:, 0], rope[1][:, 0]),
             w4a4_operand=None if o_operand is None else o_operand[0],
             interpret=pallas_interpret())

@@ -156,7 +156,7 @@ def attention(cfg: DecoderConfig, p: dict, x: jax.Array, pos: jax.Array, k_all: 
         qkv = lin(p["qkv_proj"], x)
     else:
         qkv = jnp.concatenate([lin(p[n], x) for n in ("q_proj", "k_proj", "v_proj")], axis=-1)
-    if t == 1 and "attention" not in ablate and runs_kernel(backend, d, nh, kvh):
+    if _decode_kernel_runs(cfg, t, backend, ablate):
         norms = (None, None, None)
         if cfg.qk_norm:
             norms = ((p["q_norm"], p["k_norm"], None) if qk_norms is None
@@ -194,6 +194,13 @@ def attention(cfg: DecoderConfig, p: dict, x: jax.Array, pos: jax.Array, k_all: 
     vc = jax.lax.dynamic_index_in_dim(v_all, li, axis=0, keepdims=False)
     o = cache_attention(q, kc, vc, pos).reshape(b, t, nh * d)
     return out_proj(o), k_all, v_all
+
+
+def _decode_kernel_runs(cfg, t: int, backend: str, ablate: frozenset = frozenset()) -> bool:
+    """Whether :func:`attention` runs a step of ``t`` tokens on ``decode_qkv_attention``: a
+    decode step (t = 1) where ``attention.runs_kernel`` takes the heads."""
+    return (t == 1 and "attention" not in ablate
+            and runs_kernel(backend, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads))
 
 
 def _linear_or_stub(ablate: frozenset, backend: str, w4a4: bool):
@@ -264,9 +271,8 @@ def _layer(cfg, p, x, pos, k_all, v_all, li, start, rope, backend, w4a4, ablate,
 
     if ("self_attn", "qkv_proj") in stacks:
         # at decode the attention kernel's first launch sums the q/k/v GEMM's split-K partials
-        fold = (x.shape[1] == 1 and "attention" not in ablate
-                and runs_kernel(backend, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads))
-        qkv = pro("self_attn", "qkv_proj", x, p["input_layernorm"], split_k_out=fold)
+        qkv = pro("self_attn", "qkv_proj", x, p["input_layernorm"],
+                  split_k_out=_decode_kernel_runs(cfg, x.shape[1], backend, ablate))
         o_operand = None
         st = stacks.get(("self_attn", "o_proj"))
         rows = None if st is None or x.shape[1] != 1 else nn.w4a4_operand_rows(

@@ -121,6 +121,29 @@ def test_folded_experts_match_xla_on_gpu():
                         f"(bound {bound:.3g})"
 
 
+def _decode_case(name: str, batch: int):
+    """(model, next tokens, cache, step): the ``name`` model's NVFP4 decode step after a
+    16-token prefill of ``batch`` sequences; ``step()`` runs it on a copy of the cache
+    (``decode_step`` donates it) and returns the logits."""
+    bench = fresh("e2e_bench")
+    model = bench.build_model(bench.config_of(SHAPES[name]), "nvfp4")
+    ids = (jnp.arange(batch * 16, dtype=jnp.int32).reshape(batch, 16) * 37) % 1024
+    nxt = (ids[:, -1] * 7 + 3) % 1024
+    cache = models.init_cache(model.config, batch, 20)
+    _, cache = models.prefill(model, ids, cache)
+
+    def step():
+        return models.decode_step(model, nxt, jax.tree.map(jnp.copy, cache))[0]
+
+    return model, nxt, cache, step
+
+
+def _assert_same_logits(fused, plain):
+    got, want = np.asarray(fused, np.float32), np.asarray(plain, np.float32)
+    assert np.isfinite(got).all()
+    np.testing.assert_array_equal(got, want)
+
+
 @pytest.mark.parametrize("name", list(SHAPES))
 @pytest.mark.parametrize("batch", [1, 3])
 def test_fused_o_proj_operand_and_residual_add_change_no_bit(name, batch, monkeypatch):
@@ -131,16 +154,7 @@ def test_fused_o_proj_operand_and_residual_add_change_no_bit(name, batch, monkey
     from nvfp4_jax import nn
     from nvfp4_jax.moe.xla import add_residual
 
-    bench = fresh("e2e_bench")
-    model = bench.build_model(bench.config_of(SHAPES[name]), "nvfp4")
-    ids = (jnp.arange(batch * 16, dtype=jnp.int32).reshape(batch, 16) * 37) % 1024
-    nxt = (ids[:, -1] * 7 + 3) % 1024
-    cache = models.init_cache(model.config, batch, 20)
-    _, cache = models.prefill(model, ids, cache)
-
-    def step():  # decode_step donates its cache: each call gets a copy
-        return models.decode_step(model, nxt, jax.tree.map(jnp.copy, cache))[0]
-
+    model, nxt, cache, step = _decode_case(name, batch)
     fused = step()
     text = str(jax.make_jaxpr(models.decode_step)(model, nxt, cache))
     assert "nvfp4_decode_attention_combine_operand" in text
@@ -160,9 +174,7 @@ def test_fused_o_proj_operand_and_residual_add_change_no_bit(name, batch, monkey
     assert "combine_operand" not in text and "nvfp4_moe_add_norm_router" not in text
     monkeypatch.setattr(nn, "add_norm_router", real)
     jax.clear_caches()
-    got, want = np.asarray(fused, np.float32), np.asarray(plain, np.float32)
-    assert np.isfinite(got).all()
-    np.testing.assert_array_equal(got, want)
+    _assert_same_logits(fused, plain)
 
 
 @pytest.mark.parametrize("name", list(SHAPES))
@@ -173,15 +185,7 @@ def test_qkv_split_k_summed_in_the_attention_launch_changes_no_bit(name, batch, 
     epilogue launch, bit for bit: the same fp32 operations in the same order."""
     from nvfp4_jax import nn
 
-    bench = fresh("e2e_bench")
-    model = bench.build_model(bench.config_of(SHAPES[name]), "nvfp4")
-    ids = (jnp.arange(batch * 16, dtype=jnp.int32).reshape(batch, 16) * 41) % 1024
-    nxt = (ids[:, -1] * 5 + 1) % 1024
-    cache = models.init_cache(model.config, batch, 20)
-    _, cache = models.prefill(model, ids, cache)
-
-    def step():  # decode_step donates its cache: each call gets a copy
-        return models.decode_step(model, nxt, jax.tree.map(jnp.copy, cache))[0]
+    model, nxt, cache, step = _decode_case(name, batch)
 
     def qkv_operand():  # the projection operand of the attention's first launch
         jaxpr = jax.make_jaxpr(models.decode_step)(model, nxt, cache)
@@ -197,6 +201,4 @@ def test_qkv_split_k_summed_in_the_attention_launch_changes_no_bit(name, batch, 
     assert qkv_operand() == (2, jnp.bfloat16)
     monkeypatch.setattr(nn, "norm_linear", real)
     jax.clear_caches()
-    got, want = np.asarray(fused, np.float32), np.asarray(plain, np.float32)
-    assert np.isfinite(got).all()
-    np.testing.assert_array_equal(got, want)
+    _assert_same_logits(fused, plain)

@@ -550,7 +550,6 @@ def attention_entries(workdir: str) -> list[dict]:
     decoders' scan passes them, RoPE, batch 1, 1060 cache slots), compiled by pip triton per
     arch."""
     from nvfp4_jax import attention
-    from nvfp4_jax.gemm import SplitK
 
     qkv = jnp.zeros((1, 40 * 128), jnp.bfloat16)
     kv = jnp.zeros((48, 1, 1060, 4, 128), jnp.bfloat16)
@@ -564,14 +563,6 @@ def attention_entries(workdir: str) -> list[dict]:
                 a, k, v, jnp.int32(0), jnp.int32(5), num_heads=32, q_norm=norm, k_norm=norm,
                 norm_layer=jnp.int32(0), rope=rope, w4a4_operand=operand),
             qkv, kv, kv))
-    # the prologue summing the q/k/v GEMM's 4 split-K partials itself (the decoders' Qwen3 path)
-    parts, scale = jnp.zeros((4, 8, 5120), jnp.float32), jnp.ones((), jnp.float32)
-    split = lowered_kernels(
-        lambda p, s, k, v: attention.decode_qkv_attention(
-            SplitK(p, s, 1, 5120), k, v, jnp.int32(0), jnp.int32(5), num_heads=32, q_norm=norm,
-            k_norm=norm, norm_layer=jnp.int32(0), rope=rope),
-        parts, scale, kv, kv)
-    kernels["nvfp4_decode_qkv (4 split-K parts)"] = split["nvfp4_decode_qkv"]
     # num_stages: 2 for the chunks, 1 for the prologue and the combine
     return compiled_entries(kernels, 4, lambda name: 2 if name == "nvfp4_decode_attention"
                             else 1, workdir)
@@ -594,19 +585,17 @@ def compiled_entries(kernels: dict, num_warps: int, num_stages, workdir: str) ->
 
 def routing_entries(workdir: str) -> list[dict]:
     """``moe.select_kernel`` at Qwen3-30B-A3B's router (T = 8 tokens, 128 experts, top-8,
-    H 2048, renormalized: one program per token, ranking its experts on ``RANK_WARPS``
-    warps), and the routing-operand launch
+    H 2048, renormalized: one program per token, one warp), and the routing-operand launch
     that follows it at batch 1 (``routing_kernel.routing_operand_kernel``: 8 routes, block_m
     8, the scales read in place from 48-layer [L, E] stacks, the trtllm recipe; eight warps),
     compiled by pip triton per arch."""
     from nvfp4_jax.moe.routing_kernel import routing_operand_kernel
-    from nvfp4_jax.moe.select_kernel import RANK_WARPS, rank_fits, select_kernel
+    from nvfp4_jax.moe.select_kernel import select_kernel
 
     lg = jnp.zeros((8, 128), jnp.float32)
     x = jnp.zeros((8, 2048), jnp.bfloat16)
     kernels = lowered_kernels(lambda a, b: select_kernel(a, b, 8, renormalize=True), lg, x)
-    assert rank_fits(128)
-    entries = compiled_entries(kernels, RANK_WARPS, lambda name: 1, workdir)
+    entries = compiled_entries(kernels, 1, lambda name: 1, workdir)
     ids = jnp.zeros((1, 8), jnp.int32)
     st = jnp.ones((48, 128), jnp.float32)
     kernels = lowered_kernels(

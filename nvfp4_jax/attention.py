@@ -31,7 +31,6 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from .device import on_gpu
-from .gemm.mosaic import SplitK
 from .gemm.operand import mosaic_columns, operand_values, scale_and_layer
 from .triton_ops import bf16_rne, cdiv, div_rn, pow2
 from .validate import check_layer, is_concrete
@@ -230,21 +229,17 @@ def cache_attention(q: jax.Array, k: jax.Array, v: jax.Array, pos: jax.Array) ->
     return o.astype(jnp.bfloat16).reshape(b, t, nh, d)
 
 
-def _prologue_kernel(qkv_ref, sc_ref, qn_ref, kn_ref, cos_ref, sin_ref, layer_ref, nrow_ref,
-                     start_ref, kin_ref, vin_ref, q_ref, meta_ref, k_ref, v_ref, *,
-                     n_layers: int, batch: int, capacity: int, kv_heads: int, d: int, g: int,
-                     gp: int, eps: float, norm: bool, norm_rows: int, rope: bool, splits: int,
-                     exact_asm: bool):
+def _prologue_kernel(qkv_ref, qn_ref, kn_ref, cos_ref, sin_ref, layer_ref, nrow_ref, start_ref,
+                     kin_ref, vin_ref, q_ref, meta_ref, k_ref, v_ref, *, n_layers: int,
+                     batch: int, capacity: int, kv_heads: int, d: int, g: int, gp: int,
+                     eps: float, norm: bool, norm_rows: int, rope: bool, exact_asm: bool):
     """Program (b, h): the g query heads of kv head h and its k, v of sequence b's new token,
     RMSNorm'd (``norm``) and rotated (``rope``) as ``nn.rms_norm`` and ``models.apply_rope``
     round them; q into its zero-padded rows of the attention kernel's operand, k and v into
     the caches (aliased) at (layer, b, start), clamped into the stack as XLA's
     ``dynamic_update_slice`` clamps; the attention kernel's (layer, lengths) operand. The
     norm weights: row 0 of ``qn_ref`` and row 1 of ``kn_ref`` (both the packed [2, D]), or
-    with ``norm_rows`` > 0 row ``nrow_ref[0]`` (clamped) of each [norm_rows, D] stack. The
-    projection: bf16 [B, N] (``splits`` 0), or the q/k/v GEMM's ``splits`` fp32 partials
-    [splits, rows, N_pad] and their scale ``sc_ref`` [1], summed and rounded as
-    ``SplitK.finish``."""
+    with ``norm_rows`` > 0 row ``nrow_ref[0]`` (clamped) of each [norm_rows, D] stack."""
     del kin_ref, vin_ref  # aliased to k_ref, v_ref
     b, h = pl.program_id(0), pl.program_id(1)
     layer = jnp.minimum(jnp.maximum(layer_ref[0], 0), n_layers - 1)
@@ -258,18 +253,6 @@ def _prologue_kernel(qkv_ref, sc_ref, qn_ref, kn_ref, cos_ref, sin_ref, layer_re
     partner = (c + d // 2) % d  # rotate-half: column c takes -x[c + d/2] or x[c - d/2]
     sign = jnp.where(c < d // 2, -1.0, 1.0).astype(jnp.float32)
     nh = kv_heads * g
-    scale = sc_ref[0] if splits else None
-
-    def load_row(cols, mask=None):
-        """fp32 values (bf16 numbers) of the projection at token b's columns ``cols``."""
-        masked = {} if mask is None else {"mask": mask, "other": 0.0}
-        if not splits:
-            return plgpu.load(qkv_ref.at[b, cols], **masked).astype(jnp.float32)
-        parts = [plgpu.load(qkv_ref.at[i, b, cols], **masked) for i in range(splits)]
-        acc = parts[0]
-        for p in parts[1:]:  # SplitK.finish's order
-            acc = acc + p
-        return bf16_rne(acc * scale, exact_asm)
 
     def load_heads(col0, n: int, live):
         """([n, d], [n, d]) fp32: ``n`` heads from column ``col0`` (bf16 values) and their
@@ -277,7 +260,9 @@ def _prologue_kernel(qkv_ref, sc_ref, qn_ref, kn_ref, cos_ref, sin_ref, layer_re
         r = jnp.arange(n)[:, None]
 
         def load(cols):
-            return load_row(col0 + r * d + cols[None, :], live[:, None])
+            v = plgpu.load(qkv_ref.at[b, col0 + r * d + cols[None, :]],
+                           mask=live[:, None], other=0.0)
+            return v.astype(jnp.float32)
 
         return load(c), load(partner)
 
@@ -292,7 +277,7 @@ def _prologue_kernel(qkv_ref, sc_ref, qn_ref, kn_ref, cos_ref, sin_ref, layer_re
     one = jnp.arange(1) < 1
     q_in = load_heads(h * g * d, gp, jnp.arange(gp) < g)
     k_in = load_heads((nh + h) * d, 1, one)
-    v = load_row((nh + kv_heads + h) * d + c).astype(jnp.bfloat16)
+    v = plgpu.load(qkv_ref.at[b, (nh + kv_heads + h) * d + c])
     weights = (load_weights(0), load_weights(1)) if norm else (None, None)
     if rope:
         cs = plgpu.load(cos_ref.at[b, c])[None, :]
@@ -318,7 +303,7 @@ def _prologue_kernel(qkv_ref, sc_ref, qn_ref, kn_ref, cos_ref, sin_ref, layer_re
     meta_ref[1 + b] = pos + 1
 
 
-def decode_qkv_attention(qkv: jax.Array | SplitK, k_cache: jax.Array, v_cache: jax.Array,
+def decode_qkv_attention(qkv: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
                          layer: jax.Array | int, start: jax.Array | int, *, num_heads: int,
                          q_norm: jax.Array | None = None, k_norm: jax.Array | None = None,
                          eps: float = 1e-6, rope: tuple[jax.Array, jax.Array] | None = None,
@@ -328,16 +313,14 @@ def decode_qkv_attention(qkv: jax.Array | SplitK, k_cache: jax.Array, v_cache: j
     """A decode step's attention from its fused q/k/v projection, in three launches.
 
     qkv: bf16 [B, (NH + 2 KVH) * D], the new token's q, k and v heads side by side (the
-    decoders' ``qkv_proj``), or that projection as the Mosaic GEMM's ``gemm.SplitK`` partials
-    (``nn.norm_linear(split_k_out=True)``), which the first launch sums as ``SplitK.finish``
-    does, bit for bit: XLA's epilogue launch fewer; k_cache, v_cache: bf16 [L, B, S, KVH, D];
-    layer: int32 scalar; start: int32 scalar, the new token's position (every sequence's).
-    q_norm, k_norm: None or bf16 [D], RMSNorm weights over each head (Qwen3; ``eps``); or with
-    ``norm_layer`` (an int32 scalar, inside a scan over stacked layers) bf16 [L', D] stacks of
-    them, read in place at row ``norm_layer`` (clamped into the stack): a Pallas-Triton kernel
-    gets a copy of each scanned per-layer slice it takes (one fusion for the pair, about 1.4 us
-    a step on the H200). rope: None or (cos, sin) fp32 [B, D] of the position
-    (``models.rope_tables``; rotate-half RoPE).
+    decoders' ``qkv_proj``); k_cache, v_cache: bf16 [L, B, S, KVH, D]; layer: int32 scalar;
+    start: int32 scalar, the new token's position (every sequence's). q_norm, k_norm: None or
+    bf16 [D], RMSNorm weights over each head (Qwen3; ``eps``); or with ``norm_layer`` (an
+    int32 scalar, inside a scan over stacked layers) bf16 [L', D] stacks of them, read in
+    place at row ``norm_layer`` (clamped into the stack): a Pallas-Triton kernel gets a copy
+    of each scanned per-layer slice it takes (one fusion for the pair, about 1.4 us a step on
+    the H200). rope: None or (cos, sin) fp32 [B, D] of the position (``models.rope_tables``;
+    rotate-half RoPE).
 
     One Pallas-Triton launch norms and rotates the new token's q and k heads, writes k and v
     into the caches at (layer, b, start) (in place: the caches are aliased), and lays out q
@@ -359,9 +342,7 @@ def decode_qkv_attention(qkv: jax.Array | SplitK, k_cache: jax.Array, v_cache: j
     [rows, NH * D]; k_cache, v_cache).
     """
     n_layers, b, s, kvh, d = k_cache.shape
-    if isinstance(qkv, SplitK):
-        qkv.check("qkv", b, (num_heads + 2 * kvh) * d)
-    elif qkv.ndim != 2 or qkv.dtype != jnp.bfloat16 or qkv.shape != (b, (num_heads + 2 * kvh) * d):
+    if qkv.ndim != 2 or qkv.dtype != jnp.bfloat16 or qkv.shape != (b, (num_heads + 2 * kvh) * d):
         raise ValueError(f"qkv: expected bf16 [B={b}, (NH + 2 KVH) * D = "
                          f"{(num_heads + 2 * kvh) * d}], got {qkv.dtype} {qkv.shape}")
     for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
@@ -406,9 +387,7 @@ def decode_qkv_attention(qkv: jax.Array | SplitK, k_cache: jax.Array, v_cache: j
     kernel = functools.partial(
         _prologue_kernel, n_layers=n_layers, batch=b, capacity=s, kv_heads=kvh, d=d, g=g, gp=gp,
         eps=float(eps), norm=q_norm is not None, norm_rows=norm_rows, rope=rope is not None,
-        splits=qkv.parts.shape[0] if isinstance(qkv, SplitK) else 0, exact_asm=not interpret)
-    rows, scale = ((qkv.parts, qkv.scale.reshape(1)) if isinstance(qkv, SplitK)
-                   else (qkv, jnp.ones((1,), jnp.float32)))
+        exact_asm=not interpret)
     flat = (n_layers * b * s, kvh * d)
     qp, meta, kc, vc = pl.pallas_call(
         kernel, grid=(b, kvh), interpret=interpret, name="nvfp4_decode_qkv",
@@ -416,9 +395,9 @@ def decode_qkv_attention(qkv: jax.Array | SplitK, k_cache: jax.Array, v_cache: j
                    jax.ShapeDtypeStruct((1 + b,), jnp.int32),
                    jax.ShapeDtypeStruct(flat, jnp.bfloat16),
                    jax.ShapeDtypeStruct(flat, jnp.bfloat16)),
-        input_output_aliases={9: 2, 10: 3},
+        input_output_aliases={8: 2, 9: 3},
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
-    )(rows, scale, qn, kn, cos, sin, jnp.asarray(layer, jnp.int32).reshape(1),
+    )(qkv, qn, kn, cos, sin, jnp.asarray(layer, jnp.int32).reshape(1),
       jnp.asarray(0 if norm_layer is None else norm_layer, jnp.int32).reshape(1),
       jnp.asarray(start, jnp.int32).reshape(1), k_cache.reshape(flat), v_cache.reshape(flat))
     o = _attend(qp, kc, vc, meta, n_layers=n_layers, batch=b, capacity=s, kv_heads=kvh, d=d,

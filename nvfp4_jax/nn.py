@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from . import moe as moe_pkg
 from .device import gpu_compute_capability, is_sm90, on_gpu, pallas_interpret
 from .gemm.api import matmul, matmul_w4a4_operand, matmul_w4a4_prologue, prologue_applies
-from .gemm.mosaic import SplitK, token_tile
+from .gemm.mosaic import token_tile
 from .gemm.mosaic import unavailable as mosaic_unavailable
 from .moe.norm_router import norm_router_fits, norm_router_kernel
 from .moe.xla import add_residual
@@ -383,8 +383,8 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
 
 def norm_linear(p: Linear | jax.Array, x: jax.Array, norm_weight: jax.Array | None = None,
                 eps: float = 1e-6, *, backend: str = "auto", w4a4: bool = True,
-                layer: jax.Array | None = None, input_scales: jax.Array | None = None,
-                split_k_out: bool = False) -> jax.Array | SplitK:
+                layer: jax.Array | None = None,
+                input_scales: jax.Array | None = None) -> jax.Array:
     """``linear(p, rms_norm(x, norm_weight, eps))``; without ``norm_weight``, ``linear(p, x)``.
     x bf16 [..., K] -> bf16 [..., N].
 
@@ -398,11 +398,6 @@ def norm_linear(p: Linear | jax.Array, x: jax.Array, norm_weight: jax.Array | No
     (``gemm.matmul_w4a4_prologue``): in XLA the norm and the quantizer are four launches
     (three without the norm), and a per-layer slice handed to a Pallas-Triton kernel is a copy
     of its own. Elsewhere the composition, the stacks sliced at ``layer``.
-
-    split_k_out: on that Mosaic path, return the GEMM's ``gemm.SplitK`` product (M = the
-    tokens of x's leading axes) for a launch that sums its partials itself
-    (``attention.decode_qkv_attention``) instead of XLA's epilogue launch; elsewhere, and
-    where the GEMM's bf16 store finishes the product, the array as without it.
     """
     stacked = layer is not None
     if stacked and norm_weight is not None and jnp.ndim(norm_weight) != 2:
@@ -418,9 +413,8 @@ def norm_linear(p: Linear | jax.Array, x: jax.Array, norm_weight: jax.Array | No
         if (scales is not None and x.shape[-1] == k and m >= 1
                 and prologue_applies(m, n, k, backend, norm=norm_weight is not None)):
             out = matmul_w4a4_prologue(x.reshape(m, k), p.w, scales, layer=layer,
-                                       norm_weight=norm_weight, eps=eps,
-                                       split_k_out=split_k_out)
-            return out if isinstance(out, SplitK) else out.reshape(lead + (n,))
+                                       norm_weight=norm_weight, eps=eps)
+            return out.reshape(lead + (n,))
     if norm_weight is not None:
         w = norm_weight[layer] if stacked else norm_weight
         x = rms_norm(x, w, eps)

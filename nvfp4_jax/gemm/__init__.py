@@ -11,13 +11,11 @@ from .api import (
     register_sm12x_device_kinds,
     resolve_backend,
 )
-from .mosaic import SplitK
 from .pallas_triton import Config, dequantize_pallas, matmul_pallas
 from .xla import dequantize_xla, matmul_xla
 
 __all__ = [
     "Config",
-    "SplitK",
     "dequantize_pallas",
     "dequantize_xla",
     "matmul",

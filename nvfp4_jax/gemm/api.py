@@ -384,8 +384,7 @@ def prologue_applies(m: int, n: int, k: int, backend: str = "auto", *,
 def matmul_w4a4_prologue(x: jax.Array, w: NVFP4Array, input_scale: jax.Array, *,
                          layer: jax.Array | int | None = None,
                          norm_weight: jax.Array | None = None, eps: float = 1e-6,
-                         out_dtype=jnp.bfloat16, split_k_out: bool = False
-                         ) -> jax.Array | mosaic.SplitK:
+                         out_dtype=jnp.bfloat16) -> jax.Array:
     """W4A4 ``matmul(x, w, input_scale=s)`` on the Mosaic kernel, x's operand made in one
     Pallas-Triton launch (``operand.mosaic_w4a4_operand``: quantized with IEEE divisions,
     zero-padded, permuted), optionally RMSNorm'd first: ``matmul(nn.rms_norm(x, norm_weight,
@@ -395,9 +394,7 @@ def matmul_w4a4_prologue(x: jax.Array, w: NVFP4Array, input_scale: jax.Array, *,
     an fp32 scalar, norm_weight bf16 [K]), or an int32 scalar inside a scan over stacked
     layers: input_scale fp32 [L] and norm_weight bf16 [L, K] are the stacks, which the launch
     reads in place (a per-layer slice would be copied for it on every step). Where
-    :func:`prologue_applies` says so; ValueError elsewhere. Returns out_dtype [M, N], or with
-    ``split_k_out`` the GEMM's ``mosaic.SplitK`` product for a launch that sums it (where the
-    config's bf16 store finishes it in the kernel, the array)."""
+    :func:`prologue_applies` says so; ValueError elsewhere. Returns out_dtype [M, N]."""
     _check_weight(w)
     x = jnp.asarray(x)
     if x.ndim != 2 or x.dtype != jnp.bfloat16:
@@ -411,19 +408,18 @@ def matmul_w4a4_prologue(x: jax.Array, w: NVFP4Array, input_scale: jax.Array, *,
                          "(prologue_applies)")
     xp = mosaic_w4a4_operand(x, input_scale, mosaic.token_tile(m), layer=layer,
                              norm_weight=norm_weight, eps=eps)
-    return _w4a4_on_operand(xp, m, w, input_scale, layer, out_dtype, split_k_out)
+    return _w4a4_on_operand(xp, m, w, input_scale, layer, out_dtype)
 
 
 def matmul_w4a4_operand(xp: jax.Array, m: int, w: NVFP4Array, input_scale: jax.Array, *,
                         layer: jax.Array | int | None = None,
-                        out_dtype=jnp.bfloat16, split_k_out: bool = False
-                        ) -> jax.Array | mosaic.SplitK:
+                        out_dtype=jnp.bfloat16) -> jax.Array:
     """The Mosaic GEMM of :func:`matmul_w4a4_prologue` on an operand another launch made:
     ``xp`` bf16 [mosaic.token_tile(m), K], ``operand.mosaic_w4a4_operand``'s layout and
     values for the same ``input_scale`` and ``layer`` (``attention.decode_qkv_attention``
     writes it for ``o_proj``). m: the tokens (M <= 64); w, input_scale, layer as
     :func:`matmul_w4a4_prologue`'s. Where :func:`prologue_applies` says so; ValueError
-    elsewhere. Returns out_dtype [m, N] (``split_k_out`` as :func:`matmul_w4a4_prologue`'s)."""
+    elsewhere. Returns out_dtype [m, N]."""
     _check_weight(w)
     xp = jnp.asarray(xp)
     n, k = w.shape
@@ -435,10 +431,10 @@ def matmul_w4a4_operand(xp: jax.Array, m: int, w: NVFP4Array, input_scale: jax.A
     if not prologue_applies(m, n, k, "mosaic"):
         raise ValueError(f"xp: the Mosaic W4A4 GEMM does not run M={m} N={n} K={k} here "
                          "(prologue_applies)")
-    return _w4a4_on_operand(xp, m, w, input_scale, layer, out_dtype, split_k_out)
+    return _w4a4_on_operand(xp, m, w, input_scale, layer, out_dtype)
 
 
-def _w4a4_on_operand(xp, m, w, input_scale, layer, out_dtype, split_k_out=False):
+def _w4a4_on_operand(xp, m, w, input_scale, layer, out_dtype):
     n, k = w.shape
     s = jnp.asarray(input_scale, jnp.float32)
     s_layer = s.reshape(()) if layer is None else jnp.take(s, jnp.asarray(layer, jnp.int32),
@@ -447,4 +443,4 @@ def _w4a4_on_operand(xp, m, w, input_scale, layer, out_dtype, split_k_out=False)
     alpha = s_layer * jnp.asarray(w.decode_scale, jnp.float32)
     mcfg = mosaic.config_for(m, n, k, gpu_compute_capability())
     return mosaic.matmul_mosaic_permuted(xp, m, w.codes, w_scales, alpha, out_dtype=out_dtype,
-                                         config=mcfg, split_k_out=split_k_out)
+                                         config=mcfg)

@@ -54,40 +54,6 @@ SM12X_SMEM_LIMIT = 99 * 1024  # ... on SM 12.x (RTX 50xx, DGX Spark)
 MMAS = ("wgmma", "sync")  # MosaicConfig.mma
 POST_SCALE = 2.0**7  # the decode hands wgmma e2m1 * e4m3 * 2^-7 (see module docstring)
 
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class SplitK:
-    """The Mosaic GEMM's product before its epilogue (``matmul_mosaic_permuted(split_k_out=
-    True)``), for a launch that sums it itself instead of XLA's epilogue launch.
-
-    parts: fp32 [S, token_tile(m), N_pad], the S split-K partial products (rows past m and
-    columns past n undefined); scale: fp32 scalar, ``alpha * POST_SCALE``; m, n (static): the
-    product's rows and columns. Its value is :meth:`finish`'s: the parts summed in order,
-    ``((p[0] + p[1]) + p[2]) + ...``, times the scale, then cast; a consumer kernel reads the
-    parts and does the same fp32 operations, bit for bit."""
-
-    parts: jax.Array
-    scale: jax.Array
-    m: int = dataclasses.field(metadata={"static": True})
-    n: int = dataclasses.field(metadata={"static": True})
-
-    def finish(self, dtype=jnp.bfloat16) -> jax.Array:
-        """The product, dtype [m, n] (XLA's epilogue)."""
-        acc = self.parts[0]
-        for i in range(1, self.parts.shape[0]):
-            acc = acc + self.parts[i]
-        return (acc[: self.m, : self.n] * self.scale).astype(dtype)
-
-    def check(self, name: str, m: int, n: int) -> None:
-        """ValueError naming ``name`` unless this is an fp32 product of m rows and n columns."""
-        p = self.parts
-        if (p.ndim != 3 or p.dtype != jnp.float32 or p.shape[1] < m or p.shape[2] < n
-                or self.m != m or self.n != n or jnp.shape(self.scale) != ()):
-            raise ValueError(f"{name}: expected the split-K product of [{m}, {n}] (fp32 parts "
-                             f"[S, >= {m}, >= {n}], an fp32 scale), got parts {p.dtype} "
-                             f"{p.shape} for [{self.m}, {self.n}], scale {jnp.shape(self.scale)}")
-
 # K permutation within each 128-element group: fragment column p = 32w + 8j + 2c + l holds
 # weight element e = 32c + 8w + 4l + j (c = thread's column quad, w = word, j = nibble pair,
 # l = lane of the bf16x2 register). PERM[p] = e.
@@ -1112,14 +1078,11 @@ def matmul_mosaic_permuted(
     out_dtype=jnp.bfloat16,
     config: MosaicConfig | None = None,
     poison: bool = False,
-    split_k_out: bool = False,
-) -> jax.Array | SplitK:
+) -> jax.Array:
     """:func:`matmul_mosaic` on x already in the kernel's layout: ``xp`` bf16 [token_tile(m),
     K], :func:`permute_x` of the M = ``m`` tokens (``gemm.operand.mosaic_w4a4_operand`` writes
     it in one launch). The other arguments and the result as :func:`matmul_mosaic`'s, whose
-    checks the weights and alpha are assumed to have passed. split_k_out: return the
-    :class:`SplitK` product instead of running XLA's epilogue, unless the config's bf16 store
-    finishes the product in the kernel (then the bf16 [M, N] array)."""
+    checks the weights and alpha are assumed to have passed."""
     mt, k = xp.shape
     n = w_codes.shape[0]
     if xp.dtype != jnp.bfloat16 or mt != token_tile(m):
@@ -1146,5 +1109,5 @@ def matmul_mosaic_permuted(
         out = make(out_type)(xp, w_codes, w_scales, alpha.reshape(1))[0, :m, :n]
         return out.astype(out_dtype)
     part = make(out_type)(xp, w_codes, w_scales)  # [split, mt, N_pad] fp32
-    product = SplitK(part, (alpha * POST_SCALE).reshape(()), m, n)
-    return product if split_k_out else product.finish(out_dtype)
+    out = part.sum(axis=0)[:m, :n] * (alpha * POST_SCALE)
+    return out.astype(out_dtype)

@@ -35,7 +35,6 @@ import numpy as np
 from .. import nn
 from ..attention import cache_attention, decode_qkv_attention, runs_kernel
 from ..device import pallas_interpret
-from ..gemm import SplitK
 from ..moe.xla import add_residual
 from ..quantize import NVFP4Array
 
@@ -139,14 +138,12 @@ def attention(cfg: DecoderConfig, p: dict, x: jax.Array, pos: jax.Array, k_all: 
     layer's row ``norm_layer``, which the decode kernel reads in place. ``o_operand``: None,
     or ((input_scale, layer, rows), linear) where o_proj is a W4A4 Mosaic GEMM: the decode
     kernel's last launch then writes its operand (``decode_qkv_attention(w4a4_operand=)``)
-    and ``linear(operand)`` is the projection (``nn.linear_on_operand``). ``qkv`` may be the
-    projection's ``gemm.SplitK`` product where a decode step runs the kernel (its first
-    launch sums the partials).
+    and ``linear(operand)`` is the projection (``nn.linear_on_operand``).
 
     A decode step (T = 1) where ``attention.runs_kernel`` says so runs
     ``attention.decode_qkv_attention`` on the q/k/v projection: three launches from it to the
     attention output (q/k norms, RoPE, the cache writes and the attention itself)."""
-    b, t = (qkv.m, 1) if isinstance(qkv, SplitK) else (x if qkv is None else qkv).shape[:2]
+    b, t = (x if qkv is None else qkv).shape[:2]
     nh, kvh, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     lin = _linear_or_stub(ablate, backend, w4a4)
     out_proj = o_proj or (lambda o: lin(p["o_proj"], o))
@@ -162,17 +159,14 @@ def attention(cfg: DecoderConfig, p: dict, x: jax.Array, pos: jax.Array, k_all: 
             norms = ((p["q_norm"], p["k_norm"], None) if qk_norms is None
                      else (*qk_norms, norm_layer))
         o, k_all, v_all = decode_qkv_attention(
-            qkv if isinstance(qkv, SplitK) else qkv[:, 0], k_all, v_all, li, start,
-            num_heads=nh, q_norm=norms[0], k_norm=norms[1], norm_layer=norms[2],
-            eps=cfg.rms_norm_eps,
+            qkv[:, 0], k_all, v_all, li, start, num_heads=nh, q_norm=norms[0],
+            k_norm=norms[1], norm_layer=norms[2], eps=cfg.rms_norm_eps,
             rope=None if rope is None else (rope[0][:, 0], rope[1][:, 0]),
             w4a4_operand=None if o_operand is None else o_operand[0],
             interpret=pallas_interpret())
         if o_operand is not None:  # o is o_proj's operand
             return o_operand[1](o).reshape(b, 1, -1), k_all, v_all
         return out_proj(o.reshape(b, 1, nh * d)), k_all, v_all
-    if isinstance(qkv, SplitK):
-        qkv = qkv.finish().reshape(b, t, -1)
     q, k, v = jnp.split(qkv, [nh * d, (nh + kvh) * d], axis=-1)
     q = q.reshape(b, t, nh, d)
     k = k.reshape(b, t, kvh, d)
@@ -261,18 +255,16 @@ def _layer(cfg, p, x, pos, k_all, v_all, li, start, rope, backend, w4a4, ablate,
     sa = p["self_attn"]
     stacks = stacks if stacks and "dense" not in ablate else {}
 
-    def pro(block, name, v, norm_weight=None, split_k_out=False):
+    def pro(block, name, v, norm_weight=None):
         st = stacks.get((block, name))
         if st is None:
             h = v if norm_weight is None else nn.rms_norm(v, norm_weight, eps)
             return _linear_or_stub(ablate, backend, w4a4)(p[block][name], h)
         return nn.norm_linear(p[block][name], v, st[0], eps, backend=backend, w4a4=w4a4,
-                              layer=gl, input_scales=st[1], split_k_out=split_k_out)
+                              layer=gl, input_scales=st[1])
 
     if ("self_attn", "qkv_proj") in stacks:
-        # at decode the attention kernel's first launch sums the q/k/v GEMM's split-K partials
-        qkv = pro("self_attn", "qkv_proj", x, p["input_layernorm"],
-                  split_k_out=_decode_kernel_runs(cfg, x.shape[1], backend, ablate))
+        qkv = pro("self_attn", "qkv_proj", x, p["input_layernorm"])
         o_operand = None
         st = stacks.get(("self_attn", "o_proj"))
         rows = None if st is None or x.shape[1] != 1 else nn.w4a4_operand_rows(

@@ -8,14 +8,9 @@ for 128 logits. :func:`select_kernel` does all of it in one program per block of
 * the experts of the k largest logits, the lower index first among equal ones (by the logits
   themselves: exp is increasing, so these are the k largest probabilities of exact arithmetic,
   ``oracle.select_experts``; XLA's ``top_k`` compares the rounded probabilities instead, which
-  can tie where the logits do not). Up to ``RANK_MAX_EXPERTS`` experts each expert's place is
-  counted at once (the experts before it in that order, over a [tokens, E, E] comparison
-  tile) and the k first are stored at their places: one reduction instead of k rounds of
-  three (the largest logit, its lowest index, its probability), each waiting on the last;
-  above, the k are picked one by one;
+  can tie where the logits do not);
 * their weights ``exp(l_j - m) / sum_i exp(l_i - m)`` in fp32 (IEEE divisions), renormalized
-  over the k with ``renormalize`` (``p_j / sum of the k``, as XLA's path computes it, the
-  sum's order the tile's);
+  over the k with ``renormalize`` (``p_j / sum of the k``, as XLA's path computes it);
 * NaN weights for a token with a NaN or +inf logit or all logits -inf (softmax undefined), and
   for one whose hidden row holds a NaN or Inf (``moe``'s policy: that token's output row is
   NaN on every backend).
@@ -44,23 +39,13 @@ TILE_TARGET = 128
 WARP_ELEMS = 128
 #: Hidden values one warp checks per chunk (32 per thread).
 CHUNK_PER_WARP = 1024
-#: Most experts (rounded up to a power of two) a program ranks at once: its [tokens, E, E]
-#: comparison tile holds TILE_TARGET * E values, 128 a thread at ``RANK_WARPS`` warps.
-RANK_MAX_EXPERTS = 128
-RANK_WARPS = 4
-
-
-def rank_fits(e: int) -> bool:
-    """Whether a program picks its tokens' experts by rank (E <= ``RANK_MAX_EXPERTS``; module
-    docstring), else one by one."""
-    return pow2(e) <= RANK_MAX_EXPERTS
 
 
 def _tiles(t: int, e: int, h: int) -> tuple[int, int, int]:
     """(tokens per program, warps, hidden chunk) for T tokens, E experts, hidden size H."""
     ep = pow2(e)
     tb = max(1, min(pow2(t), TILE_TARGET // ep))
-    warps = RANK_WARPS if rank_fits(e) else max(1, min(4, tb * ep // WARP_ELEMS))
+    warps = max(1, min(4, tb * ep // WARP_ELEMS))
     hk = max(1, min(pow2(h), CHUNK_PER_WARP * warps // tb))
     return tb, warps, hk
 
@@ -71,7 +56,7 @@ def select_fits(num_experts: int, top_k: int) -> bool:
 
 
 def _select_kernel(lg_ref, x_ref, ids_ref, w_ref, *, t: int, e: int, k: int, h: int, tb: int,
-                   hk: int, renormalize: bool, rank: bool, exact_asm: bool):
+                   hk: int, renormalize: bool, exact_asm: bool):
     ep = pow2(e)
     r0 = pl.program_id(0) * tb
     rows = r0 + lax.broadcasted_iota(jnp.int32, (tb, 1), 0)
@@ -79,15 +64,7 @@ def _select_kernel(lg_ref, x_ref, ids_ref, w_ref, *, t: int, e: int, k: int, h: 
     live = rows < t
     valid = live & (cols < e)
     inf = float("inf")  # a Python float: Triton lowering cannot negate a jnp constant
-    # every load first (a load after a reduction waits for its barriers): the logits and the
-    # token's hidden row, in chunks of hk
     lg = jnp.where(valid, plgpu.load(lg_ref.at[jnp.where(valid, rows * e + cols, 0)]), -inf)
-    hc = lax.broadcasted_iota(jnp.int32, (1, hk), 1)
-    xs = []
-    for c0 in range(0, h, hk):  # static: h / hk chunks
-        ok = live & (c0 + hc < h)
-        xv = plgpu.load(x_ref.at[jnp.where(ok, rows * h + c0 + hc, 0)]).astype(jnp.float32)
-        xs.append(ok & ~(jnp.abs(xv) < inf))
     isnan = lg != lg
     # softmax undefined: a NaN or +inf logit, or (below) every logit -inf
     undefined = jnp.max(jnp.where(valid & (isnan | (lg == inf)), 1, 0), axis=1) > 0
@@ -97,26 +74,13 @@ def _select_kernel(lg_ref, x_ref, ids_ref, w_ref, *, t: int, e: int, k: int, h: 
     ex = jnp.exp(jnp.where(valid & ~undefined[:, None], sel - m[:, None], -inf))  # [tb, ep]
     total = jnp.sum(ex, axis=1)
     # a non-finite hidden value anywhere in the token's row
+    hc = lax.broadcasted_iota(jnp.int32, (1, hk), 1)
     bad_x = jnp.zeros((tb,), jnp.bool_)
-    for bad in xs:
-        bad_x = bad_x | (jnp.max(jnp.where(bad, 1, 0), axis=1) > 0)
+    for c0 in range(0, h, hk):  # static: h / hk chunks
+        ok = live & (c0 + hc < h)
+        xv = plgpu.load(x_ref.at[jnp.where(ok, rows * h + c0 + hc, 0)]).astype(jnp.float32)
+        bad_x = bad_x | (jnp.max(jnp.where(ok & ~(jnp.abs(xv) < inf), 1, 0), axis=1) > 0)
     nan_w = undefined | bad_x
-    if rank:
-        # expert i's place among its token's: the valid experts j before it, by a larger
-        # logit or an equal one at a lower index; the k first are stored at their places
-        si, sj = sel[:, :, None], sel[:, None, :]
-        ci, cj = cols[:, :, None], cols[:, None, :]
-        before = valid[:, None, :] & ((sj > si) | ((sj == si) & (cj < ci)))
-        place = jnp.sum(before.astype(jnp.int32), axis=2)  # [tb, ep]
-        chosen = valid & (place < k)
-        p = div_rn(ex, total[:, None], exact_asm)
-        if renormalize:
-            p = div_rn(p, jnp.sum(jnp.where(chosen, p, 0.0), axis=1)[:, None], exact_asm)
-        # lanes not stored index out of range (interpret mode writes masked lanes too)
-        dst = jnp.where(chosen, rows * k + place, t * k + rows * ep + cols)
-        plgpu.store(ids_ref.at[dst], jnp.broadcast_to(cols, (tb, ep)), mask=chosen)
-        plgpu.store(w_ref.at[dst], jnp.where(nan_w[:, None], jnp.nan, p), mask=chosen)
-        return
     r1 = r0 + lax.broadcasted_iota(jnp.int32, (tb,), 0)
     live1 = r1 < t
     # masked lanes store out of range (never a clamped duplicate of a live lane's index:
@@ -162,7 +126,7 @@ def select_kernel(router_logits: jax.Array, hidden: jax.Array, top_k: int, *,
     h = hidden.shape[1]
     tb, warps, hk = _tiles(t, e, h)
     kern = functools.partial(_select_kernel, t=t, e=e, k=top_k, h=h, tb=tb, hk=hk,
-                             renormalize=renormalize, rank=rank_fits(e), exact_asm=not interpret)
+                             renormalize=renormalize, exact_asm=not interpret)
     ids, w = call(kern, (jax.ShapeDtypeStruct((t * top_k,), jnp.int32),
                          jax.ShapeDtypeStruct((t * top_k,), jnp.float32)),
                   (cdiv(t, tb),), num_warps=warps, name="nvfp4_moe_select", interpret=interpret)(

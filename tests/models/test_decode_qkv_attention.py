@@ -22,7 +22,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -32,7 +31,6 @@ from jaxpr_calls import pallas_calls
 import oracle
 from nvfp4_jax import attention, nn
 from nvfp4_jax.device import pallas_interpret
-from nvfp4_jax.gemm import SplitK
 from nvfp4_jax.gemm.operand import mosaic_w4a4_operand
 from nvfp4_jax.models import decoder
 
@@ -213,65 +211,6 @@ def test_w4a4_operand_rejects_bad_arguments():
                                        w4a4_operand=(sc[0], None, 8))
 
 
-def _split_k(rng, s, b, n, rows=8, pad=64):
-    """A q/k/v GEMM's SplitK product of B tokens: fp32 parts [s, rows, n + pad], NaN past the
-    B rows and n columns (never read); with 3+ parts some columns cancel (a huge part, then its
-    negation), so another summation order gives other bits."""
-    parts = np.full((s, rows, n + pad), np.nan, np.float32)
-    vals = rng.standard_normal((s, b, n)) * 10.0 ** rng.uniform(-2, 2, (s, 1, n))
-    if s >= 3:
-        cancel = rng.random(n) < 0.5
-        big = rng.standard_normal((b, n)) * 2.0**20
-        vals[0][:, cancel] += big[:, cancel]
-        vals[2][:, cancel] -= big[:, cancel]
-    parts[:, :b, :n] = vals
-    scale = np.float32(rng.uniform(1e-4, 1e-2)) * np.float32(2.0**7)
-    return SplitK(jnp.asarray(parts), jnp.asarray(scale, jnp.float32), b, n)
-
-
-def test_split_k_finish_sums_the_parts_in_order():
-    """``SplitK.finish``: ((p0 + p1) + p2) + ... in fp32, times the scale, rounded to bf16,
-    against numpy's fp32 arithmetic in that order."""
-    rng = np.random.default_rng(0)
-    for s in (1, 2, 3, 4, 8):
-        sk = _split_k(rng, s, 3, 256)
-        p = np.asarray(sk.parts)[:, :3, :256]
-        acc = p[0].copy()
-        for i in range(1, s):
-            acc = (acc + p[i]).astype(np.float32)
-        want = (acc * np.asarray(sk.scale)).astype(np.float32).astype(ml_dtypes.bfloat16)
-        assert _same(sk.finish(), want), f"{s} parts"
-
-
-@pytest.mark.parametrize("s,b,qk_norm", [(1, 1, True), (3, 2, False), (4, 1, True),
-                                         (8, 3, True)])
-def test_split_k_product_summed_by_the_first_launch(s, b, qk_norm):
-    """The q/k/v projection as the GEMM's ``SplitK`` partials: the attention output and both
-    caches bit for bit those of the same call on ``SplitK.finish()`` (with q/k norms and RoPE
-    or without), partials past the B rows and N columns never read (NaN there)."""
-    kvh, g, d, n_layers, cap, start = 2, 4, 64, 2, 16, 5
-    rng = np.random.default_rng(10 * s + b)
-    _, k, v, norms = _case(s, n_layers, b, cap, kvh, g, d, 1.0, start)
-    sk = _split_k(rng, s, b, (kvh * g + 2 * kvh) * d)
-    norms = norms if qk_norm else None
-    rope = _rope(b, d, start)
-    got = _run(sk, k, v, jnp.int32(1), jnp.int32(start), kvh * g, norms, rope, jit=True)
-    want = _run(sk.finish(), k, v, jnp.int32(1), jnp.int32(start), kvh * g, norms, rope,
-                jit=True)
-    assert np.isfinite(np.asarray(got[0], np.float32)).all()
-    for name, a, w in zip(("output", "k_cache", "v_cache"), got, want):
-        assert _same(a, w), f"{name} differs from the finished product's"
-
-
-def test_split_k_product_rejects_another_shape():
-    _, k, v, _ = _case(0, 2, 2, 8, 2, 4, 32, 1.0, 3)
-    rng = np.random.default_rng(1)
-    want = r"qkv: expected the split-K product of \[2, 384\]"
-    for sk in (_split_k(rng, 2, 2, 383), _split_k(rng, 2, 1, 384)):  # N, then B off
-        with pytest.raises(ValueError, match=want):
-            attention.decode_qkv_attention(sk, k, v, 0, 3, num_heads=8)
-
-
 def test_decode_qkv_attention_rejects_bad_arguments():
     qkv, k, v, norms = _case(0, 2, 1, 8, 2, 4, 32, 1.0, 3)
     with pytest.raises(ValueError, match="qkv: expected bf16"):
@@ -323,7 +262,7 @@ def test_decode_step_runs_the_qkv_kernel_not_xla_cache_updates():
     (call,) = pallas_calls(jaxpr.jaxpr, "nvfp4_decode_qkv")
     # the q and k norm weights: the scanned group's [3, D] stacks, read in place (a [2, D]
     # operand would be the two scanned slices packed, one copy a step)
-    assert [tuple(v.aval.shape) for v in call.invars[2:4]] == [(3, d), (3, d)]
+    assert [tuple(v.aval.shape) for v in call.invars[1:3]] == [(3, d), (3, d)]
 
 
 def test_decode_step_makes_o_projs_operand_in_the_attention_launch(monkeypatch):
@@ -360,31 +299,3 @@ def test_decode_step_makes_o_projs_operand_in_the_attention_launch(monkeypatch):
     assert tuple(call.outvars[0].aval.shape) == (8, nhd)
     assert tuple(call.invars[-1].aval.shape) == (3,)  # the [L] input-scale stack, in place
     assert seen == [((8, nhd), (3,), True)]
-
-
-def test_decode_step_hands_the_qkv_gemms_partials_to_the_attention(monkeypatch):
-    """Where the q/k/v linear is a W4A4 Mosaic GEMM (``gemm.prologue_applies``; on the CPU
-    said so by the test, the step only traced), the decoders' one-token step hands its
-    split-K partials (fp32 [S, rows, N_pad]) and their scale to the attention's first launch,
-    not XLA's epilogue's bf16 product."""
-    import pathlib
-    import sys
-
-    from nvfp4_jax import models
-    from nvfp4_jax.gemm import api
-    sys.path.insert(0, str(pathlib.Path(__file__).parents[2] / "bench"))
-    import e2e_bench
-
-    monkeypatch.setattr(nn, "prologue_applies", lambda *a, **k: True)
-    monkeypatch.setattr(api, "prologue_applies", lambda *a, **k: True)
-    shape = {"num_layers": 3, "hidden_size": 256, "head_dim": 64, "num_heads": 4,
-             "num_kv_heads": 2}  # K and NH * D multiples of the Mosaic kernel's 256
-    cfg = e2e_bench.config_of({**e2e_bench.TINY["qwen3-30b-a3b"], **shape})
-    model = e2e_bench.build_model(cfg, "nvfp4")
-    cache = models.init_cache(cfg, 1, 8)
-    step = functools.partial(models.decode_step, backend="pallas")
-    jaxpr = jax.make_jaxpr(step)(model, jnp.zeros((1,), jnp.int32), cache)
-    (call,) = pallas_calls(jaxpr.jaxpr, "nvfp4_decode_qkv")
-    parts, scale = (v.aval for v in call.invars[:2])
-    assert parts.dtype == jnp.float32 and parts.ndim == 3 and parts.shape[2] >= 512
-    assert scale.dtype == jnp.float32 and scale.shape == (1,)

@@ -22,7 +22,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from bench_modules import fresh
-from jaxpr_calls import pallas_calls
 
 from nvfp4_jax import models
 
@@ -174,31 +173,6 @@ def test_fused_o_proj_operand_and_residual_add_change_no_bit(name, batch, monkey
     assert "combine_operand" not in text and "nvfp4_moe_add_norm_router" not in text
     monkeypatch.setattr(nn, "add_norm_router", real)
     jax.clear_caches()
-    _assert_same_logits(fused, plain)
-
-
-@pytest.mark.parametrize("name", list(SHAPES))
-@pytest.mark.parametrize("batch", [1, 3])
-def test_qkv_split_k_summed_in_the_attention_launch_changes_no_bit(name, batch, monkeypatch):
-    """The decode step with the q/k/v GEMM's split-K partials summed by the attention's first
-    launch (``nn.norm_linear(split_k_out=True)``) gives the logits of the step with XLA's
-    epilogue launch, bit for bit: the same fp32 operations in the same order."""
-    from nvfp4_jax import nn
-
-    model, nxt, cache, step = _decode_case(name, batch)
-
-    def qkv_operand():  # the projection operand of the attention's first launch
-        jaxpr = jax.make_jaxpr(models.decode_step)(model, nxt, cache)
-        (call,) = pallas_calls(jaxpr.jaxpr, "nvfp4_decode_qkv")
-        return call.invars[0].aval.ndim, call.invars[0].aval.dtype
-
-    fused = step()
-    assert qkv_operand() == (3, jnp.float32)  # the partials [S, rows, N_pad]
-    real = nn.norm_linear
-    monkeypatch.setattr(nn, "norm_linear", lambda *a, split_k_out=False, **k: real(*a, **k))
-    jax.clear_caches()
-    plain = step()
-    assert qkv_operand() == (2, jnp.bfloat16)
-    monkeypatch.setattr(nn, "norm_linear", real)
-    jax.clear_caches()
-    _assert_same_logits(fused, plain)
+    got, want = np.asarray(fused, np.float32), np.asarray(plain, np.float32)
+    assert np.isfinite(got).all()
+    np.testing.assert_array_equal(got, want)

@@ -153,7 +153,7 @@ def attention(cfg: DecoderConfig, p: dict, x: jax.Array, pos: jax.Array, k_all: 
         qkv = lin(p["qkv_proj"], x)
     else:
         qkv = jnp.concatenate([lin(p[n], x) for n in ("q_proj", "k_proj", "v_proj")], axis=-1)
-    if _decode_kernel_runs(cfg, t, backend, ablate):
+    if t == 1 and "attention" not in ablate and runs_kernel(backend, d, nh, kvh):
         norms = (None, None, None)
         if cfg.qk_norm:
             norms = ((p["q_norm"], p["k_norm"], None) if qk_norms is None
@@ -188,13 +188,6 @@ def attention(cfg: DecoderConfig, p: dict, x: jax.Array, pos: jax.Array, k_all: 
     vc = jax.lax.dynamic_index_in_dim(v_all, li, axis=0, keepdims=False)
     o = cache_attention(q, kc, vc, pos).reshape(b, t, nh * d)
     return out_proj(o), k_all, v_all
-
-
-def _decode_kernel_runs(cfg, t: int, backend: str, ablate: frozenset = frozenset()) -> bool:
-    """Whether :func:`attention` runs a step of ``t`` tokens on ``decode_qkv_attention``: a
-    decode step (t = 1) where ``attention.runs_kernel`` takes the heads."""
-    return (t == 1 and "attention" not in ablate
-            and runs_kernel(backend, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads))
 
 
 def _linear_or_stub(ablate: frozenset, backend: str, w4a4: bool):

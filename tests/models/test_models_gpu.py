@@ -120,29 +120,6 @@ def test_folded_experts_match_xla_on_gpu():
                         f"(bound {bound:.3g})"
 
 
-def _decode_case(name: str, batch: int):
-    """(model, next tokens, cache, step): the ``name`` model's NVFP4 decode step after a
-    16-token prefill of ``batch`` sequences; ``step()`` runs it on a copy of the cache
-    (``decode_step`` donates it) and returns the logits."""
-    bench = fresh("e2e_bench")
-    model = bench.build_model(bench.config_of(SHAPES[name]), "nvfp4")
-    ids = (jnp.arange(batch * 16, dtype=jnp.int32).reshape(batch, 16) * 37) % 1024
-    nxt = (ids[:, -1] * 7 + 3) % 1024
-    cache = models.init_cache(model.config, batch, 20)
-    _, cache = models.prefill(model, ids, cache)
-
-    def step():
-        return models.decode_step(model, nxt, jax.tree.map(jnp.copy, cache))[0]
-
-    return model, nxt, cache, step
-
-
-def _assert_same_logits(fused, plain):
-    got, want = np.asarray(fused, np.float32), np.asarray(plain, np.float32)
-    assert np.isfinite(got).all()
-    np.testing.assert_array_equal(got, want)
-
-
 @pytest.mark.parametrize("name", list(SHAPES))
 @pytest.mark.parametrize("batch", [1, 3])
 def test_fused_o_proj_operand_and_residual_add_change_no_bit(name, batch, monkeypatch):
@@ -153,7 +130,16 @@ def test_fused_o_proj_operand_and_residual_add_change_no_bit(name, batch, monkey
     from nvfp4_jax import nn
     from nvfp4_jax.moe.xla import add_residual
 
-    model, nxt, cache, step = _decode_case(name, batch)
+    bench = fresh("e2e_bench")
+    model = bench.build_model(bench.config_of(SHAPES[name]), "nvfp4")
+    ids = (jnp.arange(batch * 16, dtype=jnp.int32).reshape(batch, 16) * 37) % 1024
+    nxt = (ids[:, -1] * 7 + 3) % 1024
+    cache = models.init_cache(model.config, batch, 20)
+    _, cache = models.prefill(model, ids, cache)
+
+    def step():  # decode_step donates its cache: each call gets a copy
+        return models.decode_step(model, nxt, jax.tree.map(jnp.copy, cache))[0]
+
     fused = step()
     text = str(jax.make_jaxpr(models.decode_step)(model, nxt, cache))
     assert "nvfp4_decode_attention_combine_operand" in text

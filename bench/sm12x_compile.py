@@ -544,8 +544,9 @@ def run_variants(out_dir: str, candidates: list) -> dict:
 
 
 def attention_entries(workdir: str) -> list[dict]:
-    """The decoders' one-token attention, ``attention.decode_qkv_attention``'s three kernels
-    (q/k/v prologue, chunks, combine; and the combine writing o_proj's W4A4 operand) at
+    """The decoders' one-token attention, ``attention.decode_qkv_attention``'s kernels (the
+    chunks from the q/k/v projection, the combine; and the combine writing o_proj's W4A4
+    operand) at
     Qwen3-30B-A3B's heads (32 / 4, head_dim 128, q/k RMSNorm read from 48-layer stacks as the
     decoders' scan passes them, RoPE, batch 1, 1060 cache slots), compiled by pip triton per
     arch."""
@@ -563,9 +564,13 @@ def attention_entries(workdir: str) -> list[dict]:
                 a, k, v, jnp.int32(0), jnp.int32(5), num_heads=32, q_norm=norm, k_norm=norm,
                 norm_layer=jnp.int32(0), rope=rope, w4a4_operand=operand),
             qkv, kv, kv))
-    # num_stages: 2 for the chunks, 1 for the prologue and the combine
-    return compiled_entries(kernels, 4, lambda name: 2 if name == "nvfp4_decode_attention"
-                            else 1, workdir)
+    # decode_attention's own chunks (on a q already normed and rotated; its combine is the same)
+    kernels.update(lowered_kernels(
+        lambda q, k, v: attention.decode_attention(q, k, v, jnp.int32(0), jnp.full((1,), 6)),
+        jnp.zeros((1, 32, 128), jnp.bfloat16), kv, kv))
+    # num_stages: 2 for the chunks, 1 for the combines
+    return compiled_entries(kernels, 4, lambda name: 2 if name in (
+        "nvfp4_decode_qkv_attention", "nvfp4_decode_attention") else 1, workdir)
 
 
 def compiled_entries(kernels: dict, num_warps: int, num_stages, workdir: str) -> list[dict]:

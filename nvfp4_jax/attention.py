@@ -50,6 +50,57 @@ def chunking(batch: int, kv_heads: int, capacity: int) -> int:
     return BLOCK_S * max(1, cdiv(capacity, splits * BLOCK_S))
 
 
+def _load_block(k_ref, v_ref, row0, s0, i, n: jax.Array, cols):
+    """Keys ``s0 + i * BLOCK_S ..`` of one (sequence, kv head) from the flattened caches:
+    (positions [BLOCK_S], valid [BLOCK_S], k, v bf16 [BLOCK_S, D]); slots at or past ``n``
+    are not read (zeros)."""
+    kpos = s0 + i * BLOCK_S + jnp.arange(BLOCK_S)
+    valid = kpos < n
+    rows = pl.ds(row0 + i * BLOCK_S, BLOCK_S)
+    k = plgpu.load(k_ref.at[rows, cols], mask=valid[:, None], other=0.0)
+    # v with k: issued after the softmax's reductions (their barriers), its load would wait
+    # for them
+    v = plgpu.load(v_ref.at[rows, cols], mask=valid[:, None], other=0.0)
+    return kpos, valid, k, v
+
+
+def _softmax_step(q, carry, block, scale: float, new=None):
+    """One block of keys into the running softmax (m, l, acc) of the rows of ``q`` [gp, D].
+    ``new``: None, or (pos, k [1, D], v [1, D] bf16): the key at position ``pos`` is that k
+    and v (the new token's, kept in registers) whatever the cache holds there."""
+    m, l, acc = carry
+    kpos, valid, k, v = block
+    if new is not None:
+        pos, k_new, v_new = new
+        hit = (kpos == pos)[:, None]
+        k, v = jnp.where(hit, k_new, k), jnp.where(hit, v_new, v)
+    s = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
+                        preferred_element_type=jnp.float32) * scale  # [gp, BLOCK_S]
+    s = jnp.where(valid[None, :], s, -jnp.inf)
+    m_new = jnp.maximum(m, jnp.max(s, axis=1))
+    p = jnp.exp(s - m_new[:, None])
+    rescale = jnp.exp(m - m_new)
+    pv = lax.dot_general(p.astype(jnp.bfloat16), v, (((1,), (0,)), ((), ())),
+                         preferred_element_type=jnp.float32)  # [gp, d]
+    return m_new, l * rescale + jnp.sum(p, axis=1), acc * rescale[:, None] + pv
+
+
+def _softmax_init(gp: int, d: int):
+    return (jnp.full((gp,), NEG, jnp.float32), jnp.zeros((gp,), jnp.float32),
+            jnp.zeros((gp, d), jnp.float32))
+
+
+def _store_partials(acc_ref, m_ref, l_ref, carry, bh, j, g: int, gp: int):
+    """The chunk's (m, l, acc): only the g real rows (row r of program (bh, j) at
+    (bh * splits + j) * g + r)."""
+    m, l, acc = carry
+    out0 = (bh * pl.num_programs(1) + j) * g
+    keep = jnp.arange(gp) < g
+    plgpu.store(acc_ref.at[pl.ds(out0, gp), :], acc, mask=keep[:, None])
+    plgpu.store(m_ref.at[pl.ds(out0, gp)], m, mask=keep)
+    plgpu.store(l_ref.at[pl.ds(out0, gp)], l, mask=keep)
+
+
 def _kernel(q_ref, k_ref, v_ref, meta_ref, acc_ref, m_ref, l_ref, *, n_layers: int, batch: int,
             capacity: int, kv_heads: int, d: int, g: int, gp: int, chunk: int, scale: float):
     bh, j = pl.program_id(0), pl.program_id(1)
@@ -63,35 +114,11 @@ def _kernel(q_ref, k_ref, v_ref, meta_ref, acc_ref, m_ref, l_ref, *, n_layers: i
     s0 = j * chunk
     row0 = (layer * batch + b) * capacity + s0  # the flattened stack's row of key s0
     cols = pl.ds(h * d, d)
-
-    def body(i, carry):
-        m, l, acc = carry
-        kpos = s0 + i * BLOCK_S + jnp.arange(BLOCK_S)
-        valid = kpos < n
-        rows = pl.ds(row0 + i * BLOCK_S, BLOCK_S)
-        k = plgpu.load(k_ref.at[rows, cols], mask=valid[:, None], other=0.0)
-        # v with k: issued after the softmax's reductions (their barriers), its load would
-        # wait for them
-        v = plgpu.load(v_ref.at[rows, cols], mask=valid[:, None], other=0.0)
-        s = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
-                            preferred_element_type=jnp.float32) * scale  # [gp, BLOCK_S]
-        s = jnp.where(valid[None, :], s, -jnp.inf)
-        m_new = jnp.maximum(m, jnp.max(s, axis=1))
-        p = jnp.exp(s - m_new[:, None])
-        rescale = jnp.exp(m - m_new)
-        pv = lax.dot_general(p.astype(jnp.bfloat16), v, (((1,), (0,)), ((), ())),
-                             preferred_element_type=jnp.float32)  # [gp, d]
-        return m_new, l * rescale + jnp.sum(p, axis=1), acc * rescale[:, None] + pv
-
-    init = (jnp.full((gp,), NEG, jnp.float32), jnp.zeros((gp,), jnp.float32),
-            jnp.zeros((gp, d), jnp.float32))
-    m, l, acc = lax.fori_loop(0, chunk // BLOCK_S, body, init)
-    # only the g real rows are stored (row r of program (bh, j) at (bh * splits + j) * g + r)
-    out0 = (bh * pl.num_programs(1) + j) * g
-    keep = jnp.arange(gp) < g
-    plgpu.store(acc_ref.at[pl.ds(out0, gp), :], acc, mask=keep[:, None])
-    plgpu.store(m_ref.at[pl.ds(out0, gp)], m, mask=keep)
-    plgpu.store(l_ref.at[pl.ds(out0, gp)], l, mask=keep)
+    carry = lax.fori_loop(
+        0, chunk // BLOCK_S,
+        lambda i, c: _softmax_step(q, c, _load_block(k_ref, v_ref, row0, s0, i, n, cols), scale),
+        _softmax_init(gp, d))
+    _store_partials(acc_ref, m_ref, l_ref, carry, bh, j, g, gp)
 
 
 def _combine_kernel(acc_ref, m_ref, l_ref, *refs, splits: int, g: int, d: int, n_rows: int,
@@ -229,19 +256,23 @@ def cache_attention(q: jax.Array, k: jax.Array, v: jax.Array, pos: jax.Array) ->
     return o.astype(jnp.bfloat16).reshape(b, t, nh, d)
 
 
-def _prologue_kernel(qkv_ref, qn_ref, kn_ref, cos_ref, sin_ref, layer_ref, nrow_ref, start_ref,
-                     kin_ref, vin_ref, q_ref, meta_ref, k_ref, v_ref, *, n_layers: int,
-                     batch: int, capacity: int, kv_heads: int, d: int, g: int, gp: int,
-                     eps: float, norm: bool, norm_rows: int, rope: bool, exact_asm: bool):
-    """Program (b, h): the g query heads of kv head h and its k, v of sequence b's new token,
+def _qkv_kernel(qkv_ref, qn_ref, kn_ref, cos_ref, sin_ref, layer_ref, nrow_ref, start_ref,
+                kin_ref, vin_ref, acc_ref, m_ref, l_ref, k_ref, v_ref, *, n_layers: int,
+                batch: int, capacity: int, kv_heads: int, d: int, g: int, gp: int, chunk: int,
+                scale: float, eps: float, norm: bool, norm_rows: int, rope: bool,
+                exact_asm: bool):
+    """Program (bh, j): kv head h of sequence b (bh = b * KVH + h) and its chunk j of keys,
+    from the new token's q/k/v projection. The g query heads of kv head h and its new k,
     RMSNorm'd (``norm``) and rotated (``rope``) as ``nn.rms_norm`` and ``models.apply_rope``
-    round them; q into its zero-padded rows of the attention kernel's operand, k and v into
-    the caches (aliased) at (layer, b, start), clamped into the stack as XLA's
-    ``dynamic_update_slice`` clamps; the attention kernel's (layer, lengths) operand. The
-    norm weights: row 0 of ``qn_ref`` and row 1 of ``kn_ref`` (both the packed [2, D]), or
-    with ``norm_rows`` > 0 row ``nrow_ref[0]`` (clamped) of each [norm_rows, D] stack."""
-    del kin_ref, vin_ref  # aliased to k_ref, v_ref
-    b, h = pl.program_id(0), pl.program_id(1)
+    round them, in registers; the chunk's keys ``0 .. start`` of layer ``layer`` read from the
+    caches in place, the new token's k and v (position ``start``) taken from registers; the
+    chunk's running softmax stored as :func:`_kernel` stores it. The program whose chunk holds
+    ``start`` writes k and v into the caches (aliased) at (layer, b, start). ``layer`` and
+    ``start`` clamp into the stack as XLA's ``dynamic_update_slice`` clamps. The norm weights:
+    row 0 of ``qn_ref`` and row 1 of ``kn_ref`` (both the packed [2, D]), or with
+    ``norm_rows`` > 0 row ``nrow_ref[0]`` (clamped) of each [norm_rows, D] stack."""
+    bh, j = pl.program_id(0), pl.program_id(1)
+    b, h = bh // kv_heads, bh % kv_heads
     layer = jnp.minimum(jnp.maximum(layer_ref[0], 0), n_layers - 1)
     if norm_rows:
         row = jnp.minimum(jnp.maximum(nrow_ref[0], 0), norm_rows - 1)
@@ -273,15 +304,18 @@ def _prologue_kernel(qkv_ref, qn_ref, kn_ref, cos_ref, sin_ref, layer_ref, nrow_
                      for cols in (c, partner))
 
     # every load before the first reduction (a load after a reduction's barrier waits for
-    # it): the q heads, the k head, v, the norm weights, the rotation
+    # it): the q heads, the k head, v, the norm weights, the rotation, the first keys
     one = jnp.arange(1) < 1
     q_in = load_heads(h * g * d, gp, jnp.arange(gp) < g)
     k_in = load_heads((nh + h) * d, 1, one)
-    v = plgpu.load(qkv_ref.at[b, (nh + kv_heads + h) * d + c])
+    v_new = plgpu.load(qkv_ref.at[b, (nh + kv_heads + h) * d + c])
     weights = (load_weights(0), load_weights(1)) if norm else (None, None)
     if rope:
         cs = plgpu.load(cos_ref.at[b, c])[None, :]
         sn = plgpu.load(sin_ref.at[b, c])[None, :]
+    s0 = j * chunk
+    row0 = (layer * batch + b) * capacity + s0  # the flattened stack's row of key s0
+    cols = pl.ds(h * d, d)
 
     def finish(x, xr, w):
         """Heads [n, d] normed (norm weight ``w``: (at c, at the partners)) and rotated."""
@@ -293,14 +327,19 @@ def _prologue_kernel(qkv_ref, qn_ref, kn_ref, cos_ref, sin_ref, layer_ref, nrow_
             x = x * cs + (sign[None, :] * xr) * sn
         return x
 
-    q = finish(*q_in, weights[0])
-    plgpu.store(q_ref.at[pl.ds((b * kv_heads + h) * gp, gp), :], q.astype(jnp.bfloat16))
-    k = finish(*k_in, weights[1])
-    row = (layer * batch + b) * capacity + pos
-    plgpu.store(k_ref.at[row, pl.ds(h * d, d)], k.reshape(d).astype(jnp.bfloat16))
-    plgpu.store(v_ref.at[row, pl.ds(h * d, d)], v)
-    meta_ref[0] = layer
-    meta_ref[1 + b] = pos + 1
+    q = finish(*q_in, weights[0]).astype(jnp.bfloat16)  # [gp, d], rows past g are zeros
+    k_new = finish(*k_in, weights[1]).astype(jnp.bfloat16)  # [1, d]
+    mine = (c >= 0) & (j == pos // chunk)  # this program's chunk holds the new token
+    dst = (layer * batch + b) * capacity + pos
+    plgpu.store(k_ref.at[dst, cols], k_new.reshape(d), mask=mine)
+    plgpu.store(v_ref.at[dst, cols], v_new, mask=mine)
+    new = (pos, k_new, v_new[None, :])
+    carry = lax.fori_loop(
+            0, chunk // BLOCK_S,
+            lambda i, cr: _softmax_step(
+                q, cr, _load_block(kin_ref, vin_ref, row0, s0, i, pos + 1, cols), scale, new),
+            _softmax_init(gp, d))
+    _store_partials(acc_ref, m_ref, l_ref, carry, bh, j, g, gp)
 
 
 def decode_qkv_attention(qkv: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
@@ -310,7 +349,7 @@ def decode_qkv_attention(qkv: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
                          norm_layer: jax.Array | int | None = None,
                          w4a4_operand: tuple[jax.Array, jax.Array | int | None, int] | None = None,
                          interpret: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """A decode step's attention from its fused q/k/v projection, in three launches.
+    """A decode step's attention from its fused q/k/v projection, in two launches.
 
     qkv: bf16 [B, (NH + 2 KVH) * D], the new token's q, k and v heads side by side (the
     decoders' ``qkv_proj``); k_cache, v_cache: bf16 [L, B, S, KVH, D]; layer: int32 scalar;
@@ -322,13 +361,15 @@ def decode_qkv_attention(qkv: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
     the H200). rope: None or (cos, sin) fp32 [B, D] of the position (``models.rope_tables``;
     rotate-half RoPE).
 
-    One Pallas-Triton launch norms and rotates the new token's q and k heads, writes k and v
-    into the caches at (layer, b, start) (in place: the caches are aliased), and lays out q
-    for :func:`decode_attention`'s kernels, which follow (two launches) with lengths
-    ``start + 1``: the values of ``nn.rms_norm``, ``models.apply_rope``,
-    ``lax.dynamic_update_slice`` and :func:`decode_attention` (the same roundings; the
-    RMSNorm's fp32 sum in another order). Out-of-range traced ``layer`` and ``start`` clamp
-    into the stack as ``dynamic_update_slice`` does.
+    One Pallas-Triton launch, a program per (sequence, kv head, chunk of keys) as in
+    :func:`decode_attention`, norms and rotates the new token's q and k heads in registers,
+    attends keys ``0 .. start`` of the layer (the new token's k and v from registers, the
+    others read in place) and writes k and v into the caches at (layer, b, start) (in place:
+    the caches are aliased; one program of each kv head writes them); the second combines
+    the chunks, as :func:`decode_attention`'s does: the values of ``nn.rms_norm``,
+    ``models.apply_rope``, ``lax.dynamic_update_slice`` and :func:`decode_attention` (the same
+    roundings; the RMSNorm's fp32 sum in another order). Out-of-range traced ``layer`` and
+    ``start`` clamp into the stack as ``dynamic_update_slice`` does.
 
     w4a4_operand: None, or (input_scale, layer, rows) of the W4A4 linear the output feeds
     (``o_proj``): the last launch then writes that linear's Mosaic operand instead of the
@@ -384,24 +425,25 @@ def decode_qkv_attention(qkv: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
         qn = kn = (jnp.ones((2, d), jnp.bfloat16) if q_norm is None
                    else jnp.stack([q_norm, k_norm]).astype(jnp.bfloat16))
         norm_rows = 0
+    chunk = chunking(b, kvh, s)
+    splits = cdiv(s, chunk)
     kernel = functools.partial(
-        _prologue_kernel, n_layers=n_layers, batch=b, capacity=s, kv_heads=kvh, d=d, g=g, gp=gp,
-        eps=float(eps), norm=q_norm is not None, norm_rows=norm_rows, rope=rope is not None,
-        exact_asm=not interpret)
+        _qkv_kernel, n_layers=n_layers, batch=b, capacity=s, kv_heads=kvh, d=d, g=g, gp=gp,
+        chunk=chunk, scale=1.0 / math.sqrt(d), eps=float(eps), norm=q_norm is not None,
+        norm_rows=norm_rows, rope=rope is not None, exact_asm=not interpret)
     flat = (n_layers * b * s, kvh * d)
-    qp, meta, kc, vc = pl.pallas_call(
-        kernel, grid=(b, kvh), interpret=interpret, name="nvfp4_decode_qkv",
-        out_shape=(jax.ShapeDtypeStruct((b * kvh * gp, d), jnp.bfloat16),
-                   jax.ShapeDtypeStruct((1 + b,), jnp.int32),
+    acc, m, lsum, kc, vc = pl.pallas_call(
+        kernel, grid=(b * kvh, splits), interpret=interpret, name="nvfp4_decode_qkv_attention",
+        out_shape=(*_partials_shape(b * kvh * splits * g, gp - g, d),
                    jax.ShapeDtypeStruct(flat, jnp.bfloat16),
                    jax.ShapeDtypeStruct(flat, jnp.bfloat16)),
-        input_output_aliases={8: 2, 9: 3},
-        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+        input_output_aliases={8: 3, 9: 4},
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
     )(qkv, qn, kn, cos, sin, jnp.asarray(layer, jnp.int32).reshape(1),
       jnp.asarray(0 if norm_layer is None else norm_layer, jnp.int32).reshape(1),
       jnp.asarray(start, jnp.int32).reshape(1), k_cache.reshape(flat), v_cache.reshape(flat))
-    o = _attend(qp, kc, vc, meta, n_layers=n_layers, batch=b, capacity=s, kv_heads=kvh, d=d,
-                g=g, gp=gp, interpret=interpret, operand=operand)
+    o = _combine(acc, m, lsum, batch=b, kv_heads=kvh, splits=splits, d=d, g=g,
+                 interpret=interpret, operand=operand)
     if operand is None:
         o = o.reshape(b, num_heads, d)
     return o, kc.reshape(k_cache.shape), vc.reshape(v_cache.shape)
@@ -427,28 +469,38 @@ def _operand_args(w4a4_operand, batch: int, k: int):
     return lay, sc, rows
 
 
+def _partials_shape(rows: int, slack: int, d: int):
+    """The chunks' (acc fp32 [rows + slack, D], m, l fp32 [rows + slack]): ``slack`` (gp - g)
+    rows keep the last program's masked rows inside the buffers."""
+    return (jax.ShapeDtypeStruct((rows + slack, d), jnp.float32),
+            jax.ShapeDtypeStruct((rows + slack,), jnp.float32),
+            jax.ShapeDtypeStruct((rows + slack,), jnp.float32))
+
+
 def _attend(qp, k_flat, v_flat, meta, *, n_layers: int, batch: int, capacity: int,
-            kv_heads: int, d: int, g: int, gp: int, interpret: bool,
-            operand: tuple | None = None) -> jax.Array:
+            kv_heads: int, d: int, g: int, gp: int, interpret: bool) -> jax.Array:
     """The attention kernel and its combine on a laid-out q (``[B * KVH * gp, D]``, each kv
     head's g query heads then zero rows), the flattened caches and (layer, lengths):
-    bf16 [B * NH, D]; with ``operand`` = (layer int32 [1], input scales fp32 [L'], rows) the
-    next W4A4 linear's Mosaic operand instead, bf16 [rows, NH * D] (``_combine_kernel``)."""
+    bf16 [B * NH, D]."""
     chunk = chunking(batch, kv_heads, capacity)
     splits = cdiv(capacity, chunk)
-    rows = batch * kv_heads * splits * g
     kernel = functools.partial(_kernel, n_layers=n_layers, batch=batch, capacity=capacity,
                                kv_heads=kv_heads, d=d, g=g, gp=gp, chunk=chunk,
                                scale=1.0 / math.sqrt(d))
-    # gp - g rows of slack: the last program's masked rows stay inside the buffer
-    out_shape = (jax.ShapeDtypeStruct((rows + gp - g, d), jnp.float32),
-                 jax.ShapeDtypeStruct((rows + gp - g,), jnp.float32),
-                 jax.ShapeDtypeStruct((rows + gp - g,), jnp.float32))
     acc, m, l = pl.pallas_call(
-        kernel, out_shape=out_shape, grid=(batch * kv_heads, splits), interpret=interpret,
-        name="nvfp4_decode_attention",
+        kernel, out_shape=_partials_shape(batch * kv_heads * splits * g, gp - g, d),
+        grid=(batch * kv_heads, splits), interpret=interpret, name="nvfp4_decode_attention",
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
     )(qp, k_flat, v_flat, meta)
+    return _combine(acc, m, l, batch=batch, kv_heads=kv_heads, splits=splits, d=d, g=g,
+                    interpret=interpret)
+
+
+def _combine(acc, m, l, *, batch: int, kv_heads: int, splits: int, d: int, g: int,
+             interpret: bool, operand: tuple | None = None) -> jax.Array:
+    """The chunks' partials -> bf16 [B * NH, D]; with ``operand`` = (layer int32 [1], input
+    scales fp32 [L'], rows) the next W4A4 linear's Mosaic operand instead, bf16 [rows, NH * D]
+    (``_combine_kernel``)."""
     extra, out = (), jax.ShapeDtypeStruct((batch * kv_heads * g, d), jnp.bfloat16)
     spec = None
     if operand is not None:
@@ -456,8 +508,9 @@ def _attend(qp, k_flat, v_flat, meta, *, n_layers: int, batch: int, capacity: in
         extra = (lay, scales)
         out = jax.ShapeDtypeStruct((n_tile, kv_heads * g * d), jnp.bfloat16)
         spec = (batch, kv_heads, n_tile, scales.shape[0])
-    combine = functools.partial(_combine_kernel, splits=splits, g=g, d=d, n_rows=rows,
-                                operand=spec, exact_asm=not interpret)
+    combine = functools.partial(_combine_kernel, splits=splits, g=g, d=d,
+                                n_rows=batch * kv_heads * splits * g, operand=spec,
+                                exact_asm=not interpret)
     return pl.pallas_call(
         combine, out_shape=out, grid=(batch * kv_heads * g,), interpret=interpret,
         name="nvfp4_decode_attention_combine" + ("_operand" if spec else ""),

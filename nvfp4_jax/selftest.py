@@ -21,8 +21,9 @@ powers of two, so that E4M3 block scales reach the subnormals, underflow and sat
   in every slot past a sequence's length and other data in the other layer, scores from about
   0.01 to 1000, within ``oracle.decode_attention_error_bound``;
 * ``attention/qkv`` (``nvfp4_jax.attention.decode_qkv_attention``, the decoders' one-token
-  attention on a GPU: q/k RMSNorm, RoPE and the cache writes, then ``decode_attention``'s
-  kernels): the same caches, the new k row among ``oracle.decode_qkv_attention_error_bound``'s
+  attention on a GPU: q/k RMSNorm, RoPE, the cache writes and the attention's chunks in one
+  launch, then ``decode_attention``'s combine): the same caches (the new token's slot NaN
+  too), the new k row among ``oracle.decode_qkv_attention_error_bound``'s
   values, every other slot untouched, the output within its bound;
 * ``linear/norm_linear`` (``nvfp4_jax.nn.norm_linear``, the decoders' W4A4 linears with their
   RMSNorm, the norm weight and input scale read from layer stacks: on Hopper and SM 12.x at
@@ -540,8 +541,8 @@ def _qkv_inputs(seed: int, b: int, s: int, kvh: int, g: int, d: int, norm: bool,
     v = np.full((2, b, s, kvh, d), -8192.0)
     k[layer] = values((b, s, kvh, d), scale)
     v[layer] = values((b, s, kvh, d), 10.0 ** rng.uniform(-3, 3))
-    k[:, :, start + 1:] = np.nan  # never read
-    v[:, :, start + 1:] = np.nan
+    k[:, :, start:] = np.nan  # never read (the new token's k and v come from qkv)
+    v[:, :, start:] = np.nan
     norms = values((2, d), 1.0) if norm else None
     ang = start * 1e6 ** -(np.arange(0, d, 2) / d)
     ang = np.concatenate([ang, ang])
@@ -552,8 +553,8 @@ def _qkv_inputs(seed: int, b: int, s: int, kvh: int, g: int, d: int, norm: bool,
 def _qkv_attention_check(seed: int, b: int, s: int, kvh: int, g: int, d: int, norm: bool,
                          inputs: int):
     """Two compiles of ``nvfp4_jax.attention.decode_qkv_attention`` (the decoders' one-token
-    attention: q/k RMSNorm, RoPE and the cache writes in one launch, then the attention's
-    two), ``inputs`` fuzzed steps through it: the new k row among
+    attention: q/k RMSNorm, RoPE, the cache writes and the chunks in one launch, then the
+    combine), ``inputs`` fuzzed steps through it: the new k row among
     ``oracle.decode_qkv_attention_error_bound``'s values, the new v row copied, every other
     cache slot untouched (bit for bit), the output within the oracle's bound (NaN never
     passes); and with ``w4a4_operand`` (the decoders' o_proj operand from the last launch) the

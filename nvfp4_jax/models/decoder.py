@@ -141,8 +141,9 @@ def attention(cfg: DecoderConfig, p: dict, x: jax.Array, pos: jax.Array, k_all: 
     and ``linear(operand)`` is the projection (``nn.linear_on_operand``).
 
     A decode step (T = 1) where ``attention.runs_kernel`` says so runs
-    ``attention.decode_qkv_attention`` on the q/k/v projection: three launches from it to the
-    attention output (q/k norms, RoPE, the cache writes and the attention itself)."""
+    ``attention.decode_qkv_attention`` on the q/k/v projection: two launches from it to the
+    attention output (q/k norms, RoPE, the cache writes and the attention's chunks, then
+    their combine)."""
     b, t = (x if qkv is None else qkv).shape[:2]
     nh, kvh, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     lin = _linear_or_stub(ablate, backend, w4a4)

@@ -1,5 +1,5 @@
 """``nvfp4_jax.attention.decode_qkv_attention``: a decode step's attention from the fused q/k/v
-projection (q/k RMSNorm, RoPE, the cache writes and the attention in three launches).
+projection (q/k RMSNorm, RoPE, the cache writes and the attention in two launches).
 
 References: ``oracle.decode_qkv_attention_error_bound`` (float64: the new k row among the
 bf16 values an fp32 kernel with the RMSNorm and RoPE rounding points may give, almost
@@ -12,13 +12,16 @@ the same step (``nn.rms_norm``, ``models.apply_rope`` on ``models.rope_tables``,
 Faults the tests catch (each tried once by breaking the kernel): the rotate-half partner
 column off by one head half (the written k leaves the reference), the start position not
 clamped like ``dynamic_update_slice`` (a traced start past the cache writes another
-sequence's slot), slots past the new token holding NaN (a kernel attending one answers NaN),
-every other layer of the stack holding other data (a write or read of the wrong layer).
+sequence's slot), the new token's slot and those past it holding NaN (a kernel attending
+one answers NaN; the kernel takes the new k and v from the projection, not from the slot it
+writes: reading the slot back instead fails), every other layer of the stack holding other
+data (a write or read of the wrong layer).
 """
 
 from __future__ import annotations
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -40,8 +43,10 @@ def _case(seed, n_layers, b, s, kvh, g, d, scale, start):
     qkv = rng.standard_normal((b, (kvh * g + 2 * kvh) * d)) * scale
     k = rng.standard_normal((n_layers, b, s, kvh, d))
     v = rng.standard_normal((n_layers, b, s, kvh, d)) * 10.0 ** rng.uniform(-3, 3)
-    k[:, :, start + 1:] = np.nan  # never read: NaN shows a read past the new token
-    v[:, :, start + 1:] = np.nan
+    # never read: NaN shows a read past the new token, or of its slot (its k and v come from
+    # the projection)
+    k[:, :, start:] = np.nan
+    v[:, :, start:] = np.nan
     norms = rng.uniform(0.25, 2.0, (2, d))
     return (jnp.asarray(qkv, jnp.bfloat16), jnp.asarray(k, jnp.bfloat16),
             jnp.asarray(v, jnp.bfloat16), jnp.asarray(norms, jnp.bfloat16))
@@ -232,8 +237,8 @@ def test_decode_qkv_attention_rejects_bad_arguments():
 
 
 def test_decode_step_runs_the_qkv_kernel_not_xla_cache_updates():
-    """The decoders' one-token step on the kernel path: the q/k/v kernel, no XLA update of
-    the caches (the launches it replaces)."""
+    """The decoders' one-token step on the kernel path: the q/k/v attention kernel and its
+    combine, two launches a layer, no XLA update of the caches (the launches they replace)."""
     from nvfp4_jax import models
 
     cfg = models.DecoderConfig(vocab_size=64, hidden_size=64, num_layers=2, num_heads=4,
@@ -256,10 +261,12 @@ def test_decode_step_runs_the_qkv_kernel_not_xla_cache_updates():
     step = functools.partial(models.decode_step, backend="pallas")
     jaxpr = jax.make_jaxpr(step)(model, jnp.zeros((1,), jnp.int32), cache)
     text = str(jaxpr)
-    assert text.count("name=nvfp4_decode_qkv") == 1  # one scan body
+    # one scan body: the chunks' kernel from the projection, then the combine
+    assert re.findall(r"name=(nvfp4_decode\w*)", text) == ["nvfp4_decode_qkv_attention",
+                                                           "nvfp4_decode_attention_combine"]
     assert "dynamic_update_slice" not in text
 
-    (call,) = pallas_calls(jaxpr.jaxpr, "nvfp4_decode_qkv")
+    (call,) = pallas_calls(jaxpr.jaxpr, "nvfp4_decode_qkv_attention")
     # the q and k norm weights: the scanned group's [3, D] stacks, read in place (a [2, D]
     # operand would be the two scanned slices packed, one copy a step)
     assert [tuple(v.aval.shape) for v in call.invars[1:3]] == [(3, d), (3, d)]

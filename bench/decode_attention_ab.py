@@ -1,7 +1,7 @@
 """A batch-1 decode step's attention three ways, interleaved in one process: XLA's attention on
 a slice of the KV cache (A); the q/k norms, RoPE and cache writes in XLA ops, then
 ``nvfp4_jax.attention.decode_attention`` reading the stacked cache in place (B); all of it in
-``nvfp4_jax.attention.decode_qkv_attention``'s three launches (C, what the decoders run). Full
+``nvfp4_jax.attention.decode_qkv_attention``'s two launches (C, what the decoders run). Full
 depth, 1024 cached tokens, rounds of 32 steps (the first round dropped).
 
     python bench/decode_attention_ab.py --out "$OUT"      # $OUT/decode-attention-ab-<gpu>.json

@@ -96,7 +96,9 @@ def _select_kernel(lg_ref, x_ref, ids_ref, w_ref, *, t: int, e: int, k: int, h: 
         hit = cols == idx[:, None]
         taken = taken | hit
         plgpu.store(ids_ref.at[out(j)], jnp.minimum(idx, e - 1), mask=live1)
-        probs.append(div_rn(jnp.sum(jnp.where(hit, ex, 0.0), axis=1), total, exact_asm))
+        # the chosen expert's exp(l - m) is exp(mx - m): no third reduction (where the softmax
+        # is undefined the weights are NaN whatever this gives)
+        probs.append(div_rn(jnp.exp(mx - m), total, exact_asm))
     if renormalize:
         norm = probs[0]
         for p in probs[1:]:

@@ -304,7 +304,7 @@ def _qkv_kernel(qkv_ref, qn_ref, kn_ref, cos_ref, sin_ref, layer_ref, nrow_ref, 
                      for cols in (c, partner))
 
     # every load before the first reduction (a load after a reduction's barrier waits for
-    # it): the q heads, the k head, v, the norm weights, the rotation, the first keys
+    # it): the q heads, the k head, v, the norm weights, the rotation
     one = jnp.arange(1) < 1
     q_in = load_heads(h * g * d, gp, jnp.arange(gp) < g)
     k_in = load_heads((nh + h) * d, 1, one)
@@ -335,10 +335,10 @@ def _qkv_kernel(qkv_ref, qn_ref, kn_ref, cos_ref, sin_ref, layer_ref, nrow_ref, 
     plgpu.store(v_ref.at[dst, cols], v_new, mask=mine)
     new = (pos, k_new, v_new[None, :])
     carry = lax.fori_loop(
-            0, chunk // BLOCK_S,
-            lambda i, cr: _softmax_step(
-                q, cr, _load_block(kin_ref, vin_ref, row0, s0, i, pos + 1, cols), scale, new),
-            _softmax_init(gp, d))
+        0, chunk // BLOCK_S,
+        lambda i, cr: _softmax_step(
+            q, cr, _load_block(kin_ref, vin_ref, row0, s0, i, pos + 1, cols), scale, new),
+        _softmax_init(gp, d))
     _store_partials(acc_ref, m_ref, l_ref, carry, bh, j, g, gp)
 
 

@@ -1,7 +1,7 @@
 """moe.select_kernel (interpret mode) and routing.select_experts (XLA) against
-oracle.select_experts: the kernel's experts equal the oracle's for any fp32 logits (ties, -inf,
-magnitudes from 1e-3 to 300, where most exps flush to zero), its weights lie within
-oracle.select_experts_error_bound, and a token with undefined softmax or a non-finite hidden
+oracle.select_experts: the kernel's experts equal the oracle's for any fp32 logits (ties, +0
+against -0, -inf, magnitudes from 1e-3 to 300, where most exps flush to zero), its weights lie
+within oracle.select_experts_error_bound, and a token with undefined softmax or a non-finite hidden
 value gets NaN weights; XLA's path within the same bound on bf16-valued logits (a router's
 bf16 output). Through ``moe``: the router-logits path on a kernel backend is the kernel's
 routing, bit for bit."""
@@ -36,6 +36,9 @@ def _logits(rng, t, e):
         if rng.random() < 0.5:
             src = rng.integers(e)
             lg[i, rng.choice(e, size=min(e, 3), replace=False)] = lg[i, src]
+        if rng.random() < 0.2:  # +0 and -0, equal logits of other bits
+            a, b = rng.choice(e, size=2, replace=False)
+            lg[i, a], lg[i, b] = 0.0, -0.0
         if rng.random() < 0.2:  # -inf for some experts (masked routing)
             lg[i, rng.choice(e, size=rng.integers(1, e), replace=False)] = -np.inf
     return lg

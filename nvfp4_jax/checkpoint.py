@@ -288,6 +288,26 @@ class Checkpoint:
     def names(self) -> list[str]:
         return sorted(self._where)
 
+    @property
+    def kv_cache_quant(self) -> str | None:
+        """The KV-cache quantization the export declares, or None: ``kv_cache_quant_algo`` of
+        hf_quant_config.json (ModelOpt writes "FP8" or "NVFP4", with each attention layer's
+        ``k_proj.k_scale`` / ``v_proj.v_scale``, amax / 448), else config.json's
+        ``quantization_config.kv_cache_scheme`` ({"type": "float", "num_bits": 8} reads as
+        "FP8")."""
+        q = (self.quant_config or {}).get("quantization") or {}
+        if not isinstance(q, dict):
+            return None
+        algo = q.get("kv_cache_quant_algo")
+        if algo is not None:
+            return str(algo)
+        scheme = q.get("kv_cache_scheme")
+        if isinstance(scheme, dict):
+            if scheme.get("type") == "float" and scheme.get("num_bits") == 8:
+                return "FP8"
+            return json.dumps(scheme, sort_keys=True)
+        return None if scheme is None else str(scheme)
+
     def file_of(self, name: str) -> str:
         """Path of the file that holds tensor ``name``."""
         if name not in self._where:

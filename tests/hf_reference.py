@@ -30,10 +30,11 @@ TINY = {"vocab_size": 256, "hidden_size": 64, "num_hidden_layers": 2, "num_atten
 
 
 def make_checkpoint(kind: str, path: str, seed: int = 0, init: float = 0.02,
-                    successor: bool = False) -> str:
+                    successor: bool = False, kv_cache: str | None = None) -> str:
     """Export a tiny random ``kind`` ("moe" | "dense") model with ModelOpt NVFP4 into ``path``
     (weights ~ N(0, init^2), norms ones). ``successor``: with the successor circuit of
-    :func:`imprint_successor` added before quantization, calibrated on SUCCESSOR_TOKENS."""
+    :func:`imprint_successor` added before quantization, calibrated on SUCCESSOR_TOKENS.
+    ``kv_cache="fp8"``: ModelOpt's ``FP8_KV_CFG`` too (an FP8 KV cache, its scales exported)."""
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3MoeConfig
 
@@ -53,12 +54,15 @@ def make_checkpoint(kind: str, path: str, seed: int = 0, init: float = 0.02,
     if successor:
         imprint_successor(model, cfg)
         calib = torch.as_tensor(SUCCESSOR_TOKENS)[calib % len(SUCCESSOR_TOKENS)]
-    return export_nvfp4(model, calib, path)
+    return export_nvfp4(model, calib, path, kv_cache=kv_cache)
 
 
-def export_nvfp4(model, calib, path: str) -> str:
-    """Quantize the torch ``model`` with ModelOpt's ``NVFP4_DEFAULT_CFG``, calibrated on the token
-    ids ``calib``, and export it as an HF checkpoint into ``path``."""
+def export_nvfp4(model, calib, path: str, kv_cache: str | None = None) -> str:
+    """Quantize the torch ``model`` with ModelOpt's ``NVFP4_DEFAULT_CFG`` (and, with
+    ``kv_cache="fp8"``, ``FP8_KV_CFG``'s KV-cache quantizers), calibrated on the token ids
+    ``calib``, and export it as an HF checkpoint into ``path``."""
+    import copy
+
     import modelopt.torch.quantization as mtq
     import torch
     from modelopt.torch.export import export_hf_checkpoint
@@ -67,7 +71,13 @@ def export_nvfp4(model, calib, path: str) -> str:
         with torch.no_grad():
             m(calib)
 
-    model = mtq.quantize(model, mtq.NVFP4_DEFAULT_CFG, forward_loop)
+    qcfg = mtq.NVFP4_DEFAULT_CFG
+    if kv_cache is not None:
+        if kv_cache != "fp8":
+            raise ValueError(f"kv_cache: expected None or 'fp8', got {kv_cache!r}")
+        qcfg = copy.deepcopy(qcfg)
+        qcfg["quant_cfg"] = list(qcfg["quant_cfg"]) + list(mtq.FP8_KV_CFG["quant_cfg"])
+    model = mtq.quantize(model, qcfg, forward_loop)
     with torch.no_grad():
         export_hf_checkpoint(model, export_dir=path)
     return path

@@ -8,7 +8,11 @@ the config implies is present with its dtype and shape, from the safetensors hea
 the layers and experts in the files are the ones the config names, the quantization is NVFP4
 with 16-value blocks, and every NVFP4 linear has all its tensors (``weight``,
 ``weight_scale``, ``weight_scale_2``, ``input_scale``); ``checkpoint.CheckpointError`` naming
-the file and tensor. Scale values (finite, positive, no E4M3 NaN byte) are checked as the
+the file and tensor. A tensor beside those of a module the decoder reads (a linear's ``bias``
+or AWQ ``pre_quant_scale``, a norm's ``bias``) is refused, named: the decoder would run
+without it. The per-layer tensors of a quantized KV cache (``k_proj.k_scale``,
+``v_proj.v_scale``, and ``k_bias`` / ``v_bias`` of an affine one) are returned instead, for
+the loader to say that they are not applied (``KV_CACHE_TENSORS``). Scale values (finite, positive, no E4M3 NaN byte) are checked as the
 tensors are read (``checkpoint.Checkpoint.linear``).
 
 ``check_nemotron_h_config(c)`` and ``check_nemotron_h_tensors(ck, cfg)`` do the same for a
@@ -173,12 +177,30 @@ def _check_quant(ck: ckpt.Checkpoint) -> None:
                                        f"per {GROUP_SIZE} values")
 
 
+#: tensor names (their last part) of a quantized KV cache: ModelOpt's ``k_proj.k_scale`` /
+#: ``v_proj.v_scale`` (amax / 448), an affine cache's biases, others' ``self_attn.k_scale``.
+#: The decoders keep K and V in bf16 and do not apply them (the loader says so).
+KV_CACHE_TENSORS = ("k_scale", "v_scale", "k_bias", "v_bias")
+
+#: why a tensor beside a read module's would change the layer's arithmetic, by its last part
+_UNREAD_WHY = {
+    "bias": "a bias, which the decoder's linears and RMSNorms do not have (config.json "
+            "attention_bias / mlp_bias are not supported)",
+    "pre_quant_scale": "an AWQ pre-quantization scale of the linear's input, which nvfp4_jax "
+                       "does not apply",
+}
+
+
 class _Expect:
-    """Collects the first mismatch between the tensors the config implies and the files."""
+    """Collects the first mismatch between the tensors the config implies and the files, and
+    the tensors it looked at (``read``) and their modules (``modules``: a tensor's name up to
+    its last dot)."""
 
     def __init__(self, ck: ckpt.Checkpoint):
         self.ck = ck
         self.names = set(ck.names())
+        self.read: set[str] = set()
+        self.modules: set[str] = set()
 
     def fail(self, name: str, reason: str):
         file = self.ck.file_of(name) if name in self.names else self.ck.path
@@ -187,6 +209,26 @@ class _Expect:
     def has(self, name: str, what: str) -> None:
         if name not in self.names:
             self.fail(name, f"missing ({what})")
+        self.read.add(name)
+        self.modules.add(name.rpartition(".")[0])
+
+    def unread(self) -> list[str]:
+        """Refuse (``CheckpointError``, the first by name) a tensor that sits beside the tensors
+        of a module the checks read (same name up to its last dot) and is neither read nor a
+        KV-cache tensor; return the KV-cache tensors (``KV_CACHE_TENSORS``, under whichever
+        module: ModelOpt's ``k_proj.k_scale``, others' ``self_attn.k_scale``), sorted. Tensors of modules the decoder does not use at all (a
+        speculative-decoding head, say) are left alone."""
+        kv = []
+        for n in sorted(self.names - self.read):
+            module, _, leaf = n.rpartition(".")
+            if leaf in KV_CACHE_TENSORS:
+                kv.append(n)
+                continue
+            if module not in self.modules:
+                continue
+            why = _UNREAD_WHY.get(leaf, f"not a tensor the decoder reads for {module}")
+            self.fail(n, f"{why}; refusing rather than running without it")
+        return kv
 
     def float_tensor(self, name: str, dims: list[tuple[str, int]]) -> None:
         want = [n for _, n in dims]
@@ -212,6 +254,8 @@ class _Expect:
         for name, part in ((s, "its E4M3 block scales"), (s2, "its weight_scale_2")):
             self.has(name, f"{w} is NVFP4 ({self.ck.dtype(w)}), so it needs {part}")
         ins = f"{prefix}.{MO.INPUT_SCALE}"
+        if ins in self.names:
+            self.read.add(ins)
         if w4a4 and ins not in self.names:
             self.fail(ins, "missing: quant_algo NVFP4 is W4A4, every quantized linear has an "
                            "input_scale")
@@ -239,9 +283,11 @@ def _check_layer_range(e, conf: str, base: str, n: int, claim: str) -> None:
                                    f"(layers {_span(layers)})")
 
 
-def check_tensors(ck: ckpt.Checkpoint, cfg: DecoderConfig) -> None:
+def check_tensors(ck: ckpt.Checkpoint, cfg: DecoderConfig) -> list[str]:
     """Raise ``CheckpointError`` unless the checkpoint holds exactly the layers and experts of
-    ``cfg`` and every tensor the decoder reads, with its dtype and shape (headers only)."""
+    ``cfg`` and every tensor the decoder reads, with its dtype and shape (headers only), and
+    nothing beside a read module's tensors that the decoder would drop (``_Expect.unread``).
+    Returns the KV-cache tensors (``KV_CACHE_TENSORS``), which the decoder does not apply."""
     _check_quant(ck)
     e = _Expect(ck)
     w4a4 = str(((ck.quant_config or {}).get("quantization") or {}).get("quant_algo")).upper() \
@@ -285,6 +331,7 @@ def check_tensors(ck: ckpt.Checkpoint, cfg: DecoderConfig) -> None:
         e.linear("lm_head", [v, h], w4a4)
     elif not cfg.tie_word_embeddings:
         e.fail("lm_head.weight", "missing, and config.json's tie_word_embeddings is false")
+    return e.unread()
 
 
 #: config.json integer keys a Nemotron-H layer type reads (besides vocab_size, hidden_size)
@@ -382,10 +429,12 @@ def check_nemotron_h_config(c: dict) -> None:
             raise _bad("num_experts_per_tok", f"1..{e} (n_routed_experts)", k)
 
 
-def check_nemotron_h_tensors(ck: ckpt.Checkpoint, cfg: NemotronHConfig) -> None:
+def check_nemotron_h_tensors(ck: ckpt.Checkpoint, cfg: NemotronHConfig) -> list[str]:
     """Raise ``CheckpointError`` unless the checkpoint holds exactly the layers of ``cfg``'s
     pattern and every tensor each layer type reads, with its dtype and shape (headers only),
-    under ``backbone.`` (NVIDIA's and ModelOpt's names) or ``model.``."""
+    under ``backbone.`` (NVIDIA's and ModelOpt's names) or ``model.``, and nothing beside a read
+    module's tensors that the model would drop; returns the KV-cache tensors
+    (``check_tensors``)."""
     _check_quant(ck)
     e = _Expect(ck)
     w4a4 = str(((ck.quant_config or {}).get("quantization") or {}).get("quant_algo")).upper() \
@@ -412,6 +461,7 @@ def check_nemotron_h_tensors(ck: ckpt.Checkpoint, cfg: NemotronHConfig) -> None:
             conv, k = f"{pre}.conv1d.weight", ("conv_kernel", cfg.conv_kernel)
             if not (conv in e.names and list(ck.shape(conv)) == [cdim[1], k[1]]):
                 e.float_tensor(conv, [cdim, ("depthwise", 1), k])  # HF's [C, 1, K] (or [C, K])
+            e.has(conv, "the depthwise conv's weight")
             bias = f"{pre}.conv1d.bias"
             if cfg.use_conv_bias:
                 e.float_tensor(bias, [cdim])
@@ -450,3 +500,4 @@ def check_nemotron_h_tensors(ck: ckpt.Checkpoint, cfg: NemotronHConfig) -> None:
         e.linear("lm_head", [v, h], w4a4)
     elif not cfg.tie_word_embeddings:
         e.fail("lm_head.weight", "missing, and config.json's tie_word_embeddings is false")
+    return e.unread()

@@ -4,7 +4,9 @@
 [--temperature T] [--seed S] [--backend B] [--json FILE]``: loads the checkpoint (progress on
 stderr), generates, prints the text (with the checkpoint's tokenizer, through transformers,
 imported only here) or the token ids, and the prefill and decode tokens/s (compilation
-excluded).
+excluded). A checkpoint's quantized KV cache is not applied (K and V stay bf16): the loader's
+warning says so on stderr, and ``--json`` records it (``kv_cache``,
+``checkpoint_kv_cache_quant``).
 """
 
 from __future__ import annotations
@@ -79,6 +81,7 @@ def _problem(args) -> str | None:
 
 def run(args) -> int:
     """Execute ``nvfp4 generate``; returns the exit code (2 for bad input)."""
+    from .. import checkpoint as ckpt
     from . import generate, load_model, stderr_progress
 
     problem = _problem(args)
@@ -100,6 +103,7 @@ def run(args) -> int:
     t0 = time.perf_counter()
     try:
         model = load_model(args.checkpoint, progress=stderr_progress)
+        kv_quant = ckpt.load(args.checkpoint).kv_cache_quant
         stderr_progress(f"loaded in {time.perf_counter() - t0:.1f} s; compiling and generating")
         gen = generate(model, [ids], args.max_new_tokens, temperature=args.temperature,
                        seed=args.seed, backend=args.backend,
@@ -121,5 +125,6 @@ def run(args) -> int:
             json.dump({"prompt_ids": list(ids), "new_ids": new, "text": text,
                        "prefill_tokens_per_s": gen.prefill_tokens_per_s,
                        "decode_tokens_per_s": gen.decode_tokens_per_s,
-                       "prefill_s": gen.prefill_s, "decode_s": gen.decode_s}, f, indent=2)
+                       "prefill_s": gen.prefill_s, "decode_s": gen.decode_s,
+                       "kv_cache": "bf16", "checkpoint_kv_cache_quant": kv_quant}, f, indent=2)
     return 0

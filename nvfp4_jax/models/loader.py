@@ -11,10 +11,16 @@ bf16 tensors stay bf16. A linear with ``weight_scale`` / ``weight_scale_2`` beco
 bf16 weight. Before any tensor is read, ``checks`` holds config.json and every tensor's
 presence, dtype and shape (from the safetensors headers) to the architecture and raises a
 ``ValueError`` (``checkpoint.CheckpointError`` for a file) naming what is wrong.
+
+A quantized KV cache (``kv_cache_quant_algo`` "FP8" or "NVFP4" and each attention layer's
+``k_scale`` / ``v_scale``, as ModelOpt exports it) is not applied: the decoders keep K and V in
+bf16, and ``load_model`` logs a warning saying so (``KV_CACHE_NOTICE``), since TensorRT-LLM
+and vLLM read keys and values from the quantized cache and their logits differ by its rounding.
 """
 
 from __future__ import annotations
 
+import logging
 import sys
 from collections.abc import Callable
 
@@ -37,6 +43,30 @@ from ..models.checks import (
 from ..quantize import NVFP4Array
 from .decoder import DecoderConfig, Model, fuse_projections
 from .nemotron_h import NemotronHConfig, NemotronHModel
+
+log = logging.getLogger("nvfp4_jax.models")
+
+#: the warning ``load_model`` logs for a checkpoint with a quantized KV cache
+KV_CACHE_NOTICE = ("checkpoint {path}: its KV cache is quantized ({algo}; {tensors}), which "
+                   "nvfp4_jax does not apply: K and V stay bf16, so attention reads unquantized "
+                   "keys and values where TensorRT-LLM and vLLM read them from the {algo} "
+                   "cache, and logits differ from theirs by that rounding")
+
+
+def kv_cache_notice(ck: ckpt.Checkpoint, kv_tensors: list[str]) -> str | None:
+    """``KV_CACHE_NOTICE`` for a checkpoint that declares a KV-cache quantization
+    (``Checkpoint.kv_cache_quant``) or holds KV-cache tensors (``kv_tensors``, from
+    ``checks.check_tensors``), else None."""
+    algo = ck.kv_cache_quant
+    if algo is None and not kv_tensors:
+        return None
+    layers = {n.split(".self_attn.")[0].split(".mixer.")[0] for n in kv_tensors}
+    leaves = sorted({n.rpartition(".")[2] for n in kv_tensors})
+    tensors = (f"{' / '.join(leaves)} of {len(layers)} attention layer"
+               f"{'s' if len(layers) != 1 else ''}" if kv_tensors
+               else "no k_scale / v_scale tensors")
+    return KV_CACHE_NOTICE.format(path=ck.path, algo=algo or "undeclared", tensors=tensors)
+
 
 #: architectures of :class:`DecoderConfig` models
 DECODER_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM",
@@ -175,14 +205,16 @@ def load_model(path: str, *, progress: Callable[[str], None] | None = None,
     ck = ckpt.load(path)
     if architecture(ck.config) == "NemotronHForCausalLM":
         say = progress or (lambda msg: None)
-        model = _load_nemotron_h(ck, say, fuse)
+        model = _load_nemotron_h(ck, say, fuse)  # logs kv_cache_notice
         if stack:
             say("stacking repeated layer units")
             model = model.stacked(consume=True)
         return model
     cfg = config_from_hf(ck.config)
     r = _Reader(ck)
-    check_tensors(ck, cfg)
+    notice = kv_cache_notice(ck, check_tensors(ck, cfg))
+    if notice:
+        log.warning(notice)
     say = progress or (lambda msg: None)
     embed = r.bf16("model.embed_tokens.weight")
     layers = []
@@ -230,7 +262,9 @@ def _load_nemotron_h(ck: ckpt.Checkpoint, say: Callable[[str], None],
     Mamba conv, A_log, D, dt_bias and norms as stored (bf16)."""
     check_nemotron_h_config(ck.config)
     cfg = NemotronHConfig.from_hf(ck.config)
-    check_nemotron_h_tensors(ck, cfg)
+    notice = kv_cache_notice(ck, check_nemotron_h_tensors(ck, cfg))
+    if notice:
+        log.warning(notice)
     r = _Reader(ck)
     base = "backbone" if "backbone.embeddings.weight" in r.names else "model"
     embed = r.bf16(f"{base}.embeddings.weight")

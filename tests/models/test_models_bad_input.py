@@ -138,6 +138,23 @@ def reshape_linear(prefix, n, k):
     return tensors(fn)
 
 
+def _bf16_linear(prefix, n, k):
+    """An excluded (unquantized) linear: a bf16 weight [n, k] and no scales."""
+    def fn(t):
+        for x in ("weight_scale", "weight_scale_2", "input_scale"):
+            t.pop(f"{prefix}.{x}")
+        t[f"{prefix}.weight"] = (np.full((n, k), 0x3C00, np.uint16), "BF16")  # bf16 1.0
+    return tensors(fn)
+
+
+def _then(*damages):
+    """The damages one after another."""
+    def damage(d):
+        for fn in damages:
+            fn(d)
+    return damage
+
+
 def truncate(d):
     p = os.path.join(d, ST)
     size = os.path.getsize(p)
@@ -299,6 +316,22 @@ CASES = [
     ("weight_scale-nan-byte", "dense",
      put(f"{L0}.mlp.up_proj.weight_scale", np.full((128, 4), 0x7F, np.uint8), "F8_E4M3"),
      [f"{L0}.mlp.up_proj.weight_scale", "NaN"]),
+    # tensors beside a read module's, which the decoder would run without
+    ("q-proj-bias", "dense", put(f"{L0}.self_attn.q_proj.bias", np.zeros(64, np.uint16), "BF16"),
+     [f"{L0}.self_attn.q_proj.bias", "a bias", "attention_bias", "refusing"]),
+    ("excluded-linear-bias", "dense", _then(_bf16_linear(f"{L0}.mlp.up_proj", 128, 64),
+                                            put(f"{L0}.mlp.up_proj.bias", np.zeros(128, np.uint16),
+                                                "BF16")),
+     [f"{L0}.mlp.up_proj.bias", "a bias"]),
+    ("awq-pre-quant-scale", "dense",
+     put(f"{L0}.mlp.up_proj.pre_quant_scale", np.full(64, 0x3F80, np.uint16), "BF16"),
+     [f"{L0}.mlp.up_proj.pre_quant_scale", "AWQ", "refusing"]),
+    ("norm-bias", "moe", put(f"{L0}.input_layernorm.bias", np.zeros(64, np.uint16), "BF16"),
+     [f"{L0}.input_layernorm.bias", "a bias"]),
+    ("expert-extra-tensor", "moe",
+     scalar(f"{L0}.mlp.experts.1.down_proj.output_scale", 1.0),
+     [f"{L0}.mlp.experts.1.down_proj.output_scale", "not a tensor the decoder reads",
+      f"{L0}.mlp.experts.1.down_proj"]),
 ]
 
 
@@ -319,15 +352,6 @@ def test_load_model_refuses(pristine, tmp_path, case, kind, damage, needles):
         assert n in msg, f"{case}: {n!r} not in {msg!r}"
 
 
-def _bf16_linear(prefix, n, k):
-    """An excluded (unquantized) linear: a bf16 weight [n, k] and no scales."""
-    def fn(t):
-        for x in ("weight_scale", "weight_scale_2", "input_scale"):
-            t.pop(f"{prefix}.{x}")
-        t[f"{prefix}.weight"] = (np.full((n, k), 0x3C00, np.uint16), "BF16")  # bf16 1.0
-    return tensors(fn)
-
-
 def _untie(d):
     drop("lm_head.weight")(d)
     cfg(tie_word_embeddings=True)(d)
@@ -340,6 +364,9 @@ FINE = [
     ("tied-lm-head", "dense", _untie),
     ("head_dim-derived", "moe", cfg(head_dim=None)),
     ("quant-config-in-config-json", "dense", rm("hf_quant_config.json")),
+    # a module the decoder does not use (a speculative-decoding head): left alone
+    ("unused-module", "dense", put("mtp.layers.0.eh_proj.weight", np.zeros((64, 128), np.uint16),
+                                   "BF16")),
 ]
 
 

@@ -131,6 +131,10 @@ CASES = [
      [f"{E1}.shared_experts.down_proj.weight", "missing"]),
     ("extra-layer", tensors(extra_layer), CE, ["config.json", f"holds {B}.6"]),
     ("lm_head-missing", drop("lm_head.weight"), CE, ["lm_head.weight", "tie_word_embeddings"]),
+    ("out_proj-bias", put(f"{M0}.out_proj.bias", np.zeros(64, np.uint16), "BF16"), CE,
+     [f"{M0}.out_proj.bias", "a bias", "refusing"]),
+    ("mixer-extra", put(f"{M0}.dt_scale", np.zeros(8, np.float32), "F32"), CE,
+     [f"{M0}.dt_scale", "not a tensor the decoder reads"]),
 ]
 
 

@@ -109,6 +109,10 @@ def check_hf_config(c: dict, architectures: tuple[str, ...] = ()) -> None:
                                  and all(isinstance(i, int) for i in only)):
         raise _bad("mlp_only_layers", "a list of layer indices", only)
     _check_rope(c)
+    prf = c.get("partial_rotary_factor")
+    if prf is not None and prf != 1:
+        raise _bad("partial_rotary_factor", "1 (the decoders rotate whole heads)", prf)
+    sliding_window(c)
     nh, kvh = c["num_attention_heads"], c.get("num_key_value_heads") or c["num_attention_heads"]
     if nh % kvh:
         raise ValueError(f"config.json: num_attention_heads ({nh}) must be a multiple of "
@@ -122,6 +126,39 @@ def check_hf_config(c: dict, architectures: tuple[str, ...] = ()) -> None:
         if not k or k > n_exp:
             raise _bad("num_experts_per_tok", f"1..{n_exp} (num_experts)", k)
         _int(c, "moe_intermediate_size", required=True)
+
+
+def sliding_window(c: dict) -> int | None:
+    """The attention window W a config.json makes active, as transformers reads it, or None: a
+    Mistral's ``sliding_window`` (every layer; 4096 where the key is absent), a Qwen3-MoE's with
+    ``use_sliding_window``, a Qwen3's with ``use_sliding_window`` where a layer is a
+    "sliding_attention" one (``layer_types``, else the layers from ``max_window_layers`` on).
+    Under it a query attends to the W latest positions, itself included. ``ValueError`` naming
+    ``sliding_window`` unless an active one is an integer >= 1."""
+    arch = architecture(c)
+    w = c.get("sliding_window", 4096 if arch == "MistralForCausalLM" else None)
+    use = c.get("use_sliding_window", False)
+    if not isinstance(use, bool):
+        raise _bad("use_sliding_window", "true or false", use)
+    if arch == "MistralForCausalLM":
+        active = w is not None
+    elif arch == "Qwen3MoeForCausalLM":
+        active = use and w is not None
+    elif arch == "Qwen3ForCausalLM":
+        types = c.get("layer_types")
+        if types is not None:
+            if not (isinstance(types, list) and all(isinstance(t, str) for t in types)):
+                raise _bad("layer_types", "a list of layer types", types)
+            sliding = "sliding_attention" in types
+        else:
+            first = c.get("max_window_layers", 28)
+            sliding = isinstance(first, int) and first < c["num_hidden_layers"]
+        active = use and w is not None and sliding
+    else:
+        active = False
+    if not active:
+        return None
+    return _int({"sliding_window": w}, "sliding_window", required=True)
 
 
 def _check_rope(c: dict) -> None:

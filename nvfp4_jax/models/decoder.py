@@ -45,6 +45,10 @@ class DecoderConfig:
 
     ``moe_layers``: indices of the layers whose MLP is a routed MoE (empty for dense models).
     ``rope_scaling``: None or a dict with ``rope_type`` "default" or "llama3" (HF semantics).
+    ``sliding_window``: None, or the attention window W config.json makes active
+    (``checks.sliding_window``: a query attends to the W latest positions). The decoders
+    attend to every cached position, which is the windowed attention while a sequence holds at
+    most W positions: ``init_cache`` refuses a longer cache and ``generate`` a longer sequence.
     """
 
     vocab_size: int
@@ -65,6 +69,7 @@ class DecoderConfig:
     norm_topk_prob: bool = True
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 4096
+    sliding_window: int | None = None
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -518,6 +523,11 @@ def init_cache(cfg: DecoderConfig, batch: int, max_len: int) -> KVCache:
     its own cache, e.g. ``models.NemotronHConfig``: ``cfg.init_cache(batch, max_len)``)."""
     if not isinstance(cfg, DecoderConfig) and hasattr(cfg, "init_cache"):
         return cfg.init_cache(batch, max_len)
+    if cfg.sliding_window is not None and max_len > cfg.sliding_window:
+        raise ValueError(f"max_len: {max_len} positions exceed config.json's sliding_window "
+                         f"({cfg.sliding_window}): the decoder attends to every cached "
+                         f"position, the windowed attention only for sequences of at most "
+                         f"{cfg.sliding_window}")
     shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
     return KVCache(jnp.zeros(shape, jnp.bfloat16), jnp.zeros(shape, jnp.bfloat16),
                    jnp.zeros((), jnp.int32))
@@ -693,10 +703,15 @@ def _check_generate_args(cfg: DecoderConfig, prompt, max_new_tokens, temperature
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) \
             or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens: expected an integer >= 1, got {max_new_tokens!r}")
-    if p.shape[1] + max_new_tokens > cfg.max_position_embeddings:
+    limit = cfg.max_position_embeddings
+    what = f"max_position_embeddings ({limit})"
+    if getattr(cfg, "sliding_window", None) is not None and cfg.sliding_window < limit:
+        limit = cfg.sliding_window
+        what = (f"config.json's sliding_window ({limit}): the decoder attends to every "
+                "position, the windowed attention only up to it")
+    if p.shape[1] + max_new_tokens > limit:
         raise ValueError(f"max_new_tokens: {p.shape[1]} prompt tokens + {max_new_tokens} new "
-                         f"exceed max_position_embeddings ({cfg.max_position_embeddings}); "
-                         f"expected at most {cfg.max_position_embeddings - p.shape[1]}")
+                         f"exceed {what}; expected at most {limit - p.shape[1]}")
     if not (math.isfinite(temperature) and temperature >= 0):
         raise ValueError(f"temperature: expected a finite number >= 0, got {temperature}")
 

@@ -39,6 +39,7 @@ from ..models.checks import (
     check_nemotron_h_config,
     check_nemotron_h_tensors,
     check_tensors,
+    sliding_window,
 )
 from ..quantize import NVFP4Array
 from .decoder import DecoderConfig, Model, fuse_projections
@@ -110,7 +111,8 @@ def config_from_hf(c: dict) -> DecoderConfig:
         moe_intermediate_size=int(c.get("moe_intermediate_size") or 0),
         norm_topk_prob=bool(c.get("norm_topk_prob", True)),
         tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
-        max_position_embeddings=int(c.get("max_position_embeddings", 4096)))
+        max_position_embeddings=int(c.get("max_position_embeddings", 4096)),
+        sliding_window=sliding_window(c))
 
 
 def _rope_scaling(c: dict):

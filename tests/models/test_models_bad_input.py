@@ -241,6 +241,14 @@ CASES = [
     ("layers-fewer-than-file", "dense", cfg(num_hidden_layers=1),
      ["num_hidden_layers", "model.layers.1"]),
     ("max-pos-zero", "dense", cfg(max_position_embeddings=0), ["max_position_embeddings"]),
+    ("partial-rotary", "dense", cfg(partial_rotary_factor=0.5),
+     ["partial_rotary_factor", "whole heads", "0.5"]),
+    ("sliding-window-zero", "dense", cfg(architectures=["MistralForCausalLM"], sliding_window=0),
+     ["sliding_window", ">= 1", "got 0"]),
+    ("sliding-window-string", "moe", cfg(use_sliding_window=True, sliding_window="8"),
+     ["sliding_window", "integer"]),
+    ("use-sliding-window-string", "moe", cfg(use_sliding_window="yes"),
+     ["use_sliding_window", "true or false"]),
     ("hidden-act", "dense", cfg(hidden_act="gelu"), ["hidden_act"]),
     ("topk-above-experts", "moe", cfg(num_experts_per_tok=5),
      ["num_experts_per_tok", "num_experts"]),
@@ -411,6 +419,63 @@ def test_generate_refuses(dense_model, case, kw, needles):
         models.generate(dense_model, args.pop("prompt"), args.pop("max_new_tokens"), **args)
     for n in needles:
         assert n in str(exc.value), f"{case}: {n!r} not in {str(exc.value)!r}"
+
+
+#: config.json sliding-window settings -> the window transformers (5.24.0) applies: its
+#: config classes' sliding_window, where a layer is a sliding one (Qwen3: layer_types)
+WINDOWS = [
+    ("MistralForCausalLM", {}), ("MistralForCausalLM", {"sliding_window": None}),
+    ("MistralForCausalLM", {"sliding_window": 8}),
+    ("Qwen3MoeForCausalLM", {"sliding_window": 8}),
+    ("Qwen3MoeForCausalLM", {"sliding_window": 8, "use_sliding_window": True}),
+    ("Qwen3MoeForCausalLM", {"sliding_window": None, "use_sliding_window": True}),
+    ("Qwen3ForCausalLM", {"sliding_window": 8, "use_sliding_window": True}),
+    ("Qwen3ForCausalLM", {"sliding_window": 8, "use_sliding_window": True,
+                          "max_window_layers": 1}),
+    ("Qwen3ForCausalLM", {"sliding_window": 8, "use_sliding_window": True,
+                          "layer_types": ["full_attention", "sliding_attention"]}),
+    ("Qwen3ForCausalLM", {"sliding_window": 8, "use_sliding_window": False,
+                          "layer_types": ["full_attention", "sliding_attention"]}),
+    ("LlamaForCausalLM", {"sliding_window": 8}),
+]
+
+
+@pytest.mark.parametrize("arch,kv", WINDOWS)
+def test_sliding_window_is_the_one_transformers_applies(arch, kv):
+    import transformers
+
+    from nvfp4_jax.models.checks import sliding_window
+
+    base = {"vocab_size": 256, "hidden_size": 64, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+            "intermediate_size": 128, "architectures": [arch]}
+    hf = getattr(transformers, arch.replace("ForCausalLM", "Config"))(**base, **kv)
+    types = getattr(hf, "layer_types", None) or []
+    want = hf.sliding_window if arch != "Qwen3ForCausalLM" or "sliding_attention" in types \
+        else None
+    if arch == "LlamaForCausalLM":
+        want = None  # LlamaAttention has no window (its config keeps the unknown key)
+    assert sliding_window({**base, **kv}) == want
+
+
+def test_a_sliding_window_limits_sequences_to_it(pristine, tmp_path):
+    """A Mistral config.json with sliding_window 8 on the dense export: 8 positions generate
+    the tokens the same weights give as a Llama (no window); a 9th position is refused by
+    ``generate`` and ``init_cache``, naming the window."""
+    mistral = models.load_model(_damaged(pristine, tmp_path, "dense", cfg(
+        architectures=["MistralForCausalLM"], sliding_window=8)))
+    assert mistral.config.sliding_window == 8
+    llama = models.load_model(pristine["dense"])
+    assert llama.config.sliding_window is None
+    got = models.generate(mistral, [[1, 2, 3]], 5, warmup=False, backend="xla").tokens
+    want = models.generate(llama, [[1, 2, 3]], 5, warmup=False, backend="xla").tokens
+    np.testing.assert_array_equal(got, want)
+    with pytest.raises(ValueError, match=r"exceed config.json's sliding_window \(8\).*at most 5"):
+        models.generate(mistral, [[1, 2, 3]], 6)
+    with pytest.raises(ValueError, match=r"^max_len: 9 positions exceed config.json's "
+                                         r"sliding_window \(8\)"):
+        models.init_cache(mistral.config, 1, 9)
+    models.init_cache(mistral.config, 1, 8)
 
 
 def test_generate_accepts_the_last_position(dense_model):

@@ -305,8 +305,9 @@ class HFReference:
         return np.stack(new, axis=1)
 
 
-def save_char_tokenizer(path: str) -> None:
-    """A character-level tokenizer over the tiny checkpoints' 256 ids (built offline)."""
+def save_char_tokenizer(path: str, chat_template: str | None = None) -> None:
+    """A character-level tokenizer over the tiny checkpoints' 256 ids (built offline): id i is
+    the character U+0100 + i. ``chat_template``: a Jinja chat template saved with it."""
     from tokenizers import Tokenizer, pre_tokenizers
     from tokenizers.models import WordLevel
     from transformers import PreTrainedTokenizerFast
@@ -315,4 +316,7 @@ def save_char_tokenizer(path: str) -> None:
     vocab["<unk>"] = 255
     tk = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
     tk.pre_tokenizer = pre_tokenizers.Split("", "isolated")
-    PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>").save_pretrained(path)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>")
+    if chat_template is not None:
+        fast.chat_template = chat_template
+    fast.save_pretrained(path)

@@ -26,6 +26,7 @@ import dataclasses
 import functools
 import math
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -718,15 +719,19 @@ def _check_generate_args(cfg: DecoderConfig, prompt, max_new_tokens, temperature
 
 def generate(model: Model, prompt: np.ndarray | jax.Array, max_new_tokens: int, *,
              temperature: float = 0.0, seed: int = 0, backend: str = "auto",
-             w4a4: bool = True, warmup: bool = True, eos_id: int | None = None) -> Generation:
+             w4a4: bool = True, warmup: bool = True,
+             eos_id: int | Sequence[int] | None = None) -> Generation:
     """Greedy (``temperature=0``) or sampled generation from ``prompt`` int [B, T].
 
     The cache holds ``T + max_new_tokens`` positions. With ``warmup``, prefill and the decode
     step are compiled on a throwaway cache first, so the timings are steady-state. Generation
-    stops early (checked every 8 tokens) once every sequence has produced ``eos_id``; tokens
-    after a sequence's first ``eos_id`` are whatever the model produced next.
+    stops early (checked every 8 tokens) once every sequence has produced an end token
+    (``eos_id``: one id or several, as generation_config.json lists them); tokens after a
+    sequence's first end token are whatever the model produced next.
     """
     _check_generate_args(model.config, prompt, max_new_tokens, temperature)
+    eos = None if eos_id is None else jnp.asarray(np.atleast_1d(np.asarray(eos_id, np.int64)),
+                                                  jnp.int32)
     prompt = jnp.asarray(prompt, jnp.int32)
     cfg = model.config
     b, t = prompt.shape
@@ -748,8 +753,8 @@ def generate(model: Model, prompt: np.ndarray | jax.Array, max_new_tokens: int, 
     out = [tok]
     for step in range(max_new_tokens - 1):
         # the end-of-sequence test syncs with the host, so it runs every 8 steps only
-        if eos_id is not None and step % 8 == 7 and bool(
-                jnp.all(jnp.any(jnp.stack(out, 1) == eos_id, axis=1))):
+        if eos is not None and step % 8 == 7 and bool(
+                jnp.all(jnp.any(jnp.isin(jnp.stack(out, 1), eos), axis=1))):
             break
         logits, cache = decode_step(model, tok, cache, **kw)
         key, sub = jax.random.split(key)

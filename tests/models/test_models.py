@@ -401,6 +401,68 @@ def test_cli_generate(checkpoint_dir, loaded, tmp_path, capsys):
     assert main(["generate", "--checkpoint", str(tmp_path / "nope"), "--prompt-ids", "1"]) == 2
 
 
+#: a chat template over the char tokenizer: U+0101 (id 1) opens a user turn, U+0102 (id 2)
+#: closes it, U+0103 (id 3) opens the assistant's
+CHAT = ("{% for m in messages %}\u0101{{ m['content'] }}\u0102{% endfor %}"
+        "{% if add_generation_prompt %}\u0103{% endif %}")
+
+
+def test_cli_generate_chat_and_end_tokens(checkpoint_dir, loaded, tmp_path, capsys):
+    """``--chat`` wraps the prompt in the tokenizer's chat template (ids 1, prompt, 2, 3);
+    generation ends at the first of generation_config.json's end tokens (a list) and the
+    tokenizer's; ``--chat`` without a template or with ``--prompt-ids``, and a malformed
+    eos_token_id, end with exit 2 and one line."""
+    import json
+    import shutil
+
+    from nvfp4_jax.cli import main
+
+    ck = tmp_path / "chat"
+    shutil.copytree(checkpoint_dir("dense"), ck)
+    save_char_tokenizer(str(ck), chat_template=CHAT)
+    ids = [int(i) for i in PROMPT[0]]
+    chat_ids = [1, *ids, 2, 3]
+    want = [int(t) for t in models.generate(loaded("dense"), [chat_ids], 12,
+                                            warmup=False).tokens[0]]
+    stop = next(t for t in want[3:] if t not in want[:3] and t != 255)  # not <unk>
+    cut = want.index(stop)
+    other = next(i for i in range(4, 255) if i not in want)
+    # the engine checks the end tokens every 8 steps: it stops at the first check after one
+    early = models.generate(loaded("dense"), [chat_ids], 24, warmup=False, eos_id=[other, stop])
+    assert early.tokens.shape[1] == 8 * (cut // 8 + 1)
+    assert list(early.tokens[0][:cut + 1]) == want[:cut + 1]
+    with open(ck / "generation_config.json", "w") as f:
+        json.dump({"eos_token_id": [other, stop]}, f)
+    out = tmp_path / "gen.json"
+    text = "".join(chr(0x100 + i) for i in ids)
+    assert main(["generate", "--checkpoint", str(ck), "--prompt", text, "--chat",
+                 "--max-new-tokens", "12", "--json", str(out)]) == 0, capsys.readouterr().err
+    res = json.loads(out.read_text())
+    assert res["prompt_ids"] == chat_ids and res["chat"] is True
+    assert res["eos_ids"] == [other, stop]
+    assert res["new_ids"] == want[:cut + 1]
+    # without --chat: the plain prompt
+    assert main(["generate", "--checkpoint", str(ck), "--prompt", text, "--max-new-tokens", "2",
+                 "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["prompt_ids"] == ids
+    capsys.readouterr()
+    bad = [(["--prompt-ids", "1,2", "--chat"], "--chat: needs --prompt")]
+    plain = tmp_path / "plain"
+    shutil.copytree(checkpoint_dir("dense"), plain)
+    save_char_tokenizer(str(plain))
+    bad.append(([ "--prompt", text, "--chat"], "has no chat_template"))
+    for argv, needle in bad:
+        d = plain if "has no" in needle else ck
+        assert main(["generate", "--checkpoint", str(d), *argv]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert needle in err[-1] and err[-1].startswith("nvfp4 generate: "), err
+    with open(ck / "generation_config.json", "w") as f:
+        json.dump({"eos_token_id": "7"}, f)
+    assert main(["generate", "--checkpoint", str(ck), "--prompt-ids", "1,2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "generation_config.json: eos_token_id" in err and "'7'" in err, err
+
+
 def test_linear_w4a4_and_moe_block_match_oracle():
     """nn.linear with an input_scale is W4A4 (TensorRT-LLM), and nn.moe_block routes softmax
     top-k (renormalized) and applies silu(gate) * up to fc1 rows [up; gate] - against the

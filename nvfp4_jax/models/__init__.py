@@ -14,6 +14,7 @@ from .decoder import (
     Model,
     concat_linears,
     decode_step,
+    filter_logits,
     forward,
     fuse_projections,
     generate,
@@ -28,6 +29,6 @@ from .sharding import ShardedModel, shard_model, tp_bytes
 
 __all__ = ["ARCHITECTURES", "DecoderConfig", "FoldedBlocks", "Generation", "HybridCache",
            "KVCache", "Model", "NemotronHConfig", "NemotronHModel", "ShardedModel",
-           "concat_linears", "config_from_hf", "decode_step",
+           "concat_linears", "config_from_hf", "decode_step", "filter_logits",
            "fold_cutedsl_b12x", "forward", "fuse_projections", "generate", "init_cache",
            "load_model", "prefill", "sample", "shard_model", "stderr_progress", "tp_bytes"]

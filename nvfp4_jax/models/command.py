@@ -1,15 +1,19 @@
 """``nvfp4 generate``: run a ModelOpt NVFP4 export with :mod:`nvfp4_jax.models`.
 
 ``nvfp4 generate --checkpoint DIR (--prompt TEXT [--chat] | --prompt-ids 1,2,3)
-[--max-new-tokens N] [--temperature T] [--seed S] [--backend B] [--json FILE]``: loads the
-checkpoint (progress on stderr), generates, prints the text (with the checkpoint's tokenizer,
-through transformers, imported only here) or the token ids, and the prefill and decode
-tokens/s (compilation excluded). ``--chat``: the prompt as one user message through the
-tokenizer's chat template, with the generation prompt. Generation ends at any end token: the
-tokenizer's ``eos_token_id`` and every ``eos_token_id`` of the checkpoint's
-generation_config.json (an id or a list, as Llama-3 and Qwen3 instruct exports list several). A checkpoint's quantized KV cache is not applied (K and V stay bf16): the loader's
+[--max-new-tokens N] [--temperature T [--top-k K] [--top-p P]] [--seed S] [--backend B]
+[--json FILE]``: loads the checkpoint (progress on stderr), generates, prints the text (with
+the checkpoint's tokenizer, through transformers, imported only here) or the token ids, and
+the prefill and decode tokens/s (compilation excluded).
+
+``--chat``: the prompt as one user message through the tokenizer's chat template, with the
+generation prompt. Generation ends at any end token: the tokenizer's ``eos_token_id`` and
+every ``eos_token_id`` of the checkpoint's generation_config.json (an id or a list, as
+Llama-3 and Qwen3 instruct exports list several). Sampling (``--temperature`` > 0, optionally
+``--top-k`` / ``--top-p``) follows transformers' order (``models.sample``); the default is
+greedy. A checkpoint's quantized KV cache is not applied (K and V stay bf16): the loader's
 warning says so on stderr, and ``--json`` records it (``kv_cache``,
-``checkpoint_kv_cache_quant``).
+``checkpoint_kv_cache_quant``) with the end tokens and the sampling settings.
 """
 
 from __future__ import annotations
@@ -52,6 +56,10 @@ def add_parser(sub) -> None:
                    help="send --prompt as a user message through the tokenizer's chat template")
     g.add_argument("--max-new-tokens", type=int, default=32, metavar="N", help="default 32")
     g.add_argument("--temperature", type=float, default=0.0, help="0 for greedy (default)")
+    g.add_argument("--top-k", type=int, default=0, metavar="K",
+                   help="with a temperature: sample among the K largest logits (0: off, default)")
+    g.add_argument("--top-p", type=float, default=1.0, metavar="P",
+                   help="with a temperature: nucleus sampling, P in (0, 1] (1: off, default)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--backend", default="auto", choices=("auto", "mosaic", "pallas", "xla"),
                    help="GEMM/MoE implementation (default auto)")
@@ -101,6 +109,10 @@ def _problem(args) -> str | None:
         return f"--max-new-tokens: expected an integer >= 1, got {args.max_new_tokens}"
     if not (math.isfinite(args.temperature) and args.temperature >= 0):
         return f"--temperature: expected a finite number >= 0 (0: greedy), got {args.temperature}"
+    if args.top_k < 0:
+        return f"--top-k: expected an integer >= 0 (0: off), got {args.top_k}"
+    if not 0 < args.top_p <= 1:
+        return f"--top-p: expected a number in (0, 1] (1: off), got {args.top_p}"
     if not os.path.isdir(args.checkpoint):
         return f"--checkpoint {args.checkpoint}: not a directory"
     if args.json:
@@ -152,7 +164,8 @@ def run(args) -> int:
         kv_quant = ckpt.load(args.checkpoint).kv_cache_quant
         stderr_progress(f"loaded in {time.perf_counter() - t0:.1f} s; compiling and generating")
         gen = generate(model, [ids], args.max_new_tokens, temperature=args.temperature,
-                       seed=args.seed, backend=args.backend, eos_id=eos or None)
+                       top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                       backend=args.backend, eos_id=eos or None)
     except (OSError, KeyError, ValueError) as exc:
         print(f"nvfp4 generate: {exc}", file=sys.stderr)
         return 2
@@ -172,5 +185,6 @@ def run(args) -> int:
                        "decode_tokens_per_s": gen.decode_tokens_per_s,
                        "prefill_s": gen.prefill_s, "decode_s": gen.decode_s,
                        "kv_cache": "bf16", "checkpoint_kv_cache_quant": kv_quant,
-                       "eos_ids": eos, "chat": args.chat}, f, indent=2)
+                       "eos_ids": eos, "chat": args.chat, "temperature": args.temperature,
+                       "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed}, f, indent=2)
     return 0

@@ -654,19 +654,59 @@ decode_step = jax.jit(_decode, static_argnames=("backend", "w4a4", "ablate"),
                       donate_argnames=("cache",))
 
 
-def sample(logits: jax.Array, key: jax.Array | None, temperature: float = 0.0) -> jax.Array:
-    """fp32 logits [B, V] -> int32 token ids [B]: argmax for ``temperature == 0``, else a draw
-    from ``softmax(logits / temperature)``."""
-    if not (math.isfinite(temperature) and temperature >= 0):
+def check_sampling(temperature: float, top_k: int, top_p: float) -> None:
+    """ValueError naming ``temperature`` (finite, >= 0), ``top_k`` (an integer >= 0) or
+    ``top_p`` (in (0, 1]) when out of range."""
+    def real(v) -> float:
+        try:
+            return math.nan if isinstance(v, bool) else float(v)
+        except (TypeError, ValueError):
+            return math.nan
+
+    t, p = real(temperature), real(top_p)
+    if not (math.isfinite(t) and t >= 0):
         raise ValueError(f"temperature: expected a finite number >= 0, got {temperature}")
+    if isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)) or top_k < 0:
+        raise ValueError(f"top_k: expected an integer >= 0 (0: off), got {top_k!r}")
+    if not 0 < p <= 1:
+        raise ValueError(f"top_p: expected a number in (0, 1] (1: off), got {top_p!r}")
+
+
+def filter_logits(scores: jax.Array, top_k: int = 0, top_p: float = 1.0) -> jax.Array:
+    """fp32 scores [B, V] (logits / temperature) with the tokens top-k and then top-p sampling
+    leave out set to -inf, as transformers' ``TopKLogitsWarper`` and ``TopPLogitsWarper`` do:
+    top-k keeps the scores >= the k-th largest (ties with it included); top-p sorts the kept
+    scores ascending and drops those whose cumulative softmax is <= 1 - top_p, always keeping
+    the largest. ``top_k`` 0 and ``top_p`` 1 leave the scores as they are."""
+    neg = jnp.asarray(-jnp.inf, scores.dtype)
+    if top_k and top_k < scores.shape[-1]:
+        kth = jax.lax.top_k(scores, top_k)[0][..., -1:]
+        scores = jnp.where(scores < kth, neg, scores)
+    if top_p < 1:
+        order = jnp.argsort(scores, axis=-1)  # ascending
+        srt = jnp.take_along_axis(scores, order, axis=-1)
+        cum = jnp.cumsum(jax.nn.softmax(srt, axis=-1), axis=-1)
+        drop = (cum <= 1 - top_p).at[..., -1].set(False)
+        drop = jnp.zeros_like(drop).at[jnp.arange(scores.shape[0])[:, None], order].set(drop)
+        scores = jnp.where(drop, neg, scores)
+    return scores
+
+
+def sample(logits: jax.Array, key: jax.Array | None, temperature: float = 0.0,
+           top_k: int = 0, top_p: float = 1.0) -> jax.Array:
+    """fp32 logits [B, V] -> int32 token ids [B]: argmax for ``temperature == 0``, else a draw
+    from ``softmax(filter_logits(logits / temperature, top_k, top_p))`` (transformers' order:
+    temperature, then top-k, then top-p; ``top_k`` 0 and ``top_p`` 1 turn them off)."""
+    check_sampling(temperature, top_k, top_p)
     if temperature == 0:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
     if key is None:
         raise ValueError("key: temperature sampling needs a jax.random key")
-    return jax.random.categorical(key, logits / temperature, axis=-1).astype(jnp.int32)
+    scores = filter_logits(logits / temperature, top_k, top_p)
+    return jax.random.categorical(key, scores, axis=-1).astype(jnp.int32)
 
 
-_sample = jax.jit(sample, static_argnames=("temperature",))
+_sample = jax.jit(sample, static_argnames=("temperature", "top_k", "top_p"))
 
 
 @dataclasses.dataclass
@@ -690,7 +730,8 @@ class Generation:
         return n / self.decode_s if self.decode_s > 0 else float("nan")
 
 
-def _check_generate_args(cfg: DecoderConfig, prompt, max_new_tokens, temperature) -> None:
+def _check_generate_args(cfg: DecoderConfig, prompt, max_new_tokens, temperature,
+                         top_k: int = 0, top_p: float = 1.0) -> None:
     """ValueError naming the argument of :func:`generate` that is out of range, before any
     allocation: token ids, positions within ``max_position_embeddings``, the temperature."""
     p = np.asarray(prompt)
@@ -713,15 +754,15 @@ def _check_generate_args(cfg: DecoderConfig, prompt, max_new_tokens, temperature
     if p.shape[1] + max_new_tokens > limit:
         raise ValueError(f"max_new_tokens: {p.shape[1]} prompt tokens + {max_new_tokens} new "
                          f"exceed {what}; expected at most {limit - p.shape[1]}")
-    if not (math.isfinite(temperature) and temperature >= 0):
-        raise ValueError(f"temperature: expected a finite number >= 0, got {temperature}")
+    check_sampling(temperature, top_k, top_p)
 
 
 def generate(model: Model, prompt: np.ndarray | jax.Array, max_new_tokens: int, *,
-             temperature: float = 0.0, seed: int = 0, backend: str = "auto",
-             w4a4: bool = True, warmup: bool = True,
+             temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
+             backend: str = "auto", w4a4: bool = True, warmup: bool = True,
              eos_id: int | Sequence[int] | None = None) -> Generation:
-    """Greedy (``temperature=0``) or sampled generation from ``prompt`` int [B, T].
+    """Greedy (``temperature=0``) or sampled generation from ``prompt`` int [B, T]; with a
+    temperature, ``top_k`` / ``top_p`` restrict each draw as transformers does (:func:`sample`).
 
     The cache holds ``T + max_new_tokens`` positions. With ``warmup``, prefill and the decode
     step are compiled on a throwaway cache first, so the timings are steady-state. Generation
@@ -729,7 +770,7 @@ def generate(model: Model, prompt: np.ndarray | jax.Array, max_new_tokens: int, 
     (``eos_id``: one id or several, as generation_config.json lists them); tokens after a
     sequence's first end token are whatever the model produced next.
     """
-    _check_generate_args(model.config, prompt, max_new_tokens, temperature)
+    _check_generate_args(model.config, prompt, max_new_tokens, temperature, top_k, top_p)
     eos = None if eos_id is None else jnp.asarray(np.atleast_1d(np.asarray(eos_id, np.int64)),
                                                   jnp.int32)
     prompt = jnp.asarray(prompt, jnp.int32)
@@ -740,14 +781,14 @@ def generate(model: Model, prompt: np.ndarray | jax.Array, max_new_tokens: int, 
     kw = {"backend": backend, "w4a4": w4a4}
     if warmup:
         logits, c = prefill(model, prompt, init_cache(cfg, b, max_len), all_logits=False, **kw)
-        _, c = decode_step(model, _sample(logits, key, temperature), c, **kw)
+        _, c = decode_step(model, _sample(logits, key, temperature, top_k, top_p), c, **kw)
         jax.block_until_ready(c)
     cache = init_cache(cfg, b, max_len)
     jax.block_until_ready(cache)
     t0 = time.perf_counter()
     logits, cache = prefill(model, prompt, cache, all_logits=False, **kw)
     key, sub = jax.random.split(key)
-    tok = _sample(logits, sub, temperature)
+    tok = _sample(logits, sub, temperature, top_k, top_p)
     tok.block_until_ready()
     t1 = time.perf_counter()
     out = [tok]
@@ -758,7 +799,7 @@ def generate(model: Model, prompt: np.ndarray | jax.Array, max_new_tokens: int, 
             break
         logits, cache = decode_step(model, tok, cache, **kw)
         key, sub = jax.random.split(key)
-        tok = _sample(logits, sub, temperature)
+        tok = _sample(logits, sub, temperature, top_k, top_p)
         out.append(tok)
     tokens = np.asarray(jnp.stack(out, axis=1))
     t2 = time.perf_counter()

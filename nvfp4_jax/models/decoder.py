@@ -549,11 +549,14 @@ def forward(model: Model, tokens: jax.Array, cache: KVCache, *, backend: str = "
     attention and dense MLPs, replaced by weight-free stand-ins of the same shapes).
 
     A cache with fewer than T free positions: ValueError when T exceeds its capacity, else
-    (``cache.length`` is traced) every logit of the step is NaN.
+    (``cache.length`` is traced) every logit of the step is NaN. A token id outside
+    [0, vocab_size) gives NaN logits from its position on in its sequence
+    (:func:`embed_tokens`); the batch's other sequences are unaffected.
     """
     bad = set(ablate) - {"attention", "moe", "dense"}
     if bad:
         raise ValueError(f"ablate: unknown parts {sorted(bad)}; expected attention, moe, dense")
+    check_tokens(tokens)
     if not isinstance(model, Model):  # ShardedModel (one shard_map of this), NemotronHModel
         if not callable(getattr(model, "forward", None)):
             raise ValueError(f"model: expected a models.Model or models.ShardedModel, got "
@@ -565,7 +568,7 @@ def forward(model: Model, tokens: jax.Array, cache: KVCache, *, backend: str = "
     start = cache.length
     pos = jnp.broadcast_to(start + jnp.arange(t, dtype=jnp.int32), (b, t))
     rope = rope_tables(pos, jnp.asarray(rope_inv_freq(cfg)))
-    x = model.embed[tokens]
+    x = embed_tokens(model.embed, tokens)
     k_all, v_all = cache.k, cache.v
     li = 0
     for kind, g in zip(model.group_kinds, model.groups):
@@ -624,6 +627,27 @@ def check_cache_room(t: int, capacity: int) -> None:
     if t > capacity:
         raise ValueError(f"tokens: {t} tokens do not fit the cache's {capacity} positions "
                          f"(models.init_cache(config, batch, max_len) with max_len >= {t})")
+
+
+def check_tokens(tokens) -> None:
+    """ValueError naming ``tokens`` unless it is an integer array [B, T]."""
+    if not (hasattr(tokens, "dtype") and hasattr(tokens, "shape")) or len(tokens.shape) != 2 \
+            or not jnp.issubdtype(tokens.dtype, jnp.integer):
+        what = (f"{tokens.dtype} {tuple(tokens.shape)}" if hasattr(tokens, "shape")
+                else type(tokens).__name__)
+        raise ValueError(f"tokens: expected int token ids [B, T], got {what}")
+
+
+def embed_tokens(embed: jax.Array, tokens: jax.Array) -> jax.Array:
+    """The rows of ``embed`` [V, H] for int ``tokens`` [B, T]: bf16 [B, T, H], a row of NaN for
+    an id outside [0, V) (traced ids cannot raise, and a clamped or wrapped lookup would embed
+    another token); the layers carry it into the logits of that position and the later ones
+    of its sequence (and, where an attention multiplies masked-out keys' values by zero, the
+    earlier ones), never into another sequence's."""
+    v = embed.shape[0]
+    ok = (tokens >= 0) & (tokens < v)
+    x = embed[jnp.clip(tokens, 0, v - 1)]
+    return jnp.where(ok[..., None], x, jnp.asarray(jnp.nan, x.dtype))
 
 
 def past_cache_nan(x: jax.Array, end: jax.Array, capacity: int) -> jax.Array:

@@ -50,7 +50,7 @@ import jax
 import jax.numpy as jnp
 
 from .. import nn
-from .decoder import attention, check_cache_room, past_cache_nan, stack_trees
+from .decoder import attention, check_cache_room, embed_tokens, past_cache_nan, stack_trees
 
 #: HF ``layers_block_type`` names and their pattern characters
 LAYER_TYPES = {"linear_attention": "M", "moe": "E", "full_attention": "*", "mlp": "-"}
@@ -404,7 +404,7 @@ class NemotronHModel:
         check_cache_room(t, cache.k.shape[2])
         start = cache.length
         pos = jnp.broadcast_to(start + jnp.arange(t, dtype=jnp.int32), (b, t))
-        x = self.embed[tokens]
+        x = embed_tokens(self.embed, tokens)
         k_all, v_all = cache.k, cache.v
         convs, ssms = [], []  # per segment, [Mamba layers, ...] each
         ai = mi = li = 0

@@ -478,6 +478,41 @@ def test_a_sliding_window_limits_sequences_to_it(pristine, tmp_path):
     models.init_cache(mistral.config, 1, 8)
 
 
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+@pytest.mark.parametrize("bad_id", [-1, 256, 2**31 - 1])
+def test_an_id_outside_the_vocabulary_gives_nan_in_its_sequence_only(pristine, kind, bad_id):
+    """prefill and decode_step (traced ids: nothing can raise) with id ``bad_id`` at position 2
+    of sequence 0: its logits from there on are NaN, and the next step's (the XLA prefill's
+    attention multiplies the masked-out later keys' values by zero, so here the earlier
+    positions' too); sequence 1 is bit for bit what it is beside a valid sequence 0. A clamped
+    lookup would embed token 255, a wrapped one token 255 for -1."""
+    model = models.load_model(pristine[kind])
+    good = jnp.asarray([[5, 6, 7, 8], [9, 10, 11, 12]], jnp.int32)
+
+    def run(tokens):
+        cache = models.init_cache(model.config, 2, 6)
+        logits, cache = models.prefill(model, tokens, cache, all_logits=True, backend="xla")
+        step, _ = models.decode_step(model, jnp.asarray([1, 1], jnp.int32), cache,
+                                     backend="xla")
+        return np.asarray(logits), np.asarray(step)
+
+    gl, gs = run(good)
+    bl, bs = run(good.at[0, 2].set(bad_id))
+    assert np.isfinite(gl).all() and np.isfinite(gs).all()
+    assert np.isnan(bl[0, 2:]).all() and np.isnan(bs[0]).all()
+    np.testing.assert_array_equal(bl[1], gl[1])
+    np.testing.assert_array_equal(bs[1], gs[1])
+
+
+def test_forward_refuses_tokens_that_are_not_int_ids(dense_model):
+    cache = models.init_cache(dense_model.config, 1, 4)
+    for tokens, what in ((jnp.ones((1, 2), jnp.float32), "float32 (1, 2)"),
+                         (jnp.ones((2,), jnp.int32), "int32 (2,)"), ([[1, 2]], "list")):
+        with pytest.raises(ValueError, match=r"^tokens: expected int token ids \[B, T\]") as e:
+            models.forward(dense_model, tokens, cache)
+        assert what in str(e.value)
+
+
 def test_generate_accepts_the_last_position(dense_model):
     """prompt + new tokens == max_position_embeddings is allowed (the boundary)."""
     gen = models.generate(dense_model, [[1, 2, 3] * 83 + [4]], 6, warmup=False)

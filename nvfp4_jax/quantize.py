@@ -374,6 +374,9 @@ def dequantize(a: NVFP4Array, dtype=jnp.float32, *, include_decode_scale: bool =
     """``e2m1 * e4m3 [* decode_scale]`` as ``dtype`` [..., K].
 
     Without the decode scale, the values are exact in bf16 (<= 6 significant bits)."""
+    if not isinstance(a, NVFP4Array):
+        raise ValueError(f"a: expected an NVFP4Array (nvfp4_jax.quantize's), got "  # noqa: TRY004
+                         f"{type(a).__name__}")
     vals = F.e2m1_decode(F.unpack_nibbles(a.codes))
     sc = F.e4m3_to_f32(a.linear_scales())
     out = (vals.reshape(vals.shape[:-1] + (-1, BLOCK)) * sc[..., None]).reshape(vals.shape)
@@ -394,6 +397,9 @@ def from_oracle(t, layout: str = "linear") -> NVFP4Array:
 def to_oracle(a: NVFP4Array):
     """The ``oracle.NVFP4`` holding the bytes of ``a`` (linear layout)."""
     import oracle
+
+    if not isinstance(a, NVFP4Array):
+        raise ValueError(f"a: expected an NVFP4Array, got {type(a).__name__}")  # noqa: TRY004
 
     s = np.asarray(F.e4m3_bytes(a.linear_scales()))
     return oracle.NVFP4(np.asarray(a.codes), s, np.asarray(a.decode_scale, np.float64))

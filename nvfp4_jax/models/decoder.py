@@ -73,6 +73,32 @@ class DecoderConfig:
     sliding_window: int | None = None
 
     def __post_init__(self):
+        def bad(name: str, want: str):
+            return ValueError(f"DecoderConfig.{name}: expected {want}, got {getattr(self, name)!r}")
+
+        def is_int(v) -> bool:
+            return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
+
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
+                     "head_dim", "max_position_embeddings"):
+            if not is_int(getattr(self, name)) or getattr(self, name) < 1:
+                raise bad(name, "an integer >= 1")
+        for name in ("intermediate_size", "num_experts", "num_experts_per_tok",
+                     "moe_intermediate_size"):
+            if not is_int(getattr(self, name)) or getattr(self, name) < 0:
+                raise bad(name, "an integer >= 0")
+        for name in ("rms_norm_eps", "rope_theta"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
+                    or v <= 0:
+                raise bad(name, "a finite number > 0")
+        if self.sliding_window is not None and (not is_int(self.sliding_window)
+                                                or self.sliding_window < 1):
+            raise bad("sliding_window", "None or an integer >= 1")
+        if not all(is_int(i) and 0 <= i < self.num_layers for i in self.moe_layers):
+            raise bad("moe_layers", f"layer indices in [0, {self.num_layers})")
+        if self.num_experts_per_tok > self.num_experts:
+            raise bad("num_experts_per_tok", f"at most num_experts ({self.num_experts})")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
                              f"({self.num_kv_heads})")

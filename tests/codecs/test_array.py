@@ -167,3 +167,10 @@ def test_oracle_round_trip_and_dequantize():
         # values without the decode scale are exact in fp32: equal to the oracle's float64
         got = np.asarray(_dequantize(a, include_decode_scale=False)).astype(np.float64)
         np.testing.assert_array_equal(got, oracle.dequantize(ref, include_decode_scale=False))
+
+
+@pytest.mark.parametrize("fn", [nj.dequantize, nj.to_oracle])
+@pytest.mark.parametrize("a", [np.ones((4, 16)), jnp.ones((4, 8), jnp.uint8), None])
+def test_dequantize_and_to_oracle_name_a_non_nvfp4_argument(fn, a):
+    with pytest.raises(ValueError, match="^a: expected an NVFP4Array"):
+        fn(a)

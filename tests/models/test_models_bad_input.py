@@ -607,3 +607,25 @@ def test_cli_generate_subprocess_exit_2_no_traceback(pristine, tmp_path):
     assert r.returncode == 2, r.stderr
     assert "Traceback" not in r.stderr and r.stderr.count("\n") == 1, r.stderr
     assert "model.embed_tokens.weight" in r.stderr and "vocab_size = 1000000000000" in r.stderr
+
+
+@pytest.mark.parametrize("kw,needle", [
+    ({"num_heads": 0}, "DecoderConfig.num_heads: expected an integer >= 1, got 0"),
+    ({"vocab_size": 256.0}, "DecoderConfig.vocab_size: expected an integer >= 1"),
+    ({"head_dim": True}, "DecoderConfig.head_dim"),
+    ({"num_experts": -1}, "DecoderConfig.num_experts: expected an integer >= 0"),
+    ({"rms_norm_eps": float("nan")}, "DecoderConfig.rms_norm_eps: expected a finite number > 0"),
+    ({"rope_theta": 0}, "DecoderConfig.rope_theta"),
+    ({"sliding_window": 0}, "DecoderConfig.sliding_window"),
+    ({"moe_layers": (2,), "num_experts": 4, "num_experts_per_tok": 2},
+     "DecoderConfig.moe_layers: expected layer indices in [0, 2)"),
+    ({"moe_layers": (0,), "num_experts": 4, "num_experts_per_tok": 5},
+     "DecoderConfig.num_experts_per_tok: expected at most num_experts (4)")])
+def test_decoder_config_names_a_bad_field(kw, needle):
+    """A DecoderConfig built by hand (random-weight models, the benchmark) is checked as
+    config.json is: the field and what it expects."""
+    base = {"vocab_size": 256, "hidden_size": 64, "num_layers": 2, "num_heads": 4,
+            "num_kv_heads": 2, "head_dim": 16}
+    with pytest.raises(ValueError) as exc:
+        models.DecoderConfig(**{**base, **kw})
+    assert needle in str(exc.value)

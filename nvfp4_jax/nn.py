@@ -125,6 +125,9 @@ def router_logits(p: MoE | MoEBF16, x: jax.Array) -> jax.Array:
 
 
 def _router_product(router: jax.Array, x: jax.Array) -> jax.Array:
+    if jnp.ndim(router) != 2 or jnp.ndim(x) != 2 or router.shape[1] != x.shape[1]:
+        raise ValueError(f"router: expected [E, H] with x's H = {x.shape[-1]} (x [T, H]), got "
+                         f"router {jnp.shape(router)} and x {jnp.shape(x)}")
     if router.dtype == jnp.float32:
         return jax.lax.dot_general(x.astype(jnp.float32), router, (((1,), (1,)), ((), ())),
                                    precision=jax.lax.Precision.HIGHEST,
@@ -376,6 +379,9 @@ def join_stacks(p, stacks: list, layer: jax.Array):
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     """RMSNorm over the last axis in fp32, as HF's Llama/Qwen3 RMSNorm: ``x [..., D]`` ->
     ``weight * (x / rms(x))`` in x's dtype (weight bf16 [D])."""
+    if jnp.shape(weight) != x.shape[-1:]:
+        raise ValueError(f"weight: expected [D] with x's last dimension D = {x.shape[-1]}, got "
+                         f"shape {jnp.shape(weight)}")
     xf = x.astype(jnp.float32)
     y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
     return (weight.astype(jnp.float32) * y.astype(x.dtype).astype(jnp.float32)).astype(x.dtype)

@@ -120,7 +120,11 @@ def check_positive_scale(name: str, s: Any, *, bounds: tuple[float, float] | Non
     hi = np.float32(bounds[1] if bounds else np.finfo(np.float32).max)
     want = f"a value in [{bounds[0]:.3g}, {bounds[1]:.3g}]" if bounds else "finite and > 0"
     if is_concrete(s):
-        a = np.asarray(s, np.float32)
+        try:
+            a = np.asarray(s, np.float32)
+        except (TypeError, ValueError):
+            raise ValueError(f"{name}: expected a float32 scale ({want}), got "
+                             f"{type(s).__name__} {s!r:.40}") from None
         ok = np.isfinite(a) & (a > 0) & (a >= lo) & (a <= hi)
         if not ok.all():
             bad = a[~ok].reshape(-1)

@@ -820,9 +820,17 @@ def generate(model: Model, prompt: np.ndarray | jax.Array, max_new_tokens: int, 
     (``eos_id``: one id or several, as generation_config.json lists them); tokens after a
     sequence's first end token are whatever the model produced next.
     """
+    if not callable(getattr(model, "forward", None)) and not isinstance(model, Model):
+        raise ValueError(f"model: expected a models.Model (models.load_model, Model.build), a "
+                         f"NemotronHModel or a ShardedModel, got {type(model).__name__}")
     _check_generate_args(model.config, prompt, max_new_tokens, temperature, top_k, top_p)
-    eos = None if eos_id is None else jnp.asarray(np.atleast_1d(np.asarray(eos_id, np.int64)),
-                                                  jnp.int32)
+    eos = None
+    if eos_id is not None:
+        ids = np.atleast_1d(np.asarray(eos_id, dtype=object))
+        if ids.ndim != 1 or not all(isinstance(i, (int, np.integer)) and not isinstance(i, bool)
+                                    and 0 <= i < 2**31 for i in ids):
+            raise ValueError(f"eos_id: expected a token id or a list of them, got {eos_id!r}")
+        eos = jnp.asarray(ids.astype(np.int64), jnp.int32)
     prompt = jnp.asarray(prompt, jnp.int32)
     cfg = model.config
     b, t = prompt.shape

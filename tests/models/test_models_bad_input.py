@@ -629,3 +629,44 @@ def test_decoder_config_names_a_bad_field(kw, needle):
     with pytest.raises(ValueError) as exc:
         models.DecoderConfig(**{**base, **kw})
     assert needle in str(exc.value)
+
+
+def _moe_parts(h=128, e=4):
+    import nvfp4_jax as nj
+    from nvfp4_jax import nn
+
+    rng = np.random.default_rng(0)
+    fc1 = nj.quantize_experts(jnp.asarray(rng.standard_normal((e, 64, h)), jnp.bfloat16), "trtllm")
+    fc2 = nj.quantize_experts(jnp.asarray(rng.standard_normal((e, h, 32)), jnp.bfloat16), "trtllm")
+    router = jnp.asarray(rng.standard_normal((e, h)), jnp.bfloat16)
+    return nn, fc1, fc2, router, jnp.full(e, 0.01, jnp.float32)
+
+
+def test_building_blocks_name_a_bad_argument():
+    """nn.rms_norm, nn.moe_block's router, nn.linear's input_scale and generate's model and
+    eos_id: a ValueError naming the argument, not an error from inside JAX."""
+    import nvfp4_jax as nj
+
+    nn, fc1, fc2, router, s = _moe_parts()
+    x = jnp.ones((3, 128), jnp.bfloat16)
+    w = nj.quantize(jnp.ones((64, 128), jnp.bfloat16), "modelopt")
+    cases = [
+        (lambda: nn.rms_norm(x, jnp.ones(64, jnp.bfloat16), 1e-6),
+         "weight: expected [D] with x's last dimension D = 128, got shape (64,)"),
+        (lambda: nn.moe_block(nn.MoE(router[:, :64], fc1, fc2, s, s, top_k=2), x),
+         "router: expected [E, H] with x's H = 128"),
+        (lambda: nn.moe_block(nn.MoE(router, fc1, fc2, s, s, top_k=2), x[:, :64]),
+         "router: expected [E, H] with x's H = 64"),
+        (lambda: nn.linear(nn.Linear(w, "x"), x), "input_scale: expected a float32 scale"),
+        (lambda: models.generate(None, [[1]], 2), "model: expected a models.Model"),
+    ]
+    for fn, needle in cases:
+        with pytest.raises(ValueError) as exc:
+            fn()
+        assert needle in str(exc.value)
+
+
+@pytest.mark.parametrize("eos", ["x", [-5], [1.5], True, [[1, 2]]])
+def test_generate_refuses_a_bad_eos_id(dense_model, eos):
+    with pytest.raises(ValueError, match="^eos_id: expected a token id or a list of them"):
+        models.generate(dense_model, [[1, 2]], 2, eos_id=eos)

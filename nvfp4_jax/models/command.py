@@ -57,9 +57,11 @@ def add_parser(sub) -> None:
     g.add_argument("--max-new-tokens", type=int, default=32, metavar="N", help="default 32")
     g.add_argument("--temperature", type=float, default=0.0, help="0 for greedy (default)")
     g.add_argument("--top-k", type=int, default=0, metavar="K",
-                   help="with a temperature: sample among the K largest logits (0: off, default)")
+                   help="with a temperature: sample among the K largest logits; 0 turns it "
+                        "off (default: 0)")
     g.add_argument("--top-p", type=float, default=1.0, metavar="P",
-                   help="with a temperature: nucleus sampling, P in (0, 1] (1: off, default)")
+                   help="with a temperature: nucleus sampling, P in (0, 1]; 1 turns it off "
+                        "(default: 1.0)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--backend", default="auto", choices=("auto", "mosaic", "pallas", "xla"),
                    help="GEMM/MoE implementation (default auto)")

@@ -821,7 +821,7 @@ def generate(model: Model, prompt: np.ndarray | jax.Array, max_new_tokens: int, 
     sequence's first end token are whatever the model produced next.
     """
     if not callable(getattr(model, "forward", None)) and not isinstance(model, Model):
-        raise ValueError(f"model: expected a models.Model (models.load_model, Model.build), a "
+        raise ValueError(f"model: expected a models.Model (models.load_model, Model.build), a "  # noqa: TRY004
                          f"NemotronHModel or a ShardedModel, got {type(model).__name__}")
     _check_generate_args(model.config, prompt, max_new_tokens, temperature, top_k, top_p)
     eos = None

@@ -22,12 +22,12 @@ import pytest
 pytest.importorskip("modelopt", reason="nvidia-modelopt (the `peers` extra) makes the export")
 pytest.importorskip("transformers", reason="transformers builds the model ModelOpt exports")
 
-import jax.numpy as jnp  # noqa: E402
-from hf_reference import make_checkpoint  # noqa: E402
+import jax.numpy as jnp
+from hf_reference import make_checkpoint
 
-from nvfp4_jax import checkpoint as C  # noqa: E402
-from nvfp4_jax import models  # noqa: E402
-from nvfp4_jax.cli import main  # noqa: E402
+from nvfp4_jax import checkpoint as C
+from nvfp4_jax import models
+from nvfp4_jax.cli import main
 
 ST = "model.safetensors"
 PROMPT = [[3, 141, 59, 26, 5, 35, 89, 79]]

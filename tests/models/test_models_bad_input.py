@@ -631,25 +631,25 @@ def test_decoder_config_names_a_bad_field(kw, needle):
     assert needle in str(exc.value)
 
 
-def _moe_parts(h=128, e=4):
+def _nvfp4(*shape, decode=1.0):
+    """An NVFP4Array [..., N, K] of zero codes and unit block scales (nothing compiles)."""
     import nvfp4_jax as nj
-    from nvfp4_jax import nn
 
-    rng = np.random.default_rng(0)
-    fc1 = nj.quantize_experts(jnp.asarray(rng.standard_normal((e, 64, h)), jnp.bfloat16), "trtllm")
-    fc2 = nj.quantize_experts(jnp.asarray(rng.standard_normal((e, h, 32)), jnp.bfloat16), "trtllm")
-    router = jnp.asarray(rng.standard_normal((e, h)), jnp.bfloat16)
-    return nn, fc1, fc2, router, jnp.full(e, 0.01, jnp.float32)
+    *lead, n, k = shape
+    return nj.NVFP4Array.from_parts(
+        jnp.zeros((*lead, n, k // 2), jnp.uint8),
+        jnp.ones((*lead, n, k // 16), jnp.float32).astype(jnp.float8_e4m3fn),
+        jnp.full(tuple(lead), decode, jnp.float32))
 
 
 def test_building_blocks_name_a_bad_argument():
     """nn.rms_norm, nn.moe_block's router, nn.linear's input_scale and generate's model and
     eos_id: a ValueError naming the argument, not an error from inside JAX."""
-    import nvfp4_jax as nj
+    from nvfp4_jax import nn
 
-    nn, fc1, fc2, router, s = _moe_parts()
+    fc1, fc2, w = _nvfp4(4, 64, 128), _nvfp4(4, 128, 32), _nvfp4(64, 128)
+    router, s = jnp.ones((4, 128), jnp.bfloat16), jnp.full(4, 0.01, jnp.float32)
     x = jnp.ones((3, 128), jnp.bfloat16)
-    w = nj.quantize(jnp.ones((64, 128), jnp.bfloat16), "modelopt")
     cases = [
         (lambda: nn.rms_norm(x, jnp.ones(64, jnp.bfloat16), 1e-6),
          "weight: expected [D] with x's last dimension D = 128, got shape (64,)"),

@@ -12,8 +12,9 @@ the file and tensor. A tensor beside those of a module the decoder reads (a line
 or AWQ ``pre_quant_scale``, a norm's ``bias``) is refused, named: the decoder would run
 without it. The per-layer tensors of a quantized KV cache (``k_proj.k_scale``,
 ``v_proj.v_scale``, and ``k_bias`` / ``v_bias`` of an affine one) are returned instead, for
-the loader to say that they are not applied (``KV_CACHE_TENSORS``). Scale values (finite, positive, no E4M3 NaN byte) are checked as the
-tensors are read (``checkpoint.Checkpoint.linear``).
+the loader to say that they are not applied (``KV_CACHE_TENSORS``). Scale values (finite,
+positive, no E4M3 NaN byte) are checked as the tensors are read
+(``checkpoint.Checkpoint.linear``).
 
 ``check_nemotron_h_config(c)`` and ``check_nemotron_h_tensors(ck, cfg)`` do the same for a
 ``NemotronHForCausalLM`` export: the layer pattern and the sizes each layer type reads, then
@@ -253,8 +254,9 @@ class _Expect:
         """Refuse (``CheckpointError``, the first by name) a tensor that sits beside the tensors
         of a module the checks read (same name up to its last dot) and is neither read nor a
         KV-cache tensor; return the KV-cache tensors (``KV_CACHE_TENSORS``, under whichever
-        module: ModelOpt's ``k_proj.k_scale``, others' ``self_attn.k_scale``), sorted. Tensors of modules the decoder does not use at all (a
-        speculative-decoding head, say) are left alone."""
+        module: ModelOpt's ``k_proj.k_scale``, others' ``self_attn.k_scale``), sorted. Tensors
+        of modules the decoder does not use at all (a speculative-decoding head, say) are left
+        alone."""
         kv = []
         for n in sorted(self.names - self.read):
             module, _, leaf = n.rpartition(".")

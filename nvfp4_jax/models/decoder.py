@@ -583,10 +583,8 @@ def forward(model: Model, tokens: jax.Array, cache: KVCache, *, backend: str = "
     if bad:
         raise ValueError(f"ablate: unknown parts {sorted(bad)}; expected attention, moe, dense")
     check_tokens(tokens)
+    check_model(model)
     if not isinstance(model, Model):  # ShardedModel (one shard_map of this), NemotronHModel
-        if not callable(getattr(model, "forward", None)):
-            raise ValueError(f"model: expected a models.Model or models.ShardedModel, got "
-                             f"{type(model).__name__}")
         return model.forward(tokens, cache, backend=backend, w4a4=w4a4, ablate=ablate)
     cfg = model.config
     b, t = tokens.shape
@@ -653,6 +651,14 @@ def check_cache_room(t: int, capacity: int) -> None:
     if t > capacity:
         raise ValueError(f"tokens: {t} tokens do not fit the cache's {capacity} positions "
                          f"(models.init_cache(config, batch, max_len) with max_len >= {t})")
+
+
+def check_model(model) -> None:
+    """ValueError naming ``model`` unless it is a :class:`Model` or has its own ``forward`` (a
+    ``models.ShardedModel``, a ``NemotronHModel``)."""
+    if not isinstance(model, Model) and not callable(getattr(model, "forward", None)):
+        raise ValueError(f"model: expected a models.Model or models.ShardedModel (or a "
+                         f"NemotronHModel), got {type(model).__name__}")
 
 
 def check_tokens(tokens) -> None:
@@ -820,9 +826,7 @@ def generate(model: Model, prompt: np.ndarray | jax.Array, max_new_tokens: int, 
     (``eos_id``: one id or several, as generation_config.json lists them); tokens after a
     sequence's first end token are whatever the model produced next.
     """
-    if not callable(getattr(model, "forward", None)) and not isinstance(model, Model):
-        raise ValueError(f"model: expected a models.Model (models.load_model, Model.build), a "  # noqa: TRY004
-                         f"NemotronHModel or a ShardedModel, got {type(model).__name__}")
+    check_model(model)
     _check_generate_args(model.config, prompt, max_new_tokens, temperature, top_k, top_p)
     eos = None
     if eos_id is not None:

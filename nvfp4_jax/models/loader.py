@@ -54,19 +54,19 @@ KV_CACHE_NOTICE = ("checkpoint {path}: its KV cache is quantized ({algo}; {tenso
                    "cache, and logits differ from theirs by that rounding")
 
 
-def kv_cache_notice(ck: ckpt.Checkpoint, kv_tensors: list[str]) -> str | None:
-    """``KV_CACHE_NOTICE`` for a checkpoint that declares a KV-cache quantization
-    (``Checkpoint.kv_cache_quant``) or holds KV-cache tensors (``kv_tensors``, from
-    ``checks.check_tensors``), else None."""
+def warn_kv_cache(ck: ckpt.Checkpoint, kv_tensors: list[str]) -> None:
+    """Log ``KV_CACHE_NOTICE`` (a WARNING) for a checkpoint that declares a KV-cache
+    quantization (``Checkpoint.kv_cache_quant``) or holds KV-cache tensors (``kv_tensors``,
+    from ``checks.check_tensors``)."""
     algo = ck.kv_cache_quant
     if algo is None and not kv_tensors:
-        return None
+        return
     layers = {n.split(".self_attn.")[0].split(".mixer.")[0] for n in kv_tensors}
     leaves = sorted({n.rpartition(".")[2] for n in kv_tensors})
     tensors = (f"{' / '.join(leaves)} of {len(layers)} attention layer"
                f"{'s' if len(layers) != 1 else ''}" if kv_tensors
                else "no k_scale / v_scale tensors")
-    return KV_CACHE_NOTICE.format(path=ck.path, algo=algo or "undeclared", tensors=tensors)
+    log.warning(KV_CACHE_NOTICE.format(path=ck.path, algo=algo or "undeclared", tensors=tensors))
 
 
 #: architectures of :class:`DecoderConfig` models
@@ -207,16 +207,14 @@ def load_model(path: str, *, progress: Callable[[str], None] | None = None,
     ck = ckpt.load(path)
     if architecture(ck.config) == "NemotronHForCausalLM":
         say = progress or (lambda msg: None)
-        model = _load_nemotron_h(ck, say, fuse)  # logs kv_cache_notice
+        model = _load_nemotron_h(ck, say, fuse)  # warn_kv_cache included
         if stack:
             say("stacking repeated layer units")
             model = model.stacked(consume=True)
         return model
     cfg = config_from_hf(ck.config)
     r = _Reader(ck)
-    notice = kv_cache_notice(ck, check_tensors(ck, cfg))
-    if notice:
-        log.warning(notice)
+    warn_kv_cache(ck, check_tensors(ck, cfg))
     say = progress or (lambda msg: None)
     embed = r.bf16("model.embed_tokens.weight")
     layers = []
@@ -264,9 +262,7 @@ def _load_nemotron_h(ck: ckpt.Checkpoint, say: Callable[[str], None],
     Mamba conv, A_log, D, dt_bias and norms as stored (bf16)."""
     check_nemotron_h_config(ck.config)
     cfg = NemotronHConfig.from_hf(ck.config)
-    notice = kv_cache_notice(ck, check_nemotron_h_tensors(ck, cfg))
-    if notice:
-        log.warning(notice)
+    warn_kv_cache(ck, check_nemotron_h_tensors(ck, cfg))
     r = _Reader(ck)
     base = "backbone" if "backbone.embeddings.weight" in r.names else "model"
     embed = r.bf16(f"{base}.embeddings.weight")

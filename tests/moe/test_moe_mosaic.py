@@ -575,6 +575,18 @@ def test_auto_table_entries_are_valid_and_looked_up():
         assert mm.auto_config(routes, e, hidden=h, rows1=r, inter=i) == mm.AUTO_SM90[key]
         for swz in (False, True):
             assert check_config(c2, -(-i // 256) * 256, want.block_m, swizzled=swz, padded=True) >= 1
+    # SM 12.x: its own grouped-GEMM tiles where SM12X_GEMMS has them, the rest of the entry as
+    # sm_90's; elsewhere the sm_90 entry
+    for key, (c1, c2) in mm.SM12X_GEMMS.items():
+        e, h, r, i, b = key
+        got = mm.auto_config(b, e, hidden=h, rows1=r, inter=i, sm12x=True)
+        assert got == dataclasses.replace(mm.AUTO_SM90[key], fc1=c1, fc2=c2)
+        assert (got.fc1, got.fc2) != (mm.AUTO_SM90[key].fc1, mm.AUTO_SM90[key].fc2)
+        for c, k in ((c1, h), (c2, i)):
+            assert check_config(c, k, got.block_m, swizzled=True) >= 1
+    nemo = (*mm._NEMO, 256)
+    assert mm.auto_config(176, *nemo[:1], hidden=nemo[1], rows1=nemo[2], inter=nemo[3],
+                          sm12x=True) == mm.AUTO_SM90[nemo]
 
 
 @pytest.mark.parametrize("n,k,bn", [(1024, 2688, 128), (1024, 2688, 64), (256, 384, 64), (300, 1152, 128)])

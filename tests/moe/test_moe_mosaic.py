@@ -710,3 +710,21 @@ def test_moe_mosaic_on_sm12x_converts_its_configs(monkeypatch, caplog):
     assert "grouped GEMMs on mma.sync" in text and "mma='sync'" in text
     assert "num_stages=4" not in text  # 4 stages of a 64-row block do not fit 99 KB
     check_against_oracle(case, out, h, mode="trtllm_cutlass", activation="relu2")
+
+
+@pytest.mark.parametrize("sm12x", [False, True], ids=["sm90", "sm12x"])
+@pytest.mark.parametrize("t", [1, 3])
+def test_qwen3_decode_entry_splits_match_oracle(t, sm12x):
+    """qwen3's T = 1 entry (sm_90: FC1 in 4 splits with overlap, FC2 in 3, one K step per CTA;
+    SM 12.x: ``SM12X_GEMMS``' 2 / 1) at qwen3's H and I with 8 experts, the reference kernels
+    (their split partials summed as the GPU's), against the oracle; T = 3 routes more blocks
+    through the same entry."""
+    from moe_cases import make_case_fast
+
+    cfg = mm.auto_config(8, mm._QWEN[0], hidden=mm._QWEN[1], rows1=mm._QWEN[2],
+                         inter=mm._QWEN[3], sm12x=sm12x)
+    assert (cfg.fc1.split_k, cfg.fc2.split_k) == ((2, 1) if sm12x else (4, 3))
+    case = make_case_fast(np.random.default_rng(40 + t), t=t, h=mm._QWEN[1], inter=mm._QWEN[3],
+                          e=8, k=4, activation="swiglu")
+    out, h = _run(case, mode="b12x", activation="swiglu", config=cfg, swizzle=("fc1", "fc2"))
+    check_against_oracle(case, out, h, mode="b12x", activation="swiglu")

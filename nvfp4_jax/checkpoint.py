@@ -230,7 +230,7 @@ class Checkpoint:
             qc = self.config.get("quantization_config")
             if qc is not None:
                 self.quant_config = {"quantization": qc}
-        quant = (self.quant_config or {}).get("quantization") or {}
+        quant = self.quantization
         algo = quant.get("quant_algo") if isinstance(quant, dict) else None
         if algo is None:
             raise ValueError(f"checkpoint: no {MO.QUANT_CONFIG_FILE} (or config.json quantization_config) in {path!r}")
@@ -289,15 +289,20 @@ class Checkpoint:
         return sorted(self._where)
 
     @property
+    def quantization(self) -> dict:
+        """The ``quantization`` section: hf_quant_config.json's, else config.json's
+        ``quantization_config`` (a dict holding ``quant_algo`` "NVFP4" once the checkpoint is
+        open)."""
+        return (self.quant_config or {}).get("quantization") or {}
+
+    @property
     def kv_cache_quant(self) -> str | None:
         """The KV-cache quantization the export declares, or None: ``kv_cache_quant_algo`` of
         hf_quant_config.json (ModelOpt writes "FP8" or "NVFP4", with each attention layer's
         ``k_proj.k_scale`` / ``v_proj.v_scale``, amax / 448), else config.json's
         ``quantization_config.kv_cache_scheme`` ({"type": "float", "num_bits": 8} reads as
         "FP8")."""
-        q = (self.quant_config or {}).get("quantization") or {}
-        if not isinstance(q, dict):
-            return None
+        q = self.quantization
         algo = q.get("kv_cache_quant_algo")
         if algo is not None:
             return str(algo)

@@ -199,7 +199,7 @@ def _span(ids: set[int]) -> str:
 
 
 def _check_quant(ck: ckpt.Checkpoint) -> None:
-    q = (ck.quant_config or {}).get("quantization") or {}
+    q = ck.quantization
     file = os.path.join(ck.path, MO.QUANT_CONFIG_FILE)
     if not os.path.exists(file):
         file = os.path.join(ck.path, "config.json")
@@ -329,8 +329,7 @@ def check_tensors(ck: ckpt.Checkpoint, cfg: DecoderConfig) -> list[str]:
     Returns the KV-cache tensors (``KV_CACHE_TENSORS``), which the decoder does not apply."""
     _check_quant(ck)
     e = _Expect(ck)
-    w4a4 = str(((ck.quant_config or {}).get("quantization") or {}).get("quant_algo")).upper() \
-        == "NVFP4"
+    w4a4 = str(ck.quantization.get("quant_algo")).upper() == "NVFP4"
     conf = os.path.join(ck.path, "config.json")
     _check_layer_range(e, conf, "model", cfg.num_layers, f"num_hidden_layers is {cfg.num_layers}")
     h, v, d = ("hidden_size", cfg.hidden_size), ("vocab_size", cfg.vocab_size), cfg.head_dim
@@ -476,8 +475,7 @@ def check_nemotron_h_tensors(ck: ckpt.Checkpoint, cfg: NemotronHConfig) -> list[
     (``check_tensors``)."""
     _check_quant(ck)
     e = _Expect(ck)
-    w4a4 = str(((ck.quant_config or {}).get("quantization") or {}).get("quant_algo")).upper() \
-        == "NVFP4"
+    w4a4 = str(ck.quantization.get("quant_algo")).upper() == "NVFP4"
     conf = os.path.join(ck.path, "config.json")
     base = "backbone" if "backbone.embeddings.weight" in e.names else "model"
     _check_layer_range(e, conf, base, cfg.num_layers,

@@ -370,13 +370,18 @@ def quantize_experts(w: jax.Array, recipe: str = "modelopt", *,
     return jax.vmap(lambda we: _quantize(we, recipe, None, None, layout))(w)
 
 
+def _check_array(a) -> None:
+    """ValueError naming ``a`` unless it is an :class:`NVFP4Array`."""
+    if not isinstance(a, NVFP4Array):
+        raise ValueError(f"a: expected an NVFP4Array (nvfp4_jax.quantize's), got "  # noqa: TRY004
+                         f"{type(a).__name__}")
+
+
 def dequantize(a: NVFP4Array, dtype=jnp.float32, *, include_decode_scale: bool = True) -> jax.Array:
     """``e2m1 * e4m3 [* decode_scale]`` as ``dtype`` [..., K].
 
     Without the decode scale, the values are exact in bf16 (<= 6 significant bits)."""
-    if not isinstance(a, NVFP4Array):
-        raise ValueError(f"a: expected an NVFP4Array (nvfp4_jax.quantize's), got "  # noqa: TRY004
-                         f"{type(a).__name__}")
+    _check_array(a)
     vals = F.e2m1_decode(F.unpack_nibbles(a.codes))
     sc = F.e4m3_to_f32(a.linear_scales())
     out = (vals.reshape(vals.shape[:-1] + (-1, BLOCK)) * sc[..., None]).reshape(vals.shape)
@@ -398,8 +403,6 @@ def to_oracle(a: NVFP4Array):
     """The ``oracle.NVFP4`` holding the bytes of ``a`` (linear layout)."""
     import oracle
 
-    if not isinstance(a, NVFP4Array):
-        raise ValueError(f"a: expected an NVFP4Array, got {type(a).__name__}")  # noqa: TRY004
-
+    _check_array(a)
     s = np.asarray(F.e4m3_bytes(a.linear_scales()))
     return oracle.NVFP4(np.asarray(a.codes), s, np.asarray(a.decode_scale, np.float64))

@@ -472,12 +472,12 @@ def candidates_sweep(out_path, shapes, tokens, budget_s, repeats=3, target_s=0.0
 
 
 def mosaic_sync_config(shape, t: int):
-    """The Mosaic MoE's config for this layer and T (``moe.mosaic.auto_config``) with both
-    grouped GEMMs on ``mma.sync`` (one warpgroup, no overlap)."""
+    """The Mosaic MoE's config for this layer and T as SM 12.x gets it (``moe.mosaic.auto_config``
+    with ``sm12x``) with both grouped GEMMs on ``mma.sync`` (one warpgroup, no overlap)."""
     from nvfp4_jax.moe import mosaic as moe_mosaic
 
     cfg = moe_mosaic.auto_config(t * shape["top_k"], shape["experts"], hidden=shape["hidden"],
-                                 rows1=fc1_rows(shape), inter=shape["inter"])
+                                 rows1=fc1_rows(shape), inter=shape["inter"], sm12x=True)
     return dataclasses.replace(cfg, fc1=cfg.fc1.sync_form(), fc2=cfg.fc2.sync_form(), measured="")
 
 

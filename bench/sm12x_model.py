@@ -642,7 +642,7 @@ def mosaic_moe_configs(shape: dict, t: int):
 
     e, h, i, k = shape["experts"], shape["hidden"], shape["inter"], shape["top_k"]
     r = 2 * i if shape["gated"] else i
-    cfg = moe_mosaic.auto_config(t * k, e, hidden=h, rows1=r, inter=i)
+    cfg = moe_mosaic.auto_config(t * k, e, hidden=h, rows1=r, inter=i, sm12x=True)
     return cfg.block_m, for_sm12x(cfg.fc1, cfg.block_m), for_sm12x(cfg.fc2, cfg.block_m)
 
 

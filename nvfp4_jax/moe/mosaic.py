@@ -229,11 +229,17 @@ AUTO_SM90: dict[tuple[int, int, int, int, int], MosaicMoEConfig] = {
         _NEMO_CFG, bf16_partials=True,
         measured="nemotron T=64: 537.2 us vs 546.6 fp32 partials, 1178.6 Pallas-Triton "
                  "(h200, 2026-11-30)"),
+    # FC1 split 4 leaves each CTA two K steps, FC2 split 3 one: every copy issued at once.
+    # FC1's overlap (412.8 us) has not run in the grouped kernel under a GPU test
     (*_QWEN, 8): MosaicMoEConfig(
-        block_m=8, fc1=MosaicConfig(block_n=64, split_k=2, num_stages=2),
-        fc2=MosaicConfig(block_n=64, split_k=1, num_stages=2),
+        block_m=8, fc1=MosaicConfig(block_n=64, split_k=4, num_stages=2),
+        fc2=MosaicConfig(block_n=64, split_k=3, num_stages=2),
         routing="fused", skip_padding=True, epilogue="routes",
-        measured="qwen3 T=1: 27.6 us vs 29.4 blocks epilogue, 31.0 block_n 128, 37.1 XLA scales, "
+        measured="qwen3 T=1, in the 48-layer decoder, us per step: FC1 435.5 vs 448.8 split 2, "
+                 "412.8 split 4 with overlap, 470.7 split 2 with 4 stages; FC2 284.3 vs 306.0 "
+                 "split 1, 314.3 split 1 with 3 stages; step 2.6398 vs 2.6585 ms (h100, "
+                 "2026-12-07, moe-t1-tiles-select-argmax-ab-h100-80gb-hbm3.json); the layer "
+                 "alone: 27.6 us vs 29.4 blocks epilogue, 31.0 block_n 128, 37.1 XLA scales, "
                  "51.9 Pallas-Triton (h200, 2026-11-30)"),
     (*_QWEN, 64): MosaicMoEConfig(
         block_m=8, fc1=MosaicConfig(block_n=64, split_k=1, num_stages=2),
@@ -250,6 +256,17 @@ AUTO_SM90: dict[tuple[int, int, int, int, int], MosaicMoEConfig] = {
         bf16_partials=True, wide_glue=True, token_quant=True, skip_padding=True,
         measured="qwen3 T=4096: 1026.9 us vs 1036.1 skip_padding alone, 1041.4 default_config "
                  "(h200, 2026-12-01)"),
+}
+
+
+#: The grouped GEMMs' tiles SM 12.x starts from (before ``for_sm12x``) where they are not the
+#: ``AUTO_SM90`` entry's: (E, H, R, I, routes bucket) -> (FC1, FC2). No SM 12.x GPU has measured
+#: a tile, and sm_90's measured choices do not carry over unmeasured (SM 12.x fits one CTA of
+#: these tiles per SM, without wgmma's asynchronous issue), so these keep the tiles whose
+#: sm_120a counts ``bench/results/mosaic-sync-moe-sm12x-ptxas.json`` records.
+SM12X_GEMMS: dict[tuple[int, int, int, int, int], tuple[MosaicConfig, MosaicConfig]] = {
+    (*_QWEN, 8): (MosaicConfig(block_n=64, split_k=2, num_stages=2),
+                  MosaicConfig(block_n=64, split_k=1, num_stages=2)),
 }
 
 
@@ -335,16 +352,21 @@ def default_config(routes: int, num_experts: int, *, hidden: int, rows1: int, in
 
 
 def auto_config(routes: int, num_experts: int, *, hidden: int, rows1: int, inter: int,
-                fc2_padded: bool = False) -> MosaicMoEConfig:
+                fc2_padded: bool = False, sm12x: bool = False) -> MosaicMoEConfig:
     """The measured config for this layer and routes bucket (``AUTO_SM90``; with
     ``fc2_padded``, FC2 zero-padded along K by ``pad_fc2``, FC2's config from
-    ``AUTO_SM90_PADDED_FC2`` where it has one), else ``default_config``."""
+    ``AUTO_SM90_PADDED_FC2`` where it has one; with ``sm12x``, the grouped GEMMs' tiles from
+    ``SM12X_GEMMS`` where it has them, still to be put in their SM 12.x form by
+    ``for_sm12x``), else ``default_config``."""
     key = (num_experts, hidden, rows1, inter, _bucket(routes))
     cfg = AUTO_SM90.get(key)
     if cfg is None:
         return default_config(routes, num_experts, hidden=hidden, rows1=rows1, inter=inter)
     if fc2_padded and key in AUTO_SM90_PADDED_FC2:
         cfg = dataclasses.replace(cfg, fc2=AUTO_SM90_PADDED_FC2[key])
+    if sm12x and key in SM12X_GEMMS:
+        fc1, fc2 = SM12X_GEMMS[key]
+        cfg = dataclasses.replace(cfg, fc1=fc1, fc2=fc2)
     return cfg
 
 
@@ -654,7 +676,8 @@ def moe_mosaic(
         check_supported(h_dim, n=r, name="fc1")
     auto = config is None
     if auto:
-        config = auto_config(n_routes, e, hidden=h_dim, rows1=r, inter=inter, fc2_padded=k2 != inter)
+        config = auto_config(n_routes, e, hidden=h_dim, rows1=r, inter=inter, fc2_padded=k2 != inter,
+                             sm12x=is_sm12x())
     if not isinstance(config, MosaicMoEConfig):
         raise ValueError(f"config: expected a MosaicMoEConfig, got {type(config).__name__}")  # noqa: TRY004
 

@@ -575,6 +575,18 @@ def test_auto_table_entries_are_valid_and_looked_up():
         assert mm.auto_config(routes, e, hidden=h, rows1=r, inter=i) == mm.AUTO_SM90[key]
         for swz in (False, True):
             assert check_config(c2, -(-i // 256) * 256, want.block_m, swizzled=swz, padded=True) >= 1
+    # SM 12.x: its own grouped-GEMM tiles where SM12X_GEMMS has them, the rest of the entry as
+    # sm_90's; elsewhere the sm_90 entry
+    for key, (c1, c2) in mm.SM12X_GEMMS.items():
+        e, h, r, i, b = key
+        got = mm.auto_config(b, e, hidden=h, rows1=r, inter=i, sm12x=True)
+        assert got == dataclasses.replace(mm.AUTO_SM90[key], fc1=c1, fc2=c2)
+        assert (got.fc1, got.fc2) != (mm.AUTO_SM90[key].fc1, mm.AUTO_SM90[key].fc2)
+        for c, k in ((c1, h), (c2, i)):
+            assert check_config(c, k, got.block_m, swizzled=True) >= 1
+    nemo = (*mm._NEMO, 256)
+    assert mm.auto_config(176, *nemo[:1], hidden=nemo[1], rows1=nemo[2], inter=nemo[3],
+                          sm12x=True) == mm.AUTO_SM90[nemo]
 
 
 @pytest.mark.parametrize("n,k,bn", [(1024, 2688, 128), (1024, 2688, 64), (256, 384, 64), (300, 1152, 128)])
@@ -698,3 +710,21 @@ def test_moe_mosaic_on_sm12x_converts_its_configs(monkeypatch, caplog):
     assert "grouped GEMMs on mma.sync" in text and "mma='sync'" in text
     assert "num_stages=4" not in text  # 4 stages of a 64-row block do not fit 99 KB
     check_against_oracle(case, out, h, mode="trtllm_cutlass", activation="relu2")
+
+
+@pytest.mark.parametrize("sm12x", [False, True], ids=["sm90", "sm12x"])
+@pytest.mark.parametrize("t", [1, 3])
+def test_qwen3_decode_entry_splits_match_oracle(t, sm12x):
+    """qwen3's T = 1 entry (sm_90: FC1 in 4 splits, FC2 in 3, one K step per CTA;
+    SM 12.x: ``SM12X_GEMMS``' 2 / 1) at qwen3's H and I with 8 experts, the reference kernels
+    (their split partials summed as the GPU's), against the oracle; T = 3 routes more blocks
+    through the same entry."""
+    from moe_cases import make_case_fast
+
+    cfg = mm.auto_config(8, mm._QWEN[0], hidden=mm._QWEN[1], rows1=mm._QWEN[2],
+                         inter=mm._QWEN[3], sm12x=sm12x)
+    assert (cfg.fc1.split_k, cfg.fc2.split_k) == ((2, 1) if sm12x else (4, 3))
+    case = make_case_fast(np.random.default_rng(40 + t), t=t, h=mm._QWEN[1], inter=mm._QWEN[3],
+                          e=8, k=4, activation="swiglu")
+    out, h = _run(case, mode="b12x", activation="swiglu", config=cfg, swizzle=("fc1", "fc2"))
+    check_against_oracle(case, out, h, mode="b12x", activation="swiglu")

@@ -175,13 +175,14 @@ def test_candidates_on_gpu_match_the_oracle_and_the_default(shape):
 
 def test_mosaic_sync_candidate_is_the_auto_config_on_mma_sync():
     """``--candidates``' ``mosaic_sync`` row: the Mosaic MoE's own config for the layer and T
-    with both grouped GEMMs in their mma.sync form, nothing else changed."""
+    as SM 12.x gets it (``SM12X_GEMMS``' tiles where it has them) with both grouped GEMMs in
+    their mma.sync form, nothing else changed."""
     from nvfp4_jax.moe import mosaic as moe_mosaic
 
     for name, t in (("qwen3_30b", 1), ("qwen3_30b", 8), ("nemotron", 8), ("nemotron", 64)):
         s = mb.shape_of(name)
         auto = moe_mosaic.auto_config(t * s["top_k"], s["experts"], hidden=s["hidden"],
-                                      rows1=mb.fc1_rows(s), inter=s["inter"])
+                                      rows1=mb.fc1_rows(s), inter=s["inter"], sm12x=True)
         got = mb.mosaic_sync_config(s, t)
         assert (got.fc1, got.fc2) == (auto.fc1.sync_form(), auto.fc2.sync_form())
         assert got.fc1.mma == got.fc2.mma == "sync"

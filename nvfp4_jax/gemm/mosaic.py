@@ -197,8 +197,8 @@ AUTO_SM90: dict[tuple[int, int, int], MosaicConfig] = {
     (8, 4096, 14336): MosaicConfig(
         block_n=128, split_k=8, num_stages=2, overlap=True,
         measured="15.4 us vs 15.9 without overlap (h200, 2026-12-01)"),
-    # Qwen3-30B-A3B's fused q/k/v; split 8 (6.5 us) would leave one K step per CTA, a form
-    # no GPU test has run
+    # Qwen3-30B-A3B's fused q/k/v; split 8 (6.5 us alone, one K step per CTA) has not been
+    # measured in the decoder, where the epilogue then sums 8 partials
     (8, 5120, 2048): MosaicConfig(
         block_n=64, split_k=4, num_stages=2,
         measured="6.8 us vs 7.9 default_config (block_n 128, split 4), 7.5 split 2, 8.8 "

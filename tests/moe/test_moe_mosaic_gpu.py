@@ -405,14 +405,20 @@ def test_auto_sm90_nemotron_decode_entries_match_oracle(bucket, t, monkeypatch):
     check_against_oracle(case, f(out), f(inter["h"]), mode="trtllm_cutlass", activation="relu2")
 
 
-@pytest.mark.parametrize("bucket,t", [(8, 1), (8, 3), (64, 8)])
-def test_auto_sm90_qwen3_decode_entries_match_oracle(bucket, t, caplog):
+@pytest.mark.parametrize("bucket,t,overlap", [(8, 1, False), (8, 3, False), (64, 8, False),
+                                               (8, 1, True)])
+def test_auto_sm90_qwen3_decode_entries_match_oracle(bucket, t, overlap, caplog):
     """qwen3's decode ``AUTO_SM90`` entries (block_n 64 on swizzled scales: each CTA half of a
     128-row scale tile; fused routing) as the bench runs them, at 16 experts, against the
-    oracle; the scales read as they are (T = 3 with the T = 1 entry: more routed blocks)."""
+    oracle; the scales read as they are (T = 3 with the T = 1 entry: more routed blocks).
+    ``overlap``: the T = 1 entry with both grouped GEMMs decoding the next 128-deep group
+    while the previous wgmma runs (FC1 two K steps per CTA, FC2 one)."""
     from nvfp4_jax.moe import mosaic as mm
 
     cfg = mm.AUTO_SM90[(*mm._QWEN, bucket)]
+    if overlap:
+        cfg = dataclasses.replace(cfg, fc1=dataclasses.replace(cfg.fc1, overlap=True),
+                                  fc2=dataclasses.replace(cfg.fc2, overlap=True))
     case = make_case_fast(np.random.default_rng(bucket), **{**QWEN, "t": t, "e": 16, "k": 8})
     hidden, ids, w, fc1, fc2, s1, s2 = to_jax(case)
     fn = functools.partial(moe_mosaic, activation="swiglu", gate_up_order="up_gate", mode="b12x",

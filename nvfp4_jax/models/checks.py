@@ -279,9 +279,10 @@ class _Expect:
         if shape != want:
             self.fail(name, f"shape {shape}, expected {want} ({what} from config.json)")
 
-    def linear(self, prefix: str, dims: list[tuple[str, int]], w4a4: bool) -> None:
-        """An NVFP4 linear (codes U8 [N, K/2], E4M3 scales [N, K/16], scalars) or, without
-        ``weight_scale``/``weight_scale_2`` and with a float weight, a bf16 weight [N, K]."""
+    def linear(self, prefix: str, dims: list[tuple[str, int]]) -> None:
+        """An NVFP4 linear (codes U8 [N, K/2], E4M3 scales [N, K/16], scalars and, as quant_algo
+        NVFP4 is W4A4, an input_scale) or, without ``weight_scale``/``weight_scale_2`` and with a
+        float weight, a bf16 weight [N, K]."""
         (nk, n), (kk, k) = dims
         w, s, s2 = (f"{prefix}.{x}" for x in (MO.WEIGHT, MO.WEIGHT_SCALE, MO.WEIGHT_SCALE_2))
         what = f"[{nk} = {n}, {kk} = {k}]"
@@ -295,7 +296,7 @@ class _Expect:
         ins = f"{prefix}.{MO.INPUT_SCALE}"
         if ins in self.names:
             self.read.add(ins)
-        if w4a4 and ins not in self.names:
+        if ins not in self.names:
             self.fail(ins, "missing: quant_algo NVFP4 is W4A4, every quantized linear has an "
                            "input_scale")
         if self.ck.dtype(w) != "U8":
@@ -329,7 +330,6 @@ def check_tensors(ck: ckpt.Checkpoint, cfg: DecoderConfig) -> list[str]:
     Returns the KV-cache tensors (``KV_CACHE_TENSORS``), which the decoder does not apply."""
     _check_quant(ck)
     e = _Expect(ck)
-    w4a4 = str(ck.quantization.get("quant_algo")).upper() == "NVFP4"
     conf = os.path.join(ck.path, "config.json")
     _check_layer_range(e, conf, "model", cfg.num_layers, f"num_hidden_layers is {cfg.num_layers}")
     h, v, d = ("hidden_size", cfg.hidden_size), ("vocab_size", cfg.vocab_size), cfg.head_dim
@@ -343,7 +343,7 @@ def check_tensors(ck: ckpt.Checkpoint, cfg: DecoderConfig) -> list[str]:
         a = f"{pre}.self_attn"
         for n, dims in (("q_proj", [q, h]), ("k_proj", [kv, h]), ("v_proj", [kv, h]),
                         ("o_proj", [h, q])):
-            e.linear(f"{a}.{n}", dims, w4a4)
+            e.linear(f"{a}.{n}", dims)
         if cfg.qk_norm:
             for n in ("q_norm", "k_norm"):
                 e.float_tensor(f"{a}.{n}.weight", [("head_dim", d)])
@@ -359,14 +359,14 @@ def check_tensors(ck: ckpt.Checkpoint, cfg: DecoderConfig) -> list[str]:
             for x in range(cfg.num_experts):
                 for n, dims in (("gate_proj", [mi, h]), ("up_proj", [mi, h]),
                                 ("down_proj", [h, mi])):
-                    e.linear(f"{m}.experts.{x}.{n}", dims, True)
+                    e.linear(f"{m}.experts.{x}.{n}", dims)
         else:
             mi = ("intermediate_size", cfg.intermediate_size)
             for n, dims in (("gate_proj", [mi, h]), ("up_proj", [mi, h]), ("down_proj", [h, mi])):
-                e.linear(f"{pre}.mlp.{n}", dims, w4a4)
+                e.linear(f"{pre}.mlp.{n}", dims)
     e.float_tensor("model.norm.weight", [h])
     if "lm_head.weight" in e.names:
-        e.linear("lm_head", [v, h], w4a4)
+        e.linear("lm_head", [v, h])
     elif not cfg.tie_word_embeddings:
         e.fail("lm_head.weight", "missing, and config.json's tie_word_embeddings is false")
     return e.unread()
@@ -475,7 +475,6 @@ def check_nemotron_h_tensors(ck: ckpt.Checkpoint, cfg: NemotronHConfig) -> list[
     (``check_tensors``)."""
     _check_quant(ck)
     e = _Expect(ck)
-    w4a4 = str(ck.quantization.get("quant_algo")).upper() == "NVFP4"
     conf = os.path.join(ck.path, "config.json")
     base = "backbone" if "backbone.embeddings.weight" in e.names else "model"
     _check_layer_range(e, conf, base, cfg.num_layers,
@@ -493,8 +492,8 @@ def check_nemotron_h_tensors(ck: ckpt.Checkpoint, cfg: NemotronHConfig) -> list[
         e.float_tensor(f"{base}.layers.{i}.norm.weight", [h])
         pre = f"{base}.layers.{i}.mixer"
         if kind == "M":
-            e.linear(f"{pre}.in_proj", [proj, h], w4a4)
-            e.linear(f"{pre}.out_proj", [h, inner], w4a4)
+            e.linear(f"{pre}.in_proj", [proj, h])
+            e.linear(f"{pre}.out_proj", [h, inner])
             conv, k = f"{pre}.conv1d.weight", ("conv_kernel", cfg.conv_kernel)
             if not (conv in e.names and list(ck.shape(conv)) == [cdim[1], k[1]]):
                 e.float_tensor(conv, [cdim, ("depthwise", 1), k])  # HF's [C, 1, K] (or [C, K])
@@ -510,11 +509,11 @@ def check_nemotron_h_tensors(ck: ckpt.Checkpoint, cfg: NemotronHConfig) -> list[
         elif kind == "*":
             for n, dims in (("q_proj", [q, h]), ("k_proj", [kv, h]), ("v_proj", [kv, h]),
                             ("o_proj", [h, q])):
-                e.linear(f"{pre}.{n}", dims, w4a4)
+                e.linear(f"{pre}.{n}", dims)
         elif kind == "-":
             mi = ("intermediate_size", cfg.intermediate_size)
-            e.linear(f"{pre}.up_proj", [mi, h], w4a4)
-            e.linear(f"{pre}.down_proj", [h, mi], w4a4)
+            e.linear(f"{pre}.up_proj", [mi, h])
+            e.linear(f"{pre}.down_proj", [h, mi])
         else:
             ne = ("n_routed_experts", cfg.num_experts)
             have = _indices(e.names, rf"{re.escape(pre)}\.experts\.(\d+)\.")
@@ -527,14 +526,14 @@ def check_nemotron_h_tensors(ck: ckpt.Checkpoint, cfg: NemotronHConfig) -> list[
                 e.float_tensor(f"{pre}.gate.e_score_correction_bias", [ne])
             mi = ("moe_intermediate_size", cfg.moe_intermediate_size)
             for x in range(cfg.num_experts):
-                e.linear(f"{pre}.experts.{x}.up_proj", [mi, h], True)
-                e.linear(f"{pre}.experts.{x}.down_proj", [h, mi], True)
+                e.linear(f"{pre}.experts.{x}.up_proj", [mi, h])
+                e.linear(f"{pre}.experts.{x}.down_proj", [h, mi])
             si = ("moe_shared_expert_intermediate_size", cfg.moe_shared_expert_intermediate_size)
-            e.linear(f"{pre}.shared_experts.up_proj", [si, h], w4a4)
-            e.linear(f"{pre}.shared_experts.down_proj", [h, si], w4a4)
+            e.linear(f"{pre}.shared_experts.up_proj", [si, h])
+            e.linear(f"{pre}.shared_experts.down_proj", [h, si])
     e.float_tensor(f"{base}.norm_f.weight", [h])
     if "lm_head.weight" in e.names:
-        e.linear("lm_head", [v, h], w4a4)
+        e.linear("lm_head", [v, h])
     elif not cfg.tie_word_embeddings:
         e.fail("lm_head.weight", "missing, and config.json's tie_word_embeddings is false")
     return e.unread()

@@ -293,12 +293,8 @@ class _Expect:
             return
         for name, part in ((s, "its E4M3 block scales"), (s2, "its weight_scale_2")):
             self.has(name, f"{w} is NVFP4 ({self.ck.dtype(w)}), so it needs {part}")
-        ins = f"{prefix}.{MO.INPUT_SCALE}"
-        if ins in self.names:
-            self.read.add(ins)
-        if ins not in self.names:
-            self.fail(ins, "missing: quant_algo NVFP4 is W4A4, every quantized linear has an "
-                           "input_scale")
+        self.has(f"{prefix}.{MO.INPUT_SCALE}",
+                 "quant_algo NVFP4 is W4A4: every quantized linear has an input_scale")
         if self.ck.dtype(w) != "U8":
             self.fail(w, f"dtype {self.ck.dtype(w)}, expected U8 (packed E2M1 codes)")
         if k % GROUP_SIZE:
